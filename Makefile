@@ -1,0 +1,38 @@
+# Two commands from a fresh clone:  `make train`  and  `make test`.
+# Overrides:  make setup TORCH="torch==2.13.0"   (e.g. TORCH=torch for the default CUDA build)
+#             make setup MPI=                     (use the cluster's MPI: skip the mpich wheel)
+#             make train NP=8 TRAIN_ARGS="--grid 2x2x2 --epochs 50"
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+MPI    ?= mpich
+NP     ?= 4
+TRAIN_ARGS ?=
+BIN    := $(VENV)/bin
+# the mpich wheel's mpiexec when installed, else the system's (clusters)
+MPIEXEC ?= $(if $(wildcard $(BIN)/mpiexec),$(BIN)/mpiexec,mpiexec)
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup train test lint clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install "$(TORCH)"
+	$(if $(MPI),$(BIN)/pip install $(MPI))
+	$(BIN)/pip install -e ".[test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(BIN)/python -m plexus.train $(TRAIN_ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,32 @@
+"""Shared core: named process grids, distributed start-up, differentiable collectives along
+grid axes with byte accounting, and a performance model.
+
+Other HPC codes can import it on its own::
+
+    from common import ProcessGrid, init_distributed, CommStats
+    from common import collectives, autograd
+
+``common.grid`` and ``common.comm_stats`` are pure Python; names that need torch are loaded on
+first use, so ``import common.grid`` does not import torch.
+"""
+
+from common.comm_stats import CommStats, ring_bytes
+from common.grid import AXONN_AXES, PLEXUS_AXES, AxisGroup, ProcessGrid
+
+_LAZY = {
+    "DistContext": "common.dist",
+    "init_distributed": "common.dist",
+    "shutdown": "common.dist",
+    "fail_all_ranks": "common.dist",
+}
+
+__all__ = ["AXONN_AXES", "PLEXUS_AXES", "AxisGroup", "CommStats", "ProcessGrid", "ring_bytes",
+           *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'common' has no attribute {name!r}")

@@ -1,0 +1,181 @@
+"""Collectives along one grid axis, sync or async, with byte accounting.
+
+Each function takes the one :class:`~common.grid.AxisGroup` it communicates over and an
+optional :class:`~common.comm_stats.CommStats` owned by the caller. A group of size 1 returns
+at once without communicating (the fast path). With ``async_op=True`` the call returns a
+:class:`CommHandle`; ``handle.wait()`` returns the result, so communication can overlap with
+compute issued in between. Buffers are allocated on the input's device.
+
+Shapes (``g`` = group size, ``dim`` = the tensor dimension gathered or scattered):
+    all_reduce:      x [*]                       -> [*]
+    all_gather:      x [..., s, ...]             -> [..., g*s, ...]   (chunks in group order)
+    reduce_scatter:  x [..., g*s, ...]           -> [..., s, ...]     (this rank's chunk)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from common.comm_stats import CommStats, ring_bytes
+from common.grid import AxisGroup
+
+ReduceOp = dist.ReduceOp
+# torch >= 2.12 renamed the single-tensor collectives and deprecated the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommHandle:
+    """Result of an async collective: call :meth:`wait` to get the tensor.
+
+    The wall time recorded in the stats runs from issue to the end of :meth:`wait`.
+    """
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        finish: Callable[[], torch.Tensor],
+        record: Callable[[float], None] | None = None,
+        start: float = 0.0,
+    ) -> None:
+        self._work, self._finish, self._record, self._start = work, finish, record, start
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._result = self._finish()
+            if self._record is not None:
+                self._record(time.perf_counter() - self._start)
+        return self._result
+
+    @classmethod
+    def done(cls, tensor: torch.Tensor) -> CommHandle:
+        """A handle that is already complete (the size-1 fast path)."""
+        return cls(None, lambda: tensor)
+
+
+def _run(
+    group: AxisGroup,
+    op_name: str,
+    full_bytes: int,
+    stats: CommStats | None,
+    launch: Callable[[], dist.Work | None],
+    finish: Callable[[], torch.Tensor],
+    async_op: bool,
+) -> torch.Tensor | CommHandle:
+    record = None
+    if stats is not None:
+        nbytes = ring_bytes(op_name, full_bytes, group.size)
+
+        def record(seconds: float) -> None:
+            stats.record(group.name, op_name, nbytes, seconds)
+
+    start = time.perf_counter()
+    handle = CommHandle(launch(), finish, record, start)
+    return handle if async_op else handle.wait()
+
+
+def all_reduce(
+    x: torch.Tensor,
+    group: AxisGroup,
+    *,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+    inplace: bool = False,
+) -> torch.Tensor | CommHandle:
+    """All-reduce ``x`` over ``group`` (sum by default). Out of place unless ``inplace``."""
+    if group.size == 1:
+        return CommHandle.done(x) if async_op else x
+    buf = x if inplace else x.clone(memory_format=torch.contiguous_format)
+    if not buf.is_contiguous():
+        raise ValueError("in-place all_reduce needs a contiguous tensor")
+    return _run(
+        group, "all_reduce", buf.numel() * buf.element_size(), stats,
+        lambda: dist.all_reduce(buf, op=op, group=group.group, async_op=True),
+        lambda: buf, async_op,
+    )
+
+
+def all_gather(
+    x: torch.Tensor,
+    group: AxisGroup,
+    *,
+    dim: int = 0,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | CommHandle:
+    """Concatenate every rank's ``x`` along ``dim`` in group order."""
+    g = group.size
+    if g == 1:
+        return CommHandle.done(x) if async_op else x
+    dim = dim % x.dim() if x.dim() else 0
+    src = x.contiguous()
+    buf = torch.empty((g * src.numel(),), dtype=x.dtype, device=x.device)
+    shape = tuple(x.shape)
+
+    def finish() -> torch.Tensor:
+        stacked = buf.view(g, *shape)
+        if x.dim() == 0:
+            return stacked
+        out_shape = shape[:dim] + (g * shape[dim],) + shape[dim + 1 :]
+        return stacked.movedim(0, dim).reshape(out_shape)
+
+    return _run(
+        group, "all_gather", buf.numel() * buf.element_size(), stats,
+        lambda: _all_gather_single(buf, src.view(-1), group=group.group, async_op=True),
+        finish, async_op,
+    )
+
+
+def reduce_scatter(
+    x: torch.Tensor,
+    group: AxisGroup,
+    *,
+    dim: int = 0,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | CommHandle:
+    """Sum ``x`` over ``group`` and keep this rank's chunk along ``dim``.
+
+    ``x.shape[dim]`` must be divisible by the group size (pad first).
+    """
+    g = group.size
+    if g == 1:
+        return CommHandle.done(x) if async_op else x
+    dim = dim % x.dim()
+    if x.shape[dim] % g:
+        raise ValueError(
+            f"reduce_scatter over axis {group.name!r}: dimension {dim} has size {x.shape[dim]}, "
+            f"not divisible by the group size {g}; pad it to a multiple of {g}"
+        )
+    shape = tuple(x.shape)
+    chunk = shape[dim] // g
+    # [.., g*c, ..] -> [g, .., c, ..]: chunk i becomes the i-th contiguous block.
+    src = x.reshape(shape[:dim] + (g, chunk) + shape[dim + 1 :]).movedim(dim, 0).contiguous()
+    out = torch.empty(shape[:dim] + (chunk,) + shape[dim + 1 :], dtype=x.dtype, device=x.device)
+    return _run(
+        group, "reduce_scatter", src.numel() * src.element_size(), stats,
+        lambda: _reduce_scatter_single(
+            out.view(-1), src.view(-1), group=group.group, async_op=True
+        ),
+        lambda: out, async_op,
+    )
+
+
+def chunk(x: torch.Tensor, group: AxisGroup, *, dim: int = 0) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (no communication); size must divide."""
+    if group.size == 1:
+        return x
+    if x.shape[dim] % group.size:
+        raise ValueError(
+            f"cannot split dimension {dim} of size {x.shape[dim]} over axis {group.name!r} "
+            f"of size {group.size}; pad it to a multiple of {group.size}"
+        )
+    return x.chunk(group.size, dim=dim)[group.rank]

@@ -1,0 +1,100 @@
+"""Byte and time accounting for collectives, owned by the caller (no global counters).
+
+Bytes are the bytes *sent per rank* by a ring implementation (the volumes of the performance
+model, plexus-3d.md section 4), where ``M`` is the byte size of the full tensor being reduced
+or collected and ``g`` the group size:
+
+* all-reduce:      ``2 (g-1)/g * M``
+* all-gather:      ``(g-1)/g * M``   (``M`` = gathered output)
+* reduce-scatter:  ``(g-1)/g * M``   (``M`` = unscattered input)
+
+A group of one rank sends nothing and is not recorded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+def ring_bytes(op: str, full_bytes: int, group_size: int) -> int:
+    """Bytes sent per rank by a ring ``op`` on a tensor of ``full_bytes`` over ``group_size``.
+
+    Integer arithmetic: the result is exact when ``full_bytes`` is divisible by
+    ``group_size`` (always true for our padded shards).
+    """
+    g = group_size
+    if g <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (g - 1) * full_bytes // g
+    if op in ("all_gather", "reduce_scatter"):
+        return (g - 1) * full_bytes // g
+    raise ValueError(f"unknown collective {op!r}")
+
+
+@dataclass
+class CommRecord:
+    """Totals for one (axis, op) pair."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class CommStats:
+    """Accumulates (axis, op) -> calls, bytes sent per rank, wall seconds.
+
+    Pass one instance down to the collectives of a step; read it at the end of the step with
+    :meth:`by_axis` or :meth:`table`, then :meth:`reset`.
+    """
+
+    def __init__(self) -> None:
+        self.records: dict[tuple[str, str], CommRecord] = defaultdict(CommRecord)
+
+    def record(self, axis: str, op: str, nbytes: int, seconds: float) -> None:
+        rec = self.records[(axis, op)]
+        rec.calls += 1
+        rec.bytes += int(nbytes)
+        rec.seconds += float(seconds)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.records.values())
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(r.seconds for r in self.records.values())
+
+    def by_axis(self) -> dict[str, CommRecord]:
+        """Totals per axis over all ops."""
+        out: dict[str, CommRecord] = defaultdict(CommRecord)
+        for (axis, _), r in self.records.items():
+            o = out[axis]
+            o.calls += r.calls
+            o.bytes += r.bytes
+            o.seconds += r.seconds
+        return dict(out)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """JSON-friendly ``{"axis/op": {"calls", "bytes", "seconds"}}``."""
+        return {
+            f"{axis}/{op}": {"calls": r.calls, "bytes": r.bytes, "seconds": r.seconds}
+            for (axis, op), r in sorted(self.records.items())
+        }
+
+    def table(self) -> str:
+        """A small fixed-width table, one row per (axis, op)."""
+        lines = [f"{'axis':<8}{'op':<16}{'calls':>8}{'MiB sent':>12}{'seconds':>10}"]
+        for (axis, op), r in sorted(self.records.items()):
+            lines.append(
+                f"{axis:<8}{op:<16}{r.calls:>8}{r.bytes / 2**20:>12.3f}{r.seconds:>10.4f}"
+            )
+        lines.append(
+            f"{'total':<24}{sum(r.calls for r in self.records.values()):>8}"
+            f"{self.total_bytes / 2**20:>12.3f}{self.total_seconds:>10.4f}"
+        )
+        return "\n".join(lines)

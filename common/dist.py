@@ -1,0 +1,199 @@
+"""Distributed start-up and shutdown under mpiexec, torchrun, srun or a single process.
+
+:func:`init_distributed` finds out how the job was launched, sets up ``torch.distributed``
+(gloo on CPU, NCCL on GPU) with a timeout so a lost peer raises instead of hanging, splits
+the machine's cores between the ranks of a node, and returns a :class:`DistContext`.
+
+Launchers, detected in this order (override with ``launcher=``):
+
+* ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment.
+* ``srun`` (Slurm): ``SLURM_PROCID``/``SLURM_NTASKS`` inside a job step; the address is the
+  first host of ``SLURM_STEP_NODELIST`` (or ``MASTER_ADDR``), the port ``MASTER_PORT`` or one
+  derived from the job id.
+* ``mpiexec``: MPI environment variables (MPICH/Hydra ``PMI_*``, Open MPI ``OMPI_*``, PMIx);
+  mpi4py gives rank and size, rank 0 picks a free port and broadcasts its address.
+* ``single``: one process, no launcher.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("HPC_DIST_TIMEOUT", "300"))
+_MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What a rank knows about the job after start-up."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    launcher: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def detect_launcher(env: dict[str, str] | None = None) -> str:
+    """``"torchrun"``, ``"srun"``, ``"mpiexec"`` or ``"single"`` from the environment."""
+    env = os.environ if env is None else env
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return "torchrun"
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", 1)) > 1:
+        return "srun"
+    if any(k in env for k in _MPI_VARS):
+        return "mpiexec"
+    return "single"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list: ``"nid[001-004,010],gpu7"`` -> ``"nid001"``."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse Slurm node list {nodelist!r}; set MASTER_ADDR")
+    prefix, _, ranges = m.groups()
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
+def _rendezvous(launcher: str) -> tuple[int, int, int, int, str, int]:
+    """(rank, world, local_rank, local_world, master_addr, master_port) for a launcher."""
+    env = os.environ
+    if launcher == "torchrun":
+        world = int(env["WORLD_SIZE"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return (int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world,
+                env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+    if launcher == "srun":
+        world = int(env["SLURM_NTASKS"])
+        nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1)))
+        addr = env.get("MASTER_ADDR") or first_slurm_host(
+            env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "localhost"))
+        )
+        port = int(env.get("MASTER_PORT", 15000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+        return (int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
+                max(1, world // nodes), addr, port)
+    if launcher == "mpiexec":
+        try:
+            from mpi4py import MPI
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "launched under mpiexec but mpi4py is not importable; `pip install mpi4py` "
+                "(built against the MPI that provides this mpiexec)"
+            ) from e
+        comm = MPI.COMM_WORLD
+        rank, world = comm.Get_rank(), comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        local_rank, local_world = local.Get_rank(), local.Get_size()
+        local.Free()
+        addr_port = None
+        if rank == 0:
+            addr = env.get("MASTER_ADDR") or socket.gethostname()
+            addr_port = (addr, int(env.get("MASTER_PORT", 0)) or _free_port())
+        addr, port = comm.bcast(addr_port, root=0)
+        return rank, world, local_rank, local_world, addr, port
+    if launcher == "single":
+        return 0, 1, 0, 1, "127.0.0.1", 0
+    raise ValueError(f"unknown launcher {launcher!r}; use torchrun, srun, mpiexec or single")
+
+
+def init_distributed(
+    *,
+    device: str = "auto",
+    backend: str | None = None,
+    launcher: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    set_threads: bool = True,
+) -> DistContext:
+    """Start ``torch.distributed`` for this process and return its :class:`DistContext`.
+
+    Args:
+        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``.
+        backend: default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
+        launcher: force a launcher instead of detecting it.
+        timeout_s: collective timeout: a lost or stuck peer raises after this long.
+        set_threads: give each rank ``cores / ranks-on-this-node`` torch threads, so ranks
+            sharing a machine do not fight over cores (``OMP_NUM_THREADS`` wins if set).
+    """
+    launcher = launcher or detect_launcher()
+    rank, world, local_rank, local_world, addr, port = _rendezvous(launcher)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    elif device == "cpu":
+        dev = torch.device("cpu")
+    else:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda")
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if set_threads and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, _cores_available() // max(1, local_world)))
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if world == 1:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        else:
+            # env:// also honours torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
+            os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+            dist.init_process_group(
+                backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
+            )
+    return DistContext(rank, world, local_rank, local_world, dev, backend, launcher)
+
+
+def shutdown() -> None:
+    """Tear down the process group (safe to call twice or when never initialised)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> None:
+    """Report a user error on this rank and exit non-zero.
+
+    For errors every rank detects identically (a bad grid, a bad flag): each rank prints the
+    message, ranks meet at a barrier so no launcher kills a peer before it has printed, then
+    all exit with ``code``.
+    """
+    prefix = f"[rank {ctx.rank}] " if ctx and ctx.world_size > 1 else ""
+    print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+    if ctx is not None and dist.is_initialized() and ctx.world_size > 1:
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - we are exiting with an error anyway
+            pass
+    shutdown()
+    sys.exit(code)

@@ -1,0 +1,175 @@
+"""Parallel-equals-serial checks of every collective and autograd pair along every grid axis.
+
+Used in-process by test_collectives.py (through tests.distributed.run_ranks) and as a script
+under real launchers by test_launch.py::
+
+    mpiexec -n 4 python -m tests.common.collective_checks --grid 2x2x1
+
+Every rank can rebuild every member's input from (seed, global rank), so the serial reference
+is plain single-process torch autograd over all members' inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from common import autograd as A
+from common import collectives as C
+from common.comm_stats import CommStats, ring_bytes
+from common.grid import AXONN_AXES, PLEXUS_AXES, ProcessGrid
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _data(seed: int, rank: int, shape, requires_grad=False) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_(requires_grad)
+
+
+def _serial(kind: str, xs: list[torch.Tensor], ws: list[torch.Tensor], m: int, dim: int):
+    """Reference output of member ``m`` and the gradient of member ``m``'s input."""
+    g = len(xs)
+    if kind in ("identity_all_reduce", "split_all_gather"):
+        xs = [xs[0]] * g  # replicated input: one tensor shared by every member
+    if kind == "all_reduce_identity":  # partial in -> replicated out, loss counted once
+        outs = [sum(xs)] * g
+        loss = (outs[0] * ws[0]).sum()
+    elif kind == "identity_all_reduce":
+        outs = xs
+        loss = sum((o * w).sum() for o, w in zip(outs, ws))
+    elif kind == "all_gather_reduce_scatter":
+        outs = [torch.cat(xs, dim)] * g
+        loss = sum((o * w).sum() for o, w in zip(outs, ws))
+    elif kind == "reduce_scatter_all_gather":
+        outs = list(sum(xs).chunk(g, dim))
+        loss = sum((o * w).sum() for o, w in zip(outs, ws))
+    elif kind == "split_all_gather":
+        outs = list(xs[0].chunk(g, dim))
+        loss = sum((o * w).sum() for o, w in zip(outs, ws))
+    elif kind == "all_gather_split":  # sharded in -> replicated out, loss counted once
+        outs = [torch.cat(xs, dim)] * g
+        loss = (outs[0] * ws[0]).sum()
+    else:
+        raise AssertionError(kind)
+    (grad,) = torch.autograd.grad(loss, [xs[m]])
+    return outs[m].detach(), grad
+
+
+# kind -> (input shape, output-weights replicated?)  chunked dims use sizes divisible by g
+def _cases(g: int, dim: int):
+    base = [3, 5, 2]
+    full = list(base)
+    full[dim] = base[dim] * g
+    return {
+        "all_reduce_identity": (base, True),
+        "identity_all_reduce": (base, False),
+        "all_gather_reduce_scatter": (base, False),
+        "reduce_scatter_all_gather": (full, False),
+        "split_all_gather": (full, False),
+        "all_gather_split": (base, True),
+    }
+
+
+def check_grid(ctx, grid_text: str, seed: int = 0) -> list[str]:
+    """Run every check on every axis of the grid; return a list of failures (empty = pass)."""
+    axes = AXONN_AXES if "=" in grid_text or grid_text.count("x") == 3 else PLEXUS_AXES
+    grid = ProcessGrid.parse(grid_text, axes)
+    grid.validate(ctx.world_size)
+    groups = grid.create_groups(ctx.rank, list(grid.axes) + [tuple(grid.axes[:2])])
+    failures = []
+    for name, grp in groups.items():
+        members = grp.members
+        tag = f"grid {grid_text} axis {name}"
+        for dim in (0, 1, -1):
+            for kind, (shape, shared_w) in _cases(grp.size, dim).items():
+                fn = getattr(A, kind)
+                xs = [_data(seed, r, shape, True) for r in members]
+                ws_src = [members[0]] * grp.size if shared_w else members
+                out_shape = _output_shape(kind, shape, grp.size, dim)
+                ws = [_data(seed + 7, r, out_shape) for r in ws_src]
+                ref_out, ref_grad = _serial(kind, xs, ws, grp.rank, dim)
+                replicated_in = kind in ("identity_all_reduce", "split_all_gather")
+                x = xs[0 if replicated_in else grp.rank].detach().clone().requires_grad_(True)
+                out = fn(x, grp, dim) if "gather" in kind or "scatter" in kind else fn(x, grp)
+                (out * ws[grp.rank]).sum().backward()
+                if not torch.allclose(out, ref_out, **TOL):
+                    failures.append(f"{tag} {kind} dim={dim}: forward differs")
+                if not torch.allclose(x.grad, ref_grad, **TOL):
+                    failures.append(f"{tag} {kind} dim={dim}: gradient differs")
+        failures += _check_plain_and_async(grp, seed, tag)
+    return failures
+
+
+def _output_shape(kind: str, shape: list[int], g: int, dim: int) -> list[int]:
+    out = list(shape)
+    if kind in ("all_gather_reduce_scatter", "all_gather_split"):
+        out[dim] *= g
+    elif kind in ("reduce_scatter_all_gather", "split_all_gather"):
+        out[dim] //= g
+    return out
+
+
+def _check_plain_and_async(grp, seed, tag) -> list[str]:
+    """Plain collectives (sync and async, overlapped), their byte counts, and a non-contiguous
+    input, against serial results."""
+    failures = []
+    g, members = grp.size, grp.members
+    stats = CommStats()
+    xs = [_data(seed + 3, r, (4 * g, 6)) for r in members]
+    mine = xs[grp.rank]
+    # issue all three asynchronously, compute something in between, then wait
+    h1 = C.all_reduce(mine, grp, stats=stats, async_op=True)
+    h2 = C.all_gather(mine.t(), grp, dim=1, stats=stats, async_op=True)  # non-contiguous input
+    h3 = C.reduce_scatter(mine, grp, stats=stats, async_op=True)
+    _ = mine @ mine.t()
+    got = {"all_reduce": h1.wait(), "all_gather": h2.wait(), "reduce_scatter": h3.wait()}
+    want = {
+        "all_reduce": sum(xs),
+        "all_gather": torch.cat([x.t() for x in xs], 1),
+        "reduce_scatter": sum(xs).chunk(g, 0)[grp.rank],
+    }
+    for op in got:
+        if not torch.allclose(got[op], want[op], **TOL):
+            failures.append(f"{tag} async {op}: result differs")
+    sync = C.all_reduce(mine, grp, stats=stats)
+    if not torch.allclose(sync, want["all_reduce"], **TOL) or not torch.equal(mine, xs[grp.rank]):
+        failures.append(f"{tag} sync all_reduce differs or modified its input")
+    full = mine.numel() * mine.element_size()
+    expect = {
+        "all_reduce": 2 * ring_bytes("all_reduce", full, g) if g > 1 else 0,
+        "all_gather": ring_bytes("all_gather", g * full, g),
+        "reduce_scatter": ring_bytes("reduce_scatter", full, g),
+    }
+    counted = {op: stats.records[(grp.name, op)].bytes if (grp.name, op) in stats.records else 0
+               for op in expect}
+    if counted != expect:
+        failures.append(f"{tag} byte accounting {counted} != ring volumes {expect}")
+    if g > 1 and counted["all_reduce"] != 2 * 2 * (g - 1) * full // g:
+        failures.append(f"{tag} all_reduce bytes do not follow 2(g-1)/g * M")
+    return failures
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--grid", required=True)
+    args = p.parse_args(argv)
+    from common.dist import fail_all_ranks, init_distributed, shutdown
+
+    ctx = init_distributed(device="cpu", timeout_s=60)
+    try:
+        failures = check_grid(ctx, args.grid)
+    except ValueError as e:
+        fail_all_ranks(str(e), ctx)
+    print(f"rank {ctx.rank}/{ctx.world_size} launcher={ctx.launcher} "
+          f"{'OK' if not failures else 'FAILED'} {len(failures)} failures", flush=True)
+    for f in failures:
+        print("  " + f, flush=True)
+    shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
