@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -39,7 +40,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: mp
             result = fn(ctx, *args)
         finally:
             shutdown()
-        out.put((rank, True, result))
+        # plain pickle: tensors travel by value, not through shared memory that dies with us
+        out.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         out.put((rank, False, traceback.format_exc()))
 
@@ -61,7 +63,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -
         for _ in range(world_size):
             rank, ok, value = out.get(timeout=timeout)
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
                 break

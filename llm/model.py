@@ -1,0 +1,339 @@
+"""A decoder-only GPT in the Llama style: maths only, no communication.
+
+Block: ``x + Attn(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``; rotary positions (RoPE,
+Su et al. https://arxiv.org/abs/2104.09864); SwiGLU MLP (Shazeer, https://arxiv.org/abs/2002.05202);
+grouped-query attention when ``n_kv_head < n_head`` (Ainslie et al.,
+https://arxiv.org/abs/2305.13245); final RMSNorm and an LM head.
+
+Tensor parallelism is applied later by a separate function that swaps every ``nn.Linear`` for a
+parallel Linear holding a shard of ``out_features``. So: q, k, v, o and gate, up, down are
+separate Linears without bias; attention takes its number of (local) heads from the tensor
+shapes, never from the config; SwiGLU is elementwise on the two projections.
+
+Embeddings are untied by default (``tie_embeddings=False``): the Llama-2 sizes this models are
+untied, and in the 4D layout the embedding table (looked up by row) and the LM head (a Linear
+sharded by out_features) are sharded differently, so a tie would have to be rebuilt by hand
+after parallelization. Tying is kept as a flag for small single-process models, where it saves
+``V * d_model`` parameters.
+
+Shapes legend:
+    B: batch, T: sequence length, V: vocabulary, D: d_model, F: d_ff, Dh: head_dim,
+    H: query heads, Hkv: key/value heads (both local to this process after sharding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "apply_rope", "get_preset", "gpt1b", "gpt7b",
+           "gpt70b", "rope_cache", "small", "tiny"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Sizes of a GPT.
+
+    Attributes:
+        vocab_size: number of token ids (V).
+        n_layer: number of transformer blocks.
+        n_head: query heads (H).
+        n_kv_head: key/value heads (Hkv); None means n_head (plain multi-head attention).
+        d_model: residual width (D); head_dim = d_model / n_head.
+        d_ff: hidden width of the SwiGLU MLP (F).
+        max_seq_len: longest sequence the rotary tables cover.
+        rope_theta: RoPE base; frequency i is rope_theta ** (-2i / head_dim).
+        tie_embeddings: share the token embedding with the LM head.
+        norm_eps: epsilon of RMSNorm.
+    """
+
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int | None = None
+    d_model: int
+    d_ff: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head} "
+                             f"({self.d_model} % {self.n_head} = {self.d_model % self.n_head})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = d_model / n_head = {self.d_model} / {self.n_head} = "
+                             f"{self.head_dim} must be even for rotary embeddings")
+        if self.num_kv_heads < 1 or self.n_head % self.num_kv_heads:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of "
+                             f"n_kv_head={self.num_kv_heads} (grouped-query attention)")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} "
+                             f"must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    def num_params(self) -> int:
+        """Exact number of parameters of :class:`GPT` (tied weights counted once)."""
+        d, kv = self.d_model, self.num_kv_heads * self.head_dim
+        attn = 2 * d * d + 2 * d * kv  # q, o: D x D; k, v: D x (Hkv * Dh)
+        mlp = 3 * d * self.d_ff  # gate, up, down
+        per_layer = attn + mlp + 2 * d  # + two RMSNorm weights
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layer * per_layer + d + embed
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward), as in PaLM's MFU definition.
+
+        ``6 * N_matmul + 12 * n_layer * d_model * seq_len``: 2 FLOPs per multiply-add, 3x for
+        forward and backward, every Linear including the LM head (the embedding lookup is not a
+        matmul), plus the attention score and value products without a causal discount.
+        Forward only is one third of this.
+
+        Args:
+            seq_len: context length; defaults to ``max_seq_len``.
+        """
+        seq_len = self.max_seq_len if seq_len is None else seq_len
+        d, kv = self.d_model, self.num_kv_heads * self.head_dim
+        matmul = self.n_layer * (2 * d * d + 2 * d * kv + 3 * d * self.d_ff)
+        matmul += self.vocab_size * d  # LM head
+        return 6 * matmul + 12 * self.n_layer * d * seq_len
+
+
+def tiny() -> GPTConfig:
+    """Two layers, d_model 64, bytes: trains in seconds on a 2-core CPU (tests, quick start)."""
+    return GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, d_ff=192, max_seq_len=128)
+
+
+def small() -> GPTConfig:
+    """About 14M parameters on bytes (nanoGPT's character-level shape): one GPU or a patient CPU."""
+    return GPTConfig(vocab_size=256, n_layer=6, n_head=6, d_model=384, d_ff=1536,
+                     max_seq_len=256)
+
+
+def gpt1b() -> GPTConfig:
+    """1.1B parameters, the TinyLlama-1.1B shape (22 layers, GQA 32/4 heads, vocab 32000)."""
+    return GPTConfig(vocab_size=32000, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,
+                     d_ff=5632, max_seq_len=2048)
+
+
+def gpt7b() -> GPTConfig:
+    """6.7B parameters, the Llama-2-7B shape (the goldfish paper's model)."""
+    return GPTConfig(vocab_size=32000, n_layer=32, n_head=32, d_model=4096, d_ff=11008,
+                     max_seq_len=4096)
+
+
+def gpt70b() -> GPTConfig:
+    """69B parameters, the Llama-2-70B shape (80 layers, GQA 64/8 heads)."""
+    return GPTConfig(vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
+                     d_ff=28672, max_seq_len=4096)
+
+
+PRESETS = {"tiny": tiny, "small": small, "gpt1b": gpt1b, "gpt7b": gpt7b, "gpt70b": gpt70b}
+
+
+def get_preset(name: str) -> GPTConfig:
+    """The preset config called ``name``; ValueError listing the names otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def rope_cache(
+    head_dim: int, seq_len: int, theta: float = 10000.0, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor]:
+    """Cosines and sines of the rotary angles ``pos * theta ** (-2i / head_dim)``.
+
+    Computed in float64 and returned in float32, on ``device``.
+
+    Shapes:
+        returns: cos [seq_len, Dh / 2], sin [seq_len, Dh / 2]
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+    positions = torch.arange(seq_len, dtype=torch.float64, device=device)  # [T]
+    angles = torch.outer(positions, theta**-exponents)  # [T, Dh/2]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair (x[i], x[i + Dh/2]) by its position's angle ("rotate half" layout).
+
+    The score ``<rope(q, m), rope(k, n)>`` then depends on positions only through m - n.
+
+    Shapes:
+        x: [B, T, H, Dh], cos: [T, Dh / 2], sin: [T, Dh / 2] -> returns [B, T, H, Dh]
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)  # [B, T, H, Dh/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, Dh/2]
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32.
+
+    Shapes:
+        x: [..., D] -> returns [..., D]
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE; heads counted from the projections' output shapes.
+
+    Shapes:
+        x: [B, T, D], cos, sin: [T, Dh / 2] -> returns [B, T, D]
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d, kv = config.d_model, config.num_kv_heads * config.head_dim
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv, bias=False)
+        self.v_proj = nn.Linear(d, kv, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, H, Dh]
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, Hkv, Dh]
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, Hkv, Dh]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H or Hkv, T, Dh]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # grouped-query attention: query head j reads kv head j // groups
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
+        return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))  # [B, T, D]
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``.
+
+    Shapes:
+        x: [B, T, D] -> hidden [B, T, F] -> returns [B, T, D]
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block. Shapes: x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model; see the module docstring.
+
+    Args:
+        config: sizes.
+
+    Shapes:
+        idx: int64 [B, T] with T <= max_seq_len -> logits [B, T, V]
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise like GPT-2 / nanoGPT: Normal(0, 0.02) weights, RMSNorm weights 1.
+
+        The residual outputs (o_proj, down_proj) use std 0.02 / sqrt(2 * n_layer) so that the
+        residual stream's variance does not grow with depth. Called by the constructor; call it
+        again after materialising a model built on the meta device.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                std = residual_std if name.endswith(("o_proj", "down_proj")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        seq = idx.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len="
+                             f"{self.config.max_seq_len}")
+        # recomputed each call (negligible next to the blocks) rather than kept as a buffer,
+        # which model.to(bfloat16) would round
+        c = self.config
+        cos, sin = rope_cache(c.head_dim, seq, c.rope_theta, idx.device)  # [T, Dh/2] each
+        x = self.tok_emb(idx)  # [B, T, D]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))  # [B, T, V]
+
+    @torch.no_grad()
+    def generate(
+        self, idx: Tensor, max_new_tokens: int, temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Append ``max_new_tokens`` sampled tokens (greedy when temperature is 0).
+
+        No KV cache: each step reruns the last ``max_seq_len`` tokens, fine for the short
+        suffixes of the memorization test.
+
+        Shapes:
+            idx: int64 [B, T0] -> returns int64 [B, T0 + max_new_tokens]
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.max_seq_len :])[:, -1, :].float()  # [B, V]
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx

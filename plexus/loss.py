@@ -1,0 +1,88 @@
+"""Cross-entropy and accuracy with the class axis sharded (plexus-3d.md section 5).
+
+The logits block is [N/P, C_pad/O] (rows chunk p of the output order, classes chunk o),
+replicated over I. Padded classes count as -inf; padded rows and rows outside the mask
+contribute nothing. The loss is the sum over masked rows divided by the global number of
+masked rows, identical (replicated) on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common import autograd as CA
+from common import collectives as C
+from common.comm_stats import CommStats
+from common.grid import AxisGroup
+
+
+def _class_ids(logits: torch.Tensor, group_o: AxisGroup) -> torch.Tensor:
+    width = logits.shape[1]
+    return group_o.rank * width + torch.arange(width, device=logits.device)
+
+
+def sharded_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    num_classes: int,
+    count: int,
+    group_o: AxisGroup,
+    group_p: AxisGroup,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy over the masked rows of the whole graph.
+
+    Args:
+        logits: [N/P, C_pad/O] local block.
+        labels: int64 [N/P] global class ids (-1 where unlabeled or padding).
+        mask: bool [N/P] rows that count (e.g. the training split).
+        num_classes: C; classes >= C are padding.
+        count: number of masked rows in the whole graph (the divisor).
+        group_o, group_p: the groups splitting classes and rows.
+
+    Returns:
+        A scalar, the same on every rank.
+    """
+    cls = _class_ids(logits, group_o)
+    z = logits.masked_fill(cls >= num_classes, float("-inf"))
+    with torch.no_grad():
+        m = C.all_reduce(z.max(dim=1).values, group_o, op=C.ReduceOp.MAX, stats=stats)
+    sum_exp = CA.all_reduce_identity(torch.exp(z - m[:, None]).sum(dim=1), group_o, stats)
+    local = labels - cls[0]
+    own = mask & (local >= 0) & (local < logits.shape[1])
+    picked = torch.where(own, z.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0],
+                         torch.zeros((), dtype=z.dtype, device=z.device))
+    target = CA.all_reduce_identity(picked, group_o, stats)
+    per_row = torch.where(mask, m + torch.log(sum_exp) - target, torch.zeros_like(target))
+    return CA.all_reduce_identity(per_row.sum(), group_p, stats) / max(count, 1)
+
+
+@torch.no_grad()
+def sharded_argmax(
+    logits: torch.Tensor, *, num_classes: int, group_o: AxisGroup,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """Predicted class of every local row: int64 [N/P]; ties go to the lowest class id."""
+    cls = _class_ids(logits, group_o)
+    z = logits.masked_fill(cls >= num_classes, float("-inf"))
+    val, idx = z.max(dim=1).values, z.argmax(dim=1)  # argmax: first maximum on ties
+    if group_o.size == 1:
+        return idx
+    vals = C.all_gather(val[None], group_o, stats=stats)  # [O, N/P]
+    ids = C.all_gather((idx + cls[0])[None], group_o, stats=stats)
+    best = vals.argmax(dim=0)
+    return ids.gather(0, best[None])[0]
+
+
+@torch.no_grad()
+def correct_counts(
+    pred: torch.Tensor, labels: torch.Tensor, masks: dict[str, torch.Tensor],
+    group_p: AxisGroup, stats: CommStats | None = None,
+) -> dict[str, int]:
+    """Correct predictions per split over the whole graph (summed over P)."""
+    names = sorted(masks)
+    local = torch.stack([(masks[s] & (pred == labels)).sum() for s in names]).to(torch.int64)
+    total = C.all_reduce(local, group_p, stats=stats)
+    return {s: int(v) for s, v in zip(names, total.tolist())}

@@ -1,0 +1,178 @@
+"""The Plexus 3D-parallel GCN (plexus-3d.md sections 1-4).
+
+Layer ``l`` with roles (O, I, P) on rank (o, i, p)::
+
+    F_l   [N/O, D_l/I]     layer 0: all-gather of the flat feature shard over P       (1)
+    H_l = A_l F_l          [N/P, D_l/I], partial over O -> all-reduce over O            (2)
+    W_l   [D_l/I, D_l+1/O] all-gather of the flat weight shard over P                  (3)
+    Q_l = H_l W_l          [N/P, D_l+1/O], partial over I -> all-reduce over I          (4)
+    F_l+1 = relu(Q_l)      (no activation after the last layer)
+
+Backward: re-gather W over P (5), reduce-scatter dW over P (6), all-reduce dH over O (7),
+dF = A_l^T dH: reduce-scatter over P at layer 0 (only with trainable features), all-reduce
+over P for layers >= 1 (8). The adjacency never moves. Parallel equals serial: the same seed
+gives the same full weights on every grid (:func:`init_weights`), and each rank keeps its slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from common import autograd as CA
+from common import collectives as C
+from common.comm_stats import CommStats
+from common.grid import AxisGroup
+from plexus import partition as part
+from plexus.shard import GraphShard, flat_shard
+
+
+def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
+    """Full (unsharded, unpadded) weights ``W_l`` [D_l, D_l+1], Glorot-uniform, from ``seed``.
+
+    Every rank (and the serial reference) draws the same matrices, so any grid trains the
+    same model.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for d_in, d_out in zip(widths[:-1], widths[1:]):
+        bound = math.sqrt(6.0 / (d_in + d_out))
+        out.append((torch.rand(d_in, d_out, generator=gen) * 2 - 1) * bound)
+    return out
+
+
+class _SpMM(torch.autograd.Function):
+    """``A @ F``; backward ``A^T @ dH`` with the precomputed transpose."""
+
+    @staticmethod
+    def forward(ctx: Any, a, a_t, f):
+        ctx.a_t = a_t
+        return a @ f
+
+    @staticmethod
+    def backward(ctx: Any, dh):
+        return None, None, (ctx.a_t @ dh.contiguous()) if ctx.needs_input_grad[2] else None
+
+
+class _GatheredMatmul(torch.autograd.Function):
+    """``H @ W`` with ``W`` all-gathered over P from its flat shard, in both passes.
+
+    The gathered ``W`` is not kept for backward: it is gathered again (collective 5), and
+    ``dW`` is reduce-scattered back to flat shards (collective 6).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats):
+        ctx.group, ctx.shape, ctx.stats = group, shape, stats
+        ctx.save_for_backward(h, w_shard)
+        return h @ _gather_flat(w_shard, group, shape, stats)
+
+    @staticmethod
+    def backward(ctx: Any, dq):
+        h, w_shard = ctx.saved_tensors
+        group, shape, stats = ctx.group, ctx.shape, ctx.stats
+        dh = None
+        if ctx.needs_input_grad[0]:
+            dh = dq @ _gather_flat(w_shard, group, shape, stats).t()
+        dw = (h.t() @ dq).reshape(-1)
+        pad = w_shard.numel() * group.size - dw.numel()
+        if pad:
+            dw = torch.cat([dw, dw.new_zeros(pad)])
+        return dh, C.reduce_scatter(dw, group, stats=stats), None, None, None
+
+
+def _gather_flat(shard: torch.Tensor, group: AxisGroup, shape, stats) -> torch.Tensor:
+    full = C.all_gather(shard, group, stats=stats)
+    return full[: math.prod(shape)].view(shape)
+
+
+class PlexusGCN(nn.Module):
+    """An L-layer GCN whose every tensor is sharded over a 3D grid (x, y, z).
+
+    Args:
+        shard: this rank's :class:`~plexus.shard.GraphShard`.
+        groups: the rank's axis groups ``{"x", "y", "z"}`` from ``ProcessGrid.create_groups``.
+        learn_features: make the input features a trainable parameter (initialised from the
+            dataset's features), as in the paper.
+        seed: weight seed.
+
+    Shapes:
+        forward() -> logits [N/P, C_pad/O] of the last layer's roles, rows in output order,
+        replicated over I.
+    """
+
+    def __init__(
+        self,
+        shard: GraphShard,
+        groups: dict[str, AxisGroup],
+        *,
+        learn_features: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.shard, self.groups = shard, groups
+        self.num_layers = len(shard.widths) - 1
+        coords = {a: g.rank for a, g in groups.items()}
+        w_pad = shard.widths_padded
+        self.block_shapes = []
+        weights = []
+        for layer, w in enumerate(init_weights(shard.widths, seed)):
+            o_ax, i_ax, p_ax = part.roles(layer)
+            full = torch.zeros(w_pad[layer], w_pad[layer + 1])
+            full[: w.shape[0], : w.shape[1]] = w
+            blk = full.chunk(groups[i_ax].size, 0)[coords[i_ax]]
+            blk = blk.chunk(groups[o_ax].size, 1)[coords[o_ax]]
+            self.block_shapes.append(tuple(blk.shape))
+            weights.append(nn.Parameter(flat_shard(blk, groups[p_ax].size, coords[p_ax])))
+        self.weights = nn.ParameterList(weights)
+        feat = flat_shard(shard.features_block, groups["z"].size, coords["z"])
+        if learn_features:
+            self.features = nn.Parameter(feat)
+        else:
+            self.register_buffer("features", feat)
+        self.features_shape = tuple(shard.features_block.shape)
+
+    def forward(self, stats: CommStats | None = None) -> torch.Tensor:
+        g = self.groups
+        f = None
+        for layer in range(self.num_layers):
+            o_ax, i_ax, p_ax = part.roles(layer)
+            if layer == 0:
+                f = CA.all_gather_reduce_scatter(self.features, g[p_ax], stats=stats)
+                f = f[: math.prod(self.features_shape)].view(self.features_shape)
+            else:
+                f = CA.identity_all_reduce(f, g[p_ax], stats)
+            adj = self.shard.adj[layer % 6]
+            h = _SpMM.apply(adj.a, adj.a_t, f)
+            h = CA.identity_all_reduce(CA.all_reduce_identity(h, g[o_ax], stats), g[o_ax], stats)
+            q = _GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
+                                      self.block_shapes[layer], stats)
+            q = CA.all_reduce_identity(q, g[i_ax], stats)
+            f = torch.relu(q) if layer < self.num_layers - 1 else q
+        return f
+
+    @torch.no_grad()
+    def full_weights(self, grads: bool = False) -> list[torch.Tensor]:
+        """Reassemble every full (unpadded) ``W_l`` (or its gradient) on every rank."""
+        out = []
+        for layer, w in enumerate(self.weights):
+            o_ax, i_ax, p_ax = part.roles(layer)
+            src = w.grad if grads else w.detach()
+            blk = _gather_flat(src, self.groups[p_ax], self.block_shapes[layer], None)
+            full = C.all_gather(C.all_gather(blk, self.groups[i_ax], dim=0),
+                                self.groups[o_ax], dim=1)
+            out.append(full[: self.shard.widths[layer], : self.shard.widths[layer + 1]])
+        return out
+
+    @torch.no_grad()
+    def full_features(self, grads: bool = False) -> torch.Tensor:
+        """The full (unpadded) input features [N, D_0] (or their gradient), original order."""
+        src = self.features.grad if grads else self.features.detach()
+        blk = _gather_flat(src, self.groups["z"], self.features_shape, None)
+        full_perm = C.all_gather(C.all_gather(blk, self.groups["y"], dim=1), self.groups["x"], dim=0)
+        out = torch.empty_like(full_perm)
+        out[torch.from_numpy(self.shard.pc)] = full_perm
+        return out[: self.shard.num_nodes, : self.shard.widths[0]]
