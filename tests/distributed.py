@@ -15,22 +15,16 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: mp.Queue) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # connect to the parent's store, as under torchrun
     )
     try:
         from common.dist import init_distributed, shutdown
@@ -48,9 +42,14 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: mp
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    # The parent owns the rendezvous store on an OS-chosen port (like torchrun's agent), so
+    # concurrent test runs can never race for a port.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out), daemon=True)
         for r in range(world_size)
@@ -75,6 +74,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
+    del store
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]

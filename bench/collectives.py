@@ -1,0 +1,266 @@
+"""Bus bandwidth and latency of our collectives (gloo) next to mpi4py's, on the same buffers.
+
+Run from the repository root (no install needed; the script puts the repo root on sys.path)::
+
+    mpiexec -n 4 python bench/collectives.py                     # 1 KiB .. 64 MiB, powers of 4
+    mpiexec -n 2 python bench/collectives.py --max-size 64K --iters 3 --ops all_reduce
+    mpiexec -n 4 python bench/collectives.py --sizes 1K,1M --csv bench/results/coll.csv
+
+Every rank builds a 1-D grid ``world=N`` (:class:`common.grid.ProcessGrid`), and for each op
+(all-reduce, all-gather, reduce-scatter) and message size runs :mod:`common.collectives` over
+``torch.distributed`` gloo, then mpi4py's ``Allreduce`` / ``Allgather`` / ``Reduce_scatter_block``
+on the same numpy arrays (the torch tensors are ``torch.from_numpy`` views of them).
+
+Timing: ``--warmup`` calls of each, then ``--repeats`` rounds; a round times one block of
+``--iters`` back-to-back calls of ours, then one of MPI, each after an MPI barrier. A block's
+time is the **max over ranks of the per-rank mean** (as in nccl-tests); the reported time is
+the **median over the rounds** of that (alternating rounds let both see the same background
+load). Above 1 MiB the counts shrink in proportion to size (at least 2 timed calls per block and
+1 warm-up) so the 64 MiB end stays short. Bandwidths follow nccl-tests, with ``M`` the full
+buffer (all-reduce input, all-gather output, reduce-scatter input) and ``n`` ranks::
+
+    algbw = M / time;   busbw = algbw * 2(n-1)/n  (all-reduce),  algbw * (n-1)/n  (others)
+
+Checks (any failure prints on rank 0 and exits 1): once per size, our result equals MPI's
+(integer-valued float32 data, so sums are exact in any order); and the bytes our
+:class:`~common.comm_stats.CommStats` recorded over the warm-up and timed calls equal
+``calls * M * 2(n-1)/n`` (all-reduce) or ``calls * M * (n-1)/n`` (others). Only rank 0
+prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from common import collectives as coll  # noqa: E402
+from common.comm_stats import CommStats  # noqa: E402
+from common.dist import fail_all_ranks, init_distributed, shutdown  # noqa: E402
+from common.grid import AxisGroup, ProcessGrid  # noqa: E402
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n}
+SCALE_ABOVE = 1 << 20  # iterations shrink in proportion to size above 1 MiB
+TIMING = "median over rounds of (max over ranks of mean per call)"
+COLUMNS = ("op", "ranks", "bytes", "iters", "ours_us", "ours_busbw", "mpi_us", "mpi_busbw",
+           "ratio")
+
+
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536; suffixes K, M, G (binary), optional trailing ``B``/``iB``."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 1K, 64K, 16M") from None
+
+
+def fmt_size(nbytes: int) -> str:
+    """65536 -> ``"64 KiB"``; sizes that are not whole KiB/MiB stay in bytes."""
+    for unit, mult in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= mult and nbytes % mult == 0:
+            return f"{nbytes // mult} {unit}"
+    return f"{nbytes} B"
+
+
+def make_buffers(op: str, numel: int, n: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(send, mpi_recv) float32 arrays; ``numel`` elements is the full buffer ``M``."""
+    full = (np.arange(numel, dtype=np.int64) % 251 + 7 * rank).astype(np.float32)
+    if op == "all_reduce":
+        return full, np.empty(numel, np.float32)
+    if op == "all_gather":  # each rank sends its 1/n part, receives M
+        return full[rank::n][: numel // n].copy(), np.empty(numel, np.float32)
+    return full, np.empty(numel // n, np.float32)  # reduce_scatter: send M, receive M/n
+
+
+def make_calls(
+    op: str, send: np.ndarray, recv: np.ndarray, group: AxisGroup, comm: MPI.Comm,
+    stats: CommStats | None,
+) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+    """(ours, mpi) zero-argument callables; ours returns the result tensor."""
+    x = torch.from_numpy(send)  # same memory MPI sends from
+    if op == "all_reduce":
+        return (lambda: coll.all_reduce(x, group, stats=stats),
+                lambda: comm.Allreduce(send, recv, op=MPI.SUM))
+    if op == "all_gather":
+        return (lambda: coll.all_gather(x, group, stats=stats),
+                lambda: comm.Allgather(send, recv))
+    return (lambda: coll.reduce_scatter(x, group, stats=stats),
+            lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM))
+
+
+def time_blocks(
+    ours: Callable, mpi: Callable, iters: int, warmup: int, repeats: int, comm: MPI.Comm
+) -> tuple[float, float]:
+    """Median over ``repeats`` blocks of the max over ranks of the mean seconds per call.
+
+    Blocks of ours and MPI alternate, so both see the same background load.
+    """
+    for _ in range(warmup):
+        ours()
+        mpi()
+    times: dict[str, list[float]] = {"ours": [], "mpi": []}
+    for _ in range(repeats):
+        for name, fn in (("ours", ours), ("mpi", mpi)):
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            mean = (time.perf_counter() - start) / iters
+            times[name].append(comm.allreduce(mean, op=MPI.MAX))
+    return statistics.median(times["ours"]), statistics.median(times["mpi"])
+
+
+def iterations(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
+    """(timed, warm-up) counts for a message of ``nbytes``: scaled down above 1 MiB."""
+    if nbytes <= SCALE_ABOVE:
+        return iters, warmup
+    scale = SCALE_ABOVE / nbytes
+    return max(min(iters, 2), round(iters * scale)), max(min(warmup, 1), round(warmup * scale))
+
+
+def bench_one(
+    op: str, nbytes: int, args: argparse.Namespace, group: AxisGroup, comm: MPI.Comm
+) -> tuple[dict, list[str]]:
+    """Check and time one (op, size); return its row and a list of check failures."""
+    n, rank = group.size, group.rank
+    numel = max(n, nbytes // 4 // n * n)  # float32 elements, divisible by the group size
+    full_bytes = numel * 4
+    send, recv = make_buffers(op, numel, n, rank)
+    iters, warmup = iterations(full_bytes, args.iters, args.warmup)
+    errors = []
+
+    ours, mpi = make_calls(op, send, recv, group, comm, None)
+    mpi()
+    got = ours().numpy()
+    if got.shape != recv.shape or not np.array_equal(got, recv):
+        bad = int(np.sum(got != recv)) if got.shape == recv.shape else "shape"
+        errors.append(f"{op} {fmt_size(full_bytes)}: ours != MPI on rank {rank} ({bad} diffs)")
+
+    stats = CommStats()
+    ours, mpi = make_calls(op, send, recv, group, comm, stats)
+    t_ours, t_mpi = time_blocks(ours, mpi, iters, warmup, args.repeats, comm)
+
+    calls = warmup + args.repeats * iters
+    expected = calls * (2 if op == "all_reduce" else 1) * (n - 1) * full_bytes // n
+    rec = stats.records.get((group.name, op))
+    if rec is None or rec.calls != calls or rec.bytes != expected:
+        got_b = None if rec is None else (rec.calls, rec.bytes)
+        errors.append(f"{op} {fmt_size(full_bytes)}: CommStats (calls, bytes) = {got_b} on rank "
+                      f"{rank}, ring formula says ({calls}, {expected})")
+
+    factor = BUS_FACTOR[op](n)
+    row = {"op": op, "ranks": n, "bytes": full_bytes, "iters": iters,
+           "ours_us": t_ours * 1e6, "ours_busbw": full_bytes / t_ours * factor / 1e9,
+           "mpi_us": t_mpi * 1e6, "mpi_busbw": full_bytes / t_mpi * factor / 1e9,
+           "ratio": t_ours / t_mpi}
+    return row, errors
+
+
+def print_table(op: str, rows: list[dict], n: int) -> None:
+    """One fixed-width table for ``op``: a row per message size."""
+    print(f"\n# {op}, {n} ranks (busbw in GB/s = 1e9 B/s)")
+    print(f"{'size':>10}{'iters':>7}{'ours us':>12}{'ours busbw':>12}{'MPI us':>12}"
+          f"{'MPI busbw':>12}{'ours/MPI':>10}")
+    for r in rows:
+        print(f"{fmt_size(r['bytes']):>10}{r['iters']:>7}{r['ours_us']:>12.1f}"
+              f"{r['ours_busbw']:>12.3f}{r['mpi_us']:>12.1f}{r['mpi_busbw']:>12.3f}"
+              f"{r['ratio']:>10.2f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {OPS}")
+    p.add_argument("--min-size", type=parse_size, default=1 << 10, help="default 1K")
+    p.add_argument("--max-size", type=parse_size, default=64 << 20, help="default 64M")
+    p.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
+    p.add_argument("--sizes", help="explicit comma list (e.g. 1K,64K,1M); overrides min/max")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per block up to 1 MiB")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up calls per size up to 1 MiB")
+    p.add_argument("--repeats", type=int, default=5, help="timed blocks per size; median")
+    p.add_argument("--csv", type=Path, help="write all rows to this CSV file")
+    p.add_argument("--json", action="store_true", help="print rows as JSON instead of tables")
+    args = p.parse_args(argv)
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    if bad := [o for o in args.ops if o not in OPS]:
+        p.error(f"unknown op(s) {bad}; choose from {OPS}")
+    if args.sizes:
+        try:
+            args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        except argparse.ArgumentTypeError as e:
+            p.error(str(e))
+    else:
+        if args.factor < 2 or args.min_size < 1 or args.max_size < args.min_size:
+            p.error("need --factor >= 2 and 1 <= --min-size <= --max-size")
+        args.sizes = [args.min_size]
+        while args.sizes[-1] * args.factor <= args.max_size:
+            args.sizes.append(args.sizes[-1] * args.factor)
+    if args.iters < 1 or args.warmup < 0 or args.repeats < 1:
+        p.error("need --iters >= 1, --repeats >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark on every rank; return the exit code (1 if a check failed)."""
+    args = parse_args(argv)
+    ctx = init_distributed(device="cpu", backend="gloo")
+    n, rank, comm = ctx.world_size, ctx.rank, MPI.COMM_WORLD
+    if ctx.launcher != "mpiexec" or comm.Get_size() != n:
+        fail_all_ranks("MPI is the baseline, so run under mpiexec: mpiexec -n 2 python "
+                       f"bench/collectives.py (launcher={ctx.launcher}, MPI size "
+                       f"{comm.Get_size()}, torch world {n})", ctx)
+    if n < 2:
+        fail_all_ranks("needs at least 2 ranks: mpiexec -n 2 python bench/collectives.py", ctx)
+    grid = ProcessGrid({"world": n})
+    grid.validate(n)
+    group = grid.create_groups(rank)["world"]  # collective: every rank creates the group
+
+    rows, errors = [], []
+    for op in args.ops:
+        for nbytes in args.sizes:
+            row, errs = bench_one(op, nbytes, args, group, comm)
+            rows.append(row)
+            errors += errs
+    all_errors = [e for errs in comm.gather(errors, root=0) or [] for e in errs]
+    if rank == 0:
+        if args.json:
+            print(json.dumps({"ranks": n, "torch_threads": torch.get_num_threads(),
+                              "timing": TIMING, "failures": all_errors, "rows": rows}))
+        else:
+            mpi_lib = MPI.Get_library_version().split()[0]
+            print(f"collectives bench: {n} ranks, ours (gloo) vs {mpi_lib} via mpi4py, "
+                  f"torch threads/rank={torch.get_num_threads()}\ntime per call: {TIMING}, "
+                  f"{args.repeats} rounds")
+            for op in args.ops:
+                print_table(op, [r for r in rows if r["op"] == op], n)
+        if args.csv:
+            args.csv.parent.mkdir(parents=True, exist_ok=True)
+            with args.csv.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+        for e in all_errors:
+            print(f"FAIL: {e}", file=sys.stderr)
+        if not all_errors and not args.json:
+            print("\nchecks OK: ours == MPI for every size; CommStats bytes == ring formula")
+    failed = comm.bcast(bool(all_errors), root=0)
+    shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
