@@ -172,7 +172,8 @@ class PlexusGCN(nn.Module):
         """The full (unpadded) input features [N, D_0] (or their gradient), original order."""
         src = self.features.grad if grads else self.features.detach()
         blk = _gather_flat(src, self.groups["z"], self.features_shape, None)
-        full_perm = C.all_gather(C.all_gather(blk, self.groups["y"], dim=1), self.groups["x"], dim=0)
+        full_perm = C.all_gather(C.all_gather(blk, self.groups["y"], dim=1),
+                                 self.groups["x"], dim=0)
         out = torch.empty_like(full_perm)
         out[torch.from_numpy(self.shard.pc)] = full_perm
         return out[: self.shard.num_nodes, : self.shard.widths[0]]

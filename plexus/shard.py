@@ -13,6 +13,7 @@ Shapes (N = padded nodes; roles (O, I, P) of layer l, see plexus.partition):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,13 +68,16 @@ def flat_shard(block: torch.Tensor, num_p: int, p: int) -> torch.Tensor:
 
 def to_torch_csr(m: sp.csr_matrix) -> torch.Tensor:
     """scipy CSR -> torch CSR, int32 indices when they fit (a third less index memory)."""
-    idx = torch.int32 if max(m.nnz, *m.shape) < 2**31 else torch.int64
-    return torch.sparse_csr_tensor(
-        torch.from_numpy(m.indptr.astype(np.int64)).to(idx),
-        torch.from_numpy(m.indices.astype(np.int64)).to(idx),
-        torch.from_numpy(m.data.astype(np.float32)),
-        size=m.shape,
-    )
+    idx = np.int32 if max(m.nnz, *m.shape) < 2**31 else np.int64
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(
+            torch.from_numpy(m.indptr.astype(idx)),
+            torch.from_numpy(m.indices.astype(idx)),
+            torch.from_numpy(m.data.astype(np.float32)),
+            size=m.shape,
+            check_invariants=False,  # built by scipy: sorted, in range
+        )
 
 
 def shard_graph(

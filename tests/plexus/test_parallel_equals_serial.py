@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.comm_stats import CommStats
 from common.grid import ProcessGrid
 from plexus.datasets import planted_partition
 from plexus.loss import sharded_cross_entropy
@@ -62,7 +63,8 @@ def _parallel(ctx, cases):
         shard = shard_graph(graph, grid.shape, coords, num_layers=num_layers, hidden=HIDDEN,
                             permutation=mode, seed=11)
         model = PlexusGCN(shard, groups, learn_features=True, seed=5)
-        logits = model()
+        stats = CommStats()  # the model's collectives only (the loss gets none)
+        logits = model(stats)
         o_ax, _, p_ax = ("x", "y", "z") if (num_layers - 1) % 3 == 0 else (
             ("z", "x", "y") if (num_layers - 1) % 3 == 1 else ("y", "z", "x"))
         loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
@@ -71,6 +73,9 @@ def _parallel(ctx, cases):
                                      group_o=groups[o_ax], group_p=groups[p_ax])
         loss.backward()
         out.append({
+            "bytes": {k: v["bytes"] for k, v in stats.as_dict().items()},
+            "shape": grid.shape, "n_pad": shard.num_nodes_padded,
+            "widths_pad": shard.widths_padded,
             "case": (grid_text, mode, num_layers),
             "loss": loss.item(),
             "logits": logits.detach(),
@@ -108,8 +113,46 @@ def _assert_matches(results):
             for lw, (got, want) in enumerate(zip(r["wgrads"], ref["wgrads"])):
                 assert rel(got, want) < 1e-5, f"{tag}: grad of W_{lw} differs ({rel(got, want)})"
             assert rel(r["xgrad"], ref["xgrad"]) < 1e-5, f"{tag}: feature gradient differs"
+            assert r["bytes"] == expected_bytes(r["shape"], r["n_pad"], r["widths_pad"]), tag
         assert not torch.isnan(logits).any(), f"{tag}: some logits not held by any rank"
         assert rel(logits, ref["logits"]) < 1e-5, f"{tag}: logits differ"
+
+
+def expected_bytes(shape, n, widths):
+    """Ring volumes per rank of plexus-3d.md section 4, summed per (axis, op), float32,
+    trainable features (so collective 8 runs at layer 0 too)."""
+    roles = [("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x")]
+    out = {}
+
+    def add(axis, op, full_bytes):
+        g = shape[axis]
+        if g > 1:
+            factor = 2 * (g - 1) if op == "all_reduce" else (g - 1)
+            key = f"{axis}/{op}"
+            out[key] = out.get(key, 0) + factor * full_bytes // g
+
+    def flat(numel, g):  # a flat shard is padded to a multiple of g elements
+        return -(-numel // g) * g * 4
+
+    for layer in range(len(widths) - 1):
+        o, i, p = roles[layer % 3]
+        d_in, d_out = widths[layer], widths[layer + 1]
+        f_block = (n // shape[o]) * (d_in // shape[i])
+        w_block = (d_in // shape[i]) * (d_out // shape[o])
+        h_bytes = (n // shape[p]) * (d_in // shape[i]) * 4
+        q_bytes = (n // shape[p]) * (d_out // shape[o]) * 4
+        if layer == 0:
+            add(p, "all_gather", flat(f_block, shape[p]))        # (1)
+            add(p, "reduce_scatter", flat(f_block, shape[p]))    # (8) trainable features
+        else:
+            add(p, "all_reduce", f_block * 4)                    # (8)
+        add(o, "all_reduce", h_bytes)                            # (2)
+        add(p, "all_gather", flat(w_block, shape[p]))            # (3)
+        add(i, "all_reduce", q_bytes)                            # (4)
+        add(p, "all_gather", flat(w_block, shape[p]))            # (5)
+        add(p, "reduce_scatter", flat(w_block, shape[p]))        # (6)
+        add(o, "all_reduce", h_bytes)                            # (7)
+    return out
 
 
 MODES = ("none", "single", "double")
