@@ -134,25 +134,44 @@ class PlexusGCN(nn.Module):
         else:
             self.register_buffer("features", feat)
         self.features_shape = tuple(shard.features_block.shape)
+        # With fixed input features, H_0 = A_0 F_0 is the same every epoch: compute it (with
+        # collectives 1 and 2) once and reuse it, saving one SpMM per epoch.
+        self.cache_first_aggregation = not learn_features
+        self._h0: torch.Tensor | None = None
 
     def forward(self, stats: CommStats | None = None) -> torch.Tensor:
         g = self.groups
         f = None
         for layer in range(self.num_layers):
             o_ax, i_ax, p_ax = part.roles(layer)
-            if layer == 0:
-                f = CA.all_gather_reduce_scatter(self.features, g[p_ax], stats=stats)
-                f = f[: math.prod(self.features_shape)].view(self.features_shape)
+            if layer == 0 and self._h0 is not None:
+                h = self._h0
             else:
-                f = CA.identity_all_reduce(f, g[p_ax], stats)
-            adj = self.shard.adj[layer % 6]
-            h = _SpMM.apply(adj.a, adj.a_t, f)
-            h = CA.identity_all_reduce(CA.all_reduce_identity(h, g[o_ax], stats), g[o_ax], stats)
+                h = self._aggregate(layer, f, stats)
+                if layer == 0 and self.cache_first_aggregation:
+                    self._h0 = h.detach()
             q = _GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
                                       self.block_shapes[layer], stats)
             q = CA.all_reduce_identity(q, g[i_ax], stats)
             f = torch.relu(q) if layer < self.num_layers - 1 else q
         return f
+
+    def _aggregate(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
+        """H_l = A_l F_l, all-reduced over O (collectives 1, 2; backward 7, 8)."""
+        g = self.groups
+        o_ax, _, p_ax = part.roles(layer)
+        if layer == 0:
+            f = CA.all_gather_reduce_scatter(self.features, g[p_ax], stats=stats)
+            f = f[: math.prod(self.features_shape)].view(self.features_shape)
+        else:
+            f = CA.identity_all_reduce(f, g[p_ax], stats)
+        adj = self.shard.adj[layer % 6]
+        h = _SpMM.apply(adj.a, adj.a_t, f)
+        return CA.identity_all_reduce(CA.all_reduce_identity(h, g[o_ax], stats), g[o_ax], stats)
+
+    def _apply(self, fn, recurse=True):  # .to(device) etc. must not keep a stale cache
+        self._h0 = None
+        return super()._apply(fn, recurse)
 
     @torch.no_grad()
     def full_weights(self, grads: bool = False) -> list[torch.Tensor]:

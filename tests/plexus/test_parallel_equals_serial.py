@@ -54,7 +54,7 @@ def serial_reference(graph, num_layers, hidden, seed):
 def _parallel(ctx, cases):
     torch.manual_seed(0)
     out = []
-    for grid_text, mode, num_layers in cases:
+    for grid_text, mode, num_layers, learn in cases:
         graph = small_graph()
         grid = ProcessGrid.parse(grid_text)
         grid.validate(ctx.world_size)
@@ -62,7 +62,10 @@ def _parallel(ctx, cases):
         coords = grid.coords(ctx.rank)
         shard = shard_graph(graph, grid.shape, coords, num_layers=num_layers, hidden=HIDDEN,
                             permutation=mode, seed=11)
-        model = PlexusGCN(shard, groups, learn_features=True, seed=5)
+        model = PlexusGCN(shard, groups, learn_features=learn, seed=5)
+        if not learn:  # fixed features: the first pass caches H_0, the second must reuse it
+            model()
+            assert model._h0 is not None
         stats = CommStats()  # the model's collectives only (the loss gets none)
         logits = model(stats)
         o_ax, _, p_ax = ("x", "y", "z") if (num_layers - 1) % 3 == 0 else (
@@ -76,13 +79,13 @@ def _parallel(ctx, cases):
             "bytes": {k: v["bytes"] for k, v in stats.as_dict().items()},
             "shape": grid.shape, "n_pad": shard.num_nodes_padded,
             "widths_pad": shard.widths_padded,
-            "case": (grid_text, mode, num_layers),
+            "case": (grid_text, mode, num_layers, learn),
             "loss": loss.item(),
             "logits": logits.detach(),
             "rows": shard.out_rows,
             "class_offset": groups[o_ax].rank * logits.shape[1],
             "wgrads": model.full_weights(grads=True),
-            "xgrad": model.full_features(grads=True),
+            "xgrad": model.full_features(grads=True) if learn else None,
         })
     return out
 
@@ -96,8 +99,8 @@ def _assert_matches(results):
     graph = small_graph()
     refs = {}
     for per_rank in zip(*results):  # one case, every rank
-        grid_text, mode, num_layers = per_rank[0]["case"]
-        tag = f"grid {grid_text} permutation {mode} layers {num_layers}"
+        grid_text, mode, num_layers, learn = per_rank[0]["case"]
+        tag = f"grid {grid_text} permutation {mode} layers {num_layers} learn {learn}"
         if num_layers not in refs:
             refs[num_layers] = serial_reference(graph, num_layers, HIDDEN, seed=5)
         ref = refs[num_layers]
@@ -112,8 +115,9 @@ def _assert_matches(results):
                     r["logits"][torch.from_numpy(real), :width].double()
             for lw, (got, want) in enumerate(zip(r["wgrads"], ref["wgrads"])):
                 assert rel(got, want) < 1e-5, f"{tag}: grad of W_{lw} differs ({rel(got, want)})"
-            assert rel(r["xgrad"], ref["xgrad"]) < 1e-5, f"{tag}: feature gradient differs"
-            assert r["bytes"] == expected_bytes(r["shape"], r["n_pad"], r["widths_pad"]), tag
+            if learn:
+                assert rel(r["xgrad"], ref["xgrad"]) < 1e-5, f"{tag}: feature gradient differs"
+                assert r["bytes"] == expected_bytes(r["shape"], r["n_pad"], r["widths_pad"]), tag
         assert not torch.isnan(logits).any(), f"{tag}: some logits not held by any rank"
         assert rel(logits, ref["logits"]) < 1e-5, f"{tag}: logits differ"
 
@@ -159,7 +163,10 @@ MODES = ("none", "single", "double")
 
 
 def _cases(grids):
-    return [(g, m, 3 if i % 2 == 0 else 4) for g in grids for i, m in enumerate(MODES)]
+    """Every permutation mode with trainable features (3 or 4 layers), plus the cached
+    fixed-feature path once per grid."""
+    return [(g, m, 3 if i % 2 == 0 else 4, True) for g in grids for i, m in enumerate(MODES)] \
+        + [(g, "double", 4, False) for g in grids]
 
 
 @pytest.mark.parametrize("world, grids", [
