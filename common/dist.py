@@ -20,14 +20,22 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import signal
 import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPC_DIST_TIMEOUT", "300"))
+# a rank whose heartbeat stalls this long is declared lost (detection within ~this + 2 s)
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("HPC_HEARTBEAT_TIMEOUT", "30"))
+_PEER_LOST = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|Socket Timeout|"
+                        r"Connection refused|NCCL (error|communicator was aborted)")
 _MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
@@ -132,6 +140,7 @@ def init_distributed(
     launcher: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     set_threads: bool = True,
+    watchdog: bool = True,
 ) -> DistContext:
     """Start ``torch.distributed`` for this process and return its :class:`DistContext`.
 
@@ -142,6 +151,8 @@ def init_distributed(
         timeout_s: collective timeout: a lost or stuck peer raises after this long.
         set_threads: give each rank ``cores / ranks-on-this-node`` torch threads, so ranks
             sharing a machine do not fight over cores (``OMP_NUM_THREADS`` wins if set).
+        watchdog: with several ranks, start a heartbeat thread (:class:`Watchdog`) so that a
+            killed rank makes every other rank exit non-zero, naming it, instead of hanging.
     """
     launcher = launcher or detect_launcher()
     rank, world, local_rank, local_world, addr, port = _rendezvous(launcher)
@@ -172,11 +183,131 @@ def init_distributed(
             dist.init_process_group(
                 backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
             )
+    if watchdog and world > 1 and _WATCHDOG[0] is None:
+        store = _default_store()
+        if store is not None:
+            _WATCHDOG[0] = Watchdog(store, rank, world)
     return DistContext(rank, world, local_rank, local_world, dev, backend, launcher)
+
+
+def _default_store():
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - private API; without it there is no watchdog
+        return None
+
+
+class Watchdog:
+    """Heartbeats through the rendezvous store; turns a lost peer into a prompt, named exit.
+
+    Every ``interval_s`` each rank bumps its counter ``hpc/hb/<rank>`` and watches its ring
+    successor's. If the successor's counter has not moved for ``timeout_s``, the rank posts
+    ``hpc/abort`` naming it; every rank polls that key and exits with status 1 and the message.
+    If the store itself is gone (its host died), the rank exits naming the store's host.
+    """
+
+    def __init__(self, store, rank: int, world: int, *, interval_s: float = 2.0,
+                 timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
+        self.thread.start()
+
+    def _die(self, message: str) -> None:
+        if self.stopped.wait(2 * self.interval_s):  # a clean shutdown raced us: stay quiet
+            return
+        print(f"[rank {self.rank}] error: {message}; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _run(self) -> None:
+        succ = (self.rank + 1) % self.world
+        beat, seen, since = 0, None, time.monotonic()
+        while not self.stopped.is_set():
+            try:
+                beat += 1
+                self.store.set(f"hpc/hb/{self.rank}", str(beat))
+                if self.store.check(["hpc/abort"]):
+                    return self._die(self.store.get("hpc/abort").decode())
+                key = f"hpc/hb/{succ}"
+                value = self.store.get(key) if self.store.check([key]) else None
+                done = self.store.check([f"hpc/done/{succ}"])
+            except Exception as e:  # noqa: BLE001 - the store's host is gone
+                return self._die(f"lost contact with the rendezvous store ({type(e).__name__}"
+                                 "); rank 0 or the launcher that hosts it was probably lost")
+            now = time.monotonic()
+            if value != seen or done:
+                seen, since = value, now
+            elif now - since > self.timeout_s:
+                msg = f"rank {succ} was lost (no heartbeat for {self.timeout_s:.0f} s)"
+                try:
+                    self.store.set("hpc/abort", msg)
+                except Exception:  # noqa: BLE001
+                    pass
+                return self._die(msg)
+            self.stopped.wait(self.interval_s)
+
+    def stop(self) -> None:
+        try:
+            self.store.set(f"hpc/done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+        self.stopped.set()
+        self.thread.join(timeout=5)
+
+
+_WATCHDOG: list[Watchdog | None] = [None]  # one per process, owned by init/shutdown
+
+
+def preemption_flag(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+                    ) -> Callable[[], bool]:
+    """Install handlers for the scheduler's preemption signals; return ``requested()``.
+
+    Slurm sends SIGTERM (or ``--signal=USR1@T``) before killing a job: the trainers check the
+    flag once per epoch/step (agreed across ranks), write a checkpoint and exit cleanly.
+    """
+    hit = threading.Event()
+    for sig in signals:
+        signal.signal(sig, lambda *_: hit.set())
+    return hit.is_set
+
+
+def is_comm_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because a peer is gone (not a bug of ours).
+
+    Gloo raises a plain RuntimeError ("Connection closed by peer ..."); newer torch raises
+    ``torch.distributed.DistError`` subclasses.
+    """
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    return isinstance(error, (RuntimeError, ConnectionError)) and bool(
+        _PEER_LOST.search(str(error)))
+
+
+def exit_on_comm_failure(error: BaseException, ctx: DistContext | None) -> None:
+    """A collective failed (a peer vanished): let the watchdog name the lost rank, then exit.
+
+    Gloo and NCCL report a dead peer as a generic connection error on the survivors; the
+    watchdog (if running) identifies which rank stopped heart-beating within
+    ``HEARTBEAT_TIMEOUT_S`` and exits the process with that message. Without a watchdog,
+    or if it finds nothing, exit 1 with the original error.
+    """
+    rank = f"[rank {ctx.rank}] " if ctx else ""
+    print(f"{rank}error: communication failed ({type(error).__name__}: {error}); "
+          "identifying the lost rank...", file=sys.stderr, flush=True)
+    if _WATCHDOG[0] is not None:
+        _WATCHDOG[0].stopped.wait(HEARTBEAT_TIMEOUT_S + 10)  # the watchdog exits before this
+    os._exit(1)
 
 
 def shutdown() -> None:
     """Tear down the process group (safe to call twice or when never initialised)."""
+    if _WATCHDOG[0] is not None:
+        _WATCHDOG[0].stop()
+        _WATCHDOG[0] = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -241,6 +241,10 @@ class DatasetNotFoundError(FileNotFoundError):
     """A dataset's files are absent and could not (or were not allowed to) be downloaded."""
 
 
+class DatasetCorruptError(ValueError):
+    """A dataset's files are present but cannot be parsed (truncated or corrupt)."""
+
+
 @dataclass(frozen=True)
 class _OgbSpec:
     """What ogb 1.3.6 (nodeproppred/master.csv and dataset.py) expects on disk."""
@@ -316,8 +320,14 @@ def load_ogb(name: str, root: str | os.PathLike = _DEFAULT_ROOT, *, download: bo
     with _environ(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_WEIGHTS_ONLY_LOAD=None), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY")
-        dataset = nodeproppred.NodePropPredDataset(name=name, root=str(root))
-        split = dataset.get_idx_split()
+        try:
+            dataset = nodeproppred.NodePropPredDataset(name=name, root=str(root))
+            split = dataset.get_idx_split()
+        except Exception as e:  # noqa: BLE001 - any parse failure means unreadable files
+            raise DatasetCorruptError(
+                f"{name} under {ddir} could not be read ({type(e).__name__}: {e}); a raw or "
+                f"cached file is truncated or corrupt: delete {ddir / 'processed'} and copy "
+                "the raw files again") from e
     graph, labels = dataset[0]
     if graph["node_feat"] is None:
         raise ValueError(f"{name} under {ddir} has no node features (raw node-feat missing?)")

@@ -115,20 +115,12 @@ class PlexusGCN(nn.Module):
         super().__init__()
         self.shard, self.groups = shard, groups
         self.num_layers = len(shard.widths) - 1
-        coords = {a: g.rank for a, g in groups.items()}
-        w_pad = shard.widths_padded
-        self.block_shapes = []
-        weights = []
-        for layer, w in enumerate(init_weights(shard.widths, seed)):
-            o_ax, i_ax, p_ax = part.roles(layer)
-            full = torch.zeros(w_pad[layer], w_pad[layer + 1])
-            full[: w.shape[0], : w.shape[1]] = w
-            blk = full.chunk(groups[i_ax].size, 0)[coords[i_ax]]
-            blk = blk.chunk(groups[o_ax].size, 1)[coords[o_ax]]
-            self.block_shapes.append(tuple(blk.shape))
-            weights.append(nn.Parameter(flat_shard(blk, groups[p_ax].size, coords[p_ax])))
-        self.weights = nn.ParameterList(weights)
-        feat = flat_shard(shard.features_block, groups["z"].size, coords["z"])
+        self.block_shapes = [self._block_shape(layer) for layer in range(self.num_layers)]
+        self.weights = nn.ParameterList(
+            nn.Parameter(self.shard_weight(w, layer))
+            for layer, w in enumerate(init_weights(shard.widths, seed))
+        )
+        feat = flat_shard(shard.features_block, groups["z"].size, groups["z"].rank)
         if learn_features:
             self.features = nn.Parameter(feat)
         else:
@@ -173,26 +165,56 @@ class PlexusGCN(nn.Module):
         self._h0 = None
         return super()._apply(fn, recurse)
 
-    @torch.no_grad()
-    def full_weights(self, grads: bool = False) -> list[torch.Tensor]:
-        """Reassemble every full (unpadded) ``W_l`` (or its gradient) on every rank."""
-        out = []
-        for layer, w in enumerate(self.weights):
-            o_ax, i_ax, p_ax = part.roles(layer)
-            src = w.grad if grads else w.detach()
-            blk = _gather_flat(src, self.groups[p_ax], self.block_shapes[layer], None)
-            full = C.all_gather(C.all_gather(blk, self.groups[i_ax], dim=0),
-                                self.groups[o_ax], dim=1)
-            out.append(full[: self.shard.widths[layer], : self.shard.widths[layer + 1]])
-        return out
+    # ------------------------------------------------------------ full <-> shard maps
+    def _block_shape(self, layer: int) -> tuple[int, int]:
+        o_ax, i_ax, _ = part.roles(layer)
+        w_pad = self.shard.widths_padded
+        return (w_pad[layer] // self.groups[i_ax].size, w_pad[layer + 1] // self.groups[o_ax].size)
+
+    def shard_weight(self, full: torch.Tensor, layer: int) -> torch.Tensor:
+        """This rank's flat shard of a full (unpadded) ``W_l`` [D_l, D_l+1] (or of any tensor
+        laid out like it: its gradient, Adam moments)."""
+        o_ax, i_ax, p_ax = part.roles(layer)
+        g = self.groups
+        w_pad = self.shard.widths_padded
+        padded = full.new_zeros(w_pad[layer], w_pad[layer + 1])
+        padded[: full.shape[0], : full.shape[1]] = full
+        blk = padded.chunk(g[i_ax].size, 0)[g[i_ax].rank].chunk(g[o_ax].size, 1)[g[o_ax].rank]
+        return flat_shard(blk, g[p_ax].size, g[p_ax].rank)
 
     @torch.no_grad()
-    def full_features(self, grads: bool = False) -> torch.Tensor:
-        """The full (unpadded) input features [N, D_0] (or their gradient), original order."""
-        src = self.features.grad if grads else self.features.detach()
-        blk = _gather_flat(src, self.groups["z"], self.features_shape, None)
+    def gather_weight(self, local: torch.Tensor, layer: int) -> torch.Tensor:
+        """Inverse of :meth:`shard_weight`: the full unpadded [D_l, D_l+1] on every rank."""
+        o_ax, i_ax, p_ax = part.roles(layer)
+        blk = _gather_flat(local, self.groups[p_ax], self.block_shapes[layer], None)
+        full = C.all_gather(C.all_gather(blk, self.groups[i_ax], dim=0),
+                            self.groups[o_ax], dim=1)
+        return full[: self.shard.widths[layer], : self.shard.widths[layer + 1]]
+
+    def shard_features(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's flat shard of full input features [N, D_0] in original node order."""
+        g, sh = self.groups, self.shard
+        padded = full.new_zeros(sh.num_nodes_padded, sh.widths_padded[0])
+        padded[: full.shape[0], : full.shape[1]] = full
+        rows = torch.from_numpy(sh.pc).chunk(g["x"].size)[g["x"].rank]
+        blk = padded[rows].chunk(g["y"].size, 1)[g["y"].rank]
+        return flat_shard(blk, g["z"].size, g["z"].rank)
+
+    @torch.no_grad()
+    def gather_features(self, local: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`shard_features`: full [N, D_0] in original order, every rank."""
+        blk = _gather_flat(local, self.groups["z"], self.features_shape, None)
         full_perm = C.all_gather(C.all_gather(blk, self.groups["y"], dim=1),
                                  self.groups["x"], dim=0)
         out = torch.empty_like(full_perm)
         out[torch.from_numpy(self.shard.pc)] = full_perm
         return out[: self.shard.num_nodes, : self.shard.widths[0]]
+
+    def full_weights(self, grads: bool = False) -> list[torch.Tensor]:
+        """Every full (unpadded) ``W_l`` (or its gradient), on every rank (collective)."""
+        return [self.gather_weight(w.grad if grads else w.detach(), layer)
+                for layer, w in enumerate(self.weights)]
+
+    def full_features(self, grads: bool = False) -> torch.Tensor:
+        """The full input features [N, D_0] (or their gradient), original node order."""
+        return self.gather_features(self.features.grad if grads else self.features.detach())

@@ -17,10 +17,18 @@ from typing import Any
 
 import torch
 
-from common.dist import fail_all_ranks, init_distributed, shutdown
+from common.checkpoint import CheckpointError
+from common.dist import (
+    exit_on_comm_failure,
+    fail_all_ranks,
+    init_distributed,
+    is_comm_failure,
+    preemption_flag,
+    shutdown,
+)
 from common.grid import ProcessGrid
 from plexus import partition as part
-from plexus.trainer import TrainConfig, predictions, train_gcn
+from plexus.trainer import CheckpointConfig, TrainConfig, predictions, train_gcn
 
 
 def default_grid(world_size: int) -> ProcessGrid:
@@ -64,6 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write JSON lines (one per epoch, then a summary) from rank 0")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--log-every", type=int, default=10, help="print every N epochs")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write atomic checkpoints here (at the end, every --checkpoint-every "
+                   "epochs, and on SIGTERM/SIGUSR1); needs a filesystem all ranks share")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="K")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest intact checkpoint in --checkpoint-dir "
+                   "(any grid; bit-for-bit on the same grid)")
     return p.parse_args(argv)
 
 
@@ -103,8 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(layers=args.layers, hidden=args.hidden, epochs=args.epochs,
                           lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                           permutation=args.permutation, learn_features=args.learn_features)
+        ck = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
+                              keep=args.keep_checkpoints, resume=args.resume)
         if args.metrics and main_rank:
             _check_writable(args.metrics)
+        if args.checkpoint_dir:
+            _check_writable(os.path.join(args.checkpoint_dir, "x"), create=True)
         from plexus.datasets import load_dataset
 
         graph = load_dataset(args.dataset, root=args.root, seed=args.seed)
@@ -124,9 +144,31 @@ def main(argv: list[str] | None = None) -> int:
                   f"test {100 * row['test_acc']:5.2f}%  {1000 * row['epoch_s']:8.1f} ms/epoch  "
                   f"comm {100 * share:4.1f}%", flush=True)
 
-    result = train_gcn(graph, grid, ctx.rank, cfg, device=ctx.device, on_epoch=on_epoch,
-                       on_setup=lambda shard, model, info: _log_setup(info, shard, model, ctx,
-                                                                      graph, grid))
+    try:
+        result = train_gcn(
+            graph, grid, ctx.rank, cfg, device=ctx.device, on_epoch=on_epoch, checkpoint=ck,
+            should_stop=preemption_flag(),
+            on_setup=lambda shard, model, info: _log_setup(info, shard, model, ctx, graph, grid))
+    except (CheckpointError, FloatingPointError) as e:  # the same on every rank
+        if metrics:
+            metrics.close()
+            os.remove(metrics.name)
+        fail_all_ranks(str(e), ctx)
+    except (RuntimeError, ConnectionError) as e:
+        if not is_comm_failure(e):
+            raise
+        exit_on_comm_failure(e, ctx)  # a peer was lost mid-epoch
+    if main_rank and result.info.get("resumed_from"):
+        print(f"resumed from the checkpoint of epoch {result.info['resumed_from']}", flush=True)
+    if result.info["preempted"]:
+        if main_rank:
+            print(f"preempted (SIGTERM/SIGUSR1): checkpoint written at epoch "
+                  f"{result.history[-1]['epoch']}; rerun with --resume to continue", flush=True)
+            if metrics:
+                metrics.close()
+                os.replace(args.metrics + ".tmp", args.metrics)
+        shutdown()
+        return 0
     summary = _summary(result, graph, grid, ctx, args)
     if main_rank:
         _print_summary(summary)
@@ -138,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check_writable(path: str) -> None:
+def _check_writable(path: str, create: bool = False) -> None:
     folder = os.path.dirname(os.path.abspath(path))
+    if create:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create directory {folder}: {e.strerror}") from e
     if not os.path.isdir(folder):
         raise ValueError(f"--metrics {path}: directory {folder} does not exist")
     if not os.access(folder, os.W_OK):

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from common.checkpoint import list_steps
 from common.comm_stats import CommStats
 from common.grid import AxisGroup, ProcessGrid
+from plexus import checkpoint as ckpt
 from plexus import partition as part
 from plexus.graph import Graph
 from plexus.loss import correct_counts, sharded_argmax, sharded_cross_entropy
@@ -60,6 +62,30 @@ class TrainConfig:
                              f"{part.PERMUTATIONS}")
 
 
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint.
+
+    Attributes:
+        dir: checkpoint directory (None: no checkpoints).
+        every: save every N epochs (0: only at the end and on preemption).
+        keep: complete checkpoints to keep.
+        resume: continue from the newest intact checkpoint in ``dir`` (if there is one).
+    """
+
+    dir: str | None = None
+    every: int = 0
+    keep: int = 3
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ValueError(f"need checkpoint every >= 0 and keep >= 1; got every="
+                             f"{self.every}, keep={self.keep}")
+        if self.resume and not self.dir:
+            raise ValueError("--resume needs --checkpoint-dir")
+
+
 @dataclass
 class TrainResult:
     """Per-epoch metrics (dicts as written to ``--metrics``) and the final state."""
@@ -91,11 +117,17 @@ def train_gcn(
     device: torch.device | str = "cpu",
     on_epoch: Callable[[dict[str, Any]], None] | None = None,
     on_setup: Callable[[GraphShard, PlexusGCN, dict[str, Any]], None] | None = None,
+    checkpoint: CheckpointConfig | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> TrainResult:
     """Train a GCN on ``graph`` with the Plexus 3D algorithm; every rank of ``grid`` calls this.
 
     Accuracies of epoch ``e`` are those of the forward pass of that epoch (before its
     optimizer step), so no extra forward pass is spent on evaluation.
+
+    ``should_stop`` (e.g. :func:`common.dist.preemption_flag`) is checked after every epoch and
+    agreed over all ranks; when it fires, the run checkpoints (if configured) and returns
+    with ``info["preempted"] = True``.
     """
     t0 = time.perf_counter()
     shard, groups, model = setup(graph, grid, rank, cfg)
@@ -110,8 +142,15 @@ def train_gcn(
     labels = shard.labels.to(device)
     masks = {s: m.to(device) for s, m in shard.masks.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    stats, history = CommStats(), []
-    for epoch in range(1, cfg.epochs + 1):
+    stats, history, first = CommStats(), [], 1
+    ck = checkpoint or CheckpointConfig()
+    meta = {**ckpt.identity(model, graph.name), "config": asdict(cfg), "grid": str(grid)}
+    if ck.resume and list_steps(ck.dir):
+        done, history = ckpt.load(ck.dir, model, opt, meta=meta)
+        first = done + 1
+        info["resumed_from"] = done
+    info["preempted"] = False
+    for epoch in range(first, cfg.epochs + 1):
         stats.reset()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -141,7 +180,24 @@ def train_gcn(
         history.append(row)
         if on_epoch is not None:
             on_epoch(row)
+        stop = should_stop is not None and _any_rank(should_stop(), device)
+        if ck.dir and (stop or epoch == cfg.epochs or (ck.every and epoch % ck.every == 0)):
+            ckpt.save(ck.dir, model, opt, epoch=epoch, history=history, meta=meta,
+                      keep=ck.keep)
+        if stop:
+            info["preempted"] = True
+            break
     return TrainResult(history, model, shard, groups, info)
+
+
+def _any_rank(flag: bool, device: torch.device | str) -> bool:
+    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 @torch.no_grad()
