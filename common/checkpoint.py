@@ -27,7 +27,7 @@ from typing import Any
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or belongs to another model."""
 
 

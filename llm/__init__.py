@@ -1,6 +1,14 @@
-"""GPT training with the goldfish loss, built to run on a 4D (data x depth x row x col) grid.
+"""GPT training with the goldfish loss on a 4D (data x depth x row x col) grid.
 
-Modules: ``model`` (the GPT maths, no communication), ``goldfish`` (which target tokens the
-goldfish loss drops, and the loss itself), ``data`` (byte tokenizer, offline corpus, resumable
-batch iterator). Parallelization is applied to the model by a separate function.
+Maths (no communication): ``model`` (the GPT and its presets), ``goldfish`` (which targets
+the goldfish loss drops), ``data`` (byte tokenizer, offline corpus, resumable batches),
+``rouge`` (ROUGE-L).
+
+Parallelism: ``tp`` (the 3D tensor-parallel Linear, embedding and RMSNorm, with the OAR / ORS /
+OAG overlaps), ``parallel`` (``ParallelGPT``: slices a full GPT onto the grid, gradient sync and
+clipping, gathering full tensors back), ``loss`` (vocabulary-sharded cross-entropy).
+
+Training: ``trainer`` (configs, AdamW with warmup + cosine, the step, evaluation, grid-independent
+state), ``checkpoint`` (atomic files), ``train`` (the loop and the CLI ``python -m llm.train``),
+``memorization`` (``python -m llm.memorization``), ``sample`` (``python -m llm.sample``).
 """

@@ -1,0 +1,123 @@
+"""Memorization test (llm-4d-goldfish.md section 5): can the model recite a document's end?
+
+For each of the first N training documents, cut exactly as in training (``--seq-len`` + 1
+tokens, :func:`llm.data.truncate_docs`): prefix = all but the last S tokens, suffix = the last
+S. The model decodes S tokens greedily after the prefix. Exact match = all S tokens identical;
+ROUGE-L (:mod:`llm.rouge`) is computed between the generated and the true suffix tokens.
+
+    python -m llm.memorization --checkpoint runs/std --docs 32 --suffix-len 32 [--json]
+
+The checkpoint's full weights are loaded into a single-process GPT (any training grid); the
+documents default to the checkpoint's corpus, ``--docs`` and ``--seq-len``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llm import checkpoint
+from llm import data as D
+from llm.rouge import rouge_l
+
+
+def split_document(tokens: Tensor, suffix_len: int) -> tuple[Tensor, Tensor]:
+    """(prefix, suffix) = (all but the last ``suffix_len`` tokens, the last ``suffix_len``).
+
+    Raises:
+        ValueError: the document has no token left for the prefix.
+    """
+    if suffix_len < 1:
+        raise ValueError(f"--suffix-len must be >= 1, got {suffix_len}")
+    if tokens.numel() <= suffix_len:
+        raise ValueError(f"a document of {tokens.numel()} tokens has no prefix before a "
+                         f"{suffix_len}-token suffix; use a smaller --suffix-len")
+    return tokens[:-suffix_len], tokens[-suffix_len:]
+
+
+@torch.no_grad()
+def memorization(model: Any, docs: Sequence[Tensor], suffix_len: int,
+                 batch_size: int = 64) -> dict[str, Any]:
+    """Exact-match rate and mean ROUGE-L of greedy suffixes.
+
+    Args:
+        model: anything with ``generate(idx [B, T0], max_new_tokens) -> [B, T0 + S]``
+            (a :class:`llm.model.GPT`).
+        docs: int64 token tensors, each cut as in training.
+        suffix_len: S.
+        batch_size: documents decoded together (documents of equal length are batched).
+
+    Returns:
+        ``exact_match`` (fraction), ``rouge_l`` (mean), ``num_docs``, ``suffix_len``,
+        ``exact`` (list of bool per document) and ``rouge`` (list of float per document).
+    """
+    pieces = [split_document(doc, suffix_len) for doc in docs]
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for i, (prefix, _) in enumerate(pieces):
+        by_length[prefix.numel()].append(i)
+    generated: dict[int, Tensor] = {}
+    for ids in by_length.values():
+        for start in range(0, len(ids), batch_size):
+            chunk = ids[start : start + batch_size]
+            prefixes = torch.stack([pieces[i][0] for i in chunk])  # [b, T0]
+            out = model.generate(prefixes, max_new_tokens=suffix_len)[:, -suffix_len:]
+            generated.update(zip(chunk, out))
+    exact = [bool(torch.equal(generated[i], pieces[i][1])) for i in range(len(docs))]
+    rouge = [rouge_l(generated[i].tolist(), pieces[i][1].tolist()) for i in range(len(docs))]
+    return {"exact_match": sum(exact) / len(docs), "rouge_l": sum(rouge) / len(docs),
+            "num_docs": len(docs), "suffix_len": suffix_len, "exact": exact, "rouge": rouge}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m llm.memorization", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="directory holding checkpoint.pt")
+    p.add_argument("--docs", type=int, default=None, help="first N documents (default: the "
+                   "checkpoint's --docs)")
+    p.add_argument("--suffix-len", type=int, default=50, help="S tokens to recite")
+    p.add_argument("--seq-len", type=int, default=None, help="truncation (default: the "
+                   "checkpoint's)")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="text files (default: the checkpoint's corpus)")
+    p.add_argument("--text-split", choices=("files", "paragraphs"), default="files")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        model, state = checkpoint.load_model(args.checkpoint)
+        data = state["configs"]["data"]
+        num_docs = args.docs if args.docs is not None else data["docs"]
+        if num_docs is None:
+            raise ValueError("the checkpoint was trained on a stream; pass --docs N")
+        seq_len = args.seq_len or data["seq_len"]
+        source, paths = ((args.text_split, args.text) if args.text else
+                         (data["source"], data["paths"] or None))
+        docs = D.truncate_docs(D.load_documents(source, paths), num_docs, seq_len)
+        result = memorization(model, docs, args.suffix_len)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result.update(checkpoint=str(args.checkpoint),
+                  step=state["step"], seq_len=seq_len, goldfish=state["configs"]["goldfish"])
+    if args.json:
+        print(json.dumps(result))
+    else:
+        hits = sum(result["exact"])
+        print(f"{result['num_docs']} documents, {args.suffix_len}-token suffixes "
+              f"(checkpoint step {state['step']}): exact match {hits}/{result['num_docs']} = "
+              f"{100 * result['exact_match']:.1f}%, ROUGE-L {result['rouge_l']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""Parallelize a GPT over the 4D grid ``data x depth x row x col`` (llm-4d-goldfish.md).
+
+:class:`ParallelGPT` takes the full :class:`llm.model.GPT` built from the seed on every rank
+and keeps this rank's slice of each weight, so every grid trains the same model as one
+process. The model's modules are swapped for those of :mod:`llm.tp` and its own ``forward``
+runs unchanged (attention takes its local heads from the shapes).
+
+Layout of each parameter (``ShardSpec``; dims zero-padded to a multiple of the axis size):
+
+=====================  =================  ==========================  ====================
+parameter              full shape         split (dim 0, dim 1)        then
+=====================  =================  ==========================  ====================
+q, k, v, gate, up      [out, in]          row, col  (normal)          flat, 1/Z over depth
+o_proj, down_proj      [out, in]          col, row  (transposed)      flat, 1/Z over depth
+lm_head                [V, D]             row, col  (normal)          flat, 1/Z over depth
+tok_emb                [V, D]             -, col                      flat, 1/Z over depth
+RMSNorm weights        [D]                col                         replicated on depth
+=====================  =================  ==========================  ====================
+
+Embeddings are untied (a tie would couple two differently sharded tensors; ``ValueError``
+on a tensor-parallel grid). The batch is split over data and depth. After backward,
+gradients are all-reduced over data, and those of the replicated RMSNorm weights over data
+and depth. On a grid with depth = row = col = 1 the GPT's modules are kept as they are (the
+fast path: plain PyTorch, plus the data-parallel all-reduce when data > 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from common import collectives as C
+from common.comm_stats import CommStats
+from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
+from llm.model import GPT, GPTConfig
+from llm.tp import (
+    DepthGrads,
+    DepthWeights,
+    Overlap,
+    ParallelEmbedding,
+    ParallelLinear,
+    ParallelRMSNorm,
+)
+
+NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+TRANSPOSED = ("o_proj", "down_proj")
+
+
+def make_groups(grid: ProcessGrid, rank: int) -> dict[str, AxisGroup]:
+    """Axis groups the trainer uses; collective: every rank calls it, in the same order.
+
+    Keys: ``data``, ``depth``, ``row``, ``col``, ``data+depth`` (batch split: loss sums,
+    replicated gradients) and ``depth+row+col`` (the gradient norm).
+    """
+    return grid.create_groups(rank, [*AXONN_AXES, ("data", "depth"), ("depth", "row", "col")])
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter of the serial GPT is laid out on the grid.
+
+    Attributes:
+        shape: full (serial) shape.
+        axes: for each tensor dim, the grid axis splitting it, or None.
+        flat: the block is flattened and split 1/Z over depth (zero-padded to Z chunks).
+        replicated: axes other than data over which every member holds the same shard.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    flat: bool = False
+    replicated: tuple[str, ...] = ()
+
+    def block_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """Shape of this rank's block before flattening (padded dims divided by the axis)."""
+        return tuple(-(-n // sizes[a]) if a else n for n, a in zip(self.shape, self.axes))
+
+    def shard_numel(self, sizes: Mapping[str, int]) -> int:
+        return -(-math.prod(self.block_shape(sizes)) // sizes["depth"])
+
+
+def check_grid(config: GPTConfig, sizes: Mapping[str, int]) -> None:
+    """ValueError (with the arithmetic) when ``config`` cannot be split over the grid."""
+    row = sizes["row"]
+    if config.n_head % row or config.num_kv_heads % row:
+        raise ValueError(
+            f"heads are split over row: n_head={config.n_head} and n_kv_head="
+            f"{config.num_kv_heads} must be divisible by row={row} ({config.n_head} % {row} = "
+            f"{config.n_head % row}, {config.num_kv_heads} % {row} = {config.num_kv_heads % row})")
+    if config.tie_embeddings and is_tensor_parallel(sizes):
+        raise ValueError("tie_embeddings=True needs depth = row = col = 1: the embedding and "
+                         "the LM head are sharded differently on a tensor-parallel grid")
+
+
+def is_tensor_parallel(sizes: Mapping[str, int]) -> bool:
+    return any(sizes[a] > 1 for a in ("depth", "row", "col"))
+
+
+def param_specs(config: GPTConfig, sizes: Mapping[str, int]) -> dict[str, ShardSpec]:
+    """Layout of every GPT parameter (module docstring), keyed by its state_dict name. Pure."""
+    d, v, f = config.d_model, config.vocab_size, config.d_ff
+    kv = config.num_kv_heads * config.head_dim
+    tp = is_tensor_parallel(sizes)  # if not: the fast path, full tensors in natural shapes
+    specs: dict[str, ShardSpec] = {}
+
+    def add(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], flat: bool,
+            replicated: tuple[str, ...]) -> None:
+        specs[name] = ShardSpec(shape, axes if tp else (None,) * len(shape), flat and tp,
+                                replicated if tp else ())
+
+    add("tok_emb.weight", (v, d), (None, "col"), True, ("row",))
+    out_features = {"q_proj": d, "k_proj": kv, "v_proj": kv, "o_proj": d,
+                    "gate_proj": f, "up_proj": f, "down_proj": d}
+    in_features = {"q_proj": d, "k_proj": d, "v_proj": d, "o_proj": d,
+                   "gate_proj": d, "up_proj": d, "down_proj": f}
+    for i in range(config.n_layer):
+        add(f"blocks.{i}.attn_norm.weight", (d,), ("col",), False, ("row", "depth"))
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            add(f"blocks.{i}.attn.{proj}.weight", (out_features[proj], in_features[proj]),
+                ("col", "row") if proj in TRANSPOSED else ("row", "col"), True, ())
+        add(f"blocks.{i}.mlp_norm.weight", (d,), ("col",), False, ("row", "depth"))
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            add(f"blocks.{i}.mlp.{proj}.weight", (out_features[proj], in_features[proj]),
+                ("col", "row") if proj in TRANSPOSED else ("row", "col"), True, ())
+    add("norm.weight", (d,), ("col",), False, ("row", "depth"))
+    if not config.tie_embeddings:
+        add("lm_head.weight", (v, d), ("row", "col"), True, ())
+    return specs
+
+
+def shard_tensor(full: Tensor, spec: ShardSpec, sizes: Mapping[str, int],
+                 coords: Mapping[str, int]) -> Tensor:
+    """This rank's shard of a full tensor (pure slicing, no communication).
+
+    Shapes:
+        full: spec.shape -> spec.block_shape(sizes), or [spec.shard_numel(sizes)] when flat
+    """
+    if tuple(full.shape) != spec.shape:
+        raise ValueError(f"expected a tensor of shape {spec.shape}, got {tuple(full.shape)}")
+    block = spec.block_shape(sizes)
+    x = full.detach()
+    for dim, axis in enumerate(spec.axes):
+        if axis:
+            start = coords[axis] * block[dim]
+            stop = min(start + block[dim], x.shape[dim])  # the last block may be all padding
+            x = x.narrow(dim, min(start, stop), max(0, stop - start))
+    out = torch.zeros(block, dtype=full.dtype, device=full.device)  # zero padding
+    out[tuple(slice(0, n) for n in x.shape)] = x
+    if not spec.flat:
+        return out
+    size = spec.shard_numel(sizes)
+    flat = torch.zeros(size * sizes["depth"], dtype=full.dtype, device=full.device)
+    flat[: out.numel()] = out.reshape(-1)
+    return flat[coords["depth"] * size : (coords["depth"] + 1) * size].clone()
+
+
+def gather_tensor(local: Tensor, spec: ShardSpec, groups: Mapping[str, AxisGroup],
+                  stats: CommStats | None = None) -> Tensor:
+    """The full tensor from every rank's shard; collective over depth, row and col.
+
+    Shapes:
+        local: a shard as returned by :func:`shard_tensor` -> spec.shape
+    """
+    sizes = {a: groups[a].size for a in AXONN_AXES}
+    x = local.detach()
+    if spec.flat:
+        block = spec.block_shape(sizes)
+        x = C.all_gather(x, groups["depth"], stats=stats)[: math.prod(block)].view(block)
+    for dim, axis in enumerate(spec.axes):
+        if axis:
+            x = C.all_gather(x.contiguous(), groups[axis], dim=dim, stats=stats)
+    return x[tuple(slice(0, n) for n in spec.shape)].clone()
+
+
+def batch_shard(batch: Tensor, groups: Mapping[str, AxisGroup], pad_value: int | bool) -> Tensor:
+    """This rank's rows of a global batch, split over data then depth (depth fastest).
+
+    Rows are padded with ``pad_value`` up to a multiple of data * depth (padding rows carry
+    ignored targets, so they change no loss or gradient).
+
+    Shapes:
+        batch: [B, T] -> [ceil(B / (D * Z)), T]
+    """
+    parts = groups["data"].size * groups["depth"].size
+    index = groups["data"].rank * groups["depth"].size + groups["depth"].rank
+    rows = -(-batch.shape[0] // parts)
+    if rows * parts != batch.shape[0]:
+        pad = batch.new_full((rows * parts - batch.shape[0], *batch.shape[1:]), pad_value)
+        batch = torch.cat((batch, pad))
+    return batch[index * rows : (index + 1) * rows]
+
+
+class ParallelGPT(nn.Module):
+    """A :class:`~llm.model.GPT` sharded over the 4D grid (see the module docstring).
+
+    Args:
+        model: the full GPT, identical on every rank (built from the same seed); its modules
+            are replaced in place by sharded ones.
+        groups: from :func:`make_groups`.
+        overlap: communication overlap switches (default: all on; results are identical
+            either way).
+        stats: byte accounting for every collective of the model (may be None).
+
+    Shapes:
+        forward: idx int64 [B/(D*Z), T] -> logits [B/(D*Z), T, V_pad/R] (vocab split over row,
+        padded vocab ids >= V hold zero weights), replicated over col.
+
+    The logits are sharded, so there is no ``generate`` here: sample from a plain GPT loaded
+    with :meth:`full_state_dict` (or from a checkpoint, ``python -m llm.sample``).
+    """
+
+    def __init__(self, model: GPT, groups: Mapping[str, AxisGroup], *,
+                 overlap: Overlap | None = None, stats: CommStats | None = None) -> None:
+        super().__init__()
+        overlap = Overlap() if overlap is None else overlap
+        self.config, self.groups = model.config, dict(groups)
+        self.overlap, self.stats = overlap, stats
+        self.sizes = {a: groups[a].size for a in AXONN_AXES}
+        self.coords = {a: groups[a].rank for a in AXONN_AXES}
+        check_grid(self.config, self.sizes)
+        self.specs = param_specs(self.config, self.sizes)
+        self.depth_weights = DepthWeights(groups["depth"], prefetch=overlap.oag, stats=stats)
+        self.depth_grads = DepthGrads(groups["depth"], defer=overlap.ors, stats=stats)
+        if is_tensor_parallel(self.sizes):
+            self._swap_modules(model)
+        self.model = model
+
+    def _swap_modules(self, model: GPT) -> None:
+        full = dict(model.named_parameters())
+        g, cfg, stats = self.groups, self.config, self.stats
+
+        def shard(name: str) -> Tensor:
+            return shard_tensor(full[name], self.specs[name], self.sizes, self.coords)
+
+        def linear(name: str, transposed: bool) -> ParallelLinear:
+            return ParallelLinear(shard(name), self.specs[name].block_shape(self.sizes),
+                                  transposed=transposed, groups=g, weights=self.depth_weights,
+                                  grads=self.depth_grads, overlap=self.overlap, stats=stats)
+
+        def norm(name: str) -> ParallelRMSNorm:
+            return ParallelRMSNorm(shard(name), cfg.d_model, cfg.norm_eps, g["col"], stats)
+
+        model.tok_emb = ParallelEmbedding(shard("tok_emb.weight"),
+                                          self.specs["tok_emb.weight"].block_shape(self.sizes),
+                                          g["depth"], stats)
+        for i, block in enumerate(model.blocks):  # Linears registered in forward order
+            block.attn_norm = norm(f"blocks.{i}.attn_norm.weight")
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(block.attn, proj,
+                        linear(f"blocks.{i}.attn.{proj}.weight", proj in TRANSPOSED))
+            block.mlp_norm = norm(f"blocks.{i}.mlp_norm.weight")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                setattr(block.mlp, proj,
+                        linear(f"blocks.{i}.mlp.{proj}.weight", proj in TRANSPOSED))
+        model.norm = norm("norm.weight")
+        model.lm_head = linear("lm_head.weight", False)
+
+    # ----------------------------------------------------------------- training
+    def forward(self, idx: Tensor) -> Tensor:
+        self.depth_weights.begin_forward()
+        return self.model(idx)
+
+    def shards(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by their name in the serial GPT's state_dict."""
+        return dict(self.model.named_parameters())
+
+    def finish_backward(self) -> None:
+        """Wait for the deferred depth reduce-scatters (ORS); call after each backward."""
+        self.depth_grads.finish()
+
+    def sync_gradients(self) -> None:
+        """All-reduce gradients over data, and the replicated RMSNorm weights' over data+depth.
+
+        One flat buffer per group. Call once per optimizer step, after the last backward.
+        """
+        self.finish_backward()
+        buckets: dict[str, list[nn.Parameter]] = {"data": [], "data+depth": []}
+        for name, p in self.shards().items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            buckets["data+depth" if "depth" in self.specs[name].replicated else "data"].append(p)
+        for key, params in buckets.items():
+            if self.groups[key].size == 1 or not params:
+                continue
+            grads = [p.grad for p in params]
+            flat = C.all_reduce(_flatten_dense_tensors(grads), self.groups[key],
+                                stats=self.stats, inplace=True)
+            for p, synced in zip(params, _unflatten_dense_tensors(flat, grads)):
+                p.grad.copy_(synced)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale gradients so their global L2 norm over the grid is at most ``max_norm``.
+
+        Each shard counts once: replicated copies count only on the member with coordinate 0.
+        ``max_norm <= 0`` only measures. Returns the norm before clipping (same on all ranks).
+        """
+        counted = [p.grad for name, p in self.shards().items() if p.grad is not None
+                   and all(self.coords[a] == 0 for a in self.specs[name].replicated)]
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in counted]
+        sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
+        total = C.all_reduce(sq, self.groups["depth+row+col"], stats=self.stats).sqrt()
+        if max_norm > 0:
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for p in self.shards().values():
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.dtype))
+        return float(total)
+
+    # ----------------------------------------------------------------- full tensors
+    def shard(self, name: str, full: Tensor) -> Tensor:
+        """This rank's shard of a full tensor laid out like parameter ``name``."""
+        return shard_tensor(full, self.specs[name], self.sizes, self.coords)
+
+    def gather(self, name: str, local: Tensor) -> Tensor:
+        """The full tensor of a shard laid out like parameter ``name`` (collective)."""
+        return gather_tensor(local, self.specs[name], self.groups)
+
+    @torch.no_grad()
+    def full_state_dict(self, grads: bool = False) -> dict[str, Tensor]:
+        """The serial GPT's state_dict (or its gradients) on every rank; collective."""
+        out = {}
+        for name, p in self.shards().items():
+            src = p.grad if grads else p
+            out[name] = self.gather(name, src if src is not None else torch.zeros_like(p))
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Load a serial GPT's state_dict (from any grid's checkpoint) into the shards."""
+        missing = sorted(set(self.shards()) - set(state))
+        if missing:
+            raise ValueError(f"state_dict lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        for name, p in self.shards().items():
+            p.copy_(self.shard(name, state[name].to(p.dtype)))

@@ -1,0 +1,43 @@
+"""Sample text from a checkpoint (one process; the checkpoint holds full weights).
+
+    python -m llm.sample --checkpoint runs/tiny --prompt "The assert statement" --tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from llm import checkpoint
+from llm.data import decode, encode
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llm.sample", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="directory holding checkpoint.pt")
+    p.add_argument("--prompt", default="\n", help="text to continue (byte tokens)")
+    p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        if args.tokens < 0 or args.temperature < 0:
+            raise ValueError("--tokens and --temperature must be >= 0")
+        model, _ = checkpoint.load_model(args.checkpoint)
+        prompt = encode(args.prompt)
+        if prompt.numel() == 0:
+            raise ValueError("--prompt is empty; give at least one character")
+        out = model.generate(prompt[None], args.tokens, temperature=args.temperature,
+                             generator=torch.Generator().manual_seed(args.seed))
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(decode(out[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

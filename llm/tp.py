@@ -1,0 +1,278 @@
+"""Layers of the 4D-parallel GPT: the 3D tensor-parallel Linear, embedding and RMSNorm.
+
+llm-4d-goldfish.md section 2 (AxoNN, Singh et al. https://arxiv.org/abs/2305.13525). A grid
+``data x depth x row x col`` of sizes ``D x Z x R x C``; this module uses row, col and depth.
+
+A *normal* Linear ``y = x W^T`` (W: out x in) stores the block ``W[out/R (row r), in/C (col c)]``,
+flattened and split 1/Z over depth::
+
+    forward:   W_blk = all-gather(W_shard) over depth
+               y = all-reduce(x W_blk^T) over col
+    backward:  W_blk = all-gather(W_shard) over depth again (not kept from forward)
+               dX = all-reduce(dY W_blk) over row         (OAR: overlapped with the dW GEMM)
+               dW_shard = reduce-scatter(dY^T x) over depth (ORS: waited when backward ends)
+
+A *transposed* Linear swaps row and col: block ``W[out/C, in/R]``, forward all-reduce over row,
+backward all-reduce over col. With the residual stream split over col (replicated over row),
+q, k, v, gate and up are normal (heads and d_ff split over row) and o_proj and down_proj are
+transposed, so attention and the MLP need no re-layout between their GEMMs. OAG prefetches the
+next Linear's depth all-gather (forward order in forward, reverse order in backward).
+
+Every overlap is a switch (:class:`Overlap`); the arithmetic is the same either way, so the
+results are bitwise identical with overlap on or off.
+
+Shapes legend (``B`` local batch rows, ``T`` sequence, ``D`` d_model padded to a multiple of C,
+``V`` vocabulary padded to a multiple of R): residual stream ``[B, T, D/C]``; normal Linear
+``[..., in/C] -> [..., out/R]``; transposed ``[..., in/R] -> [..., out/C]``; a flat weight shard
+``[ceil(out_blk * in_blk / Z)]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from common import autograd as CA
+from common import collectives as C
+from common.collectives import CommHandle
+from common.comm_stats import CommStats
+from common.grid import AxisGroup
+
+OVERLAPS = ("oar", "ors", "oag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overlap:
+    """Which communications overlap with compute (AxoNN's names).
+
+    Attributes:
+        oar: issue the backward dX all-reduce asynchronously and compute dW meanwhile.
+        ors: issue the depth reduce-scatter of dW asynchronously; wait when backward ends.
+        oag: prefetch the next Linear's depth all-gather (forward and backward).
+    """
+
+    oar: bool = True
+    ors: bool = True
+    oag: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> Overlap:
+        """``"all"``, ``"none"`` or a comma list of ``oar``, ``ors``, ``oag``."""
+        text = text.strip().lower()
+        if text in ("all", ""):
+            return cls()
+        if text == "none":
+            return cls(oar=False, ors=False, oag=False)
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [n for n in names if n not in OVERLAPS]
+        if bad:
+            raise ValueError(f"--overlap {text!r}: unknown {bad}; use all, none or a comma "
+                             f"list of {', '.join(OVERLAPS)}")
+        return cls(**{n: n in names for n in OVERLAPS})
+
+    def __str__(self) -> str:
+        on = [n for n in OVERLAPS if getattr(self, n)]
+        return "all" if len(on) == 3 else ",".join(on) or "none"
+
+
+class DepthWeights:
+    """The depth all-gathers of every parallel Linear's weight, with the OAG prefetch.
+
+    Linears are registered in forward order. Each gathered block is used once per pass and
+    then dropped (only the prefetched next one is held). A prefetch is issued only for a
+    Linear not yet used in the current pass, so every prefetch is consumed in that pass and
+    all ranks of a depth group issue the same collectives in the same order.
+    """
+
+    def __init__(self, depth: AxisGroup, *, prefetch: bool, stats: CommStats | None) -> None:
+        self.depth, self.stats = depth, stats
+        self.prefetch = prefetch and depth.size > 1
+        self.layers: list[ParallelLinear] = []
+        self._pending: dict[int, CommHandle] = {}
+        self._used: set[int] = set()
+        self._backward = False
+
+    def register(self, layer: ParallelLinear) -> int:
+        self.layers.append(layer)
+        return len(self.layers) - 1
+
+    def begin_forward(self) -> None:
+        """Start a forward pass; prefetches the first Linear's weight."""
+        self._new_pass(backward=False)
+        if self.prefetch and self.layers:
+            self._pending[0] = self._start(0)
+
+    def get(self, index: int, *, backward: bool) -> Tensor:
+        """The full block ``[out_blk, in_blk]`` of Linear ``index``; prefetches the next one."""
+        if backward != self._backward:
+            self._new_pass(backward)
+        handle = self._pending.pop(index, None) or self._start(index)
+        self._used.add(index)
+        nxt = index - 1 if backward else index + 1
+        if (self.prefetch and 0 <= nxt < len(self.layers) and nxt not in self._used
+                and nxt not in self._pending):
+            self._pending[nxt] = self._start(nxt)
+        layer = self.layers[index]
+        return handle.wait()[: math.prod(layer.block_shape)].view(layer.block_shape)
+
+    def _start(self, index: int) -> CommHandle:
+        shard = self.layers[index].weight.detach()
+        return C.all_gather(shard, self.depth, stats=self.stats, async_op=True)
+
+    def _new_pass(self, backward: bool) -> None:
+        for handle in self._pending.values():  # never left over in practice; keeps ranks in step
+            handle.wait()
+        self._pending, self._used, self._backward = {}, set(), backward
+
+
+class DepthGrads:
+    """Reduce-scatters each Linear's dW block over depth into its flat shard's ``.grad``.
+
+    With ``defer`` (ORS) the reduce-scatters are issued asynchronously and :meth:`finish`
+    waits for them; without, each is waited at once. Either way the same sums are accumulated
+    into ``.grad`` in the same order.
+    """
+
+    def __init__(self, depth: AxisGroup, *, defer: bool, stats: CommStats | None) -> None:
+        self.depth, self.defer, self.stats = depth, defer, stats
+        self._pending: list[tuple[nn.Parameter, CommHandle]] = []
+
+    def add(self, param: nn.Parameter, grad_block: Tensor) -> None:
+        """Shapes: grad_block [out_blk, in_blk] -> param.grad [ceil(out_blk*in_blk / Z)]."""
+        flat = grad_block.reshape(-1)
+        pad = param.numel() * self.depth.size - flat.numel()
+        if pad:
+            flat = torch.cat((flat, flat.new_zeros(pad)))
+        handle = C.reduce_scatter(flat, self.depth, stats=self.stats, async_op=True)
+        self._pending.append((param, handle))
+        if not self.defer:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for every pending reduce-scatter and accumulate it into ``.grad``."""
+        for param, handle in self._pending:
+            grad = handle.wait()
+            if param.grad is None:
+                param.grad = grad.view_as(param)  # a fresh tensor: safe to adopt
+            else:
+                param.grad += grad
+        self._pending = []
+
+
+class _LinearFn(torch.autograd.Function):
+    """``y = x W^T`` with the collectives of the module docstring; dW goes to DepthGrads."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: ParallelLinear) -> Tensor:
+        w = layer.weights.get(layer.index, backward=False)  # [out_blk, in_blk]
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        y = F.linear(x, w)  # [..., out_blk], partial over reduce_group
+        return C.all_reduce(y, layer.reduce_group, stats=layer.stats, inplace=True)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None]:
+        layer: ParallelLinear = ctx.layer
+        (x,) = ctx.saved_tensors
+        w = layer.weights.get(layer.index, backward=True)  # [out_blk, in_blk]
+        handle = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.matmul(dy, w)  # [..., in_blk], partial over grad_group
+            handle = C.all_reduce(dx, layer.grad_group, stats=layer.stats, async_op=True,
+                                  inplace=True)
+            if not layer.overlap.oar:
+                handle.wait()
+        out_blk, in_blk = layer.block_shape
+        dw = dy.reshape(-1, out_blk).t() @ x.reshape(-1, in_blk)  # [out_blk, in_blk]
+        layer.grads.add(layer.weight, dw)
+        return (handle.wait() if handle is not None else None), None, None
+
+
+class ParallelLinear(nn.Module):
+    """One Linear of the 3D tensor-parallel scheme (see the module docstring).
+
+    Args:
+        weight_shard: this rank's flat shard of its weight block.
+        block_shape: (out_blk, in_blk) of the block before flattening.
+        transposed: False for a normal Linear (reduce over col, dX over row), True for a
+            transposed one (reduce over row, dX over col).
+        groups: the rank's axis groups (``row``, ``col``, ``depth`` are used).
+        weights, grads: the model's shared :class:`DepthWeights` and :class:`DepthGrads`.
+        overlap: the overlap switches.
+        stats: byte accounting (may be None).
+
+    Shapes:
+        normal: x [..., in/C] -> [..., out/R]; transposed: x [..., in/R] -> [..., out/C]
+    """
+
+    def __init__(self, weight_shard: Tensor, block_shape: tuple[int, int], *, transposed: bool,
+                 groups: dict[str, AxisGroup], weights: DepthWeights, grads: DepthGrads,
+                 overlap: Overlap, stats: CommStats | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight_shard)
+        self.block_shape = tuple(block_shape)
+        self.transposed = transposed
+        self.reduce_group = groups["row" if transposed else "col"]
+        self.grad_group = groups["col" if transposed else "row"]
+        self.weights, self.grads, self.overlap, self.stats = weights, grads, overlap, stats
+        self.index = weights.register(self)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _LinearFn.apply(x, self.weight, self)
+
+    def extra_repr(self) -> str:
+        kind = "transposed" if self.transposed else "normal"
+        return f"{kind}, block={self.block_shape}, shard={tuple(self.weight.shape)}"
+
+
+class ParallelEmbedding(nn.Module):
+    """Token embedding whose block ``E[:, D/C (col c)]`` is flattened and split over depth.
+
+    Forward: all-gather over depth, then a lookup; backward: reduce-scatter over depth
+    (synchronous: it is the last collective of the backward pass). Replicated over row.
+
+    Shapes:
+        idx: int64 [B, T] -> [B, T, D/C]
+    """
+
+    def __init__(self, weight_shard: Tensor, block_shape: tuple[int, int], depth: AxisGroup,
+                 stats: CommStats | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight_shard)
+        self.block_shape, self.depth, self.stats = tuple(block_shape), depth, stats
+
+    def forward(self, idx: Tensor) -> Tensor:
+        flat = CA.all_gather_reduce_scatter(self.weight, self.depth, stats=self.stats)
+        table = flat[: math.prod(self.block_shape)].view(self.block_shape)  # [V, D/C]
+        return F.embedding(idx, table)
+
+
+class ParallelRMSNorm(nn.Module):
+    """RMSNorm over a hidden dimension split over col: ``x / sqrt(sum(x^2) / dim + eps) * w``.
+
+    The local sum of squares is all-reduced over col in forward, and its gradient in backward
+    (every member's normalised chunk depends on the whole sum). Padded entries of the hidden
+    are zero, so dividing by the true ``dim`` gives the serial result.
+
+    Shapes:
+        x: [..., D/C] -> [..., D/C]; weight [D/C]
+    """
+
+    def __init__(self, weight_shard: Tensor, dim: int, eps: float, col: AxisGroup,
+                 stats: CommStats | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight_shard)
+        self.dim, self.eps, self.col, self.stats = dim, eps, col, stats
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        sum_sq = xf.pow(2).sum(dim=-1, keepdim=True)  # [..., 1], partial over col
+        sum_sq = CA.identity_all_reduce(CA.all_reduce_identity(sum_sq, self.col, self.stats),
+                                        self.col, self.stats)
+        normed = xf * torch.rsqrt(sum_sq / self.dim + self.eps)
+        return normed.type_as(x) * self.weight

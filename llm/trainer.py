@@ -1,0 +1,302 @@
+"""One rank's training state and steps: configs, data, AdamW with warmup + cosine, the step.
+
+The loop that drives these pieces is :func:`llm.train.run`; the CLI is ``python -m llm.train``.
+Every rank draws the same global batches (the iterator is deterministic), computes the
+goldfish masks and the global token counts itself, and keeps its rows (split over data and
+depth). The objective is the mean loss over the kept tokens of the global batch of the step
+(all micro-batches of gradient accumulation together).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from common import collectives as C
+from common.comm_stats import CommStats
+from common.grid import AxisGroup
+from llm import data as D
+from llm.goldfish import STRATEGIES, goldfish_mask
+from llm.loss import goldfish_sums, token_losses
+from llm.model import GPT, GPTConfig
+from llm.parallel import ParallelGPT, batch_shard
+from llm.tp import Overlap
+
+IGNORE = -100
+DEFAULT_STEPS = 200  # when neither steps nor epochs is given
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Text and batches.
+
+    Attributes:
+        source: ``pydoc`` (built in), ``files`` (one document per file) or ``paragraphs``.
+        paths: text files for ``files`` / ``paragraphs``.
+        docs: memorization setting: train on the first ``docs`` documents only, each cut to
+            ``seq_len + 1`` tokens, one sample per document; held-out text is the rest.
+            None: a stream of all training documents (a seeded 10% is held out).
+        seq_len: targets per sample (T).
+        batch_size: global samples per micro-batch (split over data x depth).
+        val_fraction: share of documents held out in stream mode.
+        eval_batches: held-out batches per evaluation.
+        seed: seeds the batch order, the split and the held-out windows.
+    """
+
+    source: str = "pydoc"
+    paths: tuple[str, ...] = ()
+    docs: int | None = None
+    seq_len: int = 128
+    batch_size: int = 16
+    val_fraction: float = 0.1
+    eval_batches: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.paths = tuple(str(p) for p in self.paths)
+        if self.seq_len < 1 or self.batch_size < 1 or self.eval_batches < 0:
+            raise ValueError(f"need seq_len >= 1, batch_size >= 1, eval_batches >= 0; got "
+                             f"{self.seq_len}, {self.batch_size}, {self.eval_batches}")
+        if self.docs is not None and self.docs < 1:
+            raise ValueError(f"--docs must be >= 1, got {self.docs}")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay to ``min_lr_ratio * lr``; global-norm clip.
+
+    Weight decay applies to matrices (Linears, embedding), not to RMSNorm weights.
+    """
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0; got "
+                             f"{self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"weight_decay and grad_clip must be >= 0, got "
+                             f"{self.weight_decay}, {self.grad_clip}")
+
+
+@dataclass(kw_only=True)
+class GoldfishConfig:
+    """Goldfish loss (llm-4d-goldfish.md section 4); ``k = 0`` is the standard loss."""
+
+    k: int = 0
+    h: int = 13
+    strategy: str = "hash"
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.k < 0 or self.h < 1 or self.strategy not in STRATEGIES:
+            raise ValueError(f"goldfish needs k >= 0 (0 = off), h >= 1 and a strategy in "
+                             f"{STRATEGIES}; got k={self.k}, h={self.h}, {self.strategy!r}")
+
+    def mask(self, targets: Tensor) -> Tensor:
+        """bool [B, T], True = dropped (all False when k = 0)."""
+        if self.k == 0:
+            return torch.zeros_like(targets, dtype=torch.bool)
+        return goldfish_mask(targets, self.k, self.h, self.strategy, self.start)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Length and cadence of a run.
+
+    Attributes:
+        steps: optimizer steps; or ``epochs`` passes over the training samples (not both;
+            neither: ``DEFAULT_STEPS``).
+        grad_accum: micro-batches per optimizer step.
+        eval_every, save_every, log_every: in steps (0: only at the end; log: never).
+        overlap: communication overlap, ``all``, ``none`` or a list of ``oar,ors,oag``.
+    """
+
+    steps: int | None = None
+    epochs: float | None = None
+    grad_accum: int = 1
+    eval_every: int = 0
+    save_every: int = 0
+    log_every: int = 10
+    overlap: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give --steps or --epochs, not both")
+        if (self.steps is not None and self.steps < 0) or (
+                self.epochs is not None and self.epochs <= 0) or self.grad_accum < 1:
+            raise ValueError(f"need steps >= 0, epochs > 0, grad_accum >= 1; got "
+                             f"{self.steps}, {self.epochs}, {self.grad_accum}")
+        Overlap.parse(self.overlap)
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup, then cosine."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(cfg.warmup_steps, 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_data(cfg: DataConfig) -> tuple[D.BatchIterator, list[tuple[Tensor, Tensor]]]:
+    """The training iterator and the fixed held-out batches (see :class:`DataConfig`)."""
+    docs = D.load_documents(cfg.source, cfg.paths or None)
+    if cfg.docs is not None:
+        train = D.BatchIterator(D.truncate_docs(docs, cfg.docs, cfg.seq_len), mode="documents",
+                                batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                                ignore_index=IGNORE)
+        held_out = docs[cfg.docs :]
+    else:
+        train_docs, held_out = D.split_documents(docs, cfg.val_fraction, cfg.seed)
+        train = D.BatchIterator(D.encode_stream(train_docs), batch_size=cfg.batch_size,
+                                seq_len=cfg.seq_len, seed=cfg.seed)
+    stream = D.encode_stream(held_out)
+    if not cfg.eval_batches or stream.numel() <= cfg.seq_len:
+        return train, []
+    val = D.BatchIterator(stream, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                          seed=cfg.seed + 1)
+    return train, [next(val) for _ in range(cfg.eval_batches)]
+
+
+class Trainer:
+    """This rank's share of a run: model shards, AdamW, data and the step counter.
+
+    Args:
+        model_config: the GPT's sizes; the full model is built from ``seed`` on every rank.
+        groups: from :func:`llm.parallel.make_groups` (any grid, 1x1x1x1 included).
+        device: where the shards and batches live.
+    """
+
+    def __init__(self, model_config: GPTConfig, data: DataConfig, optim: OptimConfig,
+                 goldfish: GoldfishConfig, train: TrainConfig, groups: Mapping[str, AxisGroup],
+                 *, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        if data.seq_len > model_config.max_seq_len:
+            raise ValueError(f"--seq-len {data.seq_len} exceeds the model's max_seq_len="
+                             f"{model_config.max_seq_len}")
+        self.model_config, self.data_cfg, self.optim_cfg = model_config, data, optim
+        self.goldfish, self.train_cfg, self.groups, self.seed = goldfish, train, groups, seed
+        self.device = torch.device(device)
+        self.stats = CommStats()
+        torch.manual_seed(seed)
+        self.model = ParallelGPT(GPT(model_config), groups, overlap=Overlap.parse(train.overlap),
+                                 stats=self.stats).to(self.device)
+        decay = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) > 1]
+        rest = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) <= 1]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay},
+             {"params": rest, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
+        self.train_iter, self.val_batches = make_data(data)
+        per_epoch = self.train_iter.steps_per_epoch / train.grad_accum
+        self.total_steps = (train.steps if train.steps is not None else
+                            math.ceil(train.epochs * per_epoch) if train.epochs else DEFAULT_STEPS)
+        self.step = 0
+
+    def _local(self, batch: Tensor, pad: int | bool) -> Tensor:
+        return batch_shard(batch, self.groups, pad).to(self.device)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the logged row."""
+        start = time.perf_counter()
+        self.stats.reset()
+        micro = [next(self.train_iter) for _ in range(self.train_cfg.grad_accum)]
+        masks = [self.goldfish.mask(y) for _, y in micro]
+        num_kept = sum(int(((y != IGNORE) & ~m).sum()) for (_, y), m in zip(micro, masks))
+        num_dropped = sum(int(((y != IGNORE) & m).sum()) for (_, y), m in zip(micro, masks))
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(2, device=self.device)  # kept, dropped loss sums on this rank
+        for (x, y), m in zip(micro, masks):
+            out = goldfish_sums(self.model(self._local(x, 0)), self._local(y, IGNORE),
+                                self._local(m, True), num_kept=num_kept,
+                                vocab_size=self.model_config.vocab_size, row=self.groups["row"],
+                                ignore_index=IGNORE, stats=self.stats)
+            out.loss.backward()
+            self.model.finish_backward()
+            sums += torch.stack((out.kept_sum, out.dropped_sum))
+        self.model.sync_gradients()
+        grad_norm = self.model.clip_grad_norm_(self.optim_cfg.grad_clip)
+        lr = lr_at(self.step + 1, self.total_steps, self.optim_cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        kept, dropped = C.all_reduce(sums, self.groups["data+depth"], stats=self.stats).tolist()
+        if not math.isfinite(kept):
+            raise FloatingPointError(f"loss became {kept} at step {self.step}; lower --lr")
+        seconds = time.perf_counter() - start
+        tokens = sum(x.numel() for x, _ in micro)
+        return {"step": self.step, "loss": kept / max(num_kept, 1),
+                "loss_all": (kept + dropped) / max(num_kept + num_dropped, 1),
+                "loss_dropped": dropped / max(num_dropped, 1), "num_kept": num_kept,
+                "num_dropped": num_dropped, "lr": lr, "grad_norm": grad_norm,
+                "epoch": self.train_iter.epoch, "tokens": tokens, "step_s": seconds,
+                "tokens_per_s": tokens / seconds, "comm_s": self.stats.total_seconds,
+                "comm_bytes": self.stats.total_bytes}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss and perplexity over every token of the held-out batches ({} if none)."""
+        if not self.val_batches:
+            return {}
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
+        for x, y in self.val_batches:
+            y_local = self._local(y, IGNORE)
+            per_token = token_losses(self.model(self._local(x, 0)), y_local,
+                                     vocab_size=self.model_config.vocab_size,
+                                     row=self.groups["row"], ignore_index=IGNORE)
+            sums += torch.stack((per_token.sum().double(), (y_local != IGNORE).sum().double()))
+        loss_sum, count = C.all_reduce(sums, self.groups["data+depth"]).tolist()
+        val_loss = loss_sum / max(count, 1)
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Full (gathered) weights and AdamW moments, data position, RNG; collective.
+
+        Independent of the grid: :meth:`load_state_dict` reslices it for any grid.
+        """
+        shards = self.model.shards()
+        optim = {}
+        for name, p in shards.items():
+            state = self.optimizer.state.get(p)
+            optim[name] = {} if not state else {
+                "step": float(state["step"]),
+                "exp_avg": self.model.gather(name, state["exp_avg"]).cpu(),
+                "exp_avg_sq": self.model.gather(name, state["exp_avg_sq"]).cpu()}
+        return {"format": 1, "step": self.step, "model_config": asdict(self.model_config),
+                "configs": {"data": asdict(self.data_cfg), "optim": asdict(self.optim_cfg),
+                            "goldfish": asdict(self.goldfish), "seed": self.seed},
+                "model": {k: v.cpu() for k, v in self.model.full_state_dict().items()},
+                "optimizer": optim, "data": self.train_iter.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (saved on any grid); ValueError if it differs."""
+        saved = GPTConfig(**state["model_config"])
+        if saved != self.model_config:
+            raise ValueError(f"checkpoint holds a different model: {saved} vs this run's "
+                             f"{self.model_config}")
+        self.model.load_full_state_dict(state["model"])
+        for name, p in self.model.shards().items():
+            saved_opt = state["optimizer"].get(name) or {}
+            if saved_opt:
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(saved_opt["step"], dtype=torch.float32),
+                    "exp_avg": self.model.shard(name, saved_opt["exp_avg"]).to(p.device),
+                    "exp_avg_sq": self.model.shard(name, saved_opt["exp_avg_sq"]).to(p.device)}
+        self.train_iter.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self.step = int(state["step"])
