@@ -45,6 +45,29 @@ def default_grid(world_size: int) -> ProcessGrid:
     return ProcessGrid.plexus(*best[1])
 
 
+def auto_grid(spec: str, graph, cfg: TrainConfig, ctx) -> ProcessGrid:
+    """``--grid auto[:PROFILE]``: the grid :mod:`common.perf` predicts fastest for this graph.
+
+    A pure function of the graph's sizes, the config and the profile, so every rank picks the
+    same grid without communicating. Rank 0 logs the choice and the runner-up.
+    """
+    from common.perf import gcn as perf_gcn
+    from common.perf.machine import load_profile
+
+    src, dst = graph.edge_index
+    work = perf_gcn.GCNWorkload(  # nnz of Â: edges other than self-loops, plus one per node
+        name=graph.name, num_nodes=graph.num_nodes,
+        nnz=int((src != dst).sum()) + graph.num_nodes, num_features=graph.num_features,
+        num_classes=graph.num_classes, num_layers=cfg.layers, hidden=cfg.hidden,
+        learn_features=cfg.learn_features)
+    machine = load_profile(spec.partition(":")[2] or None)
+    grid, plan = perf_gcn.auto_grid(work, ctx.world_size, machine,
+                                    ranks_per_node=ctx.local_world_size)
+    if ctx.is_main:
+        print(f"{plan.describe_choice()} [profile {machine.name}]", flush=True)
+    return grid
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = TrainConfig()
     p = argparse.ArgumentParser(
@@ -58,7 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "ogbn-arxiv, ogbn-products, ogbn-papers100M")
     p.add_argument("--root", default="data", help="directory holding OGB datasets")
     p.add_argument("--grid", default=None,
-                   help="XxYxZ process grid (default: the most cubic one for the world size)")
+                   help="XxYxZ process grid (default: the most cubic one for the world size), "
+                   "or auto[:PROFILE]: the grid the performance model predicts fastest on a "
+                   "machine profile (name or JSON path; default $HPC_MACHINE_PROFILE, else "
+                   "local-cpu; see python -m common.plan)")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--epochs", type=int, default=d.epochs)
@@ -114,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         fail_all_ranks(str(e), None)
     main_rank = ctx.is_main
     try:
-        grid = ProcessGrid.parse(args.grid) if args.grid else default_grid(ctx.world_size)
-        grid.validate(ctx.world_size)
+        auto = (args.grid or "").split(":")[0] == "auto"
+        grid = None if auto else (ProcessGrid.parse(args.grid) if args.grid
+                                  else default_grid(ctx.world_size))
+        if grid is not None:
+            grid.validate(ctx.world_size)
         cfg = TrainConfig(layers=args.layers, hidden=args.hidden, epochs=args.epochs,
                           lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                           permutation=args.permutation, learn_features=args.learn_features)
@@ -128,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         from plexus.datasets import load_dataset
 
         graph = load_dataset(args.dataset, root=args.root, seed=args.seed)
+        if auto:
+            grid = auto_grid(args.grid, graph, cfg, ctx)
     except (ValueError, FileNotFoundError, OSError) as e:
         fail_all_ranks(str(e), ctx)
     # written under a temporary name and renamed at the end: a failed run overwrites nothing

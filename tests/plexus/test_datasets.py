@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from plexus import datasets
+from plexus import ogb_io
 from plexus.datasets import (
     DatasetNotFoundError,
     available_datasets,
@@ -195,10 +195,10 @@ def test_missing_dataset_in_a_batch_job_with_stdin_closed(tmp_path):
 
 
 def test_failed_download_becomes_the_clear_error(tmp_path):
-    spec = dataclasses.replace(datasets._OGB["ogbn-arxiv"], url="http://127.0.0.1:9/arxiv.zip")
+    spec = dataclasses.replace(ogb_io._OGB["ogbn-arxiv"], url="http://127.0.0.1:9/arxiv.zip")
     start = time.perf_counter()
     with pytest.raises(DatasetNotFoundError, match="Download failed"):
-        datasets._download(spec, tmp_path, ["raw/edge.csv.gz"], timeout_s=5.0)
+        ogb_io._download(spec, tmp_path, ["raw/edge.csv.gz"], timeout_s=5.0)
     assert time.perf_counter() - start < 10.0
 
 
