@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from common.dist import fail_all_ranks, init_distributed, shutdown
+from common.dist import (
+    exit_on_comm_failure,
+    fail_all_ranks,
+    init_distributed,
+    is_comm_failure,
+    preemption_flag,
+    shutdown,
+)
 from common.grid import AXONN_AXES, ProcessGrid
 from llm import checkpoint
 from llm.goldfish import STRATEGIES
@@ -33,12 +40,21 @@ from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, TrainConfig, Tr
 
 
 def run(trainer: Trainer, *, out: str | None = None, is_main: bool = True,
-        on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """The training loop: step, evaluate, checkpoint, report; returns the logged rows."""
+        on_row: Callable[[dict[str, Any]], None] | None = None,
+        should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """The training loop: step, evaluate, checkpoint, report; returns the logged rows.
+
+    ``should_stop`` (a preemption flag) is agreed over all ranks after every step; when it
+    fires the loop checkpoints (with ``out``) and returns early, the last row marked
+    ``"preempted"``.
+    """
     cfg, history = trainer.train_cfg, []
     while trainer.step < trainer.total_steps:
         row = trainer.train_step()
-        last = trainer.step == trainer.total_steps
+        stop = should_stop is not None and _any_rank(should_stop())
+        if stop:
+            row["preempted"] = True
+        last = stop or trainer.step == trainer.total_steps
         if last or (cfg.eval_every and trainer.step % cfg.eval_every == 0):
             row.update(trainer.evaluate())
         if out and (last or (cfg.save_every and trainer.step % cfg.save_every == 0)):
@@ -48,7 +64,20 @@ def run(trainer: Trainer, *, out: str | None = None, is_main: bool = True,
         history.append(row)
         if on_row is not None:
             on_row(row)
+        if stop:
+            break
     return history
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -170,7 +199,17 @@ def main(argv: list[str] | None = None) -> int:
                             (args.log_every and s % args.log_every == 0)):
             print(_format_row(row, trainer), flush=True)
 
-    history = run(trainer, out=args.out, is_main=ctx.is_main, on_row=on_row)
+    try:
+        history = run(trainer, out=args.out, is_main=ctx.is_main, on_row=on_row,
+                      should_stop=preemption_flag())
+    except (RuntimeError, ConnectionError) as e:
+        if not is_comm_failure(e):
+            raise
+        exit_on_comm_failure(e, ctx)  # a peer was lost: name it and exit on every rank
+    if history and history[-1].get("preempted") and ctx.is_main:
+        print(f"preempted (SIGTERM/SIGUSR1) at step {trainer.step}"
+              + (f"; checkpoint in {args.out}, rerun with --resume" if args.out else
+                 "; no --out, so nothing was saved"), flush=True)
     if ctx.is_main:
         summary = _summary(history, time.perf_counter() - start, trainer)
         print(summary["text"], flush=True)
