@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "goldfish loss, on CPU (gloo) or GPU (NCCL), under mpiexec, torchrun, srun or alone.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--grid", default=None, help="e.g. data=2,depth=1,row=2,col=2 or 2x1x2x2 "
-                   "(data x depth x row x col); default: data parallel over all ranks")
+                   "(data x depth x row x col), or auto[:PROFILE] (the performance model's choice, see "
+                   "python -m common.plan); default: data parallel over all ranks")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the training "
                    "samples instead of --steps")
@@ -175,8 +176,18 @@ def main(argv: list[str] | None = None) -> int:
         fail_all_ranks(str(e), None)
     _set_threads(args)
     try:
-        grid = (ProcessGrid.parse(args.grid, AXONN_AXES) if args.grid
-                else ProcessGrid.axonn(ctx.world_size, 1, 1, 1))
+        if (args.grid or "").split(":")[0] == "auto":  # the performance model picks
+            from common.plan import choose_gpt_grid
+
+            grid, plan = choose_gpt_grid(
+                get_preset(args.preset), batch_size=args.batch_size, grad_accum=args.grad_accum,
+                seq_len=args.seq_len, world_size=ctx.world_size,
+                ranks_per_node=ctx.local_world_size, profile=args.grid.partition(":")[2] or None)
+            if ctx.is_main:
+                print(plan.describe_choice(), flush=True)
+        else:
+            grid = (ProcessGrid.parse(args.grid, AXONN_AXES) if args.grid
+                    else ProcessGrid.axonn(ctx.world_size, 1, 1, 1))
         grid.validate(ctx.world_size)
         _check_paths(args)
         trainer = build(args, grid, ctx.rank, ctx.device)

@@ -1,0 +1,310 @@
+"""Performance model of one Plexus 3D GCN epoch (plexus-3d.md sections 2-4, perf-model.md).
+
+Grid ``X x Y x Z``; layer ``l`` gives the axes the roles (O, I, P) = (x, y, z), (z, x, y),
+(y, z, x) for ``l % 3 = 0, 1, 2``. With ``N`` nodes and widths ``D_l`` padded exactly as
+:mod:`plexus.partition` pads them, a rank of layer ``l`` holds
+``A_l [N/P, N/O]`` (``nnz / (P O)`` nonzeros), ``F_l [N/O, D_l/I]``, ``W_l [D_l/I, D_l+1/O]``
+(flattened, ``1/P`` of it), ``H_l [N/P, D_l/I]`` and ``Q_l [N/P, D_l+1/O]``.
+
+Collectives per layer (``M`` = full bytes, float32; a flat shard is padded to a multiple of
+``P`` elements): (1) all-gather F over P (layer 0), (2) all-reduce H over O, (3) all-gather W
+over P, (4) all-reduce Q over I, (5) all-gather W over P, (6) reduce-scatter dW over P,
+(7) all-reduce dH over O, (8) all-reduce dF over P (layers >= 1) or reduce-scatter (layer 0,
+trainable features). With fixed features ``H_0`` is cached after the first epoch, so a steady
+epoch skips (1), (2) and the layer-0 SpMM, and nothing flows back into layer 0's aggregation:
+(5), (7), (8) and the SpMM with ``A_0^T`` are skipped too. The trainer adds the sharded loss
+and accuracy (plexus/loss.py): three all-reduces of ``[N/P]`` over O, one scalar over P, two
+all-gathers of ``[N/P]`` values (float32) and ids (int64) over O, an int64 ``[3]`` over P.
+
+Compute per rank:
+
+* SpMM is memory-bound (perf-model.md): ``bytes = nnz (b_idx + 4) + (rows + 1) b_idx
+  + nnz * ceil(4 D / line) line + rows * 4 D``, time = bytes / spmm_bandwidth. The gathered
+  row is rounded up to the cache line or sector, the shape penalty that makes narrow (tall and
+  skinny) dense operands slow per flop.
+* GEMM ``[m, k] @ [k, n]``: roofline ``max(2 m k n / flops, 4 (m k + k n + m n) / mem_bw)``.
+* Elementwise: ReLU forward/backward, the out-of-place copy of each all-reduce, the loss and
+  AdamW, as bytes / memory bandwidth.
+
+Memory per rank: ``min(6, L)`` adjacency shards with their transposes (CSR), the feature shard,
+weights + gradients + AdamW state, activations kept for backward (``H_l`` for ``dW``,
+``F_l+1 = relu(Q_l)`` for the ReLU, the logits for the loss, the cached ``H_0``), and the
+largest transient (a gathered ``F_0``/``W`` or a collective copy). Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from common.grid import ProcessGrid
+from common.perf.machine import MachineProfile
+from common.perf.model import (
+    Collective,
+    Plan,
+    Prediction,
+    bytes_by_axis,
+    comm_seconds,
+    factorizations,
+    rank_predictions,
+)
+
+AXES: tuple[str, ...] = ("x", "y", "z")
+ROLES: tuple[tuple[str, str, str], ...] = (("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"))
+F32 = 4
+
+
+def roles(layer: int) -> tuple[str, str, str]:
+    """(outer, inner, depth) axes of ``layer`` (same rotation as plexus.partition.roles)."""
+    return ROLES[layer % 3]
+
+
+def _up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True, kw_only=True)
+class GCNWorkload:
+    """A full-graph GCN training run, as the model sees it.
+
+    Attributes:
+        name: label for tables.
+        num_nodes: N.
+        nnz: nonzeros of the normalised adjacency, self-loops included.
+        num_features, num_classes: D_0 and C.
+        num_layers, hidden: L and the hidden width.
+        learn_features: trainable input features (every collective runs every epoch).
+        cache_first_aggregation: reuse ``H_0`` across epochs when features are fixed (our
+            trainer does; the paper's code recomputes it, so its check sets this False).
+        imbalance: max/mean nonzeros per adjacency block (about 1 with the double
+            permutation); scales the SpMM time of the slowest rank.
+        index_bytes: CSR index width; None picks int32 when it fits, as plexus.shard does.
+    """
+
+    name: str = "graph"
+    num_nodes: int
+    nnz: int
+    num_features: int
+    num_classes: int
+    num_layers: int = 3
+    hidden: int = 128
+    learn_features: bool = False
+    cache_first_aggregation: bool = True
+    imbalance: float = 1.0
+    index_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"GCNWorkload.{f} must be >= 1, got {getattr(self, f)}")
+        if self.imbalance < 1:
+            raise ValueError(f"imbalance is max/mean nonzeros, >= 1; got {self.imbalance}")
+        if self.index_bytes not in (None, 4, 8):
+            raise ValueError(f"index_bytes must be 4, 8 or None, got {self.index_bytes}")
+
+    @property
+    def widths(self) -> list[int]:
+        """``[D_0, hidden, ..., C]``."""
+        return [self.num_features] + [self.hidden] * (self.num_layers - 1) + [self.num_classes]
+
+    def padded(self, shape: dict[str, int]) -> tuple[int, list[int]]:
+        """(padded N, padded widths), as plexus.partition.padded_num_nodes/padded_widths."""
+        n = _up(self.num_nodes, math.lcm(*shape.values()))
+        w = self.widths
+        out = [_up(d, shape[roles(layer)[1]]) for layer, d in enumerate(w[:-1])]
+        out.append(_up(w[-1], shape[roles(len(w) - 2)[0]]))
+        return n, out
+
+    def index_width(self) -> int:
+        if self.index_bytes is not None:
+            return self.index_bytes
+        return 4 if max(self.nnz, self.num_nodes) < 2**31 else 8
+
+    def _runs(self, layer: int, first_epoch: bool) -> tuple[bool, bool]:
+        """(forward aggregation runs, gradient flows back through the aggregation)."""
+        if layer > 0 or self.learn_features:
+            return True, True
+        return first_epoch or not self.cache_first_aggregation, False
+
+
+def ogbn_products(**kw) -> GCNWorkload:
+    """ogbn-products: 2,449,029 nodes, 126,167,053 nonzeros with self-loops, 100 features,
+    47 classes; 3 layers, hidden 128 (the Plexus paper's set-up, plexus-3d.md section 8)."""
+    return GCNWorkload(name="ogbn-products", num_nodes=2_449_029, nnz=126_167_053,
+                       num_features=100, num_classes=47, **kw)
+
+
+def ogbn_papers100m(**kw) -> GCNWorkload:
+    """ogbn-papers100M: 111,059,956 nodes, 1,726,745,828 nonzeros, 128 features, 172 classes."""
+    return GCNWorkload(name="ogbn-papers100M", num_nodes=111_059_956, nnz=1_726_745_828,
+                       num_features=128, num_classes=172, **kw)
+
+
+def gcn_collectives(work: GCNWorkload, shape: dict[str, int], *, first_epoch: bool = False,
+                    loss: bool = True) -> list[Collective]:
+    """Every collective one rank issues in one epoch (see the module docstring).
+
+    Args:
+        work: the workload.
+        shape: ``{"x": X, "y": Y, "z": Z}``.
+        first_epoch: epoch 1 (computes ``H_0`` even when it is cached afterwards).
+        loss: include the trainer's loss and accuracy collectives.
+    """
+    n, w = work.padded(shape)
+    out: list[Collective] = []
+
+    def flat(numel: int, g: int) -> int:
+        return _up(numel, g) * F32
+
+    for layer in range(work.num_layers):
+        o, i, p = roles(layer)
+        O, I, P = shape[o], shape[i], shape[p]  # noqa: N806 - the paper's names
+        f_block = (n // O) * (w[layer] // I)
+        w_flat = flat((w[layer] // I) * (w[layer + 1] // O), P)
+        h_bytes = (n // P) * (w[layer] // I) * F32
+        q_bytes = (n // P) * (w[layer + 1] // O) * F32
+        forward, backward = work._runs(layer, first_epoch)
+        if layer == 0 and forward:
+            out.append(Collective(p, "all_gather", flat(f_block, P)))  # (1)
+        if forward:
+            out.append(Collective(o, "all_reduce", h_bytes))  # (2)
+        out.append(Collective(p, "all_gather", w_flat))  # (3)
+        out.append(Collective(i, "all_reduce", q_bytes))  # (4)
+        if backward:
+            out.append(Collective(p, "all_gather", w_flat))  # (5)
+        out.append(Collective(p, "reduce_scatter", w_flat))  # (6)
+        if backward:
+            out.append(Collective(o, "all_reduce", h_bytes))  # (7)
+            if layer == 0:
+                out.append(Collective(p, "reduce_scatter", flat(f_block, P)))  # (8)
+            else:
+                out.append(Collective(p, "all_reduce", f_block * F32))  # (8)
+    if loss:
+        o, _, p = roles(work.num_layers - 1)
+        rows = n // shape[p]
+        out.append(Collective(o, "all_reduce", rows * F32, count=3))  # max, sum-exp, target
+        out.append(Collective(p, "all_reduce", F32))  # the loss sum
+        if shape[o] > 1:  # argmax over the class axis: values and int64 ids
+            out.append(Collective(o, "all_gather", shape[o] * rows * F32))
+            out.append(Collective(o, "all_gather", shape[o] * rows * 8))
+        out.append(Collective(p, "all_reduce", 3 * 8))  # correct counts per split
+    return out
+
+
+def spmm_bytes(rows: int, nnz: float, width: int, *, index_bytes: int, cache_line: int) -> float:
+    """Bytes a CSR SpMM ``[rows, *] @ [*, width]`` moves without reuse of the gathered rows."""
+    row = -(-width * F32 // cache_line) * cache_line
+    return nnz * (index_bytes + F32) + (rows + 1) * index_bytes + nnz * row + rows * width * F32
+
+
+def gemm_seconds(m: int, k: int, n: int, flops: float, memory_bandwidth: float) -> float:
+    """Roofline time of a float32 GEMM ``[m, k] @ [k, n]``."""
+    return max(2.0 * m * k * n / flops, F32 * (m * k + k * n + m * n) / memory_bandwidth)
+
+
+def gcn_compute(work: GCNWorkload, shape: dict[str, int], machine: MachineProfile, *,
+                node_ranks: int, first_epoch: bool = False) -> dict[str, float]:
+    """Seconds of SpMM, GEMM and elementwise work of one rank in one epoch."""
+    rate = machine.compute_at(node_ranks)
+    n, w = work.padded(shape)
+    idx, line = work.index_width(), machine.cache_line
+    spmm = gemm = moved = 0.0
+    params = 0
+    for layer in range(work.num_layers):
+        o, i, p = roles(layer)
+        O, I, P = shape[o], shape[i], shape[p]  # noqa: N806
+        a, b, rows = w[layer] // I, w[layer + 1] // O, n // P
+        nnz = work.imbalance * work.nnz / (P * O)
+        forward, backward = work._runs(layer, first_epoch)
+        if forward:
+            spmm += spmm_bytes(rows, nnz, a, index_bytes=idx, cache_line=line)
+            moved += 2 * rows * a * F32 * (O > 1)  # copy of H for its all-reduce
+        if backward:
+            spmm += spmm_bytes(n // O, nnz, a, index_bytes=idx, cache_line=line)
+            moved += 2 * rows * a * F32 * (O > 1) + 2 * (n // O) * a * F32 * (P > 1)
+        n_gemm = 3 if backward else 2  # Q = H W, dW = H^T dQ, and dH = dQ W^T
+        gemm += n_gemm * gemm_seconds(rows, a, b, rate.gemm_flops, rate.memory_bandwidth)
+        q = rows * b * F32
+        moved += 2 * q * (I > 1)  # copy of Q for its all-reduce
+        if layer < work.num_layers - 1:
+            moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
+        params += _up(a * b, P) // P
+    o, _, p = roles(work.num_layers - 1)
+    moved += 12 * (n // shape[p]) * (w[-1] // shape[o]) * F32  # loss, softmax, argmax passes
+    params += _up((n // shape["x"]) * (w[0] // shape["y"]), shape["z"]) // shape["z"] * (
+        work.learn_features)
+    moved += 7 * params * F32  # AdamW: read param, grad, 2 moments; write param, 2 moments
+    return {"spmm": spmm / rate.spmm_bandwidth, "gemm": gemm,
+            "elementwise": moved / rate.memory_bandwidth}
+
+
+def gcn_memory(work: GCNWorkload, shape: dict[str, int]) -> float:
+    """Bytes per rank: adjacency (+ transposes), features, weights with AdamW state,
+    activations kept for backward, and the largest transient buffer."""
+    n, w = work.padded(shape)
+    idx = work.index_width()
+    total = 0.0
+    for layer in range(min(6, work.num_layers)):
+        o, _, p = roles(layer)
+        nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
+        rows_a, rows_t = n // shape[p], n // shape[o]
+        total += 2 * nnz * (idx + F32) + (rows_a + rows_t + 2) * idx
+    f0 = (n // shape["x"]) * (w[0] // shape["y"])
+    total += _up(f0, shape["z"]) // shape["z"] * F32 * (4 if work.learn_features else 1)
+    transient = f0 * F32  # gathered F_0
+    for layer in range(work.num_layers):
+        o, i, p = roles(layer)
+        a, b, rows = w[layer] // shape[i], w[layer + 1] // shape[o], n // shape[p]
+        total += 4 * _up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 AdamW moments
+        total += (rows * a + rows * b) * F32  # H_l and F_l+1 = relu(Q_l) (logits) kept
+        transient = max(transient, a * b * F32 * 2, 2 * rows * max(a, b) * F32)
+    if not work.learn_features and work.cache_first_aggregation:
+        total += (n // shape["z"]) * (w[0] // shape["y"]) * F32  # cached H_0
+    return total + transient
+
+
+def predict_gcn(work: GCNWorkload, shape: dict[str, int] | tuple[int, int, int],
+                machine: MachineProfile, *, ranks_per_node: int | None = None,
+                first_epoch: bool = False) -> Prediction:
+    """Predicted epoch of ``work`` on one grid ``{"x": X, "y": Y, "z": Z}``."""
+    if not isinstance(shape, dict):
+        shape = dict(zip(AXES, shape))
+    grid = ProcessGrid.plexus(shape["x"], shape["y"], shape["z"])
+    num_ranks = grid.num_ranks
+    node_ranks = machine.node_ranks(num_ranks, ranks_per_node)
+    colls = gcn_collectives(work, shape, first_epoch=first_epoch)
+    return Prediction(
+        shape=dict(grid.shape),
+        compute=gcn_compute(work, shape, machine, node_ranks=node_ranks,
+                            first_epoch=first_epoch),
+        comm=comm_seconds(colls, grid, machine, node_ranks),
+        comm_bytes=bytes_by_axis(colls, shape),
+        memory=gcn_memory(work, shape),
+        memory_limit=machine.memory_per_rank(num_ranks, ranks_per_node),
+    )
+
+
+def plan_gcn(work: GCNWorkload, num_ranks: int, machine: MachineProfile, *,
+             ranks_per_node: int | None = None, first_epoch: bool = False) -> Plan:
+    """Every ``X x Y x Z = num_ranks`` grid, ranked by predicted epoch time."""
+    preds = [predict_gcn(work, s, machine, ranks_per_node=ranks_per_node,
+                         first_epoch=first_epoch) for s in factorizations(num_ranks, 3)]
+    rpn = machine.node_ranks(num_ranks, ranks_per_node)
+    title = (f"GCN {work.name}: N={work.num_nodes:,} nnz={work.nnz:,} D0={work.num_features} "
+             f"hidden={work.hidden} C={work.num_classes} L={work.num_layers} on {num_ranks} "
+             f"ranks ({rpn} per node) of {machine.name}; per epoch, per rank")
+    return rank_predictions(preds, num_ranks, AXES, title)
+
+
+def auto_grid(work: GCNWorkload, num_ranks: int, machine: MachineProfile, *,
+              ranks_per_node: int | None = None) -> tuple[ProcessGrid, Plan]:
+    """The predicted-fastest ``X x Y x Z`` grid that fits (``plexus.train --grid auto``).
+
+    Log ``plan.describe_choice()`` on rank 0 (the choice and the runner-up).
+
+    Raises:
+        ValueError: no grid fits in memory.
+    """
+    plan = plan_gcn(work, num_ranks, machine, ranks_per_node=ranks_per_node)
+    best = plan.best
+    return ProcessGrid.plexus(best.shape["x"], best.shape["y"], best.shape["z"]), plan

@@ -1,0 +1,293 @@
+"""Performance model of one GPT optimizer step on the 4D grid data x depth x row x col
+(llm-4d-goldfish.md sections 1-3; AxoNN, Singh et al. arXiv 2305.13525; llm/parallel.py).
+
+Grid ``D x Z x R x C`` (col fastest). A *normal* Linear ``W [out, in]`` keeps the block
+``[ceil(out/R), ceil(in/C)]``, flattened and split ``1/Z`` over depth (a flat shard of
+``ceil(|block| / Z)`` elements); a *transposed* Linear (o_proj, down_proj) swaps row and col.
+The LM head is normal; the embedding keeps ``[V, ceil(d/C)]`` (flat, 1/Z) replicated over row;
+RMSNorm weights ``[ceil(d/C)]`` are replicated over row and depth. A micro-step runs
+``rows = ceil(micro_batch / (D Z))`` sequences per rank, ``m = rows * T`` tokens, and a step
+``k = global_batch / micro_batch`` micro-steps (gradient accumulation). ``M`` is the full
+tensor's bytes; ``p``, ``g``, ``a`` the parameter, gradient and activation widths::
+
+    per Linear and micro-step:
+      all-gather W over depth, forward and again in backward     2 x  M = Z shard p
+      all-reduce y over col (normal) / row (transposed)               M = m out_blk a
+      all-reduce dX over row (normal) / col (transposed)              M = m in_blk a
+      reduce-scatter dW over depth                                    M = Z shard g
+    per micro-step: the embedding's all-gather and reduce-scatter over depth; each of the
+      2 L + 1 RMSNorms all-reduces its float32 sum of squares [m] over col, forward and
+      backward; the loss all-reduces max, sum-exp and target logit [m] (float32) over row
+    per step: one all-reduce over data of every flat shard's gradient, one over data+depth
+      of the RMSNorm gradients, a float32 scalar over depth+row+col (gradient norm) and two
+      float32 loss sums over data+depth
+
+On a grid with depth = row = col = 1 the trainer keeps plain modules: only the data all-reduce
+of all gradients and the loss sums remain. Groups of one rank send nothing.
+
+Compute per rank: each Linear as three roofline GEMMs per micro-step (``y``, ``dX``, ``dW``),
+plus attention scores and values, ``12 n_layer (d/R) T`` flops per token, at the profile's
+low-precision rate when ``param_bytes == 2``. Memory per rank: parameter state
+(``bytes_per_param`` per element of this rank's shards), the largest gathered block twice (use
+and prefetch), one micro-step's activations and float32 logits with their gradient. The planner
+refuses grids whose row does not divide the heads or whose data x depth does not divide the
+micro-batch. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from common.grid import AXONN_AXES, ProcessGrid
+from common.perf.machine import MachineProfile
+from common.perf.model import (
+    Collective,
+    Plan,
+    Prediction,
+    bytes_by_axis,
+    comm_seconds,
+    factorizations,
+    group_size,
+    rank_predictions,
+)
+
+AXES = AXONN_AXES  # ("data", "depth", "row", "col")
+F32 = 4
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTWorkload:
+    """A GPT optimizer step as the model sees it.
+
+    Attributes:
+        name: label for tables.
+        vocab_size, n_layer, n_head, n_kv_head, d_model, d_ff: model sizes (as GPTConfig).
+        seq_len: tokens per sequence T.
+        global_batch: sequences per optimizer step, over all ranks.
+        micro_batch: sequences per micro-step over all ranks (llm.train's ``--batch-size``;
+            ``global_batch / micro_batch`` is its ``--grad-accum``); None lets the planner
+            pick, per grid, the largest that fits in memory.
+        param_bytes, grad_bytes, activation_bytes: 2 for bf16, 4 for float32 (llm.train).
+        bytes_per_param: parameter + gradient + AdamW state per parameter (4 + 4 + 8 = 16).
+    """
+
+    name: str = "gpt"
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int | None = None
+    d_model: int
+    d_ff: int
+    seq_len: int
+    global_batch: int
+    micro_batch: int | None = None
+    param_bytes: int = 4
+    grad_bytes: int = 4
+    activation_bytes: int = 4
+    bytes_per_param: int = 16
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "seq_len",
+                  "global_batch", "param_bytes", "grad_bytes", "activation_bytes",
+                  "bytes_per_param"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"GPTWorkload.{f} must be >= 1, got {getattr(self, f)}")
+        if self.d_model % self.n_head or self.n_head % self.kv_heads:
+            raise ValueError(f"need d_model % n_head == 0 and n_head % n_kv_head == 0, got "
+                             f"d_model={self.d_model}, n_head={self.n_head}, "
+                             f"n_kv_head={self.kv_heads}")
+        if self.micro_batch is not None and (
+                self.micro_batch < 1 or self.global_batch % self.micro_batch):
+            raise ValueError(f"micro_batch must divide global_batch: {self.global_batch} % "
+                             f"{self.micro_batch} != 0")
+
+    @classmethod
+    def from_config(cls, config, *, global_batch: int, seq_len: int | None = None,
+                    **kw) -> GPTWorkload:
+        """From an ``llm.model.GPTConfig`` (read by attribute; llm is not imported)."""
+        return cls(vocab_size=config.vocab_size, n_layer=config.n_layer,
+                   n_head=config.n_head, n_kv_head=config.n_kv_head, d_model=config.d_model,
+                   d_ff=config.d_ff, seq_len=seq_len or config.max_seq_len,
+                   global_batch=global_batch, **kw)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    def linears(self) -> list[tuple[int, int, bool, int]]:
+        """(in, out, transposed, count) of every Linear: q, k, v, o, gate, up, down per block
+        (count = n_layer) and the LM head."""
+        d, f = self.d_model, self.d_ff
+        kv = self.kv_heads * (d // self.n_head)
+        block = [(d, d, False), (d, kv, False), (d, kv, False), (d, d, True), (d, f, False),
+                 (d, f, False), (f, d, True)]
+        return [(i, o, t, self.n_layer) for i, o, t in block] + [(d, self.vocab_size, False, 1)]
+
+    def num_params(self) -> int:
+        """Parameters of the model (Linears, embedding, RMSNorm weights)."""
+        linear = sum(i * o * n for i, o, _, n in self.linears())
+        return linear + self.vocab_size * self.d_model + (2 * self.n_layer + 1) * self.d_model
+
+
+def _blocks(work: GPTWorkload, shape: dict[str, int]) -> list[tuple[int, int, bool, int]]:
+    """(in_blk, out_blk, transposed, count) of every Linear on this grid (padded dims)."""
+    r, c = shape["row"], shape["col"]
+    return [(_cdiv(i, r if t else c), _cdiv(o, c if t else r), t, n)
+            for i, o, t, n in work.linears()]
+
+
+def _tensor_parallel(shape: dict[str, int]) -> bool:
+    return any(shape[a] > 1 for a in ("depth", "row", "col"))
+
+
+def check_grid(work: GPTWorkload, shape: dict[str, int]) -> str:
+    """Why the planner refuses ``shape`` for ``work`` (sizes that do not divide), or ""."""
+    dz, r = shape["data"] * shape["depth"], shape["row"]
+    problems = []
+    if work.n_head % r or work.kv_heads % r:
+        problems.append(f"heads {work.n_head}/{work.kv_heads} % row {r}")
+    micro = work.micro_batch or work.global_batch
+    if micro % dz or work.global_batch % dz:
+        problems.append(f"batch {micro} % (data*depth={dz})")
+    return "; ".join(problems)
+
+
+def gpt_collectives(work: GPTWorkload, shape: dict[str, int]) -> list[Collective]:
+    """Every collective one rank issues in one optimizer step (module docstring).
+
+    ``work.micro_batch`` None counts as one micro-step of the whole batch.
+    """
+    z = shape["depth"]
+    micro = work.micro_batch or work.global_batch
+    k = work.global_batch // micro
+    m = _cdiv(micro, shape["data"] * z) * work.seq_len  # tokens per rank and micro-step
+    p, g, a = work.param_bytes, work.grad_bytes, work.activation_bytes
+    d_c = _cdiv(work.d_model, shape["col"])
+    norms = 2 * work.n_layer + 1
+    out: list[Collective] = []
+    if not _tensor_parallel(shape):  # plain modules: data-parallel gradients only
+        out.append(Collective("data", "all_reduce", work.num_params() * g))
+        out.append(Collective("data+depth", "all_reduce", 2 * F32))
+        return [c for c in out if group_size(shape, c.axis) > 1]
+    flat = 0  # elements of the flat shards (Linears, embedding): the data bucket
+    for in_blk, out_blk, transposed, n in _blocks(work, shape):
+        shard = _cdiv(in_blk * out_blk, z)
+        reduce_axis, grad_axis = ("row", "col") if transposed else ("col", "row")
+        out += [Collective("depth", "all_gather", z * shard * p, 2 * n * k),
+                Collective(reduce_axis, "all_reduce", m * out_blk * a, n * k),
+                Collective(grad_axis, "all_reduce", m * in_blk * a, n * k),
+                Collective("depth", "reduce_scatter", z * shard * g, n * k)]
+        flat += n * shard
+    emb = _cdiv(work.vocab_size * d_c, z)
+    flat += emb
+    out += [Collective("depth", "all_gather", z * emb * p, k),
+            Collective("depth", "reduce_scatter", z * emb * g, k),
+            Collective("col", "all_reduce", m * F32, 2 * norms * k),  # RMSNorm statistics
+            Collective("row", "all_reduce", m * F32, 3 * k),  # loss: max, sum-exp, target
+            Collective("data", "all_reduce", flat * g),
+            Collective("data+depth", "all_reduce", norms * d_c * g),
+            Collective("depth+row+col", "all_reduce", F32),  # gradient norm
+            Collective("data+depth", "all_reduce", 2 * F32)]  # kept and dropped loss sums
+    return [c for c in out if group_size(shape, c.axis) > 1]
+
+
+def gpt_compute(work: GPTWorkload, shape: dict[str, int], machine: MachineProfile, *,
+                node_ranks: int) -> dict[str, float]:
+    """Seconds of GEMMs (roofline per Linear) and attention of one rank in one step."""
+    rate = machine.compute_at(node_ranks)
+    flops = rate.gemm_flops_low if (work.param_bytes == 2 and rate.gemm_flops_low) \
+        else rate.gemm_flops
+    micro = work.micro_batch or work.global_batch
+    k = work.global_batch // micro
+    m = _cdiv(micro, shape["data"] * shape["depth"]) * work.seq_len
+    e = work.activation_bytes
+    gemm = 0.0
+    for in_blk, out_blk, _, n in _blocks(work, shape):
+        one = max(2.0 * m * in_blk * out_blk / flops,
+                  e * (m * in_blk + in_blk * out_blk + m * out_blk) / rate.memory_bandwidth)
+        gemm += 3 * one * n * k
+    d_r = work.d_model // shape["row"]
+    attention = 12.0 * work.n_layer * d_r * work.seq_len * m * k / flops
+    return {"gemm": gemm, "attention": attention}
+
+
+def gpt_memory(work: GPTWorkload, shape: dict[str, int]) -> float:
+    """Bytes per rank: parameter state of the shards, gathered weights, one micro-step's
+    activations and float32 logits with their gradient."""
+    z, r, c = shape["depth"], shape["row"], shape["col"]
+    blocks = _blocks(work, shape)
+    d_c = _cdiv(work.d_model, c)
+    elements = sum(n * _cdiv(i * o, z) for i, o, _, n in blocks)
+    elements += _cdiv(work.vocab_size * d_c, z) + (2 * work.n_layer + 1) * d_c
+    biggest = max(max(i * o for i, o, _, _ in blocks), work.vocab_size * d_c)
+    micro = work.micro_batch or work.global_batch
+    m = _cdiv(micro, shape["data"] * z) * work.seq_len
+    kv = work.kv_heads * (work.d_model // work.n_head)
+    per_block = 4 * d_c + (2 * work.d_model + 2 * kv) / r + 3 * work.d_ff / r
+    acts = m * work.activation_bytes * per_block * work.n_layer
+    logits = m * _cdiv(work.vocab_size, r) * F32 * 2
+    return elements * work.bytes_per_param + 2 * biggest * work.param_bytes + acts + logits
+
+
+def predict_gpt(work: GPTWorkload, shape: dict[str, int] | tuple[int, int, int, int],
+                machine: MachineProfile, *, ranks_per_node: int | None = None) -> Prediction:
+    """Predicted step of ``work`` on one grid ``{"data", "depth", "row", "col"}``.
+
+    With ``work.micro_batch`` None, the largest micro-batch (a divisor of the global batch
+    that data x depth divides) that fits in memory is used; ``Prediction.extra`` says which.
+    """
+    if not isinstance(shape, dict):
+        shape = dict(zip(AXES, shape))
+    grid = ProcessGrid.axonn(*(shape[a] for a in AXES))
+    num_ranks = grid.num_ranks
+    node_ranks = machine.node_ranks(num_ranks, ranks_per_node)
+    limit = machine.memory_per_rank(num_ranks, ranks_per_node)
+    invalid = check_grid(work, shape)
+    if work.micro_batch is None and not invalid:
+        dz = shape["data"] * shape["depth"]
+        sizes = [b for b in range(work.global_batch, 0, -1)
+                 if work.global_batch % b == 0 and b % dz == 0]
+        fitting = [b for b in sizes if gpt_memory(replace(work, micro_batch=b), shape) <= limit]
+        work = replace(work, micro_batch=(fitting or sizes[-1:])[0])
+    memory = gpt_memory(work, shape)
+    if invalid:
+        return Prediction(shape=dict(grid.shape), compute={}, comm={}, comm_bytes={},
+                          memory=memory, memory_limit=limit, invalid=invalid)
+    colls = gpt_collectives(work, shape)
+    return Prediction(shape=dict(grid.shape),
+                      compute=gpt_compute(work, shape, machine, node_ranks=node_ranks),
+                      comm=comm_seconds(colls, grid, machine, node_ranks),
+                      comm_bytes=bytes_by_axis(colls, shape), memory=memory,
+                      memory_limit=limit, extra={"micro_batch": work.micro_batch})
+
+
+def plan_gpt(work: GPTWorkload, num_ranks: int, machine: MachineProfile, *,
+             ranks_per_node: int | None = None) -> Plan:
+    """Every ``D x Z x R x C = num_ranks`` grid, ranked by predicted step time."""
+    preds = [predict_gpt(work, s, machine, ranks_per_node=ranks_per_node)
+             for s in factorizations(num_ranks, 4)]
+    rpn = machine.node_ranks(num_ranks, ranks_per_node)
+    title = (f"GPT {work.name}: {work.num_params() / 1e9:.3f}B parameters, L={work.n_layer} "
+             f"d={work.d_model} ff={work.d_ff} heads={work.n_head}/{work.kv_heads}, batch "
+             f"{work.global_batch} x {work.seq_len} tokens (micro-batch "
+             f"{work.micro_batch or 'auto'}) on {num_ranks} ranks ({rpn} per node) of "
+             f"{machine.name}; per step, per rank")
+    return rank_predictions(preds, num_ranks, AXES, title)
+
+
+def auto_grid(work: GPTWorkload, num_ranks: int, machine: MachineProfile, *,
+              ranks_per_node: int | None = None) -> tuple[ProcessGrid, Plan]:
+    """The predicted-fastest grid that fits (for ``llm.train --grid auto``) and its plan.
+
+    Log ``plan.describe_choice()`` on rank 0 (the choice and the runner-up).
+
+    Raises:
+        ValueError: no grid fits in memory and divides the shapes.
+    """
+    plan = plan_gpt(work, num_ranks, machine, ranks_per_node=ranks_per_node)
+    best = plan.best
+    return ProcessGrid.axonn(*(best.shape[a] for a in AXES)), plan
