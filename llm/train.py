@@ -88,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "goldfish loss, on CPU (gloo) or GPU (NCCL), under mpiexec, torchrun, srun or alone.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--grid", default=None, help="e.g. data=2,depth=1,row=2,col=2 or 2x1x2x2 "
-                   "(data x depth x row x col), or auto[:PROFILE] (the performance model's choice, see "
-                   "python -m common.plan); default: data parallel over all ranks")
+                   "(data x depth x row x col), or auto[:PROFILE] (the performance model's "
+                   "choice, see python -m common.plan); default: data parallel over all ranks")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
     p.add_argument("--epochs", type=float, default=None, help="passes over the training "
                    "samples instead of --steps")
