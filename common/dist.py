@@ -303,6 +303,14 @@ def exit_on_comm_failure(error: BaseException, ctx: DistContext | None) -> None:
     os._exit(1)
 
 
+def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce; collective)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def shutdown() -> None:
     """Tear down the process group (safe to call twice or when never initialised)."""
     if _WATCHDOG[0] is not None:

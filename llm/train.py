@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from common.dist import (
+    any_rank,
     exit_on_comm_failure,
     fail_all_ranks,
     init_distributed,
@@ -51,7 +52,7 @@ def run(trainer: Trainer, *, out: str | None = None, is_main: bool = True,
     cfg, history = trainer.train_cfg, []
     while trainer.step < trainer.total_steps:
         row = trainer.train_step()
-        stop = should_stop is not None and _any_rank(should_stop())
+        stop = should_stop is not None and any_rank(should_stop(), _collective_device())
         if stop:
             row["preempted"] = True
         last = stop or trainer.step == trainer.total_steps
@@ -69,15 +70,10 @@ def run(trainer: Trainer, *, out: str | None = None, is_main: bool = True,
     return history
 
 
-def _any_rank(flag: bool) -> bool:
+def _collective_device() -> str:
     import torch.distributed as dist
 
-    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce)."""
-    t = torch.tensor([1.0 if flag else 0.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

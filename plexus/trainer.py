@@ -18,6 +18,7 @@ import torch
 
 from common.checkpoint import list_steps
 from common.comm_stats import CommStats
+from common.dist import any_rank
 from common.grid import AxisGroup, ProcessGrid
 from plexus import checkpoint as ckpt
 from plexus import partition as part
@@ -180,7 +181,7 @@ def train_gcn(
         history.append(row)
         if on_epoch is not None:
             on_epoch(row)
-        stop = should_stop is not None and _any_rank(should_stop(), device)
+        stop = should_stop is not None and any_rank(should_stop(), device)
         if ck.dir and (stop or epoch == cfg.epochs or (ck.every and epoch % ck.every == 0)):
             ckpt.save(ck.dir, model, opt, epoch=epoch, history=history, meta=meta,
                       keep=ck.keep)
@@ -188,16 +189,6 @@ def train_gcn(
             info["preempted"] = True
             break
     return TrainResult(history, model, shard, groups, info)
-
-
-def _any_rank(flag: bool, device: torch.device | str) -> bool:
-    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 @torch.no_grad()

@@ -27,8 +27,8 @@ def _run(cmd, timeout=180):
 def test_mpiexec_four_ranks():
     r = _run([MPIEXEC, "-n", "4", sys.executable, *CHECKS, "--grid", "1x2x2"])
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = [ln for ln in r.stdout.splitlines() if "launcher=mpiexec OK 0 failures" in ln]
-    assert len(lines) == 4, r.stdout
+    # mpiexec merges the ranks' stdout, so lines may run together: count in the whole text
+    assert r.stdout.count("launcher=mpiexec OK 0 failures") == 4, r.stdout
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
