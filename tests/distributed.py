@@ -78,3 +78,46 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def kill_one_rank_and_collect(args: list[str], world: int, victim: int, ready: str,
+                              heartbeat_s: int = 8, timeout: float = 60) -> dict[int, tuple]:
+    """Fault injection shared by the trainers' tests: start ``python -m <args>`` on ``world``
+    ranks with torchrun's environment (no launcher that would kill the job for us), wait until
+    rank 0 prints a line starting with ``ready``, SIGKILL rank ``victim``, and return
+    ``{rank: (returncode, stderr, seconds after the kill)}`` for every other rank."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    root = Path(__file__).resolve().parents[1]
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    procs = []
+    for r in range(world):
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+               "OMP_NUM_THREADS": "1", "HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s),
+               "PYTHONPATH": str(root)}
+        procs.append(subprocess.Popen([sys.executable, "-m", *args], cwd=root, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = {}
+    try:
+        for line in procs[0].stdout:
+            if line.startswith(ready):
+                break
+        start = time.monotonic()
+        procs[victim].kill()
+        for r, p in enumerate(procs):
+            if r != victim:
+                _, err = p.communicate(timeout=timeout)
+                out[r] = (p.returncode, err, time.monotonic() - start)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        del store
+    return out

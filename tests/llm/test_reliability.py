@@ -2,11 +2,11 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.distributed import kill_one_rank_and_collect
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "16", "--log-every", "1"]
@@ -40,29 +40,9 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
 
 
 def test_a_killed_rank_stops_every_other_rank_with_its_name():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(4):
-        env = _env(RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="4",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HPC_HEARTBEAT_TIMEOUT="8")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "llm.train", *ARGS, "--grid", "data=1,depth=2,row=1,col=2",
-             "--steps", "100000"], cwd=ROOT, env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    try:
-        for line in procs[0].stdout:
-            if line.startswith("step     3/"):
-                break
-        start = time.monotonic()
-        procs[1].kill()
-        for r in (0, 2, 3):
-            _, err = procs[r].communicate(timeout=60)
-            assert procs[r].returncode != 0
-            assert f"[rank {r}] error: rank 1 was lost" in err, err[-2000:]
-        assert time.monotonic() - start < 60
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = kill_one_rank_and_collect(
+        ["llm.train", *ARGS, "--grid", "data=1,depth=2,row=1,col=2", "--steps", "100000"],
+        world=4, victim=1, ready="step     3/")
+    for r, (code, err, seconds) in results.items():
+        assert code != 0 and seconds < 60, (r, code, seconds)
+        assert f"[rank {r}] error: rank 1 was lost" in err, err[-2000:]

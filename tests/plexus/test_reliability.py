@@ -11,13 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import kill_one_rank_and_collect, run_ranks
 from tests.plexus.test_train import MPIEXEC, ROOT, _cli, needs_mpi
 
 SMALL = ["--hidden", "16", "--log-every", "1"]
@@ -141,35 +140,12 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
 
 
 def test_a_killed_rank_stops_every_other_rank_with_its_name():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for r in range(4):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "HPC_HEARTBEAT_TIMEOUT": "8", "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "plexus.train", "--grid", "2x2x1", "--epochs", "100000",
-             *SMALL], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
-    try:
-        for line in procs[0].stdout:
-            if line.startswith("epoch    3/"):
-                break
-        start = time.monotonic()
-        procs[2].kill()  # SIGKILL mid-training
-        for r in (0, 1, 3):
-            _, err = procs[r].communicate(timeout=60)
-            assert procs[r].returncode != 0
-            assert f"[rank {r}] error: rank 2 was lost" in err, err[-2000:]
-        assert time.monotonic() - start < 60
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = kill_one_rank_and_collect(
+        ["plexus.train", "--grid", "2x2x1", "--epochs", "100000", *SMALL], world=4, victim=2,
+        ready="epoch    3/")
+    for r, (code, err, seconds) in results.items():
+        assert code != 0 and seconds < 60, (r, code, seconds)
+        assert f"[rank {r}] error: rank 2 was lost" in err, err[-2000:]
 
 
 def _tree_digest(path):
