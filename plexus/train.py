@@ -113,10 +113,14 @@ def _log_setup(result_info: dict[str, Any], shard, model, ctx, graph, grid) -> N
     """Block balance per adjacency layout and per-rank memory (max over ranks)."""
     import torch.distributed as dist
 
-    mem = sum(b.a.values().numel() * 4 + b.a.col_indices().numel() * b.a.col_indices()
-              .element_size() * 2 for b in shard.adj.values())
-    mem += sum(p.numel() * p.element_size() for p in model.parameters())
-    mem += model.features.numel() * model.features.element_size()
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    # every CSR block and its transpose (values, column and row indices), then the weights and
+    # the feature shard (a parameter or a buffer: counted once either way)
+    mem = sum(nbytes(m.values()) + nbytes(m.col_indices()) + nbytes(m.crow_indices())
+              for b in shard.adj.values() for m in (b.a, b.a_t))
+    mem += sum(nbytes(t) for t in [*model.parameters(), *model.buffers()])
     t = torch.tensor([float(mem)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if ctx.is_main:
