@@ -44,24 +44,18 @@ def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
     return out
 
 
-def spmm(a: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """CSR ``a`` [n, m] times dense ``f`` [m, d], written into a fresh [n, d] (``out=`` skips
-    the extra result copy that ``a @ f`` makes on CPU: about 10% per SpMM here)."""
-    out = torch.empty(a.shape[0], f.shape[1], dtype=f.dtype, device=f.device)
-    return torch.mm(a, f.contiguous(), out=out)
-
-
 class _SpMM(torch.autograd.Function):
-    """``A @ F``; backward ``A^T @ dH`` with the precomputed transpose."""
+    """``A @ F`` for a :class:`~plexus.sparse.BlockSparse` ``A``; backward ``A^T @ dH`` with
+    the precomputed transpose."""
 
     @staticmethod
     def forward(ctx: Any, a, a_t, f):
         ctx.a_t = a_t
-        return spmm(a, f)
+        return a.matmul(f)
 
     @staticmethod
     def backward(ctx: Any, dh):
-        return None, None, spmm(ctx.a_t, dh) if ctx.needs_input_grad[2] else None
+        return None, None, ctx.a_t.matmul(dh) if ctx.needs_input_grad[2] else None
 
 
 class _GatheredMatmul(torch.autograd.Function):

@@ -13,7 +13,6 @@ Shapes (N = padded nodes; roles (O, I, P) of layer l, see plexus.partition):
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,16 +21,17 @@ import torch
 
 from plexus import partition as part
 from plexus.graph import Graph
+from plexus.sparse import BlockSparse, CSRBlock
 
 SPLITS = ("train", "val", "test")
 
 
 @dataclass
 class AdjBlock:
-    """One stationary adjacency block and its transpose, as torch CSR tensors."""
+    """One stationary adjacency block and its transpose."""
 
-    a: torch.Tensor
-    a_t: torch.Tensor
+    a: BlockSparse
+    a_t: BlockSparse
     nnz: int
     balance: part.Balance
 
@@ -68,16 +68,7 @@ def flat_shard(block: torch.Tensor, num_p: int, p: int) -> torch.Tensor:
 
 def to_torch_csr(m: sp.csr_matrix) -> torch.Tensor:
     """scipy CSR -> torch CSR, int32 indices when they fit (a third less index memory)."""
-    idx = np.int32 if max(m.nnz, *m.shape) < 2**31 else np.int64
-    with warnings.catch_warnings():  # "sparse CSR support is in beta"
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(
-            torch.from_numpy(m.indptr.astype(idx)),
-            torch.from_numpy(m.indices.astype(idx)),
-            torch.from_numpy(m.data.astype(np.float32)),
-            size=m.shape,
-            check_invariants=False,  # built by scipy: sorted, in range
-        )
+    return CSRBlock.from_scipy(m).to_torch()
 
 
 def shard_graph(
@@ -118,7 +109,7 @@ def shard_graph(
         counts = part.block_nnz(a_l, shape[p_ax], shape[o_ax])
         blk = part.block(a_l, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax])
         adj[layer] = AdjBlock(
-            to_torch_csr(blk), to_torch_csr(blk.T.tocsr()), blk.nnz,
+            BlockSparse.single(blk), BlockSparse.single(blk.T.tocsr()), blk.nnz,
             part.Balance(int(counts.max()), float(counts.mean())),
         )
 

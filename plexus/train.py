@@ -118,8 +118,7 @@ def _log_setup(result_info: dict[str, Any], shard, model, ctx, graph, grid) -> N
 
     # every CSR block and its transpose (values, column and row indices), then the weights and
     # the feature shard (a parameter or a buffer: counted once either way)
-    mem = sum(nbytes(m.values()) + nbytes(m.col_indices()) + nbytes(m.crow_indices())
-              for b in shard.adj.values() for m in (b.a, b.a_t))
+    mem = sum(b.a.nbytes + b.a_t.nbytes for b in shard.adj.values())
     mem += sum(nbytes(t) for t in [*model.parameters(), *model.buffers()])
     t = torch.tensor([float(mem)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -134,7 +134,7 @@ def train_gcn(
     shard, groups, model = setup(graph, grid, rank, cfg)
     model.to(device)
     for blk in shard.adj.values():
-        blk.a, blk.a_t = blk.a.to(device), blk.a_t.to(device)
+        blk.a.to(device), blk.a_t.to(device)
     info = {"setup_s": time.perf_counter() - t0, "config": asdict(cfg), "grid": str(grid)}
     if on_setup is not None:
         on_setup(shard, model, info)
