@@ -23,3 +23,47 @@ def csr_spmm(indptr, indices, values, x, out, accumulate):  # pragma: no cover -
             xr = x[indices[j]]
             for k in range(d):
                 acc[k] += v * xr[k]
+
+
+@numba.njit(inline="always")
+def _mix64(z):  # pragma: no cover - compiled
+    """splitmix64's finaliser: a bijection of uint64 with good avalanche."""
+    z = (z ^ (z >> numba.uint64(30))) * numba.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> numba.uint64(27))) * numba.uint64(0x94D049BB133111EB)
+    return z ^ (z >> numba.uint64(31))
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def rmat_chunk(first, key, scale, t1, t2, t3, scramble_keys, src, dst):  # pragma: no cover
+    """R-MAT edges ``first .. first+len(src)`` into ``src``/``dst`` (see plexus.datasets).
+
+    Level ``l`` of edge ``e`` draws ``u = mix64(key + (e * scale + l) * golden) >> 11``
+    scaled to [0, 1), so every edge is a pure function of (key, e): chunks can be generated
+    in any order and in parallel. ``scramble_keys`` (4 uint64, or empty) applies the node-id
+    bijection of plexus.datasets._scramble.
+    """
+    golden = numba.uint64(0x9E3779B97F4A7C15)
+    mask = numba.uint64((1 << scale) - 1)
+    shift = numba.uint64(max(1, scale // 2))
+    for i in numba.prange(src.shape[0]):
+        e = numba.uint64(first + i)
+        r = numba.uint64(0)
+        c = numba.uint64(0)
+        for level in range(scale):
+            z = _mix64(key + (e * numba.uint64(scale) + numba.uint64(level)) * golden)
+            u = (z >> numba.uint64(11)) * (1.0 / 9007199254740992.0)
+            bit = numba.uint64(1) << numba.uint64(level)
+            if u >= t2:
+                r |= bit
+            if (u >= t1 and u < t2) or u >= t3:
+                c |= bit
+        if scramble_keys.shape[0] == 4:
+            for k in (0, 2):
+                r = (r * (scramble_keys[k] | numba.uint64(1))) & mask
+                r ^= r >> shift
+                r = (r + scramble_keys[k + 1]) & mask
+                c = (c * (scramble_keys[k] | numba.uint64(1))) & mask
+                c ^= c >> shift
+                c = (c + scramble_keys[k + 1]) & mask
+        src[i] = numba.int64(r)
+        dst[i] = numba.int64(c)

@@ -39,7 +39,6 @@ __all__ = [
     "rmat_graph",
 ]
 
-_RMAT_BLOCK = 1 << 16  # edges per independently seeded R-MAT block
 _RMAT_DEFAULT_SCALE = 12  # "rmat": 4,096 nodes, 65,536 generated edges
 _DEFAULT_ROOT = "data"  # ignored by git; OGB dirs live at data/ogbn_arxiv etc.
 
@@ -116,25 +115,31 @@ def rmat_edges(
     b: float = 0.19,
     c: float = 0.19,
     scramble: bool = True,
+    first_edge: int = 0,
+    num_edges: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Stream the edges of a Graph500-style R-MAT graph in chunks of bounded size.
 
     Each of ``edge_factor * 2**scale`` edges picks one quadrant of the adjacency matrix per
     level, ``scale`` times: top-left with probability a, top-right b, bottom-left c,
     bottom-right d = 1 - a - b - c (Chakrabarti et al., SDM 2004; Graph500 uses a=0.57,
-    b=c=0.19). Edges are generated in fixed blocks of 2**16, each from its own generator seeded
-    by (seed, block), so the concatenated stream does not depend on ``chunk_edges``. With
-    ``scramble`` node ids go through a seeded bijection of [0, 2**scale) (multiply by an odd
-    key, xor-shift, add a key, twice) so hubs are not all at small ids; it needs no [N] table.
-    Self-loops and duplicate edges are kept, as in Graph500's edge list.
+    b=c=0.19). The uniform draw of level ``l`` of edge ``e`` is a counter-based hash of
+    (seed, e, l) (splitmix64), so every edge is a pure function of (seed, e): the stream does
+    not depend on ``chunk_edges``, and any range of it can be generated on its own and in
+    parallel (a numba kernel on all cores when numba is installed; the same arithmetic in numpy
+    otherwise). With ``scramble`` node ids go through a seeded bijection of [0, 2**scale)
+    (multiply by an odd key, xor-shift, add a key, twice) so hubs are not all at small ids; it
+    needs no [N] table. Self-loops and duplicate edges are kept, as in Graph500's edge list.
 
     Args:
         scale: log2 of the number of nodes N.
-        edge_factor: edges per node; the stream holds exactly edge_factor * N edges.
+        edge_factor: edges per node; the whole stream holds edge_factor * N edges.
         seed: the stream is a pure function of all arguments except chunk_edges.
         chunk_edges: B, the number of edges per yielded chunk (the last may be shorter).
         a, b, c: quadrant probabilities.
         scramble: permute node ids with the seeded bijection.
+        first_edge, num_edges: yield only edges ``first_edge .. first_edge + num_edges``
+            (default: to the end of the stream).
 
     Yields:
         int64 numpy arrays [2, B]: row 0 source, row 1 target.
@@ -147,35 +152,51 @@ def rmat_edges(
         raise ValueError(f"R-MAT probabilities must be >= 0 with a + b + c <= 1, got "
                          f"a={a}, b={b}, c={c}, d=1-a-b-c={d:.3g}")
     total = edge_factor << scale
-    keys = np.random.default_rng([seed, 1]).integers(0, 1 << 62, 4, dtype=np.uint64)
-    pieces: list[np.ndarray] = []  # generated edges not yet yielded, [2, count] in all
-    count = 0
-    for block in range(-(-total // _RMAT_BLOCK)):
-        n = min(_RMAT_BLOCK, total - block * _RMAT_BLOCK)
-        e = _rmat_block(np.random.default_rng([seed, 0, block]), n, scale, a, a + b, a + b + c)
-        pieces.append((_scramble(e, scale, keys) if scramble else e).astype(np.int64))
-        count += n
-        if count >= chunk_edges:
-            buf = np.concatenate(pieces, axis=1)
-            stop = count - count % chunk_edges
-            for i in range(0, stop, chunk_edges):
-                yield np.ascontiguousarray(buf[:, i:i + chunk_edges])
-            pieces, count = [buf[:, stop:]], count - stop
-    if count:
-        yield np.concatenate(pieces, axis=1)
+    stop = total if num_edges is None else min(total, first_edge + num_edges)
+    key = np.random.default_rng([seed, 0]).integers(0, 1 << 62, dtype=np.uint64)
+    keys = (np.random.default_rng([seed, 1]).integers(0, 1 << 62, 4, dtype=np.uint64)
+            if scramble else np.zeros(0, dtype=np.uint64))
+    kernel = _rmat_kernel()
+    for first in range(first_edge, stop, chunk_edges):
+        n = min(chunk_edges, stop - first)
+        out = np.empty((2, n), dtype=np.int64)
+        if kernel is not None:
+            kernel(first, key, scale, a, a + b, a + b + c, keys, out[0], out[1])
+        else:
+            out[:] = _rmat_numpy(first, n, key, scale, a, a + b, a + b + c, keys)
+        yield out
 
 
-def _rmat_block(rng: np.random.Generator, n: int, scale: int, t1: float, t2: float,
-                t3: float) -> np.ndarray:
-    """uint64 [2, n] R-MAT edges; t1 < t2 < t3 are the cumulative quadrant probabilities."""
-    e = np.zeros((2, n), dtype=np.uint64)
-    for level in range(scale):
-        r = rng.random(n)
-        row_bit = r >= t2  # bottom half: quadrants c, d
-        col_bit = ((r >= t1) & (r < t2)) | (r >= t3)  # right half: quadrants b, d
-        e[0] |= row_bit.astype(np.uint64) << np.uint64(level)
-        e[1] |= col_bit.astype(np.uint64) << np.uint64(level)
-    return e
+def _rmat_kernel():
+    try:
+        from plexus._kernels import rmat_chunk
+    except ImportError:
+        return None
+    return rmat_chunk
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic, as in the numba kernel)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _rmat_numpy(first: int, n: int, key: np.uint64, scale: int, t1: float, t2: float,
+                t3: float, keys: np.ndarray) -> np.ndarray:
+    """uint64 [2, n]: edges first .. first+n; the numpy twin of plexus._kernels.rmat_chunk."""
+    e = np.arange(first, first + n, dtype=np.uint64)
+    out = np.zeros((2, n), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for level in range(scale):
+            z = _mix64(key + (e * np.uint64(scale) + np.uint64(level)) * _GOLDEN)
+            u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+            out[0] |= (u >= t2).astype(np.uint64) << np.uint64(level)
+            out[1] |= (((u >= t1) & (u < t2)) | (u >= t3)).astype(np.uint64) << np.uint64(level)
+        return _scramble(out, scale, keys) if keys.shape[0] == 4 else out
 
 
 def _scramble(v: np.ndarray, scale: int, keys: np.ndarray) -> np.ndarray:

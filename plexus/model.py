@@ -146,7 +146,7 @@ class PlexusGCN(nn.Module):
             q = _GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
                                       self.block_shapes[layer], stats)
             q = CA.all_reduce_identity(q, g[i_ax], stats)
-            f = torch.relu(q) if layer < self.num_layers - 1 else q
+            f = torch.relu_(q) if layer < self.num_layers - 1 else q
         return f
 
     def _aggregate(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):

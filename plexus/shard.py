@@ -80,6 +80,7 @@ def shard_graph(
     hidden: int,
     permutation: str = "double",
     seed: int = 0,
+    pad_multiple: int = 1,
 ) -> GraphShard:
     """Build this rank's shard of ``graph`` for a grid of ``shape`` at ``coords``.
 
@@ -90,11 +91,13 @@ def shard_graph(
         num_layers, hidden: model depth and hidden width (they fix the layer widths).
         permutation: ``none``, ``single`` or ``double`` (see plexus.partition).
         seed: permutation seed (identical on every rank).
+        pad_multiple: also pad the node count to a multiple of this (the block count k of a
+            prepared dataset gives the same permutations and blocks, so the same numbers).
     """
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     n = graph.num_nodes
-    n_pad = part.padded_num_nodes(n, shape)
+    n_pad = part.round_up(part.padded_num_nodes(n, shape), pad_multiple)
     widths = [graph.num_features] + [hidden] * (num_layers - 1) + [graph.num_classes]
     widths_pad = part.padded_widths(widths, shape)
     pr, pc = part.make_permutations(n_pad, permutation, seed)

@@ -110,6 +110,11 @@ class BlockSparse:
         """Bytes of all index and value arrays (mapped or not)."""
         return sum(b.nbytes for _, _, b in self.present())
 
+    def arrays(self):
+        """Yield every index and value array (to count distinct memory across matrices)."""
+        for _, _, b in self.present():
+            yield from (b.indptr, b.indices, b.values)
+
     def to_scipy(self) -> sp.csr_matrix:
         """The whole matrix, assembled (tests and small graphs only)."""
         grid = [[b.to_scipy() if b is not None else None for b in row] for row in self.blocks]

@@ -54,10 +54,13 @@ def auto_grid(spec: str, graph, cfg: TrainConfig, ctx) -> ProcessGrid:
     from common.perf import gcn as perf_gcn
     from common.perf.machine import load_profile
 
-    src, dst = graph.edge_index
-    work = perf_gcn.GCNWorkload(  # nnz of Â: edges other than self-loops, plus one per node
-        name=graph.name, num_nodes=graph.num_nodes,
-        nnz=int((src != dst).sum()) + graph.num_nodes, num_features=graph.num_features,
+    if hasattr(graph, "nnz"):  # prepared: counted while preparing
+        nnz = graph.nnz
+    else:  # nnz of Â: edges other than self-loops, plus one per node
+        src, dst = graph.edge_index
+        nnz = int((src != dst).sum()) + graph.num_nodes
+    work = perf_gcn.GCNWorkload(
+        name=graph.name, num_nodes=graph.num_nodes, nnz=nnz, num_features=graph.num_features,
         num_classes=graph.num_classes, num_layers=cfg.layers, hidden=cfg.hidden,
         learn_features=cfg.learn_features)
     machine = load_profile(spec.partition(":")[2] or None)
@@ -65,6 +68,16 @@ def auto_grid(spec: str, graph, cfg: TrainConfig, ctx) -> ProcessGrid:
                                     ranks_per_node=ctx.local_world_size)
     if ctx.is_main:
         print(f"{plan.describe_choice()} [profile {machine.name}]", flush=True)
+    k = getattr(graph, "blocks", None)
+    if k is not None and any(k % s for s in grid.shape.values()):  # prepared: axes | k
+        fits = [p for p in plan.runnable if all(k % s == 0 for s in p.shape.values())]
+        if not fits:
+            raise ValueError(f"no grid of {ctx.world_size} ranks has axis sizes dividing the "
+                             f"{k}x{k} blocks of {graph.path}; prepare with another --blocks")
+        grid = ProcessGrid.plexus(fits[0].shape["x"], fits[0].shape["y"], fits[0].shape["z"])
+        if ctx.is_main:
+            print(f"grid {grid}: the fastest predicted grid whose axes divide k={k}",
+                  flush=True)
     return grid
 
 
@@ -78,8 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dataset", default="planted",
                    help="planted (built-in, learnable), rmat / rmat-SCALE (synthetic), "
-                   "ogbn-arxiv, ogbn-products, ogbn-papers100M")
-    p.add_argument("--root", default="data", help="directory holding OGB datasets")
+                   "ogbn-arxiv, ogbn-products, ogbn-papers100M, or a directory written by "
+                   "python -m plexus.prepare (each rank maps only its blocks)")
+    p.add_argument("--root", default="data",
+                   help="directory holding OGB datasets (and prepared ones, by name)")
     p.add_argument("--grid", default=None,
                    help="XxYxZ process grid (default: the most cubic one for the world size), "
                    "or auto[:PROFILE]: the grid the performance model predicts fastest on a "
@@ -110,18 +125,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _log_setup(result_info: dict[str, Any], shard, model, ctx, graph, grid) -> None:
-    """Block balance per adjacency layout and per-rank memory (max over ranks)."""
+    """Block balance per adjacency layout, loading time and per-rank memory (max over ranks).
+
+    Adjacency bytes count every distinct index/value array once (layers may share a block),
+    whether held in memory or memory-mapped from a prepared dataset.
+    """
     import torch.distributed as dist
 
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    # every CSR block and its transpose (values, column and row indices), then the weights and
-    # the feature shard (a parameter or a buffer: counted once either way)
-    mem = sum(b.a.nbytes + b.a_t.nbytes for b in shard.adj.values())
-    mem += sum(nbytes(t) for t in [*model.parameters(), *model.buffers()])
-    t = torch.tensor([float(mem)])
+    seen: dict[Any, int] = {}
+    for b in shard.adj.values():
+        for m in (b.a, b.a_t):
+            for arr in m.arrays():
+                seen[getattr(arr, "filename", None) or id(arr)] = arr.nbytes
+    adj = sum(seen.values())
+    other = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    t = torch.tensor([float(adj), float(other), float(resident_bytes()), float(peak_bytes())])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    mapped = hasattr(graph, "blocks")
+    result_info["memory_per_rank_max"] = {
+        "adjacency_bytes": int(t[0]), "adjacency_mapped": mapped, "features_weights_bytes":
+        int(t[1]), "resident_bytes_after_setup": int(t[2]), "peak_bytes_after_setup": int(t[3])}
     if ctx.is_main:
         print(f"graph {graph.name}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, "
               f"{graph.num_features} features, {graph.num_classes} classes; grid {grid} "
@@ -131,8 +154,27 @@ def _log_setup(result_info: dict[str, Any], shard, model, ctx, graph, grid) -> N
             print(f"  adjacency layout {layer} (O,I,P)=({o},{i},{p}): max/mean nonzeros per "
                   f"block {blk.balance.max_nnz:,}/{blk.balance.mean_nnz:,.0f} = "
                   f"{blk.balance.ratio:.3f}", flush=True)
-        print(f"  memory per rank (max): {t.item() / 2**20:.1f} MiB in adjacency, features and "
-              f"weights; setup {result_info['setup_s']:.2f} s", flush=True)
+        how = "memory-mapped" if mapped else "in memory"
+        print(f"  {'loading' if mapped else 'setup'} {result_info['setup_s']:.2f} s; per rank "
+              f"(max): adjacency {t[0].item() / 2**20:.1f} MiB ({how}), features and weights "
+              f"{t[1].item() / 2**20:.1f} MiB, resident {t[2].item() / 2**20:.1f} MiB "
+              f"(peak {t[3].item() / 2**20:.1f} MiB)", flush=True)
+
+
+def resident_bytes() -> int:
+    """Current resident set size of this process (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_bytes() -> int:
+    """Peak resident set size of this process so far."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_writable(args.metrics)
         if args.checkpoint_dir:
             _check_writable(os.path.join(args.checkpoint_dir, "x"), create=True)
-        from plexus.datasets import load_dataset
-
-        graph = load_dataset(args.dataset, root=args.root, seed=args.seed)
+        graph = _load_graph(args)
         if auto:
             grid = auto_grid(args.grid, graph, cfg, ctx)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -214,6 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _load_graph(args: argparse.Namespace):
+    """A prepared directory (``--dataset PATH``, or ``ROOT/NAME``) or a dataset by name."""
+    from plexus.prepared import PreparedGraph, is_prepared
+
+    for path in (args.dataset, os.path.join(args.root, args.dataset)):
+        if is_prepared(path):
+            return PreparedGraph(path)
+    from plexus.datasets import load_dataset
+
+    return load_dataset(args.dataset, root=args.root, seed=args.seed)
+
+
 def _check_writable(path: str, create: bool = False) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if create:
@@ -241,12 +293,14 @@ def _summary(result, graph, grid, ctx, args) -> dict[str, Any]:
         "epoch_s_mean": epoch_s, "comm_s_mean": comm_s,
         "comm_share": comm_s / epoch_s if epoch_s else 0.0,
         "comm_bytes_per_epoch": hist[-1]["comm_bytes"] if hist else 0,
+        "memory_per_rank_max": {**result.info.get("memory_per_rank_max", {}),
+                                "peak_bytes": _max_over_ranks(peak_bytes())},
         "final": {k: hist[-1][k] for k in ("loss", "train_acc", "val_acc", "test_acc")}
         if hist else {},
         "best_val": {"epoch": best.get("epoch"), "val_acc": best.get("val_acc"),
                      "test_acc": best.get("test_acc")},
     }
-    if graph.name.startswith("ogbn-") and hist:
+    if graph.name.startswith("ogbn-") and hist and hasattr(graph, "edge_index"):
         from plexus.datasets import ogb_accuracy
 
         pred = predictions(result)
@@ -259,6 +313,14 @@ def _summary(result, graph, grid, ctx, args) -> dict[str, Any]:
     return out
 
 
+def _max_over_ranks(value: int) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     rows = [
         ("dataset", f"{s['dataset']} ({s['num_nodes']:,} nodes, {s['num_edges']:,} edges)"),
@@ -266,6 +328,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("model", f"{s['layers']} layers, hidden {s['hidden']}, permutation "
                   f"{s['permutation']}, learn features {s['learn_features']}"),
         ("epochs", f"{s['epochs']} (setup {s['setup_s']:.2f} s)"),
+        ("peak memory", f"{s['memory_per_rank_max']['peak_bytes'] / 2**20:,.0f} MiB resident "
+                        "per rank (max)"),
         ("epoch time", f"{1000 * s['epoch_s_mean']:.1f} ms, communication "
                        f"{100 * s['comm_share']:.1f}%, {s['comm_bytes_per_epoch'] / 2**20:.2f} "
                        "MiB sent per rank"),

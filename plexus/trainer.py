@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from common.alloc import retain_freed_memory
 from common.checkpoint import list_steps
 from common.comm_stats import CommStats
 from common.dist import any_rank
@@ -40,6 +41,8 @@ class TrainConfig:
         seed: seeds weights and permutations (same seed, same numbers on any grid).
         permutation: ``none``, ``single`` or ``double`` (load balance, plexus-3d.md section 6).
         learn_features: make the input features trainable.
+        pad_multiple: pad the node count to a multiple of this too (in-memory graphs; set it
+            to a prepared dataset's block count k to get the prepared run's exact numbers).
     """
 
     layers: int = 3
@@ -50,11 +53,13 @@ class TrainConfig:
     seed: int = 0
     permutation: str = "double"
     learn_features: bool = False
+    pad_multiple: int = 1
 
     def __post_init__(self) -> None:
-        if self.layers < 1 or self.hidden < 1 or self.epochs < 0:
-            raise ValueError(f"need layers >= 1, hidden >= 1, epochs >= 0; got layers="
-                             f"{self.layers}, hidden={self.hidden}, epochs={self.epochs}")
+        if self.layers < 1 or self.hidden < 1 or self.epochs < 0 or self.pad_multiple < 1:
+            raise ValueError(f"need layers >= 1, hidden >= 1, epochs >= 0, pad_multiple >= 1; "
+                             f"got layers={self.layers}, hidden={self.hidden}, epochs="
+                             f"{self.epochs}, pad_multiple={self.pad_multiple}")
         if not self.lr > 0 or self.weight_decay < 0:
             raise ValueError(f"need lr > 0 and weight_decay >= 0; got lr={self.lr}, "
                              f"weight_decay={self.weight_decay}")
@@ -99,12 +104,27 @@ class TrainResult:
 
 
 def setup(
-    graph: Graph, grid: ProcessGrid, rank: int, cfg: TrainConfig
+    graph: Graph | Any, grid: ProcessGrid, rank: int, cfg: TrainConfig
 ) -> tuple[GraphShard, dict[str, AxisGroup], PlexusGCN]:
-    """Create the axis groups (collective), this rank's shard, and the model."""
+    """Create the axis groups (collective), this rank's shard, and the model.
+
+    ``graph`` is an in-memory :class:`Graph` (every rank builds its blocks from it) or a
+    :class:`~plexus.prepared.PreparedGraph` (every rank maps its blocks from disk; its
+    permutations are the prepared ones, ``cfg.seed`` still seeds the weights).
+    """
+    from plexus.prepared import PreparedGraph
+
+    if isinstance(graph, PreparedGraph):  # check before the collective group creation
+        graph.check_grid(grid.shape)
+        graph.check_config(cfg.permutation)
     groups = grid.create_groups(rank)
-    shard = shard_graph(graph, grid.shape, grid.coords(rank), num_layers=cfg.layers,
-                        hidden=cfg.hidden, permutation=cfg.permutation, seed=cfg.seed)
+    if isinstance(graph, PreparedGraph):
+        shard = graph.shard(grid.shape, grid.coords(rank), num_layers=cfg.layers,
+                            hidden=cfg.hidden)
+    else:
+        shard = shard_graph(graph, grid.shape, grid.coords(rank), num_layers=cfg.layers,
+                            hidden=cfg.hidden, permutation=cfg.permutation, seed=cfg.seed,
+                            pad_multiple=cfg.pad_multiple)
     model = PlexusGCN(shard, groups, learn_features=cfg.learn_features, seed=cfg.seed)
     return shard, groups, model
 
@@ -131,6 +151,8 @@ def train_gcn(
     with ``info["preempted"] = True``.
     """
     t0 = time.perf_counter()
+    if torch.device(device).type == "cpu":
+        retain_freed_memory()  # reuse activation pages every epoch (see common.alloc)
     shard, groups, model = setup(graph, grid, rank, cfg)
     model.to(device)
     for blk in shard.adj.values():
