@@ -5,7 +5,10 @@ from __future__ import annotations
 import numba
 
 
-@numba.njit(parallel=True, fastmath=True, nogil=True, cache=True)
+# fastmath "contract" only: fused multiply-adds, but no reassociation, so the sum over a row's
+# nonzeros runs in index order whether the row is one block or several (bit-identical results
+# for in-memory and prepared shards)
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
 def csr_spmm(indptr, indices, values, x, out, accumulate):  # pragma: no cover - compiled
     """``out[i] (+)= sum_j values[j] * x[indices[j]]`` for every row ``i``, rows in parallel.
 

@@ -95,8 +95,11 @@ def output_order(num_layers: int, pr: np.ndarray, pc: np.ndarray) -> np.ndarray:
 
 
 def permuted(a: sp.csr_matrix, rows: np.ndarray, cols: np.ndarray) -> sp.csr_matrix:
-    """``a[rows][:, cols]`` (``A'[i, j] = a[rows[i], cols[j]]``) as CSR."""
-    return a[rows][:, cols].tocsr()
+    """``a[rows][:, cols]`` (``A'[i, j] = a[rows[i], cols[j]]``) as CSR with sorted column
+    indices (canonical order: the SpMM sums each row in column order, as on prepared blocks)."""
+    out = a[rows][:, cols].tocsr()
+    out.sort_indices()
+    return out
 
 
 def block(a: sp.csr_matrix, p: int, num_p: int, o: int, num_o: int) -> sp.csr_matrix:

@@ -336,14 +336,15 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
                     bucket = work / "buckets" / f"{mat}-{b}.bin"
                     keys = (np.fromfile(bucket, dtype=key_dtype) if bucket.exists()
                             else np.zeros(0, dtype=key_dtype))
-                    if source.dedupe:
-                        keys, counts = np.unique(keys), None
-                    else:
-                        keys, counts = np.unique(keys, return_counts=True)
+                    keys, counts = _sorted_unique(keys, source.dedupe)
+                    if counts is not None:
                         if counts.size and counts.max() > 1:
                             multi = True
                             counts.astype(np.int32).tofile(bucket.with_suffix(".cnt"))
-                    keys.tofile(bucket)
+                    # a new file, not a rewrite: truncating a file with unwritten pages
+                    # makes ext4 flush it synchronously (auto_da_alloc)
+                    keys.tofile(bucket.with_suffix(".srt"))
+                    bucket.unlink(missing_ok=True)
                     if mat == "even":
                         i = b // k
                         deg_rows[i * bs:(i + 1) * bs] += np.bincount(
@@ -371,9 +372,8 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
                 del v, loop_r, loop_c, loop_bid, loop_order
                 for b in range(k * k):
                     i, j = divmod(b, k)
-                    bucket = work / "buckets" / f"{mat}-{b}.bin"
-                    keys = (np.fromfile(bucket, dtype=key_dtype) if bucket.exists()
-                            else np.zeros(0, dtype=key_dtype))
+                    bucket = work / "buckets" / f"{mat}-{b}.srt"
+                    keys = np.fromfile(bucket, dtype=key_dtype)
                     cnt_file = bucket.with_suffix(".cnt")
                     counts = np.fromfile(cnt_file, dtype=np.int32) if cnt_file.exists() else None
                     lk = np.sort(loop_key[loop_start[b]:loop_start[b + 1]])
@@ -421,6 +421,18 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
         shutil.rmtree(work, ignore_errors=True)
         raise
     return manifest
+
+
+def _sorted_unique(keys: np.ndarray, dedupe: bool):
+    """(sorted distinct keys, how often each occurs or None with ``dedupe``); sorts in place
+    (numpy's hash-based np.unique is several times slower on these sizes)."""
+    keys.sort()
+    first = np.ones(keys.size, dtype=bool)
+    np.not_equal(keys[1:], keys[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    del first
+    counts = None if dedupe else np.diff(starts, append=keys.size).astype(np.int32)
+    return keys[starts], counts
 
 
 def _check_space(work: Path, source: EdgeSource) -> None:

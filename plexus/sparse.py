@@ -155,8 +155,8 @@ class BlockSparse:
                     kernel(b.indptr, b.indices, b.values, xn[cols], outn[rows], not first)
                 else:
                     t = self._torch.get((r, c))
-                    t = b.to_torch() if t is None else t
-                    prod = torch.mm(t, x[cols])
+                    t = b.to_torch(x.device) if t is None else t
+                    prod = torch.mm(t.to(x.dtype), x[cols])
                     out[rows].copy_(prod) if first else out[rows].add_(prod)
                 first = False
             if first:  # an empty block row

@@ -28,6 +28,7 @@ from common.dist import (
 )
 from common.grid import ProcessGrid
 from plexus import partition as part
+from plexus.ogb_io import DatasetCorruptError
 from plexus.trainer import CheckpointConfig, TrainConfig, predictions, train_gcn
 
 
@@ -202,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         graph = _load_graph(args)
         if auto:
             grid = auto_grid(args.grid, graph, cfg, ctx)
+        if hasattr(graph, "check_grid"):  # prepared: axes must divide k
+            graph.check_grid(grid.shape)
+            graph.check_config(cfg.permutation)
     except (ValueError, FileNotFoundError, OSError) as e:
         fail_all_ranks(str(e), ctx)
     # written under a temporary name and renamed at the end: a failed run overwrites nothing
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             graph, grid, ctx.rank, cfg, device=ctx.device, on_epoch=on_epoch, checkpoint=ck,
             should_stop=preemption_flag(),
             on_setup=lambda shard, model, info: _log_setup(info, shard, model, ctx, graph, grid))
-    except (CheckpointError, FloatingPointError) as e:  # the same on every rank
+    except (CheckpointError, FloatingPointError, DatasetCorruptError) as e:  # on every rank
         if metrics:
             metrics.close()
             os.remove(metrics.name)

@@ -26,6 +26,7 @@ from plexus import partition as part
 from plexus.graph import Graph
 from plexus.loss import correct_counts, sharded_argmax, sharded_cross_entropy
 from plexus.model import PlexusGCN
+from plexus.ogb_io import DatasetCorruptError
 from plexus.shard import SPLITS, GraphShard, shard_graph
 
 
@@ -119,8 +120,16 @@ def setup(
         graph.check_config(cfg.permutation)
     groups = grid.create_groups(rank)
     if isinstance(graph, PreparedGraph):
-        shard = graph.shard(grid.shape, grid.coords(rank), num_layers=cfg.layers,
-                            hidden=cfg.hidden)
+        error: Exception | None = None
+        try:
+            shard = graph.shard(grid.shape, grid.coords(rank), num_layers=cfg.layers,
+                                hidden=cfg.hidden)
+        except (ValueError, OSError) as e:  # a damaged file may touch some ranks only
+            error = e
+        if any_rank(error is not None):  # so every rank stops, none waits in a collective
+            raise DatasetCorruptError(str(error) if error else
+                                      f"another rank could not read its blocks of {graph.path} "
+                                      "(its error is above)")
     else:
         shard = shard_graph(graph, grid.shape, grid.coords(rank), num_layers=cfg.layers,
                             hidden=cfg.hidden, permutation=cfg.permutation, seed=cfg.seed,
