@@ -2,6 +2,7 @@
 
     python -m plexus.prepare --source rmat --scale 24 --edge-factor 64 --features 16 \\
         --out data/rmat-24-k8                       # 1B generated edges, never all in memory
+    python -m plexus.prepare --source ogbn-papers100M --root data --out data/papers100M-k8
     python -m plexus.prepare --source edges.npy --num-nodes 1000000 --out data/mygraph
     python -m plexus.prepare --source planted --out data/planted-k8    # small, built-in
     python -m plexus.train --dataset data/rmat-24-k8 --grid 2x2x2      # train on it
@@ -45,6 +46,7 @@ import os
 import shutil
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,21 +127,8 @@ def rmat_source(scale: int, edge_factor: int = 16, seed: int = 0, *, num_feature
                          "classes; raise --scale")
 
     def node_data(in_degree: np.ndarray) -> NodeData:
-        order = np.argsort(in_degree, kind="stable")
-        y = np.empty(n, dtype=np.int64)
-        y[order] = np.arange(n, dtype=np.int64) * num_classes // n
-        del order
-        path = Path(tmp_dir) / f"features-{os.getpid()}.npy"
-        x = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
-                                      shape=(n, num_features))
-        rng = np.random.default_rng([seed, 2])  # rmat_graph's stream, drawn in row chunks
-        step = max(1, (1 << 24) // max(num_features, 1))
-        for lo in range(0, n, step):
-            x[lo:lo + step] = rng.random((min(step, n - lo), num_features), dtype=np.float32)
-        x.flush()
-        return NodeData(features=lambda rows: np.asarray(x[rows]), labels=y,
-                        split=_split_codes(n, split_fractions, seed),
-                        cleanup=lambda: path.unlink(missing_ok=True))
+        return _synthetic_node_data(in_degree, num_features, num_classes, seed,
+                                    split_fractions, tmp_dir)
 
     return EdgeSource(
         name=f"rmat-{scale}", num_nodes=n, num_features=num_features, num_classes=num_classes,
@@ -198,26 +187,196 @@ def edge_file_source(path: str | os.PathLike, num_nodes: int, *, symmetrize: boo
             yield np.asarray(piece, dtype=np.int64)
 
     def node_data(in_degree):
-        order = np.argsort(in_degree, kind="stable")
-        y = np.empty(num_nodes, dtype=np.int64)
-        y[order] = np.arange(num_nodes, dtype=np.int64) * num_classes // num_nodes
-        rng = np.random.default_rng([seed, 2])
-        fpath = Path(tmp_dir) / f"features-{os.getpid()}.npy"
-        x = np.lib.format.open_memmap(fpath, mode="w+", dtype=np.float32,
-                                      shape=(num_nodes, num_features))
-        step = max(1, (1 << 24) // max(num_features, 1))
-        for lo in range(0, num_nodes, step):
-            x[lo:lo + step] = rng.random((min(step, num_nodes - lo), num_features),
-                                         dtype=np.float32)
-        return NodeData(features=lambda rows: np.asarray(x[rows]), labels=y,
-                        split=_split_codes(num_nodes, split_fractions, seed),
-                        cleanup=lambda: fpath.unlink(missing_ok=True))
+        return _synthetic_node_data(in_degree, num_features, num_classes, seed,
+                                    split_fractions, tmp_dir)
 
     return EdgeSource(
         name=path.stem, num_nodes=num_nodes, num_features=num_features,
         num_classes=num_classes, chunks=chunks, num_edges=total, symmetrize=symmetrize,
         undirected=False, dedupe=symmetrize, node_data=node_data,
         description={"kind": "edge-file", "path": str(path.resolve())})
+
+
+def ogb_source(name: str, root: str | os.PathLike = "data", *, chunk_edges: int = 1 << 23,
+               tmp_dir: str | os.PathLike = ".") -> EdgeSource:
+    """An OGB node dataset read from its raw files in chunks (never the whole edge list).
+
+    ``root/<name with '-' -> '_'>/raw`` holds CSV files (ogbn-arxiv, ogbn-products: pandas
+    reads them in chunks) or ``data.npz`` (ogbn-papers100M: the ``edge_index`` member is
+    streamed out of the zip, one reader per row, whether it is stored or compressed).
+    Directions, multi-edges, NaN labels and the official split are read as ogb's own loader
+    reads them (plexus.ogb_io): ogbn-products' edges are stored once and get their reverse.
+    """
+    from plexus.ogb_io import _OGB, DatasetNotFoundError, _missing_files, _not_found
+
+    if name not in _OGB:
+        raise ValueError(f"unknown OGB dataset {name!r}; supported: {', '.join(_OGB)}")
+    spec = _OGB[name]
+    ddir = Path(root) / spec.dir_name
+    if missing := _missing_files(spec, ddir):
+        raise DatasetNotFoundError(_not_found(spec, Path(root), missing))
+    raw = ddir / "raw"
+    npz = (raw / "data.npz").is_file()
+    if npz:
+        with zipfile.ZipFile(raw / "data.npz") as zf:
+            num_nodes = int(_npz_read(zf, "num_nodes_list")[0])
+            n_edges = int(_npz_header(zf, "edge_index")[0][1])
+            num_features = int(_npz_header(zf, "node_feat")[0][1])
+    else:
+        import pandas as pd
+
+        num_nodes = int(pd.read_csv(raw / "num-node-list.csv.gz", header=None)[0].sum())
+        n_edges = int(pd.read_csv(raw / "num-edge-list.csv.gz", header=None)[0].sum())
+        num_features = pd.read_csv(raw / "node-feat.csv.gz", header=None, nrows=1).shape[1]
+    y = _ogb_labels(raw, npz, num_nodes)
+    num_classes = max(_ogb_num_classes(name), int(y.max()) + 1)  # as the ogb loader says
+
+    def chunks():
+        if npz:
+            with zipfile.ZipFile(raw / "data.npz") as zf:
+                yield from _npz_edge_chunks(zf, chunk_edges)
+        else:
+            import pandas as pd
+
+            for df in pd.read_csv(raw / "edge.csv.gz", header=None, chunksize=chunk_edges,
+                                  dtype=np.int64):
+                yield np.ascontiguousarray(df.to_numpy().T)
+
+    def node_data(_deg):
+        import pandas as pd
+
+        split = np.zeros(num_nodes, dtype=np.int8)
+        for s, code in (("train", 1), ("valid", 2), ("test", 3)):
+            idx = pd.read_csv(ddir / "split" / spec.split / f"{s}.csv.gz", header=None)[0]
+            split[idx.to_numpy()] = code
+        path = Path(tmp_dir) / f"features-{os.getpid()}.npy"
+        x = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
+                                      shape=(num_nodes, num_features))
+        lo = 0
+        for rows in _ogb_feature_chunks(raw, npz, chunk_edges // max(num_features, 1) + 1):
+            x[lo:lo + rows.shape[0]] = rows
+            lo += rows.shape[0]
+        x.flush()
+        return NodeData(features=lambda r: np.asarray(x[r]), labels=y, split=split,
+                        cleanup=lambda: path.unlink(missing_ok=True))
+
+    return EdgeSource(
+        name=name, num_nodes=num_nodes, num_features=num_features, num_classes=num_classes,
+        chunks=chunks, num_edges=n_edges, symmetrize=name == "ogbn-products",
+        undirected=False, dedupe=False, node_data=node_data,
+        description={"kind": "ogb", "name": name, "root": str(Path(root).resolve())})
+
+
+def _ogb_num_classes(name: str) -> int:
+    """"num classes" of ``name`` in ogb's own master.csv (what NodePropPredDataset reports)."""
+    import pandas as pd
+
+    from plexus.ogb_io import _import_ogb_nodeproppred
+
+    master = Path(_import_ogb_nodeproppred().__file__).parent / "master.csv"
+    return int(pd.read_csv(master, index_col=0, keep_default_na=False)[name]["num classes"])
+
+
+def _npz_header(zf: zipfile.ZipFile, key: str):
+    with zf.open(f"{key}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)  # 2.0 and 3.0: same layout
+        shape, fortran, dtype = read(f)
+        return shape, fortran, dtype, f.tell()
+
+
+def _npz_read(zf: zipfile.ZipFile, key: str) -> np.ndarray:
+    with zf.open(f"{key}.npy") as f:
+        return np.lib.format.read_array(f)
+
+
+def _npz_rows(zf: zipfile.ZipFile, key: str, rows_per_chunk: int, skip_rows: int = 0,
+              num_rows: int | None = None):
+    """Stream a C-order 2-D npz member in row chunks (after ``skip_rows``)."""
+    shape, fortran, dtype, offset = _npz_header(zf, key)
+    if fortran:
+        raise ValueError(f"{key} in the npz is Fortran-ordered; re-save it in C order")
+    width = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    row_bytes = width * dtype.itemsize
+    total = shape[0] if num_rows is None else num_rows
+    with zf.open(f"{key}.npy") as f:
+        f.seek(offset + skip_rows * row_bytes)  # compressed members: decompresses to skip
+        done = 0
+        while done < total:
+            n = min(rows_per_chunk, total - done)
+            buf = f.read(n * row_bytes)
+            if len(buf) != n * row_bytes:
+                raise ValueError(f"{key} in the npz is truncated")
+            yield np.frombuffer(buf, dtype=dtype).reshape(n, *shape[1:])
+            done += n
+
+
+def _npz_edge_chunks(zf: zipfile.ZipFile, chunk_edges: int):
+    """edge_index [2, E] streamed as [2, B] chunks: one reader per row of the member."""
+    shape, fortran, dtype, offset = _npz_header(zf, "edge_index")
+    e = shape[1]
+    if fortran:
+        raise ValueError("edge_index in the npz is Fortran-ordered; re-save it in C order")
+    with zf.open("edge_index.npy") as a, zf.open("edge_index.npy") as b:
+        a.seek(offset)
+        b.seek(offset + e * dtype.itemsize)
+        for lo in range(0, e, chunk_edges):
+            n = min(chunk_edges, e - lo)
+            src = np.frombuffer(a.read(n * dtype.itemsize), dtype=dtype)
+            dst = np.frombuffer(b.read(n * dtype.itemsize), dtype=dtype)
+            if src.size != n or dst.size != n:
+                raise ValueError("edge_index in the npz is truncated")
+            yield np.stack([src, dst]).astype(np.int64)
+
+
+def _ogb_labels(raw: Path, npz: bool, n: int) -> np.ndarray:
+    if npz:
+        with zipfile.ZipFile(raw / "node-label.npz") as zf:
+            lab = _npz_read(zf, "node_label").reshape(-1)
+    else:
+        import pandas as pd
+
+        lab = pd.read_csv(raw / "node-label.csv.gz", header=None)[0].to_numpy()
+    lab = np.asarray(lab, dtype=np.float64)
+    if lab.shape != (n,):
+        raise ValueError(f"{raw} labels have shape {lab.shape}, expected ({n},)")
+    return np.where(np.isnan(lab), -1, lab).astype(np.int64)
+
+
+def _ogb_feature_chunks(raw: Path, npz: bool, rows: int):
+    if npz:
+        with zipfile.ZipFile(raw / "data.npz") as zf:
+            for x in _npz_rows(zf, "node_feat", rows):
+                yield x.astype(np.float32)
+    else:
+        import pandas as pd
+
+        for df in pd.read_csv(raw / "node-feat.csv.gz", header=None, chunksize=rows,
+                              dtype=np.float32):
+            yield df.to_numpy()
+
+
+def _synthetic_node_data(in_degree: np.ndarray, num_features: int, num_classes: int,
+                         seed: int, split_fractions, tmp_dir) -> NodeData:
+    """The Plexus paper's synthetic task, exactly as plexus.datasets.rmat_graph draws it:
+    uniform [0, 1) features (one seeded stream, drawn here in row chunks into a temporary
+    memory-mapped file), C equal-size in-degree buckets as labels, a random split."""
+    n = in_degree.shape[0]
+    order = np.argsort(in_degree, kind="stable")
+    y = np.empty(n, dtype=np.int64)
+    y[order] = np.arange(n, dtype=np.int64) * num_classes // n
+    del order
+    path = Path(tmp_dir) / f"features-{os.getpid()}.npy"
+    x = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, num_features))
+    rng = np.random.default_rng([seed, 2])
+    step = max(1, (1 << 24) // max(num_features, 1))
+    for lo in range(0, n, step):
+        x[lo:lo + step] = rng.random((min(step, n - lo), num_features), dtype=np.float32)
+    x.flush()
+    return NodeData(features=lambda rows: np.asarray(x[rows]), labels=y,
+                    split=_split_codes(n, split_fractions, seed),
+                    cleanup=lambda: path.unlink(missing_ok=True))
 
 
 def _split_codes(n: int, fractions, seed: int) -> np.ndarray:
@@ -554,15 +713,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--source", default=None,
-                   help="rmat (streamed R-MAT generator), a .npy edge file ([2, E] or [E, 2] "
-                   "integers), or a built-in dataset name (planted, rmat-SCALE: loaded in "
-                   "memory, for small graphs)")
+                   help="rmat (streamed R-MAT generator), ogbn-arxiv / ogbn-products / "
+                   "ogbn-papers100M (raw files under --root, read in chunks), a .npy edge file "
+                   "([2, E] or [E, 2] integers), or a built-in name (planted, rmat-SCALE: "
+                   "loaded in memory, for small graphs)")
     p.add_argument("--out", default=None, help="output directory (must not exist)")
     p.add_argument("--blocks", type=int, default=8,
                    help="k: k x k blocks; training grid axis sizes must divide k")
     p.add_argument("--permutation", choices=part.PERMUTATIONS, default="double")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the permutations and of generated data")
+    p.add_argument("--root", default="data", help="OGB: directory of the dataset folders")
     p.add_argument("--scale", type=int, default=20, help="R-MAT: log2 of the node count")
     p.add_argument("--edge-factor", type=int, default=16, help="R-MAT: edges per node")
     p.add_argument("--features", type=int, default=128, help="R-MAT / edge file: feature width")
@@ -586,6 +747,8 @@ def source_from_args(args: argparse.Namespace, tmp_dir: str) -> EdgeSource:
         return rmat_source(args.scale, args.edge_factor, args.seed,
                            num_features=args.features, num_classes=args.classes,
                            chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
+    if args.source.startswith("ogbn-"):
+        return ogb_source(args.source, args.root, chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
     if args.source.endswith(".npy"):
         if args.num_nodes is None:
             raise ValueError("an edge file needs --num-nodes")

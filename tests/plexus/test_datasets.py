@@ -90,6 +90,23 @@ def test_rmat_chunks_are_deterministic_and_independent_of_chunk_size():
     assert not np.array_equal(other, whole)
 
 
+def test_rmat_numba_kernel_equals_the_numpy_twin_and_ranges_compose(monkeypatch):
+    from plexus import datasets
+
+    fast = np.concatenate(list(rmat_edges(12, 4, seed=7, chunk_edges=3000)), axis=1)
+    monkeypatch.setattr(datasets, "_rmat_kernel", lambda: None)  # the numpy arithmetic
+    slow = np.concatenate(list(rmat_edges(12, 4, seed=7, chunk_edges=5000)), axis=1)
+    assert np.array_equal(fast, slow)
+    piece = np.concatenate(list(rmat_edges(12, 4, seed=7, first_edge=1234, num_edges=999,
+                                           chunk_edges=100)), axis=1)
+    assert np.array_equal(piece, fast[:, 1234:1234 + 999])
+    # quadrant frequencies of the top level follow (a, b, c, d) = (.57, .19, .19, .05)
+    plain = np.concatenate(list(rmat_edges(12, 16, seed=1, scramble=False)), axis=1)
+    top = (plain[0] >> 11) * 2 + (plain[1] >> 11)  # the last level drawn sets the top bit
+    freq = np.bincount(top, minlength=4) / plain.shape[1]
+    np.testing.assert_allclose(freq, [0.57, 0.19, 0.19, 0.05], atol=0.01)
+
+
 def test_rmat_degrees_are_skewed_and_scramble_is_a_relabeling():
     edges = np.concatenate(list(rmat_edges(14, 16, seed=0)), axis=1)
     assert edges.shape[1] == 16 * 2**14

@@ -227,3 +227,42 @@ def test_cli_prepares_and_trains_and_rejects_a_grid_that_does_not_divide_k(tmp_p
     assert r.returncode != 0
     ranks = set(re.findall(r"\[rank (\d)\] error: grid axes \{'x': 3\} do not divide", r.stderr))
     assert ranks == {"0", "1", "2"}, r.stderr
+
+
+def test_grid_auto_picks_a_grid_whose_axes_divide_k(tmp_path):
+    from types import SimpleNamespace
+
+    from plexus.train import auto_grid
+
+    prepare(graph_source(directed_graph(n=64, e=400)), tmp_path / "p", blocks=2, quiet=True)
+    pg = PreparedGraph(tmp_path / "p")
+    ctx = SimpleNamespace(world_size=4, local_world_size=4, is_main=False)
+    grid = auto_grid("auto", pg, TrainConfig(hidden=8), ctx)
+    assert grid.num_ranks == 4 and all(s in (1, 2) for s in grid.shape.values())
+    with pytest.raises(ValueError, match="dividing the 2x2 blocks"):
+        auto_grid("auto", pg, TrainConfig(hidden=8), SimpleNamespace(
+            world_size=3, local_world_size=3, is_main=False))
+
+
+@pytest.mark.parametrize("writer", ["arxiv", "products", "papers100M"])
+def test_ogb_raw_files_stream_into_the_same_shards_as_the_ogb_loader(tmp_path, writer):
+    from plexus.datasets import load_ogb
+    from plexus.prepare import ogb_source
+    from tests.plexus import ogb_format
+
+    write = getattr(ogb_format, f"write_{writer.lower()}_like")
+    write(tmp_path)
+    name = f"ogbn-{writer}"
+    m = prepare(ogb_source(name, tmp_path, chunk_edges=97, tmp_dir=tmp_path),
+                tmp_path / "p", blocks=4, quiet=True)
+    graph = load_ogb(name, tmp_path)
+    assert m["symmetric"] == (writer == "products")
+    pg = PreparedGraph(tmp_path / "p")
+    assert pg.split_counts == {s: int(graph.split_idx(s).numel()) for s in SPLITS}
+    for spec in ("1x1x1", "2x1x2", "1x4x1"):
+        grid = ProcessGrid.parse(spec)
+        for rank in range(grid.num_ranks):
+            mem = shard_graph(graph, grid.shape, grid.coords(rank), num_layers=3, hidden=6,
+                              pad_multiple=4)
+            assert_same_shard(pg.shard(grid.shape, grid.coords(rank), num_layers=3,
+                                       hidden=6), mem)
