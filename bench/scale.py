@@ -162,25 +162,45 @@ def equal_step(args) -> None:
 
 
 def memory_step(args) -> None:
-    grids = {1: "1x1x1", 2: "1x2x1", 4: "2x2x1", 8: "2x2x2"}
-    rows = []
-    for g in [int(x) for x in args.ranks_list.split(",")]:
-        res, wall, _ = _train(args.mid, g, grids.get(g), 1, args.hidden,
-                              Path(args.mid).parent / f"memory-{g}.jsonl")
-        mem = res["summary"]["memory_per_rank_max"]
-        rows.append({"ranks": g, "grid": res["summary"]["grid"],
-                     "loading_s": res["summary"]["setup_s"], **mem})
-    base = rows[0]
-    print(f"\n{'G':>3} {'grid':>6} {'load s':>7} {'adjacency MiB':>14} {'x G=1':>6} "
-          f"{'feat+W MiB':>11} {'x G=1':>6} {'1/G':>6} {'peak RSS MiB':>13}")
-    for r in rows:
-        print(f"{r['ranks']:>3} {r['grid']:>6} {r['loading_s']:>7.2f} "
-              f"{r['adjacency_bytes'] / 2**20:>14.1f} "
-              f"{r['adjacency_bytes'] / base['adjacency_bytes']:>6.3f} "
-              f"{r['features_weights_bytes'] / 2**20:>11.1f} "
-              f"{r['features_weights_bytes'] / base['features_weights_bytes']:>6.3f} "
-              f"{1 / r['ranks']:>6.3f} {r['peak_bytes'] / 2**20:>13.1f}")
-    _record("memory", {"rows": rows})
+    """Per-rank memory of loading the ~100M-edge graph at G = 1, 2, 4, 8.
+
+    Two series. 2 layers on 1x1xG grids: layer 0 needs rows chunk z of A', layer 1 columns
+    chunk z of A'', so a rank maps 2/G of the blocks: adjacency memory falls as 1/G. 3 layers
+    on the most cubic grids: every axis is the inner axis I (over which A_l is replicated) of
+    one layer, so a rank maps nnz * sum_l(I_l) / G before blocks shared between layers are
+    counted once (plexus-3d.md section 3): it falls more slowly, G^(-2/3) on cubic grids.
+    """
+    series = [(2, {g: f"1x1x{g}" for g in (1, 2, 4, 8)}),
+              (3, {1: "1x1x1", 2: "1x2x1", 4: "2x2x1", 8: "2x2x2"})]
+    out = []
+    for layers, grids in series:
+        rows = []
+        for g in [int(x) for x in args.ranks_list.split(",")]:
+            res, wall, _ = _train(args.mid, g, grids[g], 1, args.hidden,
+                                  Path(args.mid).parent / f"memory-{layers}-{g}.jsonl",
+                                  ["--layers", str(layers)])
+            mem = res["summary"]["memory_per_rank_max"]
+            shape = [int(v) for v in grids[g].split("x")]
+            inner = sum(shape["xyz".index(c)] for c in "yxz"[:layers])  # I of layers 0, 1, 2
+            rows.append({"layers": layers, "ranks": g, "grid": grids[g],
+                         "loading_s": res["summary"]["setup_s"],
+                         "sum_inner_over_g": inner / g, **mem})
+        base = rows[0]
+        print(f"\n{layers} layers\n{'G':>3} {'grid':>6} {'load s':>7} {'adjacency MiB':>14} "
+              f"{'x G=1':>6} {'1/G':>6} {'sum I/G':>8} {'feat+W MiB':>11} {'x G=1':>6} "
+              f"{'resident MiB':>13} {'peak MiB':>9}")
+        for r in rows:
+            print(f"{r['ranks']:>3} {r['grid']:>6} {r['loading_s']:>7.2f} "
+                  f"{r['adjacency_bytes'] / 2**20:>14.1f} "
+                  f"{r['adjacency_bytes'] / base['adjacency_bytes']:>6.3f} "
+                  f"{1 / r['ranks']:>6.3f} "
+                  f"{r['sum_inner_over_g'] / base['sum_inner_over_g']:>8.3f} "
+                  f"{r['features_weights_bytes'] / 2**20:>11.1f} "
+                  f"{r['features_weights_bytes'] / base['features_weights_bytes']:>6.3f} "
+                  f"{r['resident_bytes_after_setup'] / 2**20:>13.1f} "
+                  f"{r['peak_bytes'] / 2**20:>9.1f}", flush=True)
+        out += rows
+    _record("memory", {"rows": out})
 
 
 def main() -> None:

@@ -70,3 +70,21 @@ def rmat_chunk(first, key, scale, t1, t2, t3, scramble_keys, src, dst):  # pragm
                 c = (c + scramble_keys[k + 1]) & mask
         src[i] = numba.int64(r)
         dst[i] = numba.int64(c)
+
+
+@numba.njit(nogil=True, cache=True)
+def csr_transpose(indptr, indices, values, t_indptr, t_indices, t_values):  # pragma: no cover
+    """Scatter a CSR matrix into the CSR of its transpose (a counting sort by column).
+
+    ``t_indptr`` must already hold the column starts (cumulative column counts). Rows are
+    visited in order, so row indices stay ascending within every column, as a stable sort
+    by column would leave them.
+    """
+    nxt = t_indptr[:-1].copy()
+    for i in range(indptr.shape[0] - 1):
+        for j in range(indptr[i], indptr[i + 1]):
+            c = indices[j]
+            p = nxt[c]
+            nxt[c] = p + 1
+            t_indices[p] = i
+            t_values[p] = values[j]

@@ -618,15 +618,23 @@ def _write_block(folder: Path, keys: np.ndarray, counts, bs: int, dinv_r: np.nda
     idx = _index_dtype(keys.size, bs)
     indptr = np.zeros(bs + 1, dtype=idx)
     np.cumsum(np.bincount(rows, minlength=bs), out=indptr[1:])
+    indices = cols.astype(idx)
     _save(folder / "indptr.npy", indptr, files, root)
-    _save(folder / "indices.npy", cols.astype(idx), files, root)
+    _save(folder / "indices.npy", indices, files, root)
     _save(folder / "values.npy", vals, files, root)
-    order = np.argsort(cols, kind="stable")  # rows stay ascending inside each column
-    np.cumsum(np.bincount(cols, minlength=bs), out=indptr[1:])
-    del cols
-    _save(folder / "t_indptr.npy", indptr, files, root)
-    _save(folder / "t_indices.npy", rows[order].astype(idx), files, root)
-    _save(folder / "t_values.npy", vals[order], files, root)
+    t_indptr = np.zeros(bs + 1, dtype=idx)
+    np.cumsum(np.bincount(cols, minlength=bs), out=t_indptr[1:])
+    try:
+        from plexus._kernels import csr_transpose
+    except ImportError:  # numpy: a stable sort keeps rows ascending inside each column
+        order = np.argsort(cols, kind="stable")
+        t_indices, t_values = rows[order].astype(idx), vals[order]
+    else:  # a counting sort by column, O(nnz)
+        t_indices, t_values = np.empty_like(indices), np.empty_like(vals)
+        csr_transpose(indptr, indices, vals, t_indptr, t_indices, t_values)
+    _save(folder / "t_indptr.npy", t_indptr, files, root)
+    _save(folder / "t_indices.npy", t_indices, files, root)
+    _save(folder / "t_values.npy", t_values, files, root)
 
 
 def _write_node_data(work: Path, nd: NodeData, source: EdgeSource, pr, pc, n, k, bs, files,
