@@ -10,6 +10,7 @@ Every rank reads the dataset and keeps its shards; rank 0 prints and writes ``--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -107,7 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--permutation", choices=part.PERMUTATIONS, default=d.permutation)
+    p.add_argument("--permutation", choices=part.PERMUTATIONS, default=argparse.SUPPRESS,
+                   help=f"load-balancing permutation (default: {d.permutation}; a prepared "
+                   "dataset's own)")
     p.add_argument("--learn-features", action="store_true",
                    help="make the input features trainable parameters")
     p.add_argument("--metrics", default=None, metavar="PATH",
@@ -122,7 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest intact checkpoint in --checkpoint-dir "
                    "(any grid; bit-for-bit on the same grid)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.permutation = getattr(args, "permutation", None)  # None: not given
+    return args
 
 
 def _log_setup(result_info: dict[str, Any], shard, model, ctx, graph, grid) -> None:
@@ -193,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             grid.validate(ctx.world_size)
         cfg = TrainConfig(layers=args.layers, hidden=args.hidden, epochs=args.epochs,
                           lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                          permutation=args.permutation, learn_features=args.learn_features)
+                          permutation=args.permutation or TrainConfig().permutation,
+                          learn_features=args.learn_features)
         ck = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
                               keep=args.keep_checkpoints, resume=args.resume)
         if args.metrics and main_rank:
@@ -201,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint_dir:
             _check_writable(os.path.join(args.checkpoint_dir, "x"), create=True)
         graph = _load_graph(args)
+        if hasattr(graph, "check_grid") and args.permutation is None:
+            cfg = dataclasses.replace(cfg, permutation=graph.permutation)
         if auto:
             grid = auto_grid(args.grid, graph, cfg, ctx)
         if hasattr(graph, "check_grid"):  # prepared: axes must divide k
