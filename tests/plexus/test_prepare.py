@@ -266,3 +266,20 @@ def test_ogb_raw_files_stream_into_the_same_shards_as_the_ogb_loader(tmp_path, w
                               pad_multiple=4)
             assert_same_shard(pg.shard(grid.shape, grid.coords(rank), num_layers=3,
                                        hidden=6), mem)
+
+
+@needs_mpi
+def test_a_damaged_block_stops_every_rank_with_a_clear_error(tmp_path):
+    out = tmp_path / "p"
+    prepare(graph_source(directed_graph(n=80, e=500)), out, blocks=2, quiet=True)
+    (out / "even" / "1_1" / "indices.npy").write_bytes(b"\x93NUMPY")  # truncated
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # 2 layers on 1x1x2: rank z=1 alone maps row block 1, so only it meets the damage
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "plexus.train", "--dataset",
+                        str(out), "--epochs", "1", "--layers", "2", "--grid", "1x1x2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert re.search(r"\[rank 1\] error: cannot read \S+even/1_1/indices\.npy", r.stderr), \
+        r.stderr
+    assert "[rank 0] error: another rank could not read its blocks" in r.stderr, r.stderr
