@@ -31,6 +31,7 @@ from plexus.ogb_io import (  # re-exported: the registry serves OGB names too
 __all__ = [
     "DatasetNotFoundError",
     "available_datasets",
+    "degree_bucket_labels",
     "load_dataset",
     "load_ogb",
     "ogb_accuracy",
@@ -242,13 +243,21 @@ def rmat_graph(
                          f"num_classes={num_classes} degree buckets; raise scale")
     chunks = rmat_edges(scale, edge_factor, seed, chunk_edges=chunk_edges)
     edges = to_undirected_edges(torch.from_numpy(np.concatenate(list(chunks), axis=1)), n)
-    order = torch.argsort(torch.bincount(edges[1], minlength=n), stable=True)  # by degree
-    y = torch.empty(n, dtype=torch.int64)
-    y[order] = torch.arange(n) * num_classes // n  # bucket sizes differ by at most one
+    y = torch.from_numpy(degree_bucket_labels(torch.bincount(edges[1], minlength=n).numpy(),
+                                              num_classes))
     x = np.random.default_rng([seed, 2]).random((n, num_features), dtype=np.float32)
     train, val, test = random_split(n, split_fractions, seed=seed)
     return Graph(edge_index=edges, x=torch.from_numpy(x), y=y, num_classes=num_classes,
                  train_idx=train, val_idx=val, test_idx=test, name=f"rmat-{scale}")
+
+
+def degree_bucket_labels(in_degree: np.ndarray, num_classes: int) -> np.ndarray:
+    """The paper's synthetic labels: nodes sorted by in-degree (ties by id) and cut into
+    ``num_classes`` groups whose sizes differ by at most one. int64 [N]."""
+    n = in_degree.shape[0]
+    y = np.empty(n, dtype=np.int64)
+    y[np.argsort(in_degree, kind="stable")] = np.arange(n, dtype=np.int64) * num_classes // n
+    return y
 
 
 # ---------------------------------------------------------------- OGB node-property datasets

@@ -26,8 +26,9 @@ import torch
 
 from plexus import partition as part
 from plexus.ogb_io import DatasetCorruptError
-from plexus.prepare import FORMAT_VERSION, SPLIT_CODES
+from plexus.prepare import FORMAT_VERSION
 from plexus.shard import SPLITS, AdjBlock, GraphShard
+from plexus.sources import SPLIT_CODES
 from plexus.sparse import BlockSparse, CSRBlock
 
 
@@ -189,8 +190,9 @@ class PreparedGraph:
 
         # labels, split masks and node ids of the output rows (rows chunk p of the last layer)
         _, _, p_last = part.roles(num_layers - 1)
+        pr, pc = self._load("perm/pr.npy"), self._load("perm/pc.npy")
         name = "pr" if num_layers % 2 == 1 else "pc"  # part.output_order
-        order = self._load(f"perm/{name}.npy")
+        order = pr if name == "pr" else pc
         rows = chunk(p_last)
         labels = np.concatenate([self._load(f"labels/{name}_{c}.npy") for c in rows])
         split = np.concatenate([self._load(f"split/{name}_{c}.npy") for c in rows])
@@ -203,7 +205,7 @@ class PreparedGraph:
         return GraphShard(
             num_nodes=n, num_nodes_padded=n_pad, num_classes=self.num_classes,
             widths=widths, widths_padded=widths_pad,
-            pr=self._load("perm/pr.npy"), pc=self._load("perm/pc.npy"), adj=adj,
+            pr=pr, pc=pc, adj=adj,
             features_block=feats, labels=torch.from_numpy(labels.astype(np.int64)),
             masks=masks, split_counts=dict(self.split_counts), out_rows=out_rows,
         )

@@ -29,7 +29,9 @@ from common.dist import (
 )
 from common.grid import ProcessGrid
 from plexus import partition as part
+from plexus.graph import Graph
 from plexus.ogb_io import DatasetCorruptError
+from plexus.prepared import PreparedGraph, is_prepared
 from plexus.trainer import CheckpointConfig, TrainConfig, predictions, train_gcn
 
 
@@ -56,7 +58,7 @@ def auto_grid(spec: str, graph, cfg: TrainConfig, ctx) -> ProcessGrid:
     from common.perf import gcn as perf_gcn
     from common.perf.machine import load_profile
 
-    if hasattr(graph, "nnz"):  # prepared: counted while preparing
+    if isinstance(graph, PreparedGraph):  # counted while preparing
         nnz = graph.nnz
     else:  # nnz of Â: edges other than self-loops, plus one per node
         src, dst = graph.edge_index
@@ -70,7 +72,7 @@ def auto_grid(spec: str, graph, cfg: TrainConfig, ctx) -> ProcessGrid:
                                     ranks_per_node=ctx.local_world_size)
     if ctx.is_main:
         print(f"{plan.describe_choice()} [profile {machine.name}]", flush=True)
-    k = getattr(graph, "blocks", None)
+    k = graph.blocks if isinstance(graph, PreparedGraph) else None
     if k is not None and any(k % s for s in grid.shape.values()):  # prepared: axes | k
         fits = [p for p in plan.runnable if all(k % s == 0 for s in p.shape.values())]
         if not fits:
@@ -147,7 +149,7 @@ def _log_setup(result_info: dict[str, Any], shard, model, ctx, graph, grid) -> N
     other = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     t = torch.tensor([float(adj), float(other), float(resident_bytes()), float(peak_bytes())])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    mapped = hasattr(graph, "blocks")
+    mapped = isinstance(graph, PreparedGraph)
     result_info["memory_per_rank_max"] = {
         "adjacency_bytes": int(t[0]), "adjacency_mapped": mapped, "features_weights_bytes":
         int(t[1]), "resident_bytes_after_setup": int(t[2]), "peak_bytes_after_setup": int(t[3])}
@@ -207,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint_dir:
             _check_writable(os.path.join(args.checkpoint_dir, "x"), create=True)
         graph = _load_graph(args)
-        if hasattr(graph, "check_grid") and args.permutation is None:
+        prepared = isinstance(graph, PreparedGraph)
+        if prepared and args.permutation is None:
             cfg = dataclasses.replace(cfg, permutation=graph.permutation)
         if auto:
             grid = auto_grid(args.grid, graph, cfg, ctx)
-        if hasattr(graph, "check_grid"):  # prepared: axes must divide k
+        if prepared:  # axes must divide k
             graph.check_grid(grid.shape)
             graph.check_config(cfg.permutation)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -268,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load_graph(args: argparse.Namespace):
     """A prepared directory (``--dataset PATH``, or ``ROOT/NAME``) or a dataset by name."""
-    from plexus.prepared import PreparedGraph, is_prepared
-
     for path in (args.dataset, os.path.join(args.root, args.dataset)):
         if is_prepared(path):
             return PreparedGraph(path)
@@ -312,7 +313,7 @@ def _summary(result, graph, grid, ctx, args) -> dict[str, Any]:
         "best_val": {"epoch": best.get("epoch"), "val_acc": best.get("val_acc"),
                      "test_acc": best.get("test_acc")},
     }
-    if graph.name.startswith("ogbn-") and hist and hasattr(graph, "edge_index"):
+    if graph.name.startswith("ogbn-") and hist and isinstance(graph, Graph):
         from plexus.datasets import ogb_accuracy
 
         pred = predictions(result)

@@ -23,9 +23,10 @@ from common.grid import ProcessGrid
 from plexus.datasets import planted_partition, rmat_graph
 from plexus.graph import Graph
 from plexus.ogb_io import DatasetCorruptError
-from plexus.prepare import edge_file_source, graph_source, prepare, rmat_source, verify
+from plexus.prepare import prepare, verify
 from plexus.prepared import PreparedGraph
 from plexus.shard import SPLITS, shard_graph
+from plexus.sources import edge_file_source, graph_source, rmat_source
 from plexus.sparse import BlockSparse, CSRBlock
 from plexus.trainer import TrainConfig, train_gcn
 from tests.distributed import run_ranks
@@ -247,7 +248,7 @@ def test_grid_auto_picks_a_grid_whose_axes_divide_k(tmp_path):
 @pytest.mark.parametrize("writer", ["arxiv", "products", "papers100M"])
 def test_ogb_raw_files_stream_into_the_same_shards_as_the_ogb_loader(tmp_path, writer):
     from plexus.datasets import load_ogb
-    from plexus.prepare import ogb_source
+    from plexus.sources import ogb_source
     from tests.plexus import ogb_format
 
     write = getattr(ogb_format, f"write_{writer.lower()}_like")
