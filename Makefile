@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 MPIEXEC ?= $(if $(wildcard $(BIN)/mpiexec),$(BIN)/mpiexec,mpiexec)
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test test-fast lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -29,10 +29,18 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy common
 	$(BIN)/python -m pytest -q
+
+# the edit-test loop: lint, types, and every test not marked slow (no multi-rank launches)
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy common
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy common
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -41,14 +41,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+import torch
+from mpi4py import MPI
 
-from common import collectives as coll  # noqa: E402
-from common.comm_stats import CommStats  # noqa: E402
-from common.dist import fail_all_ranks, init_distributed, shutdown  # noqa: E402
-from common.grid import AxisGroup, ProcessGrid  # noqa: E402
+from common import collectives as coll
+from common.comm_stats import CommStats
+from common.dist import fail_all_ranks, init_distributed
+from common.grid import AxisGroup, ProcessGrid
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if n < 2:
         fail_all_ranks("needs at least 2 ranks: mpiexec -n 2 python bench/collectives.py", ctx)
     grid = ProcessGrid({"world": n})
-    grid.validate(n)
+    grid.check(n)
     group = grid.create_groups(rank)["world"]  # collective: every rank creates the group
 
     rows, errors = [], []
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if not all_errors and not args.json:
             print("\nchecks OK: ours == MPI for every size; CommStats bytes == ring formula")
     failed = comm.bcast(bool(all_errors), root=0)
-    shutdown()
+    ctx.close()  # before mpi4py finalizes MPI at exit
     return 1 if failed else 0
 
 

@@ -9,11 +9,11 @@ split) on the same graph with the same number of torch threads. PyG gets its fas
 so neither side spends time on normalisation inside the epoch. Printed: median epoch time of
 each, the ratio ours/PyG (target <= 0.6), and the SpMM throughput of our kernel and of torch's
 CSR matmul against the machine's memory bandwidth measured here by a large copy (STREAM-copy
-style). ``PLEXUS_SPMM=torch`` runs ours on torch's CSR matmul instead of the numba kernel.
+style). ``--spmm torch`` runs ours on torch's CSR matmul instead of the numba kernel.
 
 Our trainer keeps freed activation buffers in the heap (common.alloc; a process-wide glibc
 setting), so PyG is timed first as its users run it, and once more after ours under the same
-allocator setting, for reference; ``HPC_RETAIN_FREED_MEMORY=0`` turns the setting off.
+allocator setting, for reference; ``--no-retain-freed-memory`` turns the setting off.
 """
 
 from __future__ import annotations
@@ -27,17 +27,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import scipy.sparse as sp  # noqa: E402
-import torch  # noqa: E402
+import itertools
 
-from common.alloc import retain_freed_memory  # noqa: E402
-from common.dist import init_distributed, shutdown  # noqa: E402
-from common.grid import ProcessGrid  # noqa: E402
-from plexus.datasets import planted_partition  # noqa: E402
-from plexus.partition import normalized_adjacency  # noqa: E402
-from plexus.shard import to_torch_csr  # noqa: E402
-from plexus.sparse import BlockSparse  # noqa: E402
-from plexus.trainer import TrainConfig, train_gcn  # noqa: E402
+import scipy.sparse as sp
+import torch
+
+from common.alloc import retain_freed_memory
+from common.dist import init_distributed
+from common.grid import ProcessGrid
+from plexus.config import split_config
+from plexus.data import InMemorySource
+from plexus.data.generators import planted_partition
+from plexus.data.partition import normalized_adjacency
+from plexus.sparse import SPMM_KERNELS, BlockSparse, CSRBlock
+from plexus.trainer import train_gcn
+
+
+def to_torch_csr(m: sp.csr_matrix) -> torch.Tensor:
+    """scipy CSR -> torch CSR (int32 indices where they fit), as PyG's users would build."""
+    return CSRBlock.from_scipy(m).to_torch()
 
 
 def memory_bandwidth(num_bytes: int = 512 * 2**20, reps: int = 5) -> float:
@@ -82,7 +90,7 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float) -> 
     torch.manual_seed(0)
     dims = [graph.num_features] + [hidden] * (layers - 1) + [graph.num_classes]
     convs = torch.nn.ModuleList([GCNConv(a, b, normalize=False, bias=False)
-                                 for a, b in zip(dims[:-1], dims[1:])])
+                                 for a, b in itertools.pairwise(dims)])
     opt = torch.optim.AdamW(convs.parameters(), lr=lr, weight_decay=5e-4)
     times = []
     for _ in range(epochs):
@@ -109,9 +117,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--epochs", type=int, default=5, help="timed epochs (after one warm-up)")
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
+    p.add_argument("--spmm", choices=SPMM_KERNELS, default="auto",
+                   help="our CPU SpMM kernel (ablation: torch)")
+    p.add_argument("--no-retain-freed-memory", dest="retain", action="store_false",
+                   help="ablation: leave glibc's allocator settings alone in our run")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
-    init_distributed(device="cpu", launcher="single", set_threads=args.threads is None)
+    ctx = init_distributed(device="cpu", launcher="single", set_threads=args.threads is None)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -129,10 +141,11 @@ def main() -> None:
     # PyG first, with the allocator as a PyG user has it; our trainer then applies
     # common.alloc.retain_freed_memory (process-wide), so PyG runs again under the same setting
     pyg = pyg_epochs(graph, adj, args.hidden, args.layers, args.epochs + 1, 0.01)[1:]
-    cfg = TrainConfig(epochs=args.epochs + 1, hidden=args.hidden, layers=args.layers, lr=0.01)
-    ours = [r["epoch_s"] for r in
-            train_gcn(graph, ProcessGrid.parse("1x1x1"), 0, cfg).history[1:]]
-    tuned = retain_freed_memory()
+    cfg = split_config(epochs=args.epochs + 1, hidden=args.hidden, num_layers=args.layers,
+                       lr=0.01, spmm=args.spmm, retain_freed_memory=args.retain)
+    ours = [r["epoch_s"] for r in train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"),
+                                            0, **cfg).history[1:]]
+    tuned = retain_freed_memory() if args.retain else False
     pyg_tuned = pyg_epochs(graph, adj, args.hidden, args.layers, args.epochs + 1, 0.01)[1:]
     o, q, qt = (statistics.median(t) for t in (ours, pyg, pyg_tuned))
     print(f"\n{'':36}{'median s/epoch':>16}{'min':>10}{'max':>10}")
@@ -149,7 +162,7 @@ def main() -> None:
     for name, (sec, gbs) in spmm_throughput(a_hat, args.hidden).items():
         print(f"  {name:10} {1000 * sec:7.1f} ms  {gbs:6.2f} GB/s of minimum traffic = "
               f"{100 * gbs / bw:5.1f}% of the copy bandwidth")
-    shutdown()
+    ctx.close()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 
 Both sides train the same model from the same seed on the same batches (the same resumable
 iterator) with the same AdamW settings, weight-decay groups and global-norm clipping. The
-baseline is the nanoGPT-style loop: ``model(x)``, ``F.cross_entropy``, ``backward``,
+baseline is the nanoGPT-style loop: ``model(x)``, ``cross_entropy``, ``backward``,
 ``clip_grad_norm_``, ``step``. Ours is ``Trainer.train_step`` (goldfish mask and token
 accounting, sharded loss, gradient sync and norm on the grid, learning-rate schedule,
 logging row). The two alternate step by step, so that machine noise hits both alike;
@@ -25,18 +25,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+from torch.nn.functional import cross_entropy
 
-from common.grid import ProcessGrid  # noqa: E402
-from llm.data import BatchIterator, encode_stream, load_documents, split_documents  # noqa: E402
-from llm.model import GPT, PRESETS, get_preset  # noqa: E402
-from llm.parallel import make_groups  # noqa: E402
-from llm.trainer import (  # noqa: E402
+from common.grid import ProcessGrid
+from llm.data import BatchIterator, encode_stream, load_documents, split_documents
+from llm.model import GPT, PRESETS, get_preset
+from llm.parallel import make_groups
+from llm.trainer import (
     DataConfig,
     GoldfishConfig,
     OptimConfig,
-    TrainConfig,
+    RunConfig,
     Trainer,
 )
 
@@ -60,7 +60,7 @@ class Baseline:
     def train_step(self) -> float:
         x, y = next(self.batches)
         logits = self.model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss = cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     optim = OptimConfig()
     total = args.warmup + args.steps
     ours = Trainer(get_preset(args.preset), data, optim, GoldfishConfig(),
-                   TrainConfig(steps=total), make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0))
+                   RunConfig(steps=total), make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0))
     base = Baseline(args.preset, data, optim, seed=0)
     for _ in range(args.warmup):
         timed(ours.train_step), timed(base.train_step)

@@ -25,22 +25,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from common.grid import ProcessGrid  # noqa: E402
-from llm import checkpoint  # noqa: E402
-from llm.data import decode, load_documents, truncate_docs  # noqa: E402
-from llm.goldfish import STRATEGIES  # noqa: E402
-from llm.memorization import memorization  # noqa: E402
-from llm.model import PRESETS, get_preset  # noqa: E402
-from llm.parallel import make_groups  # noqa: E402
-from llm.train import run  # noqa: E402
-from llm.trainer import (  # noqa: E402
+from common.grid import ProcessGrid
+from common.run import CheckpointConfig
+from llm import checkpoint
+from llm.data import decode, load_documents, truncate_docs
+from llm.goldfish import STRATEGIES
+from llm.memorization import memorization
+from llm.model import PRESETS, get_preset
+from llm.parallel import make_groups
+from llm.trainer import (
     DataConfig,
     GoldfishConfig,
     OptimConfig,
-    TrainConfig,
+    RunConfig,
     Trainer,
+    run,
 )
 
 
@@ -50,7 +51,7 @@ def train_and_test(args: argparse.Namespace, goldfish: GoldfishConfig, out: Path
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay)
     groups = make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0)  # one process, no process group
     trainer = Trainer(get_preset(args.preset), data, optim, goldfish,
-                      TrainConfig(epochs=args.epochs), groups, seed=args.seed)
+                      RunConfig(epochs=args.epochs), groups, seed=args.seed)
     name = f"goldfish k={goldfish.k}" if goldfish.k else "standard"
 
     def progress(row: dict) -> None:
@@ -59,7 +60,7 @@ def train_and_test(args: argparse.Namespace, goldfish: GoldfishConfig, out: Path
                   f" (all tokens {row['loss_all']:.4f})", flush=True)
 
     start = time.perf_counter()
-    history = run(trainer, out=str(out), on_row=progress)
+    history = run(trainer, checkpoint=CheckpointConfig(dir=str(out)), on_row=progress)
     seconds = time.perf_counter() - start
     model, _ = checkpoint.load_model(out)
     docs = truncate_docs(load_documents(), args.docs, args.seq_len)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.perf.machine import load_profile  # noqa: E402
-from common.perf.paper import check_papers100m, check_products, papers100m_table  # noqa: E402
+from common.perf.machine import load_profile
+from common.perf.paper import check_papers100m, check_products, papers100m_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,18 +128,19 @@ def equal_step(args) -> None:
         "import json, sys\n"
         "from common.dist import init_distributed\n"
         "from common.grid import ProcessGrid\n"
-        "from plexus.trainer import TrainConfig, train_gcn\n"
+        "from plexus.config import split_config\n"
+        "from plexus.trainer import train_gcn\n"
         "init_distributed(device='cpu', launcher='single')\n"
-        f"cfg = TrainConfig(epochs={args.epochs}, hidden={args.hidden}, layers=3, "
-        f"pad_multiple={k})\n"
+        f"cfg = split_config(epochs={args.epochs}, hidden={args.hidden}, num_layers=3)\n"
         "if sys.argv[1] == 'memory':\n"
-        "    from plexus.datasets import rmat_graph\n"
-        f"    g = rmat_graph({args.mid_scale}, {args.mid_edge_factor}, 0, "
-        f"num_features={args.features})\n"
+        "    from plexus.data import InMemorySource\n"
+        "    from plexus.data.generators import rmat_graph\n"
+        f"    g = InMemorySource(rmat_graph({args.mid_scale}, {args.mid_edge_factor}, 0, "
+        f"num_features={args.features}), pad_multiple={k})\n"
         "else:\n"
-        "    from plexus.prepared import PreparedGraph\n"
+        "    from plexus.data import PreparedGraph\n"
         "    g = PreparedGraph(sys.argv[2])\n"
-        "r = train_gcn(g, ProcessGrid.parse('1x1x1'), 0, cfg)\n"
+        "r = train_gcn(g, ProcessGrid.parse('1x1x1'), 0, **cfg)\n"
         "print(json.dumps({'edges': g.num_edges, 'setup_s': r.info['setup_s'], "
         "'losses': [h['loss'] for h in r.history]}))\n"
     )
@@ -176,7 +177,7 @@ def memory_step(args) -> None:
     for layers, grids in series:
         rows = []
         for g in [int(x) for x in args.ranks_list.split(",")]:
-            res, wall, _ = _train(args.mid, g, grids[g], 1, args.hidden,
+            res, _wall, _ = _train(args.mid, g, grids[g], 1, args.hidden,
                                   Path(args.mid).parent / f"memory-{layers}-{g}.jsonl",
                                   ["--layers", str(layers)])
             mem = res["summary"]["memory_per_rank_max"]

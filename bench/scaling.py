@@ -45,8 +45,8 @@ from common.perf.model import factorizations, spearman  # noqa: E402
 
 def graph_workload(dataset: str, layers: int, hidden: int) -> GCNWorkload:
     """Exact N and nnz of Â (self-loops included) of the bench graph."""
-    from plexus.datasets import load_dataset
-    from plexus.partition import normalized_adjacency
+    from plexus.data import load_dataset
+    from plexus.data.partition import normalized_adjacency
 
     g = load_dataset(dataset)
     nnz = normalized_adjacency(g.edge_index.numpy(), g.num_nodes).nnz

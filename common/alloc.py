@@ -8,15 +8,15 @@ Raising the mmap and trim thresholds makes such buffers come from, and go back t
 later steps reuse the same pages. The price: the process keeps its peak heap size, which a
 training loop reaches every step anyway.
 
-Only glibc (Linux) has ``mallopt``; elsewhere :func:`retain_freed_memory` does nothing. Set
-``HPC_RETAIN_FREED_MEMORY=0`` to leave the allocator alone.
+Only glibc (Linux) has ``mallopt``; elsewhere :func:`retain_freed_memory` does nothing. The
+switch is the argument: the trainers pass their own flag down; nothing here reads the
+environment.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import platform
 
 _M_TRIM_THRESHOLD = -1
@@ -25,7 +25,7 @@ _GLIBC_DEFAULT = 128 * 1024  # both thresholds' documented defaults
 _RETAIN = 1 << 30  # buffers up to 1 GiB come from the heap
 
 
-def _libc():
+def _libc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     name = ctypes.util.find_library("c")
@@ -35,11 +35,9 @@ def _libc():
 def retain_freed_memory(enable: bool = True) -> bool:
     """Make large freed buffers stay in the heap (``enable``) or restore glibc's defaults.
 
-    Returns True when the setting was applied (glibc, and not disabled by
-    ``HPC_RETAIN_FREED_MEMORY=0``).
+    Process-wide (it sets the C allocator's thresholds). Returns True when the setting was
+    applied (glibc only).
     """
-    if enable and os.environ.get("HPC_RETAIN_FREED_MEMORY", "1") == "0":
-        return False
     libc = _libc()
     if libc is None:
         return False

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from common import collectives as C
+from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 
@@ -34,7 +34,7 @@ from common.grid import AxisGroup
 class _AllReduceIdentity(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, group, stats):
-        return C.all_reduce(x, group, stats=stats)
+        return coll.all_reduce(x, group, stats=stats)
 
     @staticmethod
     def backward(ctx: Any, dy):
@@ -49,51 +49,51 @@ class _IdentityAllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy):
-        return C.all_reduce(dy, ctx.group, stats=ctx.stats), None, None
+        return coll.all_reduce(dy, ctx.group, stats=ctx.stats), None, None
 
 
 class _AllGatherReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, group, dim, stats):
         ctx.group, ctx.dim, ctx.stats = group, dim, stats
-        return C.all_gather(x, group, dim=dim, stats=stats)
+        return coll.all_gather(x, group, dim=dim, stats=stats)
 
     @staticmethod
     def backward(ctx: Any, dy):
-        return C.reduce_scatter(dy, ctx.group, dim=ctx.dim, stats=ctx.stats), None, None, None
+        return coll.reduce_scatter(dy, ctx.group, dim=ctx.dim, stats=ctx.stats), None, None, None
 
 
 class _ReduceScatterAllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, group, dim, stats):
         ctx.group, ctx.dim, ctx.stats = group, dim, stats
-        return C.reduce_scatter(x, group, dim=dim, stats=stats)
+        return coll.reduce_scatter(x, group, dim=dim, stats=stats)
 
     @staticmethod
     def backward(ctx: Any, dy):
-        return C.all_gather(dy, ctx.group, dim=ctx.dim, stats=ctx.stats), None, None, None
+        return coll.all_gather(dy, ctx.group, dim=ctx.dim, stats=ctx.stats), None, None, None
 
 
 class _SplitAllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, group, dim, stats):
         ctx.group, ctx.dim, ctx.stats = group, dim, stats
-        return C.chunk(x, group, dim=dim).clone()
+        return coll.chunk(x, group, dim=dim).clone()
 
     @staticmethod
     def backward(ctx: Any, dy):
-        return C.all_gather(dy, ctx.group, dim=ctx.dim, stats=ctx.stats), None, None, None
+        return coll.all_gather(dy, ctx.group, dim=ctx.dim, stats=ctx.stats), None, None, None
 
 
 class _AllGatherSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, group, dim, stats):
         ctx.group, ctx.dim = group, dim
-        return C.all_gather(x, group, dim=dim, stats=stats)
+        return coll.all_gather(x, group, dim=dim, stats=stats)
 
     @staticmethod
     def backward(ctx: Any, dy):
-        return C.chunk(dy, ctx.group, dim=ctx.dim).contiguous(), None, None, None
+        return coll.chunk(dy, ctx.group, dim=ctx.dim).contiguous(), None, None, None
 
 
 def all_reduce_identity(

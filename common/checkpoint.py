@@ -66,7 +66,8 @@ def save(root: str | os.PathLike, step: int, files: Mapping[str, bytes],
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    manifest = {"step": step, "meta": dict(meta), "files": {}}
+    entries: dict[str, dict[str, Any]] = {}
+    manifest = {"step": step, "meta": dict(meta), "files": entries}
     for name, data in files.items():
         if "/" in name or name.startswith(".") or name == "manifest.json":
             raise ValueError(f"bad checkpoint file name {name!r}")
@@ -74,7 +75,7 @@ def save(root: str | os.PathLike, step: int, files: Mapping[str, bytes],
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(),
+        entries[name] = {"sha256": hashlib.sha256(data).hexdigest(),
                                    "bytes": len(data)}
     with open(tmp / "manifest.json", "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)

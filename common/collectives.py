@@ -124,7 +124,7 @@ def all_gather(
         stacked = buf.view(g, *shape)
         if x.dim() == 0:
             return stacked
-        out_shape = shape[:dim] + (g * shape[dim],) + shape[dim + 1 :]
+        out_shape = (*shape[:dim], g * shape[dim], *shape[dim + 1:])
         return stacked.movedim(0, dim).reshape(out_shape)
 
     return _run(
@@ -158,8 +158,8 @@ def reduce_scatter(
     shape = tuple(x.shape)
     chunk = shape[dim] // g
     # [.., g*c, ..] -> [g, .., c, ..]: chunk i becomes the i-th contiguous block.
-    src = x.reshape(shape[:dim] + (g, chunk) + shape[dim + 1 :]).movedim(dim, 0).contiguous()
-    out = torch.empty(shape[:dim] + (chunk,) + shape[dim + 1 :], dtype=x.dtype, device=x.device)
+    src = x.reshape((*shape[:dim], g, chunk, *shape[dim + 1:])).movedim(dim, 0).contiguous()
+    out = torch.empty((*shape[:dim], chunk, *shape[dim + 1:]), dtype=x.dtype, device=x.device)
     return _run(
         group, "reduce_scatter", src.numel() * src.element_size(), stats,
         lambda: _reduce_scatter_single(

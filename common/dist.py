@@ -2,7 +2,12 @@
 
 :func:`init_distributed` finds out how the job was launched, sets up ``torch.distributed``
 (gloo on CPU, NCCL on GPU) with a timeout so a lost peer raises instead of hanging, splits
-the machine's cores between the ranks of a node, and returns a :class:`DistContext`.
+the machine's cores between the ranks of a node, and returns a :class:`DistContext`. The
+context owns the heartbeat :class:`Watchdog` and closes itself: an exit hook stops the
+watchdog and destroys the process group when the interpreter exits (a process that exits with
+a live gloo group can die with "terminate called without an active exception"); use
+``with init_distributed() as ctx:`` or ``ctx.close()`` to close it earlier. Nothing here is
+module state, and the timeouts' environment variables are read by the call, not at import.
 
 Launchers, detected in this order (override with ``launcher=``):
 
@@ -17,6 +22,7 @@ Launchers, detected in this order (override with ``launcher=``):
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
@@ -25,15 +31,19 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("HPC_DIST_TIMEOUT", "300"))
+# Defaults of the two timeouts when neither the argument nor the environment sets them. The
+# environment variables are read by init_distributed when it runs, never at import.
+ENV_TIMEOUT, DEFAULT_TIMEOUT_S = "HPC_DIST_TIMEOUT", 300.0
 # a rank whose heartbeat stalls this long is declared lost (detection within ~this + 2 s)
-HEARTBEAT_TIMEOUT_S = float(os.environ.get("HPC_HEARTBEAT_TIMEOUT", "30"))
+ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT_S = "HPC_HEARTBEAT_TIMEOUT", 30.0
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|Socket Timeout|"
                         r"Connection refused|NCCL (error|communicator was aborted)")
 _MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -41,7 +51,22 @@ _MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 @dataclass(frozen=True)
 class DistContext:
-    """What a rank knows about the job after start-up."""
+    """What a rank knows about the job after start-up; owns the watchdog.
+
+    Use it as a context manager (``with init_distributed() as ctx:``) or call :meth:`close`;
+    without either, the exit hook that :func:`init_distributed` registers closes it when the
+    interpreter exits. Closing twice is harmless. One context per process: closing it
+    destroys the default process group.
+
+    Attributes:
+        rank, world_size: this process's global rank and the number of ranks.
+        local_rank, local_world_size: the same among the ranks of this node.
+        device: the torch device this rank computes on.
+        backend: ``"gloo"`` or ``"nccl"``.
+        launcher: ``"torchrun"``, ``"srun"``, ``"mpiexec"`` or ``"single"``.
+        heartbeat_timeout_s: how long the watchdog waits for a silent peer.
+        watchdog: the heartbeat thread (None with one rank or ``watchdog=False``).
+    """
 
     rank: int
     world_size: int
@@ -50,13 +75,75 @@ class DistContext:
     device: torch.device
     backend: str
     launcher: str
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    watchdog: Watchdog | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def close(self) -> None:
+        """Stop the watchdog and destroy the process group (:func:`shutdown`; idempotent)."""
+        atexit.unregister(self._at_exit)
+        shutdown(self)
 
-def detect_launcher(env: dict[str, str] | None = None) -> str:
+    def __enter__(self) -> DistContext:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None or issubclass(exc_type, SystemExit):
+            self.close()
+        else:
+            self._close_failed()
+
+    def _at_exit(self) -> None:
+        # An uncaught exception ended the script (the interpreter stored it in sys.last_value
+        # before running exit hooks): leave the heartbeat silent so the peers name this rank
+        # as lost instead of waiting for it.
+        if getattr(sys, "last_value", None) is not None:
+            self._close_failed()
+        else:
+            shutdown(self)
+
+    def _close_failed(self) -> None:
+        atexit.unregister(self._at_exit)
+        if self.watchdog is not None:
+            self.watchdog.stop(clean=False)
+        shutdown(self)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"{name}={value!r}: the timeout must be > 0 seconds")
+    return seconds
+
+
+def resolve_timeouts(timeout_s: float | None = None, heartbeat_timeout_s: float | None = None
+                     ) -> tuple[float, float]:
+    """(collective timeout, heartbeat timeout) in seconds: an argument wins, then
+    ``$HPC_DIST_TIMEOUT`` / ``$HPC_HEARTBEAT_TIMEOUT`` (read now), then 300 / 30."""
+    out = []
+    for value, env, default, flag in (
+            (timeout_s, ENV_TIMEOUT, DEFAULT_TIMEOUT_S, "timeout_s"),
+            (heartbeat_timeout_s, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT_S,
+             "heartbeat_timeout_s")):
+        if value is None:
+            value = _env_seconds(env, default)
+        elif not value > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+        out.append(float(value))
+    return out[0], out[1]
+
+
+def detect_launcher(env: Mapping[str, str] | None = None) -> str:
     """``"torchrun"``, ``"srun"``, ``"mpiexec"`` or ``"single"`` from the environment."""
     env = os.environ if env is None else env
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
@@ -138,35 +225,46 @@ def init_distributed(
     device: str = "auto",
     backend: str | None = None,
     launcher: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
+    heartbeat_timeout_s: float | None = None,
     set_threads: bool = True,
     watchdog: bool = True,
 ) -> DistContext:
     """Start ``torch.distributed`` for this process and return its :class:`DistContext`.
 
+    Registers an exit hook that closes the context (watchdog, then process group) when the
+    interpreter exits, so a script needs no explicit shutdown under any launcher.
+
     Args:
         device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``.
         backend: default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
         launcher: force a launcher instead of detecting it.
-        timeout_s: collective timeout: a lost or stuck peer raises after this long.
+        timeout_s: collective timeout: a lost or stuck peer raises after this long. None:
+            ``$HPC_DIST_TIMEOUT``, else 300.
+        heartbeat_timeout_s: the watchdog declares a silent peer lost after this long. None:
+            ``$HPC_HEARTBEAT_TIMEOUT``, else 30.
         set_threads: give each rank ``cores / ranks-on-this-node`` torch threads, so ranks
             sharing a machine do not fight over cores (``OMP_NUM_THREADS`` wins if set).
         watchdog: with several ranks, start a heartbeat thread (:class:`Watchdog`) so that a
             killed rank makes every other rank exit non-zero, naming it, instead of hanging.
+
+    Raises:
+        ValueError: an unknown device, launcher or a bad timeout.
     """
+    timeout_s, heartbeat_timeout_s = resolve_timeouts(timeout_s, heartbeat_timeout_s)
     launcher = launcher or detect_launcher()
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
     rank, world, local_rank, local_world, addr, port = _rendezvous(launcher)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
         dev = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
-    elif device == "cpu":
-        dev = torch.device("cpu")
     else:
-        raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda")
+        dev = torch.device("cpu")
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if set_threads and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, _cores_available() // max(1, local_world)))
@@ -183,19 +281,23 @@ def init_distributed(
             dist.init_process_group(
                 backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
             )
-    if watchdog and world > 1 and _WATCHDOG[0] is None:
-        store = _default_store()
-        if store is not None:
-            _WATCHDOG[0] = Watchdog(store, rank, world)
-    return DistContext(rank, world, local_rank, local_world, dev, backend, launcher)
+    dog = None
+    if watchdog and world > 1:
+        default_store = _default_store()
+        if default_store is not None:
+            dog = Watchdog(default_store, rank, world, timeout_s=heartbeat_timeout_s)
+    ctx = DistContext(rank, world, local_rank, local_world, dev, backend, launcher,
+                      heartbeat_timeout_s=heartbeat_timeout_s, watchdog=dog)
+    atexit.register(ctx._at_exit)
+    return ctx
 
 
-def _default_store():
+def _default_store() -> Any:
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
         return _get_default_store()
-    except Exception:  # noqa: BLE001 - private API; without it there is no watchdog
+    except Exception:  # private API; without it there is no watchdog
         return None
 
 
@@ -206,10 +308,13 @@ class Watchdog:
     successor's. If the successor's counter has not moved for ``timeout_s``, the rank posts
     ``hpc/abort`` naming it; every rank polls that key and exits with status 1 and the message.
     If the store itself is gone (its host died), the rank exits naming the store's host.
+
+    Owned by the :class:`DistContext` that :func:`init_distributed` returns; closing the
+    context stops it.
     """
 
-    def __init__(self, store, rank: int, world: int, *, interval_s: float = 2.0,
-                 timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+    def __init__(self, store: Any, rank: int, world: int, *, interval_s: float = 2.0,
+                 timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.stopped = threading.Event()
@@ -234,7 +339,7 @@ class Watchdog:
                 key = f"hpc/hb/{succ}"
                 value = self.store.get(key) if self.store.check([key]) else None
                 done = self.store.check([f"hpc/done/{succ}"])
-            except Exception as e:  # noqa: BLE001 - the store's host is gone
+            except Exception as e:  # the store's host is gone
                 return self._die(f"lost contact with the rendezvous store ({type(e).__name__}"
                                  "); rank 0 or the launcher that hosts it was probably lost")
             now = time.monotonic()
@@ -244,21 +349,25 @@ class Watchdog:
                 msg = f"rank {succ} was lost (no heartbeat for {self.timeout_s:.0f} s)"
                 try:
                     self.store.set("hpc/abort", msg)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
                 return self._die(msg)
             self.stopped.wait(self.interval_s)
 
-    def stop(self) -> None:
-        try:
-            self.store.set(f"hpc/done/{self.rank}", "1")
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            pass
+    def stop(self, *, clean: bool = True) -> None:
+        """Stop heart-beating (idempotent). ``clean``: tell the peers this rank finished, so
+        they do not report it lost; a failing rank stops with ``clean=False`` and its peers
+        name it within ``timeout_s``."""
+        if self.stopped.is_set():
+            return
+        if clean:
+            try:
+                self.store.set(f"hpc/done/{self.rank}", "1")
+            except Exception:  # shutting down anyway
+                pass
         self.stopped.set()
-        self.thread.join(timeout=5)
-
-
-_WATCHDOG: list[Watchdog | None] = [None]  # one per process, owned by init/shutdown
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5)
 
 
 def preemption_flag(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
@@ -287,19 +396,20 @@ def is_comm_failure(error: BaseException) -> bool:
         _PEER_LOST.search(str(error)))
 
 
-def exit_on_comm_failure(error: BaseException, ctx: DistContext | None) -> None:
+def exit_on_comm_failure(error: BaseException, ctx: DistContext | None) -> NoReturn:
     """A collective failed (a peer vanished): let the watchdog name the lost rank, then exit.
 
     Gloo and NCCL report a dead peer as a generic connection error on the survivors; the
-    watchdog (if running) identifies which rank stopped heart-beating within
-    ``HEARTBEAT_TIMEOUT_S`` and exits the process with that message. Without a watchdog,
+    context's watchdog (if running) identifies which rank stopped heart-beating within
+    ``ctx.heartbeat_timeout_s`` and exits the process with that message. Without a watchdog,
     or if it finds nothing, exit 1 with the original error.
     """
     rank = f"[rank {ctx.rank}] " if ctx else ""
     print(f"{rank}error: communication failed ({type(error).__name__}: {error}); "
           "identifying the lost rank...", file=sys.stderr, flush=True)
-    if _WATCHDOG[0] is not None:
-        _WATCHDOG[0].stopped.wait(HEARTBEAT_TIMEOUT_S + 10)  # the watchdog exits before this
+    if ctx is not None and ctx.watchdog is not None:
+        # the watchdog's thread ends the process (os._exit) before this wait runs out
+        ctx.watchdog.thread.join(ctx.heartbeat_timeout_s + 10)
     os._exit(1)
 
 
@@ -311,16 +421,19 @@ def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
     return bool(t.item())
 
 
-def shutdown() -> None:
-    """Tear down the process group (safe to call twice or when never initialised)."""
-    if _WATCHDOG[0] is not None:
-        _WATCHDOG[0].stop()
-        _WATCHDOG[0] = None
+def shutdown(ctx: DistContext | None = None) -> None:
+    """Stop ``ctx``'s watchdog (if given) and tear down the process group.
+
+    Safe to call twice or when never initialised. :meth:`DistContext.close` and the exit hook
+    of :func:`init_distributed` call it; scripts need not.
+    """
+    if ctx is not None and ctx.watchdog is not None:
+        ctx.watchdog.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> None:
+def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> NoReturn:
     """Report a user error on this rank and exit non-zero.
 
     For errors every rank detects identically (a bad grid, a bad flag): each rank prints the
@@ -332,7 +445,10 @@ def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> None
     if ctx is not None and dist.is_initialized() and ctx.world_size > 1:
         try:
             dist.barrier()
-        except Exception:  # noqa: BLE001 - we are exiting with an error anyway
+        except Exception:  # we are exiting with an error anyway
             pass
-    shutdown()
+    if ctx is not None:
+        ctx.close()
+    else:
+        shutdown()
     sys.exit(code)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,22 @@ PLEXUS_LAYOUT: tuple[str, ...] = ("z", "x", "y")  # slowest -> fastest
 AXONN_AXES: tuple[str, ...] = ("data", "depth", "row", "col")
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# A grid constraint: the problems of a grid shape (axis -> size) as sentences that show the
+# arithmetic, [] when the shape is fine. ProcessGrid.check runs them.
+Constraint = Callable[[Mapping[str, int]], list[str]]
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` in integers, for ``b >= 1``."""
+    if b < 1:
+        raise ValueError(f"ceil_div needs a divisor >= 1, got {b}")
+    return -(-a // b)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= n`` (padding to a grid axis)."""
+    return ceil_div(n, multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -176,13 +192,37 @@ class ProcessGrid:
         return sorted(out)
 
     def validate(self, world_size: int) -> None:
-        """Raise ValueError, showing the arithmetic, unless the grid has ``world_size`` ranks."""
+        """Raise ValueError, showing the arithmetic, unless the grid has ``world_size`` ranks.
+
+        The world-size-only case of :meth:`check`.
+        """
+        self.check(world_size)
+
+    def check(self, world_size: int, *constraints: Constraint) -> None:
+        """Raise one ValueError listing every problem of this grid, with its arithmetic.
+
+        Args:
+            world_size: the number of processes launched; the sizes must multiply to it.
+            constraints: functions ``shape -> list of problem sentences`` (``[]`` when the
+                shape is fine), e.g. a workload's ``grid_problems``.
+
+        Example message::
+
+            grid data=2,depth=1,row=4,col=1: heads: num_heads=6 % row=4 = 2
+        """
+        problems: list[str] = []
+        for constraint in constraints:
+            problems += constraint(dict(self.shape))
+        named = ",".join(f"{a}={s}" for a, s in self.shape.items())
         if self.num_ranks != world_size:
             product = " * ".join(f"{a}={s}" for a, s in self.shape.items())
-            raise ValueError(
-                f"grid {product} = {self.num_ranks} ranks, but {world_size} processes were "
-                f"launched; pass a grid whose sizes multiply to {world_size}"
-            )
+            message = (f"grid {product} = {self.num_ranks} ranks, but {world_size} processes "
+                       f"were launched; pass a grid whose sizes multiply to {world_size}")
+            if problems:
+                message += f"; and grid {named}: " + "; ".join(problems)
+            raise ValueError(message)
+        if problems:
+            raise ValueError(f"grid {named}: " + "; ".join(problems))
 
     def __str__(self) -> str:
         if self.axes == PLEXUS_AXES:
@@ -261,11 +301,6 @@ class AxisGroup:
     size: int
     rank: int
     members: tuple[int, ...] = ()
-
-    @classmethod
-    def single(cls, name: str, global_rank: int = 0) -> AxisGroup:
-        """A trivial group of one rank (no communication)."""
-        return cls(name, None, 1, 0, (global_rank,))
 
 
 def _parse_size(value: str, text: str, hint: str) -> int:

@@ -8,7 +8,9 @@ Parallelism: ``tp`` (the 3D tensor-parallel Linear, embedding and RMSNorm, with 
 OAG overlaps), ``parallel`` (``ParallelGPT``: slices a full GPT onto the grid, gradient sync and
 clipping, gathering full tensors back), ``loss`` (vocabulary-sharded cross-entropy).
 
-Training: ``trainer`` (configs, AdamW with warmup + cosine, the step, evaluation, grid-independent
-state), ``checkpoint`` (atomic files), ``train`` (the loop and the CLI ``python -m llm.train``),
-``memorization`` (``python -m llm.memorization``), ``sample`` (``python -m llm.sample``).
+Training: ``trainer`` (one config dataclass per component, AdamW with warmup + cosine, the
+step, evaluation, grid-independent state, and the loop ``run``), ``checkpoint`` (atomic files),
+``train`` (the CLI ``python -m llm.train``: arguments, configs, printing), ``plan`` (the
+performance model's grid ranking for a preset, ``python -m llm.plan``), ``memorization``
+(``python -m llm.memorization``), ``sample`` (``python -m llm.sample``).
 """

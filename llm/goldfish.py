@@ -31,8 +31,8 @@ import functools
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.functional import cross_entropy
 
 __all__ = ["STRATEGIES", "TABLE_SEED", "TABLE_SIZE", "GoldfishLoss", "goldfish_loss",
            "goldfish_mask", "hash_table"]
@@ -185,7 +185,7 @@ def goldfish_loss(
             f"{tuple(logits.shape)}, targets {tuple(targets.shape)}, mask {tuple(mask.shape)}"
         )
     vocab = logits.shape[-1]
-    per_token = F.cross_entropy(
+    per_token = cross_entropy(
         logits.reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=ignore_index,
         reduction="none",
     ).view_as(targets)  # [B, T], 0 where ignored

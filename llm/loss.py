@@ -4,7 +4,7 @@ The LM head's logits block is ``[B, T, V_pad/R]`` (vocabulary chunk ``r``; ids >
 padding), replicated over col. The per-token loss ``logsumexp(z) - z[target]`` needs a max,
 a sum of exponentials and the target's logit over row; all three are all-reduced over row, so
 the per-token loss is replicated over row and col. On one row member with no padding this is
-plain ``F.cross_entropy``.
+plain ``cross_entropy``.
 
 The trainer divides by the number of kept tokens in the GLOBAL batch (all micro-batches of
 the step, every rank), so the per-rank losses add up to the mean over the global batch and the
@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.functional import cross_entropy
 
-from common import autograd as CA
-from common import collectives as C
+from common.autograd import all_reduce_identity
+from common.collectives import ReduceOp, all_reduce
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 
@@ -40,20 +40,20 @@ def token_losses(logits: Tensor, targets: Tensor, *, vocab_size: int, row: AxisG
     """
     width = logits.shape[-1]
     if row.size == 1 and width == vocab_size:  # fast path
-        return F.cross_entropy(logits.reshape(-1, width).float(), targets.reshape(-1),
-                               ignore_index=ignore_index, reduction="none").view_as(targets)
+        return cross_entropy(logits.reshape(-1, width).float(), targets.reshape(-1),
+                             ignore_index=ignore_index, reduction="none").view_as(targets)
     offset = row.rank * width
     z = logits.float()  # [B, T, V_pad/R]
     ids = offset + torch.arange(width, device=logits.device)
     if offset + width > vocab_size:
         z = z.masked_fill(ids >= vocab_size, float("-inf"))
     with torch.no_grad():  # any shift is exact; the max only keeps exp() in range
-        shift = C.all_reduce(z.max(dim=-1).values, row, op=C.ReduceOp.MAX, stats=stats)
-    sum_exp = CA.all_reduce_identity(torch.exp(z - shift[..., None]).sum(dim=-1), row, stats)
+        shift = all_reduce(z.max(dim=-1).values, row, op=ReduceOp.MAX, stats=stats)
+    sum_exp = all_reduce_identity(torch.exp(z - shift[..., None]).sum(dim=-1), row, stats)
     local = targets - offset
     own = (local >= 0) & (local < width)
     picked = z.gather(-1, local.clamp(0, width - 1)[..., None])[..., 0]  # [B, T]
-    target_logit = CA.all_reduce_identity(torch.where(own, picked, 0.0), row, stats)
+    target_logit = all_reduce_identity(torch.where(own, picked, 0.0), row, stats)
     per_token = shift + torch.log(sum_exp) - target_logit
     return torch.where(targets != ignore_index, per_token, 0.0)
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from llm import checkpoint
-from llm import data as D
+from llm.data import load_documents, truncate_docs
 from llm.rouge import rouge_l
 
 
@@ -78,7 +78,9 @@ def memorization(model: Any, docs: Sequence[Tensor], suffix_len: int,
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m llm.memorization", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="directory holding checkpoint.pt")
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="checkpoint directory (its newest intact DIR/step-N/ is read), one "
+                   "step-N directory, or a checkpoint.pt file")
     p.add_argument("--docs", type=int, default=None, help="first N documents (default: the "
                    "checkpoint's --docs)")
     p.add_argument("--suffix-len", type=int, default=50, help="S tokens to recite")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_len = args.seq_len or data["seq_len"]
         source, paths = ((args.text_split, args.text) if args.text else
                          (data["source"], data["paths"] or None))
-        docs = D.truncate_docs(D.load_documents(source, paths), num_docs, seq_len)
+        docs = truncate_docs(load_documents(source, paths), num_docs, seq_len)
         result = memorization(model, docs, args.suffix_len)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 Block: ``x + Attn(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``; rotary positions (RoPE,
 Su et al. https://arxiv.org/abs/2104.09864); SwiGLU MLP (Shazeer, https://arxiv.org/abs/2002.05202);
-grouped-query attention when ``n_kv_head < n_head`` (Ainslie et al.,
+grouped-query attention when ``num_kv_heads < num_heads`` (Ainslie et al.,
 https://arxiv.org/abs/2305.13245); final RMSNorm and an LM head.
 
 Tensor parallelism is applied later by a separate function that swaps every ``nn.Linear`` for a
@@ -27,11 +27,22 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.functional import scaled_dot_product_attention, silu
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "apply_rope", "get_preset", "gpt1b", "gpt7b",
-           "gpt70b", "rope_cache", "small", "tiny"]
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "GPTConfig",
+    "apply_rope",
+    "get_preset",
+    "gpt1b",
+    "gpt7b",
+    "gpt70b",
+    "rope_cache",
+    "small",
+    "tiny",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,10 +51,13 @@ class GPTConfig:
 
     Attributes:
         vocab_size: number of token ids (V).
-        n_layer: number of transformer blocks.
-        n_head: query heads (H).
-        n_kv_head: key/value heads (Hkv); None means n_head (plain multi-head attention).
-        d_model: residual width (D); head_dim = d_model / n_head.
+        num_layers: number of transformer blocks.
+        num_heads: query heads (H).
+        num_kv_heads: key/value heads (Hkv); None in the constructor means ``num_heads``
+            (plain multi-head attention) and is stored resolved, so the attribute is an int.
+            ``dataclasses.replace(config, num_heads=...)`` keeps the resolved value: pass
+            ``num_kv_heads`` too when changing the heads.
+        d_model: residual width (D); head_dim = d_model / num_heads.
         d_ff: hidden width of the SwiGLU MLP (F).
         max_seq_len: longest sequence the rotary tables cover.
         rope_theta: RoPE base; frequency i is rope_theta ** (-2i / head_dim).
@@ -52,9 +66,9 @@ class GPTConfig:
     """
 
     vocab_size: int
-    n_layer: int
-    n_head: int
-    n_kv_head: int | None = None
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None  # resolved to an int by __post_init__
     d_model: int
     d_ff: int
     max_seq_len: int
@@ -63,29 +77,28 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "max_seq_len"):
+        if self.num_kv_heads is None:  # frozen: set through object.__setattr__
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head} "
-                             f"({self.d_model} % {self.n_head} = {self.d_model % self.n_head})")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads="
+                             f"{self.num_heads} ({self.d_model} % {self.num_heads} = "
+                             f"{self.d_model % self.num_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim = d_model / n_head = {self.d_model} / {self.n_head} = "
-                             f"{self.head_dim} must be even for rotary embeddings")
-        if self.num_kv_heads < 1 or self.n_head % self.num_kv_heads:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of "
-                             f"n_kv_head={self.num_kv_heads} (grouped-query attention)")
+            raise ValueError(f"head_dim = d_model / num_heads = {self.d_model} / {self.num_heads}"
+                             f" = {self.head_dim} must be even for rotary embeddings")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} "
                              f"must be > 0")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
+        return self.d_model // self.num_heads
 
     def num_params(self) -> int:
         """Exact number of parameters of :class:`GPT` (tied weights counted once)."""
@@ -94,12 +107,12 @@ class GPTConfig:
         mlp = 3 * d * self.d_ff  # gate, up, down
         per_layer = attn + mlp + 2 * d  # + two RMSNorm weights
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layer * per_layer + d + embed
+        return self.num_layers * per_layer + d + embed
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward), as in PaLM's MFU definition.
 
-        ``6 * N_matmul + 12 * n_layer * d_model * seq_len``: 2 FLOPs per multiply-add, 3x for
+        ``6 * N_matmul + 12 * num_layers * d_model * seq_len``: 2 FLOPs per multiply-add, 3x for
         forward and backward, every Linear including the LM head (the embedding lookup is not a
         matmul), plus the attention score and value products without a causal discount.
         Forward only is one third of this.
@@ -109,38 +122,39 @@ class GPTConfig:
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
         d, kv = self.d_model, self.num_kv_heads * self.head_dim
-        matmul = self.n_layer * (2 * d * d + 2 * d * kv + 3 * d * self.d_ff)
+        matmul = self.num_layers * (2 * d * d + 2 * d * kv + 3 * d * self.d_ff)
         matmul += self.vocab_size * d  # LM head
-        return 6 * matmul + 12 * self.n_layer * d * seq_len
+        return 6 * matmul + 12 * self.num_layers * d * seq_len
 
 
 def tiny() -> GPTConfig:
     """Two layers, d_model 64, bytes: trains in seconds on a 2-core CPU (tests, quick start)."""
-    return GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, d_ff=192, max_seq_len=128)
+    return GPTConfig(vocab_size=256, num_layers=2, num_heads=4, d_model=64, d_ff=192,
+                     max_seq_len=128)
 
 
 def small() -> GPTConfig:
     """About 14M parameters on bytes (nanoGPT's character-level shape): one GPU or a patient CPU."""
-    return GPTConfig(vocab_size=256, n_layer=6, n_head=6, d_model=384, d_ff=1536,
+    return GPTConfig(vocab_size=256, num_layers=6, num_heads=6, d_model=384, d_ff=1536,
                      max_seq_len=256)
 
 
 def gpt1b() -> GPTConfig:
     """1.1B parameters, the TinyLlama-1.1B shape (22 layers, GQA 32/4 heads, vocab 32000)."""
-    return GPTConfig(vocab_size=32000, n_layer=22, n_head=32, n_kv_head=4, d_model=2048,
-                     d_ff=5632, max_seq_len=2048)
+    return GPTConfig(vocab_size=32000, num_layers=22, num_heads=32, num_kv_heads=4,
+                     d_model=2048, d_ff=5632, max_seq_len=2048)
 
 
 def gpt7b() -> GPTConfig:
     """6.7B parameters, the Llama-2-7B shape (the goldfish paper's model)."""
-    return GPTConfig(vocab_size=32000, n_layer=32, n_head=32, d_model=4096, d_ff=11008,
+    return GPTConfig(vocab_size=32000, num_layers=32, num_heads=32, d_model=4096, d_ff=11008,
                      max_seq_len=4096)
 
 
 def gpt70b() -> GPTConfig:
     """69B parameters, the Llama-2-70B shape (80 layers, GQA 64/8 heads)."""
-    return GPTConfig(vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
-                     d_ff=28672, max_seq_len=4096)
+    return GPTConfig(vocab_size=32000, num_layers=80, num_heads=64, num_kv_heads=8,
+                     d_model=8192, d_ff=28672, max_seq_len=4096)
 
 
 PRESETS = {"tiny": tiny, "small": small, "gpt1b": gpt1b, "gpt7b": gpt7b, "gpt70b": gpt70b}
@@ -227,7 +241,7 @@ class Attention(nn.Module):
         groups = q.shape[1] // k.shape[1]
         if groups > 1:  # grouped-query attention: query head j reads kv head j // groups
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
+        y = scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))  # [B, T, D]
 
 
@@ -245,7 +259,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -277,7 +291,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -287,11 +301,11 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise like GPT-2 / nanoGPT: Normal(0, 0.02) weights, RMSNorm weights 1.
 
-        The residual outputs (o_proj, down_proj) use std 0.02 / sqrt(2 * n_layer) so that the
+        The residual outputs (o_proj, down_proj) use std 0.02 / sqrt(2 * num_layers) so that the
         residual stream's variance does not grow with depth. Called by the constructor; call it
         again after materialising a model built on the meta device.
         """
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 std = residual_std if name.endswith(("o_proj", "down_proj")) else 0.02

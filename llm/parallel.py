@@ -34,20 +34,21 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from common import collectives as C
+from common.collectives import all_gather, all_reduce
 from common.comm_stats import CommStats
 from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
+from common.perf.gpt import GPTWorkload
 from llm.model import GPT, GPTConfig
 from llm.tp import (
     DepthGrads,
     DepthWeights,
     Overlap,
+    OverlapCounts,
     ParallelEmbedding,
     ParallelLinear,
     ParallelRMSNorm,
 )
 
-NORMAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 TRANSPOSED = ("o_proj", "down_proj")
 
 
@@ -84,19 +85,6 @@ class ShardSpec:
         return -(-math.prod(self.block_shape(sizes)) // sizes["depth"])
 
 
-def check_grid(config: GPTConfig, sizes: Mapping[str, int]) -> None:
-    """ValueError (with the arithmetic) when ``config`` cannot be split over the grid."""
-    row = sizes["row"]
-    if config.n_head % row or config.num_kv_heads % row:
-        raise ValueError(
-            f"heads are split over row: n_head={config.n_head} and n_kv_head="
-            f"{config.num_kv_heads} must be divisible by row={row} ({config.n_head} % {row} = "
-            f"{config.n_head % row}, {config.num_kv_heads} % {row} = {config.num_kv_heads % row})")
-    if config.tie_embeddings and is_tensor_parallel(sizes):
-        raise ValueError("tie_embeddings=True needs depth = row = col = 1: the embedding and "
-                         "the LM head are sharded differently on a tensor-parallel grid")
-
-
 def is_tensor_parallel(sizes: Mapping[str, int]) -> bool:
     return any(sizes[a] > 1 for a in ("depth", "row", "col"))
 
@@ -118,7 +106,7 @@ def param_specs(config: GPTConfig, sizes: Mapping[str, int]) -> dict[str, ShardS
                     "gate_proj": f, "up_proj": f, "down_proj": d}
     in_features = {"q_proj": d, "k_proj": d, "v_proj": d, "o_proj": d,
                    "gate_proj": d, "up_proj": d, "down_proj": f}
-    for i in range(config.n_layer):
+    for i in range(config.num_layers):
         add(f"blocks.{i}.attn_norm.weight", (d,), ("col",), False, ("row", "depth"))
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             add(f"blocks.{i}.attn.{proj}.weight", (out_features[proj], in_features[proj]),
@@ -170,10 +158,10 @@ def gather_tensor(local: Tensor, spec: ShardSpec, groups: Mapping[str, AxisGroup
     x = local.detach()
     if spec.flat:
         block = spec.block_shape(sizes)
-        x = C.all_gather(x, groups["depth"], stats=stats)[: math.prod(block)].view(block)
+        x = all_gather(x, groups["depth"], stats=stats)[: math.prod(block)].view(block)
     for dim, axis in enumerate(spec.axes):
         if axis:
-            x = C.all_gather(x.contiguous(), groups[axis], dim=dim, stats=stats)
+            x = all_gather(x.contiguous(), groups[axis], dim=dim, stats=stats)
     return x[tuple(slice(0, n) for n in spec.shape)].clone()
 
 
@@ -206,6 +194,14 @@ class ParallelGPT(nn.Module):
             either way).
         stats: byte accounting for every collective of the model (may be None).
 
+    Attributes:
+        overlapped: :class:`~llm.tp.OverlapCounts` of the collectives that overlapped since
+            the caller last reset it.
+
+    Raises:
+        ValueError: the model does not split over the grid (heads over row, tied
+            embeddings on a tensor-parallel grid; :meth:`GPTWorkload.grid_problems`).
+
     Shapes:
         forward: idx int64 [B/(D*Z), T] -> logits [B/(D*Z), T, V_pad/R] (vocab split over row,
         padded vocab ids >= V hold zero weights), replicated over col.
@@ -222,10 +218,17 @@ class ParallelGPT(nn.Module):
         self.overlap, self.stats = overlap, stats
         self.sizes = {a: groups[a].size for a in AXONN_AXES}
         self.coords = {a: groups[a].rank for a in AXONN_AXES}
-        check_grid(self.config, self.sizes)
+        grid = ProcessGrid.axonn(*(self.sizes[a] for a in AXONN_AXES))
+        # the planner's check; every batch size pads to data x depth, so only the model counts
+        work = GPTWorkload.from_config(self.config, global_batch=grid.size("data") *
+                                       grid.size("depth"), seq_len=self.config.max_seq_len)
+        grid.check(grid.num_ranks, work.grid_problems)
         self.specs = param_specs(self.config, self.sizes)
-        self.depth_weights = DepthWeights(groups["depth"], prefetch=overlap.oag, stats=stats)
-        self.depth_grads = DepthGrads(groups["depth"], defer=overlap.ors, stats=stats)
+        self.overlapped = OverlapCounts()
+        self.depth_weights = DepthWeights(groups["depth"], prefetch=overlap.oag, stats=stats,
+                                          counts=self.overlapped)
+        self.depth_grads = DepthGrads(groups["depth"], defer=overlap.ors, stats=stats,
+                                      counts=self.overlapped)
         if is_tensor_parallel(self.sizes):
             self._swap_modules(model)
         self.model = model
@@ -288,8 +291,8 @@ class ParallelGPT(nn.Module):
             if self.groups[key].size == 1 or not params:
                 continue
             grads = [p.grad for p in params]
-            flat = C.all_reduce(_flatten_dense_tensors(grads), self.groups[key],
-                                stats=self.stats, inplace=True)
+            flat = all_reduce(_flatten_dense_tensors(grads), self.groups[key],
+                              stats=self.stats, inplace=True)
             for p, synced in zip(params, _unflatten_dense_tensors(flat, grads)):
                 p.grad.copy_(synced)
 
@@ -304,7 +307,7 @@ class ParallelGPT(nn.Module):
                    and all(self.coords[a] == 0 for a in self.specs[name].replicated)]
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in counted]
         sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
-        total = C.all_reduce(sq, self.groups["depth+row+col"], stats=self.stats).sqrt()
+        total = all_reduce(sq, self.groups["depth+row+col"], stats=self.stats).sqrt()
         if max_norm > 0:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for p in self.shards().values():

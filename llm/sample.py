@@ -17,7 +17,9 @@ from llm.data import decode, encode
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llm.sample", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="directory holding checkpoint.pt")
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="checkpoint directory (its newest intact DIR/step-N/ is read), one "
+                   "step-N directory, or a checkpoint.pt file")
     p.add_argument("--prompt", default="\n", help="text to continue (byte tokens)")
     p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

@@ -19,7 +19,8 @@ transposed, so attention and the MLP need no re-layout between their GEMMs. OAG 
 next Linear's depth all-gather (forward order in forward, reverse order in backward).
 
 Every overlap is a switch (:class:`Overlap`); the arithmetic is the same either way, so the
-results are bitwise identical with overlap on or off.
+results are bitwise identical with overlap on or off. :class:`OverlapCounts` counts the
+collectives that really overlapped (the evidence that a switch took effect).
 
 Shapes legend (``B`` local batch rows, ``T`` sequence, ``D`` d_model padded to a multiple of C,
 ``V`` vocabulary padded to a multiple of R): residual stream ``[B, T, D/C]``; normal Linear
@@ -34,12 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.functional import embedding, linear
 
-from common import autograd as CA
-from common import collectives as C
-from common.collectives import CommHandle
+from common.autograd import all_gather_reduce_scatter, all_reduce_identity, identity_all_reduce
+from common.collectives import CommHandle, all_gather, all_reduce, reduce_scatter
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 
@@ -80,6 +80,25 @@ class Overlap:
         return "all" if len(on) == 3 else ",".join(on) or "none"
 
 
+@dataclass
+class OverlapCounts:
+    """Collectives that overlapped with compute, per switch; zero where a switch is off or its
+    group has one rank (nothing to overlap). Owned by the model, reset by the caller.
+
+    Attributes:
+        oar: backward dX all-reduces waited only after the dW GEMM.
+        ors: depth reduce-scatters of dW waited only when backward ended.
+        oag: depth all-gathers issued one Linear ahead (prefetches consumed).
+    """
+
+    oar: int = 0
+    ors: int = 0
+    oag: int = 0
+
+    def reset(self) -> None:
+        self.oar = self.ors = self.oag = 0
+
+
 class DepthWeights:
     """The depth all-gathers of every parallel Linear's weight, with the OAG prefetch.
 
@@ -89,8 +108,10 @@ class DepthWeights:
     all ranks of a depth group issue the same collectives in the same order.
     """
 
-    def __init__(self, depth: AxisGroup, *, prefetch: bool, stats: CommStats | None) -> None:
+    def __init__(self, depth: AxisGroup, *, prefetch: bool, stats: CommStats | None,
+                 counts: OverlapCounts | None = None) -> None:
         self.depth, self.stats = depth, stats
+        self.counts = OverlapCounts() if counts is None else counts
         self.prefetch = prefetch and depth.size > 1
         self.layers: list[ParallelLinear] = []
         self._pending: dict[int, CommHandle] = {}
@@ -111,7 +132,11 @@ class DepthWeights:
         """The full block ``[out_blk, in_blk]`` of Linear ``index``; prefetches the next one."""
         if backward != self._backward:
             self._new_pass(backward)
-        handle = self._pending.pop(index, None) or self._start(index)
+        handle = self._pending.pop(index, None)
+        if handle is None:
+            handle = self._start(index)
+        else:
+            self.counts.oag += 1
         self._used.add(index)
         nxt = index - 1 if backward else index + 1
         if (self.prefetch and 0 <= nxt < len(self.layers) and nxt not in self._used
@@ -122,7 +147,7 @@ class DepthWeights:
 
     def _start(self, index: int) -> CommHandle:
         shard = self.layers[index].weight.detach()
-        return C.all_gather(shard, self.depth, stats=self.stats, async_op=True)
+        return all_gather(shard, self.depth, stats=self.stats, async_op=True)
 
     def _new_pass(self, backward: bool) -> None:
         for handle in self._pending.values():  # never left over in practice; keeps ranks in step
@@ -138,8 +163,10 @@ class DepthGrads:
     into ``.grad`` in the same order.
     """
 
-    def __init__(self, depth: AxisGroup, *, defer: bool, stats: CommStats | None) -> None:
+    def __init__(self, depth: AxisGroup, *, defer: bool, stats: CommStats | None,
+                 counts: OverlapCounts | None = None) -> None:
         self.depth, self.defer, self.stats = depth, defer, stats
+        self.counts = OverlapCounts() if counts is None else counts
         self._pending: list[tuple[nn.Parameter, CommHandle]] = []
 
     def add(self, param: nn.Parameter, grad_block: Tensor) -> None:
@@ -148,10 +175,12 @@ class DepthGrads:
         pad = param.numel() * self.depth.size - flat.numel()
         if pad:
             flat = torch.cat((flat, flat.new_zeros(pad)))
-        handle = C.reduce_scatter(flat, self.depth, stats=self.stats, async_op=True)
+        handle = reduce_scatter(flat, self.depth, stats=self.stats, async_op=True)
         self._pending.append((param, handle))
         if not self.defer:
             self.finish()
+        elif self.depth.size > 1:
+            self.counts.ors += 1
 
     def finish(self) -> None:
         """Wait for every pending reduce-scatter and accumulate it into ``.grad``."""
@@ -172,8 +201,8 @@ class _LinearFn(torch.autograd.Function):
         w = layer.weights.get(layer.index, backward=False)  # [out_blk, in_blk]
         ctx.layer = layer
         ctx.save_for_backward(x)
-        y = F.linear(x, w)  # [..., out_blk], partial over reduce_group
-        return C.all_reduce(y, layer.reduce_group, stats=layer.stats, inplace=True)
+        y = linear(x, w)  # [..., out_blk], partial over reduce_group
+        return all_reduce(y, layer.reduce_group, stats=layer.stats, inplace=True)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None]:
@@ -183,10 +212,12 @@ class _LinearFn(torch.autograd.Function):
         handle = None
         if ctx.needs_input_grad[0]:
             dx = torch.matmul(dy, w)  # [..., in_blk], partial over grad_group
-            handle = C.all_reduce(dx, layer.grad_group, stats=layer.stats, async_op=True,
-                                  inplace=True)
+            handle = all_reduce(dx, layer.grad_group, stats=layer.stats, async_op=True,
+                                inplace=True)
             if not layer.overlap.oar:
                 handle.wait()
+            elif layer.grad_group.size > 1:
+                layer.weights.counts.oar += 1  # waited below, after the dW GEMM
         out_blk, in_blk = layer.block_shape
         dw = dy.reshape(-1, out_blk).t() @ x.reshape(-1, in_blk)  # [out_blk, in_blk]
         layer.grads.add(layer.weight, dw)
@@ -247,9 +278,9 @@ class ParallelEmbedding(nn.Module):
         self.block_shape, self.depth, self.stats = tuple(block_shape), depth, stats
 
     def forward(self, idx: Tensor) -> Tensor:
-        flat = CA.all_gather_reduce_scatter(self.weight, self.depth, stats=self.stats)
+        flat = all_gather_reduce_scatter(self.weight, self.depth, stats=self.stats)
         table = flat[: math.prod(self.block_shape)].view(self.block_shape)  # [V, D/C]
-        return F.embedding(idx, table)
+        return embedding(idx, table)
 
 
 class ParallelRMSNorm(nn.Module):
@@ -272,7 +303,7 @@ class ParallelRMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         sum_sq = xf.pow(2).sum(dim=-1, keepdim=True)  # [..., 1], partial over col
-        sum_sq = CA.identity_all_reduce(CA.all_reduce_identity(sum_sq, self.col, self.stats),
-                                        self.col, self.stats)
+        sum_sq = identity_all_reduce(all_reduce_identity(sum_sq, self.col, self.stats),
+                                     self.col, self.stats)
         normed = xf * torch.rsqrt(sum_sq / self.dim + self.eps)
         return normed.type_as(x) * self.weight

@@ -1,6 +1,11 @@
-"""One rank's training state and steps: configs, data, AdamW with warmup + cosine, the step.
+"""One rank's training state, its step and the training loop.
 
-The loop that drives these pieces is :func:`llm.train.run`; the CLI is ``python -m llm.train``.
+Configs (one per component, keyword-only, validated on construction): the model's
+:class:`~llm.model.GPTConfig`, :class:`DataConfig`, :class:`OptimConfig` (AdamW with warmup +
+cosine), :class:`GoldfishConfig`, :class:`RunConfig` (length, cadence, overlap) and
+:class:`common.run.CheckpointConfig`. :class:`Trainer` holds one rank's shards, optimizer and
+data position; :func:`run` is the loop. The CLI on top is ``python -m llm.train``.
+
 Every rank draws the same global batches (the iterator is deterministic), computes the
 goldfish masks and the global token counts itself, and keeps its rows (split over data and
 depth). The objective is the mean loss over the kept tokens of the global batch of the step
@@ -12,17 +17,20 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from common import collectives as C
+from common.collectives import all_reduce
 from common.comm_stats import CommStats
+from common.dist import any_rank
 from common.grid import AxisGroup
-from llm import data as D
+from common.run import CheckpointConfig
+from llm import checkpoint as ckpt
+from llm.data import BatchIterator, encode_stream, load_documents, split_documents, truncate_docs
 from llm.goldfish import STRATEGIES, goldfish_mask
 from llm.loss import goldfish_sums, token_losses
 from llm.model import GPT, GPTConfig
@@ -113,14 +121,14 @@ class GoldfishConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """Length and cadence of a run.
+class RunConfig:
+    """Length and cadence of a run (checkpoint cadence: :class:`common.run.CheckpointConfig`).
 
     Attributes:
         steps: optimizer steps; or ``epochs`` passes over the training samples (not both;
             neither: ``DEFAULT_STEPS``).
         grad_accum: micro-batches per optimizer step.
-        eval_every, save_every, log_every: in steps (0: only at the end; log: never).
+        eval_every, log_every: in steps (eval 0: only at the end; log 0: never).
         overlap: communication overlap, ``all``, ``none`` or a list of ``oar,ors,oag``.
     """
 
@@ -128,7 +136,6 @@ class TrainConfig:
     epochs: float | None = None
     grad_accum: int = 1
     eval_every: int = 0
-    save_every: int = 0
     log_every: int = 10
     overlap: str = "all"
 
@@ -139,6 +146,9 @@ class TrainConfig:
                 self.epochs is not None and self.epochs <= 0) or self.grad_accum < 1:
             raise ValueError(f"need steps >= 0, epochs > 0, grad_accum >= 1; got "
                              f"{self.steps}, {self.epochs}, {self.grad_accum}")
+        if self.eval_every < 0 or self.log_every < 0:
+            raise ValueError(f"need eval_every >= 0 and log_every >= 0; got "
+                             f"{self.eval_every}, {self.log_every}")
         Overlap.parse(self.overlap)
 
 
@@ -151,23 +161,23 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def make_data(cfg: DataConfig) -> tuple[D.BatchIterator, list[tuple[Tensor, Tensor]]]:
+def make_data(cfg: DataConfig) -> tuple[BatchIterator, list[tuple[Tensor, Tensor]]]:
     """The training iterator and the fixed held-out batches (see :class:`DataConfig`)."""
-    docs = D.load_documents(cfg.source, cfg.paths or None)
+    docs = load_documents(cfg.source, cfg.paths or None)
     if cfg.docs is not None:
-        train = D.BatchIterator(D.truncate_docs(docs, cfg.docs, cfg.seq_len), mode="documents",
-                                batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
-                                ignore_index=IGNORE)
+        train = BatchIterator(truncate_docs(docs, cfg.docs, cfg.seq_len), mode="documents",
+                              batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                              ignore_index=IGNORE)
         held_out = docs[cfg.docs :]
     else:
-        train_docs, held_out = D.split_documents(docs, cfg.val_fraction, cfg.seed)
-        train = D.BatchIterator(D.encode_stream(train_docs), batch_size=cfg.batch_size,
-                                seq_len=cfg.seq_len, seed=cfg.seed)
-    stream = D.encode_stream(held_out)
+        train_docs, held_out = split_documents(docs, cfg.val_fraction, cfg.seed)
+        train = BatchIterator(encode_stream(train_docs), batch_size=cfg.batch_size,
+                              seq_len=cfg.seq_len, seed=cfg.seed)
+    stream = encode_stream(held_out)
     if not cfg.eval_batches or stream.numel() <= cfg.seq_len:
         return train, []
-    val = D.BatchIterator(stream, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                          seed=cfg.seed + 1)
+    val = BatchIterator(stream, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                        seed=cfg.seed + 1)
     return train, [next(val) for _ in range(cfg.eval_batches)]
 
 
@@ -181,17 +191,17 @@ class Trainer:
     """
 
     def __init__(self, model_config: GPTConfig, data: DataConfig, optim: OptimConfig,
-                 goldfish: GoldfishConfig, train: TrainConfig, groups: Mapping[str, AxisGroup],
+                 goldfish: GoldfishConfig, run: RunConfig, groups: Mapping[str, AxisGroup],
                  *, seed: int = 0, device: torch.device | str = "cpu") -> None:
         if data.seq_len > model_config.max_seq_len:
             raise ValueError(f"--seq-len {data.seq_len} exceeds the model's max_seq_len="
                              f"{model_config.max_seq_len}")
         self.model_config, self.data_cfg, self.optim_cfg = model_config, data, optim
-        self.goldfish, self.train_cfg, self.groups, self.seed = goldfish, train, groups, seed
+        self.goldfish, self.run_cfg, self.groups, self.seed = goldfish, run, groups, seed
         self.device = torch.device(device)
         self.stats = CommStats()
         torch.manual_seed(seed)
-        self.model = ParallelGPT(GPT(model_config), groups, overlap=Overlap.parse(train.overlap),
+        self.model = ParallelGPT(GPT(model_config), groups, overlap=Overlap.parse(run.overlap),
                                  stats=self.stats).to(self.device)
         decay = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) > 1]
         rest = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) <= 1]
@@ -199,9 +209,9 @@ class Trainer:
             [{"params": decay, "weight_decay": optim.weight_decay},
              {"params": rest, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
         self.train_iter, self.val_batches = make_data(data)
-        per_epoch = self.train_iter.steps_per_epoch / train.grad_accum
-        self.total_steps = (train.steps if train.steps is not None else
-                            math.ceil(train.epochs * per_epoch) if train.epochs else DEFAULT_STEPS)
+        per_epoch = self.train_iter.steps_per_epoch / run.grad_accum
+        self.total_steps = (run.steps if run.steps is not None else
+                            math.ceil(run.epochs * per_epoch) if run.epochs else DEFAULT_STEPS)
         self.step = 0
 
     def _local(self, batch: Tensor, pad: int | bool) -> Tensor:
@@ -211,7 +221,8 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns the logged row."""
         start = time.perf_counter()
         self.stats.reset()
-        micro = [next(self.train_iter) for _ in range(self.train_cfg.grad_accum)]
+        self.model.overlapped.reset()
+        micro = [next(self.train_iter) for _ in range(self.run_cfg.grad_accum)]
         masks = [self.goldfish.mask(y) for _, y in micro]
         num_kept = sum(int(((y != IGNORE) & ~m).sum()) for (_, y), m in zip(micro, masks))
         num_dropped = sum(int(((y != IGNORE) & m).sum()) for (_, y), m in zip(micro, masks))
@@ -232,7 +243,7 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         self.step += 1
-        kept, dropped = C.all_reduce(sums, self.groups["data+depth"], stats=self.stats).tolist()
+        kept, dropped = all_reduce(sums, self.groups["data+depth"], stats=self.stats).tolist()
         if not math.isfinite(kept):
             raise FloatingPointError(f"loss became {kept} at step {self.step}; lower --lr")
         seconds = time.perf_counter() - start
@@ -243,7 +254,7 @@ class Trainer:
                 "num_dropped": num_dropped, "lr": lr, "grad_norm": grad_norm,
                 "epoch": self.train_iter.epoch, "tokens": tokens, "step_s": seconds,
                 "tokens_per_s": tokens / seconds, "comm_s": self.stats.total_seconds,
-                "comm_bytes": self.stats.total_bytes}
+                "comm_bytes": self.stats.total_bytes, "overlapped": asdict(self.model.overlapped)}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -257,7 +268,7 @@ class Trainer:
                                      vocab_size=self.model_config.vocab_size,
                                      row=self.groups["row"], ignore_index=IGNORE)
             sums += torch.stack((per_token.sum().double(), (y_local != IGNORE).sum().double()))
-        loss_sum, count = C.all_reduce(sums, self.groups["data+depth"]).tolist()
+        loss_sum, count = all_reduce(sums, self.groups["data+depth"]).tolist()
         val_loss = loss_sum / max(count, 1)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
@@ -275,7 +286,7 @@ class Trainer:
                 "step": float(state["step"]),
                 "exp_avg": self.model.gather(name, state["exp_avg"]).cpu(),
                 "exp_avg_sq": self.model.gather(name, state["exp_avg_sq"]).cpu()}
-        return {"format": 1, "step": self.step, "model_config": asdict(self.model_config),
+        return {"format": ckpt.FORMAT, "step": self.step, "model_config": asdict(self.model_config),
                 "configs": {"data": asdict(self.data_cfg), "optim": asdict(self.optim_cfg),
                             "goldfish": asdict(self.goldfish), "seed": self.seed},
                 "model": {k: v.cpu() for k, v in self.model.full_state_dict().items()},
@@ -284,6 +295,7 @@ class Trainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` (saved on any grid); ValueError if it differs."""
+        ckpt.check_format(state, "this state")
         saved = GPTConfig(**state["model_config"])
         if saved != self.model_config:
             raise ValueError(f"checkpoint holds a different model: {saved} vs this run's "
@@ -300,3 +312,48 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.step = int(state["step"])
+
+    def resume(self, directory: str) -> int | None:
+        """Load the newest intact checkpoint under ``directory``; its step, or None if there
+        is none yet (a fresh start). Every rank reads the files."""
+        if not ckpt.has_checkpoint(directory):
+            return None
+        self.load_state_dict(ckpt.load(directory))
+        return self.step
+
+    def save(self, directory: str, *, keep: int, is_main: bool) -> str | None:
+        """Checkpoint under ``directory`` keeping the newest ``keep``; collective (every rank
+        gathers), the main rank writes and gets the file's path."""
+        state = self.state_dict()
+        return str(ckpt.save(state, directory, keep=keep)) if is_main else None
+
+
+def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None, is_main: bool = True,
+        on_row: Callable[[dict[str, Any]], None] | None = None,
+        should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """The training loop: step, evaluate, checkpoint, report; returns the logged rows.
+
+    Every rank calls it, after :meth:`Trainer.resume` when resuming. ``should_stop`` (a
+    preemption flag) is agreed over all ranks after every step; when it fires, the loop
+    checkpoints (if ``checkpoint.dir``) and returns early, the last row marked ``"preempted"``.
+    """
+    ck, eval_every = checkpoint or CheckpointConfig(), trainer.run_cfg.eval_every
+    history = []
+    while trainer.step < trainer.total_steps:
+        row = trainer.train_step()
+        stop = should_stop is not None and any_rank(should_stop(), trainer.device)
+        last = stop or trainer.step == trainer.total_steps
+        if last or (eval_every and trainer.step % eval_every == 0):
+            row.update(trainer.evaluate())
+        if ck.dir and (last or (ck.every and trainer.step % ck.every == 0)):
+            path = trainer.save(ck.dir, keep=ck.keep, is_main=is_main)
+            if path is not None:
+                row["checkpoint"] = path
+        if stop:
+            row["preempted"] = True
+        history.append(row)
+        if on_row is not None:
+            on_row(row)
+        if stop:
+            break
+    return history

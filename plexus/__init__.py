@@ -1,7 +1,19 @@
 """Plexus: 3D-parallel full-graph GCN training (Ranjan et al., SC'25, arXiv 2505.04083).
 
-``fit`` trains on any graph (a :class:`plexus.graph.Graph` or a PyG ``Data``); the command line
-is ``python -m plexus.train``.
+``fit`` trains on any graph (a :class:`plexus.data.Graph`, a PyG ``Data`` or any
+:class:`plexus.data.ShardSource`); the command line is ``python -m plexus.train``.
+
+Layout of the package:
+    data/       everything up to a rank's shard (graphs, datasets, preparation, sources)
+    layout.py   which grid axis plays which role in each layer; padding (pure)
+    sparse.py   BlockSparse adjacency blocks and the CPU SpMM kernel (kernels.py)
+    model.py    the 3D-parallel GCN (maths and its collectives)
+    loss.py     cross-entropy and accuracy with the class axis sharded
+    config.py   ModelConfig, OptimConfig, RunConfig
+    trainer.py  the training loop (train_gcn, fit, predictions)
+    checkpoint.py  grid-independent checkpoints
+    train.py    python -m plexus.train (arguments and printing only)
+    prepare.py  python -m plexus.prepare (see plexus.data.prepare)
 """
 
 

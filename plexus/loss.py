@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from common import autograd as CA
-from common import collectives as C
+from common import autograd
+from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 
@@ -48,15 +48,15 @@ def sharded_cross_entropy(
     cls = _class_ids(logits, group_o)
     z = logits.masked_fill(cls >= num_classes, float("-inf"))
     with torch.no_grad():
-        m = C.all_reduce(z.max(dim=1).values, group_o, op=C.ReduceOp.MAX, stats=stats)
-    sum_exp = CA.all_reduce_identity(torch.exp(z - m[:, None]).sum(dim=1), group_o, stats)
+        m = coll.all_reduce(z.max(dim=1).values, group_o, op=coll.ReduceOp.MAX, stats=stats)
+    sum_exp = autograd.all_reduce_identity(torch.exp(z - m[:, None]).sum(dim=1), group_o, stats)
     local = labels - cls[0]
     own = mask & (local >= 0) & (local < logits.shape[1])
     picked = torch.where(own, z.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0],
                          torch.zeros((), dtype=z.dtype, device=z.device))
-    target = CA.all_reduce_identity(picked, group_o, stats)
+    target = autograd.all_reduce_identity(picked, group_o, stats)
     per_row = torch.where(mask, m + torch.log(sum_exp) - target, torch.zeros_like(target))
-    return CA.all_reduce_identity(per_row.sum(), group_p, stats) / max(count, 1)
+    return autograd.all_reduce_identity(per_row.sum(), group_p, stats) / max(count, 1)
 
 
 @torch.no_grad()
@@ -70,8 +70,8 @@ def sharded_argmax(
     val, idx = z.max(dim=1).values, z.argmax(dim=1)  # argmax: first maximum on ties
     if group_o.size == 1:
         return idx
-    vals = C.all_gather(val[None], group_o, stats=stats)  # [O, N/P]
-    ids = C.all_gather((idx + cls[0])[None], group_o, stats=stats)
+    vals = coll.all_gather(val[None], group_o, stats=stats)  # [O, N/P]
+    ids = coll.all_gather((idx + cls[0])[None], group_o, stats=stats)
     best = vals.argmax(dim=0)
     return ids.gather(0, best[None])[0]
 
@@ -84,5 +84,5 @@ def correct_counts(
     """Correct predictions per split over the whole graph (summed over P)."""
     names = sorted(masks)
     local = torch.stack([(masks[s] & (pred == labels)).sum() for s in names]).to(torch.int64)
-    total = C.all_reduce(local, group_p, stats=stats)
+    total = coll.all_reduce(local, group_p, stats=stats)
     return {s: int(v) for s, v in zip(names, total.tolist())}

@@ -16,18 +16,20 @@ gives the same full weights on every grid (:func:`init_weights`), and each rank 
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from common import autograd as CA
-from common import collectives as C
+from common import autograd
+from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
-from plexus import partition as part
-from plexus.shard import GraphShard, flat_shard
+from plexus import layout
+from plexus.data.shard import GraphShard
+from plexus.layout import flat_shard
 
 
 def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
@@ -38,7 +40,7 @@ def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
     """
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for d_in, d_out in zip(widths[:-1], widths[1:]):
+    for d_in, d_out in itertools.pairwise(widths):
         bound = math.sqrt(6.0 / (d_in + d_out))
         out.append((torch.rand(d_in, d_out, generator=gen) * 2 - 1) * bound)
     return out
@@ -82,11 +84,11 @@ class _GatheredMatmul(torch.autograd.Function):
         pad = w_shard.numel() * group.size - dw.numel()
         if pad:
             dw = torch.cat([dw, dw.new_zeros(pad)])
-        return dh, C.reduce_scatter(dw, group, stats=stats), None, None, None
+        return dh, coll.reduce_scatter(dw, group, stats=stats), None, None, None
 
 
 def _gather_flat(shard: torch.Tensor, group: AxisGroup, shape, stats) -> torch.Tensor:
-    full = C.all_gather(shard, group, stats=stats)
+    full = coll.all_gather(shard, group, stats=stats)
     return full[: math.prod(shape)].view(shape)
 
 
@@ -94,7 +96,7 @@ class PlexusGCN(nn.Module):
     """An L-layer GCN whose every tensor is sharded over a 3D grid (x, y, z).
 
     Args:
-        shard: this rank's :class:`~plexus.shard.GraphShard`.
+        shard: this rank's :class:`~plexus.data.shard.GraphShard`.
         groups: the rank's axis groups ``{"x", "y", "z"}`` from ``ProcessGrid.create_groups``.
         learn_features: make the input features a trainable parameter (initialised from the
             dataset's features), as in the paper.
@@ -136,7 +138,7 @@ class PlexusGCN(nn.Module):
         g = self.groups
         f = None
         for layer in range(self.num_layers):
-            o_ax, i_ax, p_ax = part.roles(layer)
+            _o_ax, i_ax, p_ax = layout.roles(layer)
             if layer == 0 and self._h0 is not None:
                 h = self._h0
             else:
@@ -145,22 +147,23 @@ class PlexusGCN(nn.Module):
                     self._h0 = h.detach()
             q = _GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
                                       self.block_shapes[layer], stats)
-            q = CA.all_reduce_identity(q, g[i_ax], stats)
+            q = autograd.all_reduce_identity(q, g[i_ax], stats)
             f = torch.relu_(q) if layer < self.num_layers - 1 else q
         return f
 
     def _aggregate(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
         """H_l = A_l F_l, all-reduced over O (collectives 1, 2; backward 7, 8)."""
         g = self.groups
-        o_ax, _, p_ax = part.roles(layer)
+        o_ax, _, p_ax = layout.roles(layer)
         if layer == 0:
-            f = CA.all_gather_reduce_scatter(self.features, g[p_ax], stats=stats)
+            f = autograd.all_gather_reduce_scatter(self.features, g[p_ax], stats=stats)
             f = f[: math.prod(self.features_shape)].view(self.features_shape)
         else:
-            f = CA.identity_all_reduce(f, g[p_ax], stats)
+            f = autograd.identity_all_reduce(f, g[p_ax], stats)
         adj = self.shard.adj[layer % 6]
         h = _SpMM.apply(adj.a, adj.a_t, f)
-        return CA.identity_all_reduce(CA.all_reduce_identity(h, g[o_ax], stats), g[o_ax], stats)
+        h = autograd.all_reduce_identity(h, g[o_ax], stats)
+        return autograd.identity_all_reduce(h, g[o_ax], stats)
 
     def _apply(self, fn, recurse=True):  # .to(device) etc. must not keep a stale cache
         self._h0 = None
@@ -168,14 +171,14 @@ class PlexusGCN(nn.Module):
 
     # ------------------------------------------------------------ full <-> shard maps
     def _block_shape(self, layer: int) -> tuple[int, int]:
-        o_ax, i_ax, _ = part.roles(layer)
+        o_ax, i_ax, _ = layout.roles(layer)
         w_pad = self.shard.widths_padded
         return (w_pad[layer] // self.groups[i_ax].size, w_pad[layer + 1] // self.groups[o_ax].size)
 
     def shard_weight(self, full: torch.Tensor, layer: int) -> torch.Tensor:
         """This rank's flat shard of a full (unpadded) ``W_l`` [D_l, D_l+1] (or of any tensor
         laid out like it: its gradient, Adam moments)."""
-        o_ax, i_ax, p_ax = part.roles(layer)
+        o_ax, i_ax, p_ax = layout.roles(layer)
         g = self.groups
         w_pad = self.shard.widths_padded
         padded = full.new_zeros(w_pad[layer], w_pad[layer + 1])
@@ -186,9 +189,9 @@ class PlexusGCN(nn.Module):
     @torch.no_grad()
     def gather_weight(self, local: torch.Tensor, layer: int) -> torch.Tensor:
         """Inverse of :meth:`shard_weight`: the full unpadded [D_l, D_l+1] on every rank."""
-        o_ax, i_ax, p_ax = part.roles(layer)
+        o_ax, i_ax, p_ax = layout.roles(layer)
         blk = _gather_flat(local, self.groups[p_ax], self.block_shapes[layer], None)
-        full = C.all_gather(C.all_gather(blk, self.groups[i_ax], dim=0),
+        full = coll.all_gather(coll.all_gather(blk, self.groups[i_ax], dim=0),
                             self.groups[o_ax], dim=1)
         return full[: self.shard.widths[layer], : self.shard.widths[layer + 1]]
 
@@ -205,7 +208,7 @@ class PlexusGCN(nn.Module):
     def gather_features(self, local: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`shard_features`: full [N, D_0] in original order, every rank."""
         blk = _gather_flat(local, self.groups["z"], self.features_shape, None)
-        full_perm = C.all_gather(C.all_gather(blk, self.groups["y"], dim=1),
+        full_perm = coll.all_gather(coll.all_gather(blk, self.groups["y"], dim=1),
                                  self.groups["x"], dim=0)
         out = torch.empty_like(full_perm)
         out[torch.from_numpy(self.shard.pc)] = full_perm

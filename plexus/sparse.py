@@ -1,15 +1,16 @@
 """Stationary adjacency blocks and the CPU SpMM kernel Plexus runs on them.
 
 A :class:`BlockSparse` is an ``[n, m]`` matrix kept as a grid of CSR blocks: rows cut at
-``row_sizes``, columns at ``col_sizes``. The in-memory path (plexus.shard) uses one block; a
-prepared dataset (plexus.prepare) gives one block per ``k x k`` file block the rank owns, each
-memory-mapped from disk, so loading copies and concatenates nothing.
+``row_sizes``, columns at ``col_sizes``. The in-memory source (plexus.data.memory) uses one
+block; a prepared dataset (plexus.data.prepared) gives one block per ``k x k`` file block the
+rank owns, each memory-mapped from disk, so loading copies and concatenates nothing.
 
 ``A @ X`` on CPU runs a numba kernel, parallel over rows, that writes each output row once:
 no zero-fill pass and no result copy (torch's CSR matmul does both on CPU), and the blocks of a
 block row accumulate into the same output rows. On the 200K-node bench graph it is about 2.7x
-faster than ``torch.mm`` on a CSR tensor (bench/gcn_epoch.py prints both). Without numba, or
-on a GPU (or with ``PLEXUS_SPMM=torch``), each block goes through ``torch.sparse`` instead.
+faster than ``torch.mm`` on a CSR tensor (bench/gcn_epoch.py prints both). Without numba, on
+a GPU, or with ``kernel="torch"`` (``plexus.train --spmm torch``), each block goes through
+``torch.sparse`` instead.
 
 Shapes:
     CSRBlock:  indptr [rows+1] int32/int64, indices [nnz] int32/int64, values [nnz] float32
@@ -18,7 +19,6 @@ Shapes:
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from functools import cache
@@ -26,6 +26,8 @@ from functools import cache
 import numpy as np
 import scipy.sparse as sp
 import torch
+
+SPMM_KERNELS = ("auto", "numba", "torch")
 
 
 @dataclass
@@ -87,6 +89,7 @@ class BlockSparse:
         self.col_offsets = np.concatenate([[0], np.cumsum(col_sizes)]).astype(int).tolist()
         self.shape = (self.row_offsets[-1], self.col_offsets[-1])
         self.device = torch.device("cpu")
+        self.kernel = "auto"
         self._torch: dict[tuple[int, int], torch.Tensor] = {}
 
     @classmethod
@@ -126,8 +129,21 @@ class BlockSparse:
                                            dtype=np.float32)
         return sp.bmat(grid, format="csr", dtype=np.float32)
 
-    def to(self, device: torch.device | str) -> BlockSparse:
-        """Use ``device`` for :meth:`matmul`; off CPU the blocks become torch CSR tensors there."""
+    def to(self, device: torch.device | str, *, kernel: str | None = None) -> BlockSparse:
+        """Use ``device`` for :meth:`matmul`; off CPU the blocks become torch CSR tensors there.
+
+        Args:
+            device: where :meth:`matmul` runs.
+            kernel: the CPU SpMM: ``"auto"`` (numba when installed, else torch), ``"numba"``
+                (ImportError without numba) or ``"torch"`` (torch.sparse); None keeps it.
+        """
+        if kernel is not None:
+            if kernel not in SPMM_KERNELS:
+                raise ValueError(f"unknown SpMM kernel {kernel!r}; choose from {SPMM_KERNELS}")
+            if kernel == "numba" and _load_numba() is None:
+                raise ImportError("the numba SpMM kernel needs numba: pip install numba, or "
+                                  "use --spmm torch")
+            self.kernel = kernel
         self.device = torch.device(device)
         self._torch = ({} if self.device.type == "cpu" else
                        {(r, c): b.to_torch(self.device) for r, c, b in self.present()})
@@ -139,7 +155,8 @@ class BlockSparse:
             raise ValueError(f"matmul of a {self.shape} matrix with a {tuple(x.shape)} one")
         x = x.detach().contiguous()
         out = torch.empty(self.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-        kernel = _numba_kernel() if x.device.type == "cpu" else None
+        kernel = (_load_numba() if x.device.type == "cpu" and self.kernel != "torch"
+                  else None)
         if kernel is not None:
             _set_numba_threads()
             xn, outn = x.numpy(), out.numpy()
@@ -164,15 +181,10 @@ class BlockSparse:
         return out
 
 
-def _numba_kernel():
-    """The compiled CSR SpMM kernel; None without numba or with ``PLEXUS_SPMM=torch``."""
-    return None if os.environ.get("PLEXUS_SPMM", "numba") == "torch" else _load_numba()
-
-
 @cache
 def _load_numba():
     try:
-        from plexus._kernels import csr_spmm
+        from plexus.kernels import csr_spmm
     except ImportError:
         return None
     return csr_spmm

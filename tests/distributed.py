@@ -1,12 +1,16 @@
-"""The one helper every multi-rank test uses: run a function on N gloo ranks in subprocesses.
+"""The shared helpers of every multi-rank test: in-process gloo ranks and real launchers.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), each with
 the torchrun environment variables set, calls ``common.init_distributed`` and then
 ``fn(ctx, *args)``; it returns the per-rank results in rank order. An exception on any rank is
 re-raised here with that rank's traceback; a rank that hangs or dies fails the test after
 ``timeout`` seconds instead of hanging the suite. ``fn`` must be a module-level function.
-
 Batch several checks into one call: starting ranks costs about a second each on 2 cores.
+
+``launch(args, ranks=N, launcher=...)`` runs ``python ARGS`` under mpiexec, torchrun or alone
+and returns the finished process; :func:`find_mpiexec` finds the launcher (beside
+``sys.executable`` first: the mpich wheel's; then ``PATH``) and :data:`needs_mpi` skips a test
+without one. tests/conftest.py wraps these as fixtures (``mpiexec``, ``threads``).
 """
 
 from __future__ import annotations
@@ -15,32 +19,96 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import subprocess
+import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import pytest
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: mp.Queue) -> None:
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHERS = ("mpiexec", "torchrun", "single")
+
+
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` beside ``sys.executable`` (the mpich wheel's), else the one on PATH."""
+    return (shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+            or shutil.which("mpiexec"))
+
+
+MPIEXEC = find_mpiexec()
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside sys.executable or "
+                               "on PATH (pip install mpich)")
+
+
+def require_mpiexec() -> str:
+    """:func:`find_mpiexec`, or skip the running test saying why."""
+    found = find_mpiexec()
+    if found is None:
+        pytest.skip("no mpiexec beside sys.executable or on PATH (pip install mpich)")
+    return found
+
+
+def launch_env(env: Mapping[str, str] | None = None, *, pythonpath: str | None = str(ROOT)
+               ) -> dict[str, str]:
+    """The environment of a launched test process: one OpenMP thread per rank, the repository
+    on ``PYTHONPATH`` (None: no ``PYTHONPATH`` at all), then ``env``."""
+    out = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out.pop("PYTHONPATH", None)
+    if pythonpath is not None:
+        out["PYTHONPATH"] = pythonpath
+    return {**out, **(env or {})}
+
+
+def launch_command(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec"
+                   ) -> list[str]:
+    """``python ARGS`` under ``launcher`` on ``ranks`` processes, as an argument list."""
+    if launcher == "mpiexec":
+        return [require_mpiexec(), "-n", str(ranks), sys.executable, *args]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(ranks), *args]
+    if launcher == "single":
+        assert ranks == 1, "a single process is one rank"
+        return [sys.executable, *args]
+    raise ValueError(f"unknown launcher {launcher!r}; use one of {LAUNCHERS}")
+
+
+def launch(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec",
+           cwd: str | Path = ROOT, env: Mapping[str, str] | None = None,
+           pythonpath: str | None = str(ROOT), timeout: float = 180
+           ) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` on ``ranks`` processes under ``launcher`` (``"mpiexec"``,
+    ``"torchrun"`` or ``"single"``) and wait; skips the test when mpiexec is asked for and
+    missing. stdout and stderr are captured as text; stdin is closed (mpiexec forwards it)."""
+    return subprocess.run(launch_command(args, ranks=ranks, launcher=launcher), cwd=cwd,
+                          env=launch_env(env, pythonpath=pythonpath), capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+            out: Any) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",  # connect to the parent's store, as under torchrun
     )
     try:
-        from common.dist import init_distributed, shutdown
+        from common.dist import init_distributed
 
-        ctx = init_distributed(device="cpu", timeout_s=120)
-        try:
+        with init_distributed(device="cpu", timeout_s=120) as ctx:
             result = fn(ctx, *args)
-        finally:
-            shutdown()
         # plain pickle: tensors travel by value, not through shared memory that dies with us
         out.put((rank, True, pickle.dumps(result)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:  # reported to the parent
         out.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240
+              ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; return results by rank."""
     import torch.distributed as dist
 
@@ -86,14 +154,11 @@ def kill_one_rank_and_collect(args: list[str], world: int, victim: int, ready: s
     ranks with torchrun's environment (no launcher that would kill the job for us), wait until
     rank 0 prints a line starting with ``ready``, SIGKILL rank ``victim``, and return
     ``{rank: (returncode, stderr, seconds after the kill)}`` for every other rank."""
-    import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import torch.distributed as dist
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     procs = []
     for r in range(world):

@@ -69,7 +69,7 @@ def _measure(ctx, args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from common import collectives as C
+    from common import collectives as coll
     from common.grid import ProcessGrid
 
     world, rank = ctx.world_size, ctx.rank
@@ -107,9 +107,9 @@ def _measure(ctx, args) -> dict:
             for size in SIZES:
                 numel = size // 4
                 x = torch.ones(numel // g if op == "all_gather" else numel)
-                call = {"all_reduce": lambda x=x, gr=group: C.all_reduce(x, gr, inplace=True),
-                        "all_gather": lambda x=x, gr=group: C.all_gather(x, gr),
-                        "reduce_scatter": lambda x=x, gr=group: C.reduce_scatter(x, gr)}[op]
+                call = {"all_reduce": lambda x=x, gr=group: coll.all_reduce(x, gr, inplace=True),
+                        "all_gather": lambda x=x, gr=group: coll.all_gather(x, gr),
+                        "reduce_scatter": lambda x=x, gr=group: coll.reduce_scatter(x, gr)}[op]
                 iters = max(2, min(20, (1 << 21) // size))
                 t = timed(call, iters, args.rounds)
                 samples.append((ring_factor(op, g) * size, t))
@@ -226,11 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         return 0
 
-    from common.dist import init_distributed, shutdown
+    from common.dist import init_distributed
 
-    ctx = init_distributed(device="cpu")
-    res = _measure(ctx, args)
-    shutdown()
+    with init_distributed(device="cpu") as ctx:
+        res = _measure(ctx, args)
     if ctx.is_main:
         print(_report(res), flush=True)
         if not args.merge and out.exists():

@@ -35,9 +35,11 @@ largest transient (a gathered ``F_0``/``W`` or a collective copy). Pure Python.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from common.grid import ProcessGrid
+from common.grid import ProcessGrid, round_up
 from common.perf.machine import MachineProfile
 from common.perf.model import (
     Collective,
@@ -57,10 +59,6 @@ F32 = 4
 def roles(layer: int) -> tuple[str, str, str]:
     """(outer, inner, depth) axes of ``layer`` (same rotation as plexus.partition.roles)."""
     return ROLES[layer % 3]
-
-
-def _up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,13 +105,18 @@ class GCNWorkload:
         """``[D_0, hidden, ..., C]``."""
         return [self.num_features] + [self.hidden] * (self.num_layers - 1) + [self.num_classes]
 
-    def padded(self, shape: dict[str, int]) -> tuple[int, list[int]]:
+    def padded(self, shape: Mapping[str, int]) -> tuple[int, list[int]]:
         """(padded N, padded widths), as plexus.partition.padded_num_nodes/padded_widths."""
-        n = _up(self.num_nodes, math.lcm(*shape.values()))
+        n = round_up(self.num_nodes, math.lcm(*shape.values()))
         w = self.widths
-        out = [_up(d, shape[roles(layer)[1]]) for layer, d in enumerate(w[:-1])]
-        out.append(_up(w[-1], shape[roles(len(w) - 2)[0]]))
+        out = [round_up(d, shape[roles(layer)[1]]) for layer, d in enumerate(w[:-1])]
+        out.append(round_up(w[-1], shape[roles(len(w) - 2)[0]]))
         return n, out
+
+    def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
+        """Problems of running on ``shape``: none; every X x Y x Z grid pads what it needs
+        (the same interface as :meth:`common.perf.gpt.GPTWorkload.grid_problems`)."""
+        return []
 
     def index_width(self) -> int:
         if self.index_bytes is not None:
@@ -127,20 +130,20 @@ class GCNWorkload:
         return first_epoch or not self.cache_first_aggregation, False
 
 
-def ogbn_products(**kw) -> GCNWorkload:
+def ogbn_products(**kw: Any) -> GCNWorkload:
     """ogbn-products: 2,449,029 nodes, 126,167,053 nonzeros with self-loops, 100 features,
     47 classes; 3 layers, hidden 128 (the Plexus paper's set-up, plexus-3d.md section 8)."""
     return GCNWorkload(name="ogbn-products", num_nodes=2_449_029, nnz=126_167_053,
                        num_features=100, num_classes=47, **kw)
 
 
-def ogbn_papers100m(**kw) -> GCNWorkload:
+def ogbn_papers100m(**kw: Any) -> GCNWorkload:
     """ogbn-papers100M: 111,059,956 nodes, 1,726,745,828 nonzeros, 128 features, 172 classes."""
     return GCNWorkload(name="ogbn-papers100M", num_nodes=111_059_956, nnz=1_726_745_828,
                        num_features=128, num_classes=172, **kw)
 
 
-def gcn_collectives(work: GCNWorkload, shape: dict[str, int], *, first_epoch: bool = False,
+def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch: bool = False,
                     loss: bool = True) -> list[Collective]:
     """Every collective one rank issues in one epoch (see the module docstring).
 
@@ -154,7 +157,7 @@ def gcn_collectives(work: GCNWorkload, shape: dict[str, int], *, first_epoch: bo
     out: list[Collective] = []
 
     def flat(numel: int, g: int) -> int:
-        return _up(numel, g) * F32
+        return round_up(numel, g) * F32
 
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
@@ -202,7 +205,7 @@ def gemm_seconds(m: int, k: int, n: int, flops: float, memory_bandwidth: float) 
     return max(2.0 * m * k * n / flops, F32 * (m * k + k * n + m * n) / memory_bandwidth)
 
 
-def gcn_compute(work: GCNWorkload, shape: dict[str, int], machine: MachineProfile, *,
+def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachineProfile, *,
                 node_ranks: int, first_epoch: bool = False) -> dict[str, float]:
     """Seconds of SpMM, GEMM and elementwise work of one rank in one epoch."""
     rate = machine.compute_at(node_ranks)
@@ -228,17 +231,17 @@ def gcn_compute(work: GCNWorkload, shape: dict[str, int], machine: MachineProfil
         moved += 2 * q * (I > 1)  # copy of Q for its all-reduce
         if layer < work.num_layers - 1:
             moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
-        params += _up(a * b, P) // P
+        params += round_up(a * b, P) // P
     o, _, p = roles(work.num_layers - 1)
     moved += 12 * (n // shape[p]) * (w[-1] // shape[o]) * F32  # loss, softmax, argmax passes
-    params += _up((n // shape["x"]) * (w[0] // shape["y"]), shape["z"]) // shape["z"] * (
+    params += round_up((n // shape["x"]) * (w[0] // shape["y"]), shape["z"]) // shape["z"] * (
         work.learn_features)
     moved += 7 * params * F32  # AdamW: read param, grad, 2 moments; write param, 2 moments
     return {"spmm": spmm / rate.spmm_bandwidth, "gemm": gemm,
             "elementwise": moved / rate.memory_bandwidth}
 
 
-def gcn_memory(work: GCNWorkload, shape: dict[str, int]) -> float:
+def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
     """Bytes per rank: adjacency (+ transposes), features, weights with AdamW state,
     activations kept for backward, and the largest transient buffer."""
     n, w = work.padded(shape)
@@ -250,12 +253,12 @@ def gcn_memory(work: GCNWorkload, shape: dict[str, int]) -> float:
         rows_a, rows_t = n // shape[p], n // shape[o]
         total += 2 * nnz * (idx + F32) + (rows_a + rows_t + 2) * idx
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
-    total += _up(f0, shape["z"]) // shape["z"] * F32 * (4 if work.learn_features else 1)
+    total += round_up(f0, shape["z"]) // shape["z"] * F32 * (4 if work.learn_features else 1)
     transient = f0 * F32  # gathered F_0
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
         a, b, rows = w[layer] // shape[i], w[layer + 1] // shape[o], n // shape[p]
-        total += 4 * _up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 AdamW moments
+        total += 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 AdamW moments
         total += (rows * a + rows * b) * F32  # H_l and F_l+1 = relu(Q_l) (logits) kept
         transient = max(transient, a * b * F32 * 2, 2 * rows * max(a, b) * F32)
     if not work.learn_features and work.cache_first_aggregation:
@@ -263,12 +266,11 @@ def gcn_memory(work: GCNWorkload, shape: dict[str, int]) -> float:
     return total + transient
 
 
-def predict_gcn(work: GCNWorkload, shape: dict[str, int] | tuple[int, int, int],
+def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],
                 machine: MachineProfile, *, ranks_per_node: int | None = None,
                 first_epoch: bool = False) -> Prediction:
     """Predicted epoch of ``work`` on one grid ``{"x": X, "y": Y, "z": Z}``."""
-    if not isinstance(shape, dict):
-        shape = dict(zip(AXES, shape))
+    shape = dict(shape) if isinstance(shape, Mapping) else dict(zip(AXES, shape))
     grid = ProcessGrid.plexus(shape["x"], shape["y"], shape["z"])
     num_ranks = grid.num_ranks
     node_ranks = machine.node_ranks(num_ranks, ranks_per_node)
@@ -295,16 +297,3 @@ def plan_gcn(work: GCNWorkload, num_ranks: int, machine: MachineProfile, *,
              f"ranks ({rpn} per node) of {machine.name}; per epoch, per rank")
     return rank_predictions(preds, num_ranks, AXES, title)
 
-
-def auto_grid(work: GCNWorkload, num_ranks: int, machine: MachineProfile, *,
-              ranks_per_node: int | None = None) -> tuple[ProcessGrid, Plan]:
-    """The predicted-fastest ``X x Y x Z`` grid that fits (``plexus.train --grid auto``).
-
-    Log ``plan.describe_choice()`` on rank 0 (the choice and the runner-up).
-
-    Raises:
-        ValueError: no grid fits in memory.
-    """
-    plan = plan_gcn(work, num_ranks, machine, ranks_per_node=ranks_per_node)
-    best = plan.best
-    return ProcessGrid.plexus(best.shape["x"], best.shape["y"], best.shape["z"]), plan

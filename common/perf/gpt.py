@@ -26,19 +26,22 @@ On a grid with depth = row = col = 1 the trainer keeps plain modules: only the d
 of all gradients and the loss sums remain. Groups of one rank send nothing.
 
 Compute per rank: each Linear as three roofline GEMMs per micro-step (``y``, ``dX``, ``dW``),
-plus attention scores and values, ``12 n_layer (d/R) T`` flops per token, at the profile's
+plus attention scores and values, ``12 num_layers (d/R) T`` flops per token, at the profile's
 low-precision rate when ``param_bytes == 2``. Memory per rank: parameter state
 (``bytes_per_param`` per element of this rank's shards), the largest gathered block twice (use
 and prefetch), one micro-step's activations and float32 logits with their gradient. The planner
-refuses grids whose row does not divide the heads or whose data x depth does not divide the
-micro-batch. Pure Python.
+refuses grids with problems (:meth:`GPTWorkload.grid_problems`: row must divide the heads and
+the key/value heads, data x depth the batch, and tied embeddings need depth = row = col = 1).
+Pure Python.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
-from common.grid import AXONN_AXES, ProcessGrid
+from common.grid import AXONN_AXES, ProcessGrid, ceil_div
 from common.perf.machine import MachineProfile
 from common.perf.model import (
     Collective,
@@ -55,17 +58,16 @@ AXES = AXONN_AXES  # ("data", "depth", "row", "col")
 F32 = 4
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True, kw_only=True)
 class GPTWorkload:
     """A GPT optimizer step as the model sees it.
 
     Attributes:
         name: label for tables.
-        vocab_size, n_layer, n_head, n_kv_head, d_model, d_ff: model sizes (as GPTConfig).
+        vocab_size, num_layers, num_heads, d_model, d_ff, tie_embeddings: model sizes, named
+            as in ``llm.model.GPTConfig``.
+        num_kv_heads: key/value heads; None in the constructor means ``num_heads`` (the
+            resolved value is stored).
         seq_len: tokens per sequence T.
         global_batch: sequences per optimizer step, over all ranks.
         micro_batch: sequences per micro-step over all ranks (llm.train's ``--batch-size``;
@@ -77,11 +79,12 @@ class GPTWorkload:
 
     name: str = "gpt"
     vocab_size: int
-    n_layer: int
-    n_head: int
-    n_kv_head: int | None = None
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None  # resolved to an int by __post_init__
     d_model: int
     d_ff: int
+    tie_embeddings: bool = False
     seq_len: int
     global_batch: int
     micro_batch: int | None = None
@@ -91,72 +94,101 @@ class GPTWorkload:
     bytes_per_param: int = 16
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "seq_len",
-                  "global_batch", "param_bytes", "grad_bytes", "activation_bytes",
+        if self.num_kv_heads is None:  # frozen: set through object.__setattr__
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        for f in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "d_model", "d_ff",
+                  "seq_len", "global_batch", "param_bytes", "grad_bytes", "activation_bytes",
                   "bytes_per_param"):
             if getattr(self, f) < 1:
                 raise ValueError(f"GPTWorkload.{f} must be >= 1, got {getattr(self, f)}")
-        if self.d_model % self.n_head or self.n_head % self.kv_heads:
-            raise ValueError(f"need d_model % n_head == 0 and n_head % n_kv_head == 0, got "
-                             f"d_model={self.d_model}, n_head={self.n_head}, "
-                             f"n_kv_head={self.kv_heads}")
+        if self.d_model % self.num_heads or self.num_heads % self.kv_heads:
+            raise ValueError(f"need d_model % num_heads == 0 and num_heads % num_kv_heads == 0, "
+                             f"got d_model={self.d_model}, num_heads={self.num_heads}, "
+                             f"num_kv_heads={self.kv_heads}")
         if self.micro_batch is not None and (
                 self.micro_batch < 1 or self.global_batch % self.micro_batch):
             raise ValueError(f"micro_batch must divide global_batch: {self.global_batch} % "
                              f"{self.micro_batch} != 0")
 
     @classmethod
-    def from_config(cls, config, *, global_batch: int, seq_len: int | None = None,
-                    **kw) -> GPTWorkload:
-        """From an ``llm.model.GPTConfig`` (read by attribute; llm is not imported)."""
-        return cls(vocab_size=config.vocab_size, n_layer=config.n_layer,
-                   n_head=config.n_head, n_kv_head=config.n_kv_head, d_model=config.d_model,
-                   d_ff=config.d_ff, seq_len=seq_len or config.max_seq_len,
-                   global_batch=global_batch, **kw)
+    def from_config(cls, config: Any, *, global_batch: int, seq_len: int | None = None,
+                    **sizes: Any) -> GPTWorkload:
+        """From an ``llm.model.GPTConfig`` (read by attribute; llm is not imported).
+
+        Copies the same-named model fields (:data:`MODEL_FIELDS`); ``seq_len`` defaults to
+        ``config.max_seq_len``; ``sizes`` are the other fields (micro_batch, *_bytes, name).
+        """
+        model = {f: getattr(config, f) for f in MODEL_FIELDS}
+        return cls(**model, seq_len=seq_len or config.max_seq_len, global_batch=global_batch,
+                   **sizes)
 
     @property
     def kv_heads(self) -> int:
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
+        """``num_kv_heads`` as an int (always resolved after construction)."""
+        assert self.num_kv_heads is not None
+        return self.num_kv_heads
+
+    def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
+        """Why this model and batch cannot run on ``shape`` (data, depth, row, col), with the
+        arithmetic; [] when they can. The one GPT grid check: the planner refuses such grids
+        and ``ProcessGrid.check(world, work.grid_problems)`` reports them.
+
+        * heads are split over row: ``num_heads % row == 0`` and ``num_kv_heads % row == 0``;
+        * tied embeddings need depth = row = col = 1 (the embedding table and the LM head are
+          sharded differently on a tensor-parallel grid);
+        * sequences are split over data x depth: it must divide the global batch and the
+          micro-batch.
+        """
+        r, dz = shape["row"], shape["data"] * shape["depth"]
+        out = []
+        if self.num_heads % r:
+            out.append(f"heads: num_heads={self.num_heads} % row={r} = {self.num_heads % r}")
+        if self.kv_heads % r and self.kv_heads != self.num_heads:
+            out.append(f"kv heads: num_kv_heads={self.kv_heads} % row={r} = "
+                       f"{self.kv_heads % r}")
+        if self.tie_embeddings and _tensor_parallel(shape):
+            out.append(f"tied embeddings: tie_embeddings=True needs depth = row = col = 1, got "
+                       f"depth={shape['depth']}, row={r}, col={shape['col']}")
+        for name, batch in (("global_batch", self.global_batch),
+                            ("micro_batch", self.micro_batch)):
+            if batch is not None and batch % dz:
+                out.append(f"batch: {name}={batch} % (data*depth={dz}) = {batch % dz}")
+        return out
 
     def linears(self) -> list[tuple[int, int, bool, int]]:
         """(in, out, transposed, count) of every Linear: q, k, v, o, gate, up, down per block
-        (count = n_layer) and the LM head."""
+        (count = num_layers) and the LM head."""
         d, f = self.d_model, self.d_ff
-        kv = self.kv_heads * (d // self.n_head)
+        kv = self.kv_heads * (d // self.num_heads)
         block = [(d, d, False), (d, kv, False), (d, kv, False), (d, d, True), (d, f, False),
                  (d, f, False), (f, d, True)]
-        return [(i, o, t, self.n_layer) for i, o, t in block] + [(d, self.vocab_size, False, 1)]
+        return ([(i, o, t, self.num_layers) for i, o, t in block]
+                + [(d, self.vocab_size, False, 1)])
 
     def num_params(self) -> int:
-        """Parameters of the model (Linears, embedding, RMSNorm weights)."""
+        """Parameters of the model (Linears, embedding, RMSNorm weights; a tied LM head is
+        the embedding, counted once)."""
         linear = sum(i * o * n for i, o, _, n in self.linears())
-        return linear + self.vocab_size * self.d_model + (2 * self.n_layer + 1) * self.d_model
+        embed = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return linear + embed + (2 * self.num_layers + 1) * self.d_model
 
 
-def _blocks(work: GPTWorkload, shape: dict[str, int]) -> list[tuple[int, int, bool, int]]:
+MODEL_FIELDS: tuple[str, ...] = ("vocab_size", "num_layers", "num_heads", "num_kv_heads",
+                                 "d_model", "d_ff", "tie_embeddings")
+
+
+def _blocks(work: GPTWorkload, shape: Mapping[str, int]) -> list[tuple[int, int, bool, int]]:
     """(in_blk, out_blk, transposed, count) of every Linear on this grid (padded dims)."""
     r, c = shape["row"], shape["col"]
-    return [(_cdiv(i, r if t else c), _cdiv(o, c if t else r), t, n)
+    return [(ceil_div(i, r if t else c), ceil_div(o, c if t else r), t, n)
             for i, o, t, n in work.linears()]
 
 
-def _tensor_parallel(shape: dict[str, int]) -> bool:
+def _tensor_parallel(shape: Mapping[str, int]) -> bool:
     return any(shape[a] > 1 for a in ("depth", "row", "col"))
 
 
-def check_grid(work: GPTWorkload, shape: dict[str, int]) -> str:
-    """Why the planner refuses ``shape`` for ``work`` (sizes that do not divide), or ""."""
-    dz, r = shape["data"] * shape["depth"], shape["row"]
-    problems = []
-    if work.n_head % r or work.kv_heads % r:
-        problems.append(f"heads {work.n_head}/{work.kv_heads} % row {r}")
-    micro = work.micro_batch or work.global_batch
-    if micro % dz or work.global_batch % dz:
-        problems.append(f"batch {micro} % (data*depth={dz})")
-    return "; ".join(problems)
-
-
-def gpt_collectives(work: GPTWorkload, shape: dict[str, int]) -> list[Collective]:
+def gpt_collectives(work: GPTWorkload, shape: Mapping[str, int]) -> list[Collective]:
     """Every collective one rank issues in one optimizer step (module docstring).
 
     ``work.micro_batch`` None counts as one micro-step of the whole batch.
@@ -164,10 +196,10 @@ def gpt_collectives(work: GPTWorkload, shape: dict[str, int]) -> list[Collective
     z = shape["depth"]
     micro = work.micro_batch or work.global_batch
     k = work.global_batch // micro
-    m = _cdiv(micro, shape["data"] * z) * work.seq_len  # tokens per rank and micro-step
+    m = ceil_div(micro, shape["data"] * z) * work.seq_len  # tokens per rank and micro-step
     p, g, a = work.param_bytes, work.grad_bytes, work.activation_bytes
-    d_c = _cdiv(work.d_model, shape["col"])
-    norms = 2 * work.n_layer + 1
+    d_c = ceil_div(work.d_model, shape["col"])
+    norms = 2 * work.num_layers + 1
     out: list[Collective] = []
     if not _tensor_parallel(shape):  # plain modules: data-parallel gradients only
         out.append(Collective("data", "all_reduce", work.num_params() * g))
@@ -175,14 +207,14 @@ def gpt_collectives(work: GPTWorkload, shape: dict[str, int]) -> list[Collective
         return [c for c in out if group_size(shape, c.axis) > 1]
     flat = 0  # elements of the flat shards (Linears, embedding): the data bucket
     for in_blk, out_blk, transposed, n in _blocks(work, shape):
-        shard = _cdiv(in_blk * out_blk, z)
+        shard = ceil_div(in_blk * out_blk, z)
         reduce_axis, grad_axis = ("row", "col") if transposed else ("col", "row")
         out += [Collective("depth", "all_gather", z * shard * p, 2 * n * k),
                 Collective(reduce_axis, "all_reduce", m * out_blk * a, n * k),
                 Collective(grad_axis, "all_reduce", m * in_blk * a, n * k),
                 Collective("depth", "reduce_scatter", z * shard * g, n * k)]
         flat += n * shard
-    emb = _cdiv(work.vocab_size * d_c, z)
+    emb = ceil_div(work.vocab_size * d_c, z)
     flat += emb
     out += [Collective("depth", "all_gather", z * emb * p, k),
             Collective("depth", "reduce_scatter", z * emb * g, k),
@@ -195,7 +227,7 @@ def gpt_collectives(work: GPTWorkload, shape: dict[str, int]) -> list[Collective
     return [c for c in out if group_size(shape, c.axis) > 1]
 
 
-def gpt_compute(work: GPTWorkload, shape: dict[str, int], machine: MachineProfile, *,
+def gpt_compute(work: GPTWorkload, shape: Mapping[str, int], machine: MachineProfile, *,
                 node_ranks: int) -> dict[str, float]:
     """Seconds of GEMMs (roofline per Linear) and attention of one rank in one step."""
     rate = machine.compute_at(node_ranks)
@@ -203,7 +235,7 @@ def gpt_compute(work: GPTWorkload, shape: dict[str, int], machine: MachineProfil
         else rate.gemm_flops
     micro = work.micro_batch or work.global_batch
     k = work.global_batch // micro
-    m = _cdiv(micro, shape["data"] * shape["depth"]) * work.seq_len
+    m = ceil_div(micro, shape["data"] * shape["depth"]) * work.seq_len
     e = work.activation_bytes
     gemm = 0.0
     for in_blk, out_blk, _, n in _blocks(work, shape):
@@ -211,42 +243,43 @@ def gpt_compute(work: GPTWorkload, shape: dict[str, int], machine: MachineProfil
                   e * (m * in_blk + in_blk * out_blk + m * out_blk) / rate.memory_bandwidth)
         gemm += 3 * one * n * k
     d_r = work.d_model // shape["row"]
-    attention = 12.0 * work.n_layer * d_r * work.seq_len * m * k / flops
+    attention = 12.0 * work.num_layers * d_r * work.seq_len * m * k / flops
     return {"gemm": gemm, "attention": attention}
 
 
-def gpt_memory(work: GPTWorkload, shape: dict[str, int]) -> float:
+def gpt_memory(work: GPTWorkload, shape: Mapping[str, int]) -> float:
     """Bytes per rank: parameter state of the shards, gathered weights, one micro-step's
     activations and float32 logits with their gradient."""
     z, r, c = shape["depth"], shape["row"], shape["col"]
     blocks = _blocks(work, shape)
-    d_c = _cdiv(work.d_model, c)
-    elements = sum(n * _cdiv(i * o, z) for i, o, _, n in blocks)
-    elements += _cdiv(work.vocab_size * d_c, z) + (2 * work.n_layer + 1) * d_c
+    d_c = ceil_div(work.d_model, c)
+    elements = sum(n * ceil_div(i * o, z) for i, o, _, n in blocks)
+    if not work.tie_embeddings:  # tied: the LM head's block above is the embedding
+        elements += ceil_div(work.vocab_size * d_c, z)
+    elements += (2 * work.num_layers + 1) * d_c
     biggest = max(max(i * o for i, o, _, _ in blocks), work.vocab_size * d_c)
     micro = work.micro_batch or work.global_batch
-    m = _cdiv(micro, shape["data"] * z) * work.seq_len
-    kv = work.kv_heads * (work.d_model // work.n_head)
+    m = ceil_div(micro, shape["data"] * z) * work.seq_len
+    kv = work.kv_heads * (work.d_model // work.num_heads)
     per_block = 4 * d_c + (2 * work.d_model + 2 * kv) / r + 3 * work.d_ff / r
-    acts = m * work.activation_bytes * per_block * work.n_layer
-    logits = m * _cdiv(work.vocab_size, r) * F32 * 2
+    acts = m * work.activation_bytes * per_block * work.num_layers
+    logits = m * ceil_div(work.vocab_size, r) * F32 * 2
     return elements * work.bytes_per_param + 2 * biggest * work.param_bytes + acts + logits
 
 
-def predict_gpt(work: GPTWorkload, shape: dict[str, int] | tuple[int, int, int, int],
+def predict_gpt(work: GPTWorkload, shape: Mapping[str, int] | Sequence[int],
                 machine: MachineProfile, *, ranks_per_node: int | None = None) -> Prediction:
     """Predicted step of ``work`` on one grid ``{"data", "depth", "row", "col"}``.
 
     With ``work.micro_batch`` None, the largest micro-batch (a divisor of the global batch
     that data x depth divides) that fits in memory is used; ``Prediction.extra`` says which.
     """
-    if not isinstance(shape, dict):
-        shape = dict(zip(AXES, shape))
+    shape = dict(shape) if isinstance(shape, Mapping) else dict(zip(AXES, shape))
     grid = ProcessGrid.axonn(*(shape[a] for a in AXES))
     num_ranks = grid.num_ranks
     node_ranks = machine.node_ranks(num_ranks, ranks_per_node)
     limit = machine.memory_per_rank(num_ranks, ranks_per_node)
-    invalid = check_grid(work, shape)
+    invalid = "; ".join(work.grid_problems(shape))
     if work.micro_batch is None and not invalid:
         dz = shape["data"] * shape["depth"]
         sizes = [b for b in range(work.global_batch, 0, -1)
@@ -271,23 +304,10 @@ def plan_gpt(work: GPTWorkload, num_ranks: int, machine: MachineProfile, *,
     preds = [predict_gpt(work, s, machine, ranks_per_node=ranks_per_node)
              for s in factorizations(num_ranks, 4)]
     rpn = machine.node_ranks(num_ranks, ranks_per_node)
-    title = (f"GPT {work.name}: {work.num_params() / 1e9:.3f}B parameters, L={work.n_layer} "
-             f"d={work.d_model} ff={work.d_ff} heads={work.n_head}/{work.kv_heads}, batch "
+    title = (f"GPT {work.name}: {work.num_params() / 1e9:.3f}B parameters, L={work.num_layers} "
+             f"d={work.d_model} ff={work.d_ff} heads={work.num_heads}/{work.kv_heads}, batch "
              f"{work.global_batch} x {work.seq_len} tokens (micro-batch "
              f"{work.micro_batch or 'auto'}) on {num_ranks} ranks ({rpn} per node) of "
              f"{machine.name}; per step, per rank")
     return rank_predictions(preds, num_ranks, AXES, title)
 
-
-def auto_grid(work: GPTWorkload, num_ranks: int, machine: MachineProfile, *,
-              ranks_per_node: int | None = None) -> tuple[ProcessGrid, Plan]:
-    """The predicted-fastest grid that fits (for ``llm.train --grid auto``) and its plan.
-
-    Log ``plan.describe_choice()`` on rank 0 (the choice and the runner-up).
-
-    Raises:
-        ValueError: no grid fits in memory and divides the shapes.
-    """
-    plan = plan_gpt(work, num_ranks, machine, ranks_per_node=ranks_per_node)
-    best = plan.best
-    return ProcessGrid.axonn(*(best.shape[a] for a in AXES)), plan

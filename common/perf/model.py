@@ -14,7 +14,7 @@ axis equal the model's.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from common.comm_stats import ring_bytes
@@ -53,7 +53,7 @@ def factorizations(n: int, num_axes: int) -> list[tuple[int, ...]]:
             for rest in factorizations(n // d, num_axes - 1)]
 
 
-def group_size(shape: dict[str, int], name: str) -> int:
+def group_size(shape: Mapping[str, int], name: str) -> int:
     """Ranks in the group called ``name``: an axis (``"row"``) or several (``"data+depth"``)."""
     out = 1
     for axis in name.split("+"):
@@ -70,7 +70,7 @@ def group_stride(grid: ProcessGrid, name: str) -> int:
     return min(grid.stride(a) for a in name.split("+"))
 
 
-def bytes_by_axis(collectives: Iterable[Collective], shape: dict[str, int]) -> dict[str, int]:
+def bytes_by_axis(collectives: Iterable[Collective], shape: Mapping[str, int]) -> dict[str, int]:
     """Bytes sent per rank on each group (groups that send nothing are left out)."""
     out: dict[str, int] = {}
     for c in collectives:
@@ -165,10 +165,17 @@ class Plan:
 
     @property
     def best(self) -> Prediction:
+        """The fastest runnable grid; ValueError saying why when there is none."""
         if not self.runnable:
+            valid = [p for p in self.predictions if not p.invalid]
+            if not valid:
+                p = self.predictions[0]
+                raise ValueError(f"no grid of {self.num_ranks} ranks fits: every grid has a "
+                                 f"problem, e.g. {p.label()}: {p.invalid}")
+            small = min(valid, key=lambda p: p.memory)
             raise ValueError(f"no grid of {self.num_ranks} ranks fits in memory and divides the "
-                             f"shapes; smallest need: {self.predictions[0].memory / 2**30:.2f} "
-                             f"GiB per rank against {self.predictions[0].memory_limit / 2**30:.2f}")
+                             f"shapes; smallest need: {small.memory / 2**30:.2f} GiB per rank "
+                             f"({small.label()}) against {small.memory_limit / 2**30:.2f}")
         return self.runnable[0]
 
     @property
@@ -176,8 +183,8 @@ class Plan:
         r = self.runnable
         return r[1] if len(r) > 1 else None
 
-    def find(self, shape: dict[str, int] | Sequence[int]) -> Prediction:
-        sizes = tuple(shape.values()) if isinstance(shape, dict) else tuple(shape)
+    def find(self, shape: Mapping[str, int] | Sequence[int]) -> Prediction:
+        sizes = tuple(shape.values()) if isinstance(shape, Mapping) else tuple(shape)
         for p in self.predictions:
             if tuple(p.shape.values()) == sizes:
                 return p

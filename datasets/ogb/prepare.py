@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from plexus.datasets import DatasetNotFoundError, load_ogb  # noqa: E402
+from plexus.data import DatasetNotFoundError
+from plexus.data.ogb import load_ogb
 
 
 def main() -> int:

@@ -16,12 +16,12 @@ import sys
 
 import torch
 
-from common import autograd as A
-from common import collectives as C
+from common import autograd as ag
+from common import collectives as coll
 from common.comm_stats import CommStats, ring_bytes
 from common.grid import AXONN_AXES, PLEXUS_AXES, ProcessGrid
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def _data(seed: int, rank: int, shape, requires_grad=False) -> torch.Tensor:
@@ -77,15 +77,15 @@ def check_grid(ctx, grid_text: str, seed: int = 0) -> list[str]:
     """Run every check on every axis of the grid; return a list of failures (empty = pass)."""
     axes = AXONN_AXES if "=" in grid_text or grid_text.count("x") == 3 else PLEXUS_AXES
     grid = ProcessGrid.parse(grid_text, axes)
-    grid.validate(ctx.world_size)
-    groups = grid.create_groups(ctx.rank, list(grid.axes) + [tuple(grid.axes[:2])])
+    grid.check(ctx.world_size)
+    groups = grid.create_groups(ctx.rank, [*grid.axes, tuple(grid.axes[:2])])
     failures = []
     for name, grp in groups.items():
         members = grp.members
         tag = f"grid {grid_text} axis {name}"
         for dim in (0, 1, -1):
             for kind, (shape, shared_w) in _cases(grp.size, dim).items():
-                fn = getattr(A, kind)
+                fn = getattr(ag, kind)
                 xs = [_data(seed, r, shape, True) for r in members]
                 ws_src = [members[0]] * grp.size if shared_w else members
                 out_shape = _output_shape(kind, shape, grp.size, dim)
@@ -121,9 +121,9 @@ def _check_plain_and_async(grp, seed, tag) -> list[str]:
     xs = [_data(seed + 3, r, (4 * g, 6)) for r in members]
     mine = xs[grp.rank]
     # issue all three asynchronously, compute something in between, then wait
-    h1 = C.all_reduce(mine, grp, stats=stats, async_op=True)
-    h2 = C.all_gather(mine.t(), grp, dim=1, stats=stats, async_op=True)  # non-contiguous input
-    h3 = C.reduce_scatter(mine, grp, stats=stats, async_op=True)
+    h1 = coll.all_reduce(mine, grp, stats=stats, async_op=True)
+    h2 = coll.all_gather(mine.t(), grp, dim=1, stats=stats, async_op=True)  # non-contiguous input
+    h3 = coll.reduce_scatter(mine, grp, stats=stats, async_op=True)
     _ = mine @ mine.t()
     got = {"all_reduce": h1.wait(), "all_gather": h2.wait(), "reduce_scatter": h3.wait()}
     want = {
@@ -134,7 +134,7 @@ def _check_plain_and_async(grp, seed, tag) -> list[str]:
     for op in got:
         if not torch.allclose(got[op], want[op], **TOL):
             failures.append(f"{tag} async {op}: result differs")
-    sync = C.all_reduce(mine, grp, stats=stats)
+    sync = coll.all_reduce(mine, grp, stats=stats)
     if not torch.allclose(sync, want["all_reduce"], **TOL) or not torch.equal(mine, xs[grp.rank]):
         failures.append(f"{tag} sync all_reduce differs or modified its input")
     full = mine.numel() * mine.element_size()
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", required=True)
     args = p.parse_args(argv)
-    from common.dist import fail_all_ranks, init_distributed, shutdown
+    from common.dist import fail_all_ranks, init_distributed
 
     ctx = init_distributed(device="cpu", timeout_s=60)
     try:
@@ -167,8 +167,7 @@ def main(argv=None) -> int:
           f"{'OK' if not failures else 'FAILED'} {len(failures)} failures", flush=True)
     for f in failures:
         print("  " + f, flush=True)
-    shutdown()
-    return 1 if failures else 0
+    return 1 if failures else 0  # init_distributed's exit hook closes the process group
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Pure rank arithmetic of ProcessGrid: no torch.distributed, no processes."""
+"""Pure rank arithmetic of ProcessGrid: no torch.distributed, no processes (examples and
+hypothesis properties), the one grid check, and the rounding helpers."""
 
 import itertools
 import math
@@ -6,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from common.grid import AXONN_AXES, ProcessGrid
+from common.grid import AXONN_AXES, PLEXUS_AXES, AxisGroup, ProcessGrid, ceil_div, round_up
 
 SHAPES_3D = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 4), (4, 1, 2),
              (3, 2, 5), (2, 3, 1), (8, 1, 1), (1, 1, 8)]
@@ -17,13 +20,13 @@ SHAPES_4D = [(1, 1, 1, 1), (2, 1, 1, 2), (1, 2, 2, 1), (2, 2, 2, 1), (1, 2, 2, 2
 
 @pytest.mark.parametrize("shape", SHAPES_3D)
 def test_plexus_rank_formula(shape):
-    X, Y, Z = shape
-    g = ProcessGrid.plexus(X, Y, Z)
-    assert g.num_ranks == X * Y * Z
+    nx, ny, nz = shape
+    g = ProcessGrid.plexus(nx, ny, nz)
+    assert g.num_ranks == nx * ny * nz
     seen = set()
-    for x, y, z in itertools.product(range(X), range(Y), range(Z)):
+    for x, y, z in itertools.product(range(nx), range(ny), range(nz)):
         r = g.rank(x=x, y=y, z=z)
-        assert r == z * (X * Y) + x * Y + y
+        assert r == z * (nx * ny) + x * ny + y
         assert g.coords(r) == {"x": x, "y": y, "z": z}
         seen.add(r)
     assert seen == set(range(g.num_ranks))
@@ -31,11 +34,11 @@ def test_plexus_rank_formula(shape):
 
 @pytest.mark.parametrize("shape", SHAPES_4D)
 def test_axonn_rank_formula(shape):
-    D, Z, R, C = shape
-    g = ProcessGrid.axonn(D, Z, R, C)
-    for d, z, r, c in itertools.product(range(D), range(Z), range(R), range(C)):
+    nd, nz, nr, nc = shape
+    g = ProcessGrid.axonn(nd, nz, nr, nc)
+    for d, z, r, c in itertools.product(range(nd), range(nz), range(nr), range(nc)):
         rank = g.rank(data=d, depth=z, row=r, col=c)
-        assert rank == ((d * Z + z) * R + r) * C + c
+        assert rank == ((d * nz + z) * nr + r) * nc + c
         assert g.coords(rank) == {"data": d, "depth": z, "row": r, "col": c}
 
 
@@ -116,3 +119,85 @@ def test_bad_construction():
 def test_grid_module_does_not_import_torch():
     code = "import sys, common.grid, common.comm_stats; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def heads(num_heads):
+    """A constraint as GPTWorkload.grid_problems writes them."""
+    def problems(shape):
+        r = shape["row"]
+        return [f"heads: num_heads={num_heads} % row={r} = {num_heads % r}"] if num_heads % r \
+            else []
+    return problems
+
+
+def test_check_lists_every_problem_with_its_arithmetic():
+    g = ProcessGrid.axonn(2, 1, 4, 1)
+    g.check(8)
+    g.check(8, heads(8), lambda shape: [])
+    with pytest.raises(ValueError) as e:
+        g.check(8, heads(6), lambda shape: [f"batch: global_batch=3 % (data*depth="
+                                            f"{shape['data'] * shape['depth']}) = 1"])
+    assert str(e.value) == ("grid data=2,depth=1,row=4,col=1: heads: num_heads=6 % row=4 = 2; "
+                            "batch: global_batch=3 % (data*depth=2) = 1")
+    with pytest.raises(ValueError) as e:  # the world size too: every problem in one message
+        g.check(4, heads(6))
+    assert str(e.value).startswith("grid data=2 * depth=1 * row=4 * col=1 = 8 ranks, but 4 "
+                                   "processes were launched")
+    assert str(e.value).endswith("; and grid data=2,depth=1,row=4,col=1: heads: num_heads=6 % "
+                                 "row=4 = 2")
+    with pytest.raises(ValueError, match=r"^grid x=2 \* y=2 \* z=2 = 8 ranks, but 4 processes "
+                       r"were launched; pass a grid whose sizes multiply to 4$"):
+        ProcessGrid.plexus(2, 2, 2).check(4)
+
+
+def test_constraints_see_a_plain_copy_of_the_shape():
+    seen = []
+    ProcessGrid.plexus(1, 2, 3).check(6, lambda shape: seen.append(dict(shape)) or [])
+    assert seen == [{"x": 1, "y": 2, "z": 3}]
+
+
+@pytest.mark.parametrize("n, m", [(0, 1), (1, 1), (5, 1), (7, 2), (8, 2), (203, 6), (1, 8)])
+def test_round_up_and_ceil_div(n, m):
+    assert ceil_div(n, m) == math.ceil(n / m)
+    assert round_up(n, m) % m == 0 and n <= round_up(n, m) < n + m
+    with pytest.raises(ValueError, match="divisor >= 1"):
+        ceil_div(n, 0)
+
+
+def test_axis_group_has_no_single_constructor():
+    assert not hasattr(AxisGroup, "single")  # groups come from create_groups
+
+
+sizes = st.integers(min_value=1, max_value=6)
+
+
+@given(x=sizes, y=sizes, z=sizes)
+def test_parse_roundtrip_and_bijection(x, y, z):
+    g = ProcessGrid.parse(f"{x}x{y}x{z}")
+    assert g == ProcessGrid.parse(str(g)) == ProcessGrid.plexus(x, y, z)
+    assert [g.rank(g.coords(r)) for r in range(g.num_ranks)] == list(range(g.num_ranks))
+    for axis in PLEXUS_AXES:
+        groups = g.groups(axis)
+        assert sorted(itertools.chain(*groups)) == list(range(g.num_ranks))
+
+
+@given(d=sizes, z=sizes, r=sizes, c=sizes, world=st.integers(1, 300))
+def test_named_parse_and_validation(d, z, r, c, world):
+    g = ProcessGrid.parse(f"data={d},depth={z},row={r},col={c}", AXONN_AXES)
+    assert g.num_ranks == d * z * r * c
+    if world == g.num_ranks:
+        g.validate(world)
+        g.check(world)
+    else:
+        for check in (g.validate, g.check):
+            with pytest.raises(ValueError, match=f"= {g.num_ranks} ranks, but {world} processes"):
+                check(world)
+
+
+@given(text=st.text(max_size=12))
+def test_parser_never_crashes_on_garbage(text):
+    try:
+        g = ProcessGrid.parse(text)
+    except ValueError:
+        return
+    assert g.num_ranks >= 1

@@ -1,33 +1,32 @@
 """The GCN epoch model: padding and volumes against plexus, the trainer's counted bytes, the
-memory filter, and the paper check (Plexus SC'25 on the Perlmutter preset)."""
+memory filter, and `plexus.train --grid auto`."""
 
 import pytest
 
-from common.perf import gcn as G
+from common.perf import gcn
 from common.perf.machine import Compute, Link, MachineProfile, load_profile
-from common.perf.paper import PAPERS100M_MS, check_papers100m, check_products
 
 SHAPES = [(1, 1, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2), (3, 2, 5), (8, 1, 1), (1, 1, 8)]
 
 
 def small(**kw):
-    """The graph of tests/plexus/test_parallel_equals_serial.py: 203 nodes, 7 features,
+    """The graph of tests/plexus/test_model.py: 203 nodes, 7 features,
     5 classes, hidden 6 (so most grids pad nodes and widths)."""
-    return G.GCNWorkload(num_nodes=203, nnz=1200, num_features=7, num_classes=5, hidden=6,
+    return gcn.GCNWorkload(num_nodes=203, nnz=1200, num_features=7, num_classes=5, hidden=6,
                          **kw)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("layers", [1, 3, 4])
 def test_padding_equals_plexus_partition(shape, layers):
-    from plexus import partition as part
+    from plexus import layout as part
 
     s = dict(zip("xyz", shape))
     work = small(num_layers=layers)
     n, widths = work.padded(s)
     assert n == part.padded_num_nodes(203, s)
     assert widths == part.padded_widths(work.widths, s)
-    assert [G.roles(layer) for layer in range(6)] == [part.roles(layer) for layer in range(6)]
+    assert [gcn.roles(layer) for layer in range(6)] == [part.roles(layer) for layer in range(6)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -36,7 +35,7 @@ def test_volumes_equal_the_reference_expected_bytes(shape, layers):
     """Trainable features, model collectives only: the per-(axis, op) sums that
     test_parallel_equals_serial checks against the trainer, summed per axis."""
     from common.perf.model import bytes_by_axis
-    from tests.plexus.test_parallel_equals_serial import expected_bytes
+    from tests.plexus.test_model import expected_bytes
 
     s = dict(zip("xyz", shape))
     work = small(num_layers=layers, learn_features=True)
@@ -44,32 +43,35 @@ def test_volumes_equal_the_reference_expected_bytes(shape, layers):
     want: dict[str, int] = {}
     for key, b in expected_bytes(s, n, widths).items():
         want[key.split("/")[0]] = want.get(key.split("/")[0], 0) + b
-    got = bytes_by_axis(G.gcn_collectives(work, s, loss=False), s)
+    got = bytes_by_axis(gcn.gcn_collectives(work, s, loss=False), s)
     assert got == want
 
 
 def test_fixed_features_skip_layer_zero_aggregation_after_the_first_epoch():
     s = {"x": 2, "y": 2, "z": 2}
-    first = G.gcn_collectives(small(), s, first_epoch=True)
-    steady = G.gcn_collectives(small(), s)
-    learned = G.gcn_collectives(small(learn_features=True), s)
+    first = gcn.gcn_collectives(small(), s, first_epoch=True)
+    steady = gcn.gcn_collectives(small(), s)
+    learned = gcn.gcn_collectives(small(learn_features=True), s)
     assert len(first) - len(steady) == 2  # (1) and (2) at layer 0
     assert len(learned) - len(steady) == 5  # and backward (5), (7), (8) at layer 0
-    assert G.gcn_collectives(small(learn_features=True), s, first_epoch=True) == learned
-    no_cache = G.gcn_collectives(small(cache_first_aggregation=False), s)
+    assert gcn.gcn_collectives(small(learn_features=True), s, first_epoch=True) == learned
+    no_cache = gcn.gcn_collectives(small(cache_first_aggregation=False), s)
     assert no_cache == first
 
 
 def _trainer_bytes(ctx, cases):
     from common.grid import ProcessGrid
-    from plexus.trainer import TrainConfig, train_gcn
-    from tests.plexus.test_parallel_equals_serial import small_graph
+    from plexus.config import ModelConfig, RunConfig
+    from plexus.data import InMemorySource
+    from plexus.trainer import train_gcn
+    from tests.plexus.data.shards import small_graph
 
-    graph = small_graph()
+    graph = InMemorySource(small_graph())
     out = []
     for grid, layers, learn in cases:
-        cfg = TrainConfig(layers=layers, hidden=6, epochs=2, learn_features=learn)
-        res = train_gcn(graph, ProcessGrid.parse(grid), ctx.rank, cfg)
+        model = ModelConfig(num_layers=layers, hidden=6, learn_features=learn)
+        res = train_gcn(graph, ProcessGrid.parse(grid), ctx.rank, model=model,
+                        run=RunConfig(epochs=2))
         out.append([row["comm_bytes_by_axis"] for row in res.history])
     return out
 
@@ -90,7 +92,7 @@ def test_trainer_counted_bytes_equal_the_model(world):
         s = dict(zip("xyz", map(int, grid.split("x"))))
         work = small(num_layers=layers, learn_features=learn)
         for epoch, first in ((0, True), (1, False)):
-            want = G.predict_gcn(work, s, load_profile("local-cpu"), first_epoch=first)
+            want = gcn.predict_gcn(work, s, load_profile("local-cpu"), first_epoch=first)
             for rank, per_rank in enumerate(results):
                 assert per_rank[k][epoch] == want.comm_bytes, (grid, layers, learn, epoch, rank)
 
@@ -101,57 +103,27 @@ def test_memory_filter_and_no_fitting_grid():
                                                                            bandwidth=1e9),
                           compute=(Compute(spmm_bandwidth=1e9, gemm_flops=1e9,
                                            memory_bandwidth=1e9),))
-    work = G.GCNWorkload(num_nodes=20000, nnz=200000, num_features=64, num_classes=8)
-    one = G.plan_gcn(work, 1, tiny)
+    work = gcn.GCNWorkload(num_nodes=20000, nnz=200000, num_features=64, num_classes=8)
+    one = gcn.plan_gcn(work, 1, tiny)
     assert not one.runnable
     with pytest.raises(ValueError, match="no grid of 1 ranks fits"):
         _ = one.best
-    eight = G.plan_gcn(work, 8, tiny)
+    eight = gcn.plan_gcn(work, 8, tiny)
     assert eight.runnable and not all(p.fits for p in eight.predictions)
-    assert G.gcn_memory(work, {"x": 2, "y": 2, "z": 2}) < G.gcn_memory(work, {"x": 1, "y": 1,
+    assert gcn.gcn_memory(work, {"x": 2, "y": 2, "z": 2}) < gcn.gcn_memory(work, {"x": 1, "y": 1,
                                                                               "z": 1}) / 4
-
-
-def test_auto_grid_is_the_plans_best():
-    work = G.GCNWorkload(num_nodes=50000, nnz=1_000_000, num_features=128, num_classes=16)
-    grid, plan = G.auto_grid(work, 8, load_profile("local-cpu"))
-    assert grid.num_ranks == 8 and tuple(grid.shape.values()) == tuple(plan.best.shape.values())
-    assert "runner-up" in plan.describe_choice()
-
-
-def test_paper_products_ranks_3d_above_2d_above_1d():
-    """ogbn-products on 64 Perlmutter GPUs: top 5 all 3D; best 3D < best 2D < best 1D
-    (paper: 69 / 82 / 180 ms)."""
-    check = check_products()
-    assert check.top5_all_3d, [p.label() for p in check.plan.runnable[:5]]
-    assert check.ordered, {d: p.total_s for d, p in check.best_by_dims.items()}
-
-
-def test_paper_papers100m_within_2x():
-    rows = check_papers100m()
-    assert [g for g, _, _ in rows] == list(PAPERS100M_MS)
-    for gpus, pred, ms in rows:
-        assert 0.5 <= 1e3 * pred.total_s / ms <= 2.0, (gpus, pred.label(), pred.total_s, ms)
-        assert pred.dims == 3 and pred.fits
 
 
 @pytest.mark.slow
 def test_plexus_train_grid_auto_logs_choice_and_runner_up(tmp_path):
     import json
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-    if mpiexec is None:
-        pytest.skip("no mpiexec next to sys.executable (pip install mpich)")
+    from tests.distributed import launch
+
     metrics = tmp_path / "m.jsonl"
-    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "plexus.train", "--grid",
-           "auto:perlmutter-a100", "--epochs", "1", "--hidden", "16",
-           "--metrics", str(metrics)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL)
+    r = launch(["-m", "plexus.train", "--grid", "auto:perlmutter-a100", "--epochs", "1",
+                "--hidden", "16", "--metrics", str(metrics)], ranks=4, launcher="mpiexec",
+               timeout=120)
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("grid auto:"))
     assert "runner-up" in line and "[profile perlmutter-a100]" in line

@@ -56,7 +56,7 @@ def test_load_documents_errors(tmp_path):
         load_documents("pydoc", ["x.txt"])
     with pytest.raises(ValueError, match="needs paths"):
         load_documents("files")
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.txt"):
         load_documents("files", [tmp_path / "missing.txt"])
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n", encoding="utf-8")

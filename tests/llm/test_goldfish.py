@@ -4,7 +4,7 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
+from torch.nn.functional import cross_entropy
 
 from llm.goldfish import goldfish_loss, goldfish_mask
 
@@ -198,7 +198,7 @@ def test_no_mask_is_the_standard_loss():
     logits = make_logits()
     targets = random_targets(3, 20, 11, seed=2, ignore=0.1)
     out = goldfish_loss(logits, targets, torch.zeros_like(targets, dtype=torch.bool))
-    expected = F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1), ignore_index=-100)
+    expected = cross_entropy(logits.reshape(-1, 11), targets.reshape(-1), ignore_index=-100)
     assert out.loss.item() == pytest.approx(expected.item(), rel=1e-6)
     assert out.num_dropped.item() == 0 and out.dropped_loss.item() == 0.0
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
+from torch.nn.functional import cross_entropy, linear, silu
 
 from llm.model import (
     GPT,
@@ -20,16 +20,6 @@ from llm.model import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny GEMMs gain nothing from intra-op threads, and 2 threads on 2 busy cores (tests
-    running side by side) slow training steps down tenfold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed=0, **changes):
     torch.manual_seed(seed)
     return GPT(dataclasses.replace(tiny(), **changes))
@@ -43,7 +33,7 @@ def test_forward_shapes_and_length_check():
         model(torch.zeros(1, tiny().max_seq_len + 1, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("changes", [{}, {"n_kv_head": 2}, {"tie_embeddings": True}])
+@pytest.mark.parametrize("changes", [{}, {"num_kv_heads": 2}, {"tie_embeddings": True}])
 def test_causality(changes):
     model = tiny_model(**changes).eval()
     idx = torch.randint(256, (2, 24))
@@ -69,9 +59,9 @@ def test_rope_scores_depend_on_relative_position_only():
 
 
 def test_grouped_query_attention_equals_replicated_heads():
-    """Query head j reads kv head j // (n_head / n_kv_head)."""
-    gqa = tiny_model(n_kv_head=2).eval()
-    mha = tiny_model(n_kv_head=4).eval()
+    """Query head j reads kv head j // (num_heads / num_kv_heads)."""
+    gqa = tiny_model(num_kv_heads=2).eval()
+    mha = tiny_model(num_kv_heads=4).eval()
     state = gqa.state_dict()
     head_dim = tiny().head_dim
     for name, value in state.items():
@@ -86,14 +76,14 @@ def test_grouped_query_attention_equals_replicated_heads():
 def test_sharded_out_features_sum_to_the_full_block():
     """What tensor parallelism will do: split q, k, v, gate, up by out_features (whole heads)
     and o, down by in_features; the shards' partial outputs must add up to the full output."""
-    block = tiny_model(n_kv_head=2).blocks[0]
+    block = tiny_model(num_kv_heads=2).blocks[0]
     x = torch.randn(2, 9, 64)
     cos, sin = rope_cache(16, 9)
     attn, mlp = block.attn, block.mlp
     full_attn, full_mlp = attn(x, cos, sin), mlp(x)
     parts_attn, parts_mlp = 0, 0
     for shard in range(2):
-        a = Attention(dataclasses.replace(tiny(), n_kv_head=2))  # then shrunk to one shard
+        a = Attention(dataclasses.replace(tiny(), num_kv_heads=2))  # then shrunk to one shard
         q_rows = slice(shard * 32, shard * 32 + 32)  # 2 of the 4 query heads
         kv_rows = slice(shard * 16, shard * 16 + 16)  # 1 of the 2 kv heads
         a.q_proj = torch.nn.Linear(64, 32, bias=False)
@@ -107,9 +97,9 @@ def test_sharded_out_features_sum_to_the_full_block():
             a.o_proj.weight.copy_(attn.o_proj.weight[:, q_rows])
         parts_attn = parts_attn + a(x, cos, sin)
         hidden = slice(shard * 96, shard * 96 + 96)
-        gate = F.linear(x, mlp.gate_proj.weight[hidden])
-        up = F.linear(x, mlp.up_proj.weight[hidden])
-        parts_mlp = parts_mlp + F.linear(F.silu(gate) * up, mlp.down_proj.weight[:, hidden])
+        gate = linear(x, mlp.gate_proj.weight[hidden])
+        up = linear(x, mlp.up_proj.weight[hidden])
+        parts_mlp = parts_mlp + linear(silu(gate) * up, mlp.down_proj.weight[:, hidden])
     assert torch.allclose(parts_attn, full_attn, atol=1e-6)
     assert torch.allclose(parts_mlp, full_mlp, atol=1e-6)
 
@@ -129,7 +119,7 @@ def test_real_sizes():
         get_preset("gpt-7b")
 
 
-@pytest.mark.parametrize("changes", [{}, {"n_kv_head": 1}, {"tie_embeddings": True}])
+@pytest.mark.parametrize("changes", [{}, {"num_kv_heads": 1}, {"tie_embeddings": True}])
 def test_num_params_is_exact(changes):
     model = tiny_model(**changes)
     assert sum(p.numel() for p in model.parameters()) == model.config.num_params()
@@ -140,10 +130,10 @@ def test_num_params_is_exact(changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"n_head": 3}, "not divisible"),
-        ({"n_head": 64}, "must be even"),
-        ({"n_kv_head": 3}, "multiple of"),
-        ({"n_layer": 0}, "n_layer"),
+        ({"num_heads": 3}, "not divisible"),
+        ({"num_heads": 64}, "must be even"),
+        ({"num_kv_heads": 3}, "multiple of"),
+        ({"num_layers": 0}, "num_layers"),
         ({"norm_eps": 0.0}, "norm_eps"),
     ],
 )
@@ -152,8 +142,17 @@ def test_config_errors(changes, message):
         dataclasses.replace(tiny(), **changes)
 
 
+def test_num_kv_heads_defaults_to_num_heads_and_is_stored():
+    config = tiny()
+    assert config.num_kv_heads == config.num_heads == 4  # None resolved at construction
+    assert GPTConfig(**dataclasses.asdict(config)) == config  # how checkpoints rebuild it
+    assert dataclasses.replace(config, num_kv_heads=2).num_kv_heads == 2
+    with pytest.raises(TypeError):
+        GPTConfig(256, 2, 4)  # keyword-only
+
+
 def test_init_scales_residual_projections():
-    model = GPT(dataclasses.replace(tiny(), n_layer=8, d_model=128, d_ff=256))
+    model = GPT(dataclasses.replace(tiny(), num_layers=8, d_model=128, d_ff=256))
     assert model.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
     assert model.blocks[0].mlp.down_proj.weight.std().item() == pytest.approx(0.005, rel=0.1)
     assert torch.equal(model.norm.weight, torch.ones(128))
@@ -171,7 +170,7 @@ def test_tiny_learns_a_repeated_text_and_recites_it():
         offsets = torch.randint(len(stream) - 33, (8, 1), generator=generator)
         window = stream[offsets + torch.arange(33)]  # [8, 33]
         logits = model(window[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, 256), window[:, 1:].reshape(-1))
+        loss = cross_entropy(logits.reshape(-1, 256), window[:, 1:].reshape(-1))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -1,11 +1,10 @@
-"""The 4D-parallel GPT equals the single-process GPT: loss and every gradient, many grids;
-training on 8 ranks tracks training on 1; a checkpoint taken on 8 ranks continues on 1.
+"""The 4D-parallel GPT equals the single-process GPT: loss and every gradient, many grids, with
+the overlaps on and off; the pure layout arithmetic; the grid check.
 
 Grids are ``data x depth x row x col``; sizes are chosen so that the vocabulary (61, prime),
-d_ff (45) and the flat depth shards need padding, and in one case d_model (30) on col. All
-8-rank checks share ONE launch (starting 8 ranks on 2 cores costs tens of seconds); the 1-rank
-runs need no process group and run in this process. Pure slicing is tested without
-torch.distributed.
+d_ff (45) and the flat depth shards need padding, and in one case d_model (30) on col. The
+4-rank and 8-rank cases run in the shared launches of conftest.py (``four_ranks``,
+``eight_ranks``). Pure slicing is tested without torch.distributed.
 """
 
 import dataclasses
@@ -14,36 +13,19 @@ import itertools
 import pytest
 import torch
 
-from common import collectives as C
+from common.collectives import all_reduce
 from common.comm_stats import CommStats
-from common.grid import AXONN_AXES, ProcessGrid
+from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
 from llm.goldfish import goldfish_loss, goldfish_mask
 from llm.loss import goldfish_sums
 from llm.model import GPT, GPTConfig
-from llm.parallel import (
-    ParallelGPT,
-    batch_shard,
-    check_grid,
-    make_groups,
-    param_specs,
-    shard_tensor,
-)
+from llm.parallel import ParallelGPT, batch_shard, make_groups, param_specs, shard_tensor
 from llm.tp import Overlap
-from tests.distributed import run_ranks
 
-BASE = GPTConfig(vocab_size=61, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=45,
+BASE = GPTConfig(vocab_size=61, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_ff=45,
                  max_seq_len=16)
-ODD_D = {"d_model": 30, "n_head": 3, "n_kv_head": 1}  # d_model 30: padded on col = 4
+ODD_D = {"d_model": 30, "num_heads": 3, "num_kv_heads": 1}  # d_model 30: padded on col = 4
 SEED = 3
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny GEMMs gain nothing from threads; 2 threads on 2 busy cores slow steps tenfold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_batch(num_rows=5, seq=16, micro=1):
@@ -73,7 +55,8 @@ def serial(config, micro):
     return loss, {n: p.grad for n, p in model.named_parameters()}
 
 
-def _parallel(ctx, cases):
+def parallel_cases(ctx, cases):
+    """Per rank: loss, full gradients, bytes per axis and overlap counts of each case."""
     results = []
     for grid_text, changes, overlap, micro in cases:
         config = dataclasses.replace(BASE, **changes)
@@ -94,10 +77,11 @@ def _parallel(ctx, cases):
             model.finish_backward()
             kept_sum += out.kept_sum
         model.sync_gradients()
-        loss = C.all_reduce(kept_sum, groups["data+depth"]) / total
+        loss = all_reduce(kept_sum, groups["data+depth"]) / total
         results.append({"case": (grid_text, tuple(changes.items()), overlap, micro),
                         "loss": loss.item(), "grads": model.full_state_dict(grads=True),
-                        "axes": {k: v.bytes for k, v in stats.by_axis().items()}})
+                        "axes": {k: v.bytes for k, v in stats.by_axis().items()},
+                        "overlapped": dataclasses.asdict(model.overlapped)})
     return results
 
 
@@ -109,150 +93,18 @@ CASES = {
     4: [("1x1x2x2", {}, "all", 1), ("1x2x2x1", {}, "all", 1), ("1x2x2x1", {}, "none", 1),
         ("2x1x1x2", {}, "all", 2), ("1x1x1x4", ODD_D, "all", 1), ("4x1x1x1", {}, "all", 1)],
     8: [("2x2x2x1", {}, "all", 1), ("1x2x2x2", {}, "all", 2), ("1x2x2x2", {}, "none", 2),
-        ("1x1x4x2", {"n_kv_head": 4}, "oar,oag", 1), ("1x2x1x4", ODD_D, "ors", 1)],
+        ("1x1x4x2", {"num_kv_heads": 4}, "oar,oag", 1), ("1x2x1x4", ODD_D, "ors", 1)],
 }
 
 
-TRAIN_GRIDS = ("1x2x2x2",)  # depth, row and col; data > 1 is covered by the gradient cases
-TRAIN_STEPS = 20
-
-
-def make_trainer(groups, steps=TRAIN_STEPS, overlap="all"):
-    """A 2-layer d_model-32 GPT on 16-byte windows, goldfish on, gradient accumulation 2."""
-    from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, TrainConfig, Trainer
-
-    config = GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48,
-                       max_seq_len=16)
-    return Trainer(config, DataConfig(seq_len=16, batch_size=6, eval_batches=1),
-                   OptimConfig(lr=1e-2, warmup_steps=3), GoldfishConfig(k=4, h=3),
-                   TrainConfig(steps=steps, grad_accum=2, overlap=overlap), groups, seed=5)
-
-
-def one_rank_groups():
-    return make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0)  # no process group needed
-
-
-def _linear_volumes(ctx, grid_text, overlap):
-    """A normal Linear (14 -> 10) then a transposed one (10 -> 14), forward and backward:
-    the (axis, op) -> (calls, bytes sent per rank) of this rank's collectives."""
-    from llm.tp import DepthGrads, DepthWeights, ParallelLinear
-
-    groups = make_groups(ProcessGrid.parse(grid_text, AXONN_AXES), ctx.rank)
-    stats, ov = CommStats(), Overlap.parse(overlap)
-    weights = DepthWeights(groups["depth"], prefetch=ov.oag, stats=stats)
-    grads = DepthGrads(groups["depth"], defer=ov.ors, stats=stats)
-    r, c, z = (groups[a].size for a in ("row", "col", "depth"))
-    layers = [ParallelLinear(torch.randn(-(-(10 // r) * (14 // c) // z)), (10 // r, 14 // c),
-                             transposed=False, groups=groups, weights=weights, grads=grads,
-                             overlap=ov, stats=stats),
-              ParallelLinear(torch.randn(-(-(14 // c) * (10 // r) // z)), (14 // c, 10 // r),
-                             transposed=True, groups=groups, weights=weights, grads=grads,
-                             overlap=ov, stats=stats)]
-    weights.begin_forward()
-    x = torch.randn(3, 2, 14 // c, requires_grad=True)  # [b, T, in/C]
-    layers[1](layers[0](x)).sum().backward()
-    grads.finish()
-    assert all(layer.weight.grad is not None for layer in layers)
-    return {k: (v.calls, v.bytes) for k, v in stats.records.items()}
-
-
-def expected_linear_volumes(depth, row, col):
-    """Section 2 of the spec, float32, b * T = 6 rows, padded flat shards."""
-    shard = -(-(10 // row) * (14 // col) // depth)  # both blocks hold 10/R x 14/C entries
-    gather = (depth - 1) * shard * 4  # ring all-gather of Z shards: (Z-1)/Z of Z*shard*4
-    narrow, wide = 6 * (10 // row) * 4, 6 * (14 // col) * 4  # [6, 10/R] and [6, 14/C]
-    out = {}
-    if depth > 1:
-        out[("depth", "all_gather")] = (4, 4 * gather)  # 2 Linears x (forward + backward)
-        out[("depth", "reduce_scatter")] = (2, 2 * gather)
-    if col > 1:  # normal forward y [6, 10/R], transposed backward dX [6, 10/R]
-        out[("col", "all_reduce")] = (2, 2 * 2 * (col - 1) * narrow // col)
-    if row > 1:  # normal backward dX [6, 14/C], transposed forward y [6, 14/C]
-        out[("row", "all_reduce")] = (2, 2 * 2 * (row - 1) * wide // row)
-    return out
-
-
-VOLUME_CASES = [("1x2x2x2", "all"), ("1x2x2x2", "none"), ("2x4x1x1", "all"),
-                ("1x1x2x4", "all")]
-
-
-def _eight_ranks(ctx):
-    out = {"parallel": _parallel(ctx, CASES[8]), "train": {},
-           "volumes": [_linear_volumes(ctx, g, o) for g, o in VOLUME_CASES]}
-    for grid_text in TRAIN_GRIDS:
-        trainer = make_trainer(make_groups(ProcessGrid.parse(grid_text, AXONN_AXES), ctx.rank))
-        history = []
-        for _ in range(TRAIN_STEPS):
-            history.append(trainer.train_step())
-            if trainer.step == TRAIN_STEPS // 2 and grid_text == TRAIN_GRIDS[0]:
-                state = trainer.state_dict()  # collective; full tensors on every rank
-                out["state"] = state if ctx.rank == 0 else None
-        history[-1].update(trainer.evaluate())
-        out["train"][grid_text] = history
-    return out
-
-
-@pytest.fixture(scope="module")
-def eight_ranks():
-    return run_ranks(_eight_ranks, 8, timeout=600)
-
-
 @pytest.mark.slow
-def test_parallel_equals_serial_4_ranks():
-    check_cases(run_ranks(_parallel, 4, CASES[4]))
+def test_parallel_equals_serial_4_ranks(four_ranks):
+    check_cases([r["parallel"] for r in four_ranks])
 
 
 @pytest.mark.slow
 def test_parallel_equals_serial_8_ranks(eight_ranks):
     check_cases([r["parallel"] for r in eight_ranks])
-
-
-@pytest.mark.slow
-def test_linear_collectives_have_the_spec_volumes(eight_ranks):
-    for (grid_text, overlap), *per_rank in zip(VOLUME_CASES,
-                                               *[r["volumes"] for r in eight_ranks]):
-        _, depth, row, col = (int(v) for v in grid_text.split("x"))
-        want = expected_linear_volumes(depth, row, col)
-        for rank, got in enumerate(per_rank):
-            assert got == want, f"grid {grid_text} overlap {overlap} rank {rank}"
-
-
-@pytest.mark.slow
-def test_training_on_8_ranks_tracks_1_rank(eight_ranks):
-    serial_rows = run_trainer(make_trainer(one_rank_groups()), TRAIN_STEPS)
-    assert serial_rows[-1]["loss"] < 0.8 * serial_rows[0]["loss"]  # it learns
-    assert serial_rows[0]["num_dropped"] > 0
-    for grid_text in TRAIN_GRIDS:
-        for rank, result in enumerate(eight_ranks):
-            rows = result["train"][grid_text]
-            for a, b in zip(serial_rows, rows, strict=True):
-                tag = f"grid {grid_text} rank {rank} step {a['step']}"
-                for key in ("loss", "loss_all", "loss_dropped", "grad_norm"):
-                    assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), f"{tag}: {key}"
-                assert (a["num_kept"], a["num_dropped"]) == (b["num_kept"], b["num_dropped"])
-            assert abs(rows[-1]["val_loss"] - serial_rows[-1]["val_loss"]) <= \
-                1e-4 * serial_rows[-1]["val_loss"]
-
-
-@pytest.mark.slow
-def test_checkpoint_from_8_ranks_continues_on_1_rank(eight_ranks):
-    state = eight_ranks[0]["state"]
-    trainer = make_trainer(one_rank_groups())
-    trainer.load_state_dict(state)
-    assert trainer.step == TRAIN_STEPS // 2
-    resumed = run_trainer(trainer, TRAIN_STEPS)
-    parallel = eight_ranks[0]["train"][TRAIN_GRIDS[0]][TRAIN_STEPS // 2 :]
-    for a, b in zip(resumed, parallel, strict=True):
-        assert a["step"] == b["step"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), a["step"]
-
-
-def run_trainer(trainer, steps):
-    rows = []
-    while trainer.step < steps:
-        rows.append(trainer.train_step())
-    rows[-1].update(trainer.evaluate())
-    return rows
 
 
 def check_cases(results):
@@ -272,9 +124,16 @@ def check_cases(results):
                 assert got.shape == want.shape, f"{tag}: {name} shape"
                 assert rel(got, want) < 1e-5, f"{tag} rank {rank}: grad of {name} " \
                                               f"({rel(got, want):.2e})"
+        grid = ProcessGrid.parse(grid_text, AXONN_AXES)
         for axis in ("data", "depth", "row", "col"):  # communication only where size > 1
-            size = ProcessGrid.parse(grid_text, AXONN_AXES).size(axis)
-            assert (per_rank[0]["axes"].get(axis, 0) > 0) == (size > 1), f"{tag}: {axis}"
+            assert (per_rank[0]["axes"].get(axis, 0) > 0) == (grid.size(axis) > 1), \
+                f"{tag}: {axis}"
+        # an overlap runs exactly where it is switched on and its group has several ranks
+        switch, z = Overlap.parse(overlap), grid.size("depth")
+        ran = {"oar": switch.oar and (grid.size("row") > 1 or grid.size("col") > 1),
+               "ors": switch.ors and z > 1, "oag": switch.oag and z > 1}
+        for rank, r in enumerate(per_rank):
+            assert {k: v > 0 for k, v in r["overlapped"].items()} == ran, f"{tag} rank {rank}"
     # overlap on and off: bitwise identical gradients
     by_case = {}
     for per_rank in zip(*results):
@@ -309,9 +168,8 @@ def assemble(shards, spec, sizes):
 @pytest.mark.parametrize("depth, row, col", [(1, 1, 1), (2, 1, 1), (1, 2, 2), (3, 2, 4),
                                              (2, 4, 1)])
 def test_shards_cover_the_full_tensor(depth, row, col):
-    config = dataclasses.replace(BASE, n_kv_head=4) if row == 4 else BASE
+    config = dataclasses.replace(BASE, num_kv_heads=4) if row == 4 else BASE
     sizes = {"data": 1, "depth": depth, "row": row, "col": col}
-    check_grid(config, sizes)
     torch.manual_seed(0)
     model = GPT(config)
     specs = param_specs(config, sizes)
@@ -343,19 +201,31 @@ def test_layout_of_the_linears():
                for s in param_specs(BASE, one).values())
 
 
-def test_grid_errors():
-    sizes = {"data": 1, "depth": 1, "row": 4, "col": 1}
-    with pytest.raises(ValueError, match=r"n_kv_head=2 must be divisible by row=4"):
-        check_grid(BASE, sizes)
+def fake_groups(**sizes):
+    """Axis groups of rank 0 that never communicate (for checks before any collective)."""
+    sizes = {a: sizes.get(a, 1) for a in AXONN_AXES}
+    groups = {a: AxisGroup(a, None, n, 0) for a, n in sizes.items()}
+    groups["data+depth"] = AxisGroup("data+depth", None, sizes["data"] * sizes["depth"], 0)
+    groups["depth+row+col"] = AxisGroup("depth+row+col", None,
+                                        sizes["depth"] * sizes["row"] * sizes["col"], 0)
+    return groups
+
+
+def test_grid_errors_show_the_arithmetic():
+    """ParallelGPT refuses a model that does not split, before any communication."""
+    with pytest.raises(ValueError, match=r"grid data=1,depth=1,row=4,col=1: kv heads: "
+                                         r"num_kv_heads=2 % row=4 = 2"):
+        ParallelGPT(GPT(BASE), fake_groups(row=4))
+    with pytest.raises(ValueError, match=r"heads: num_heads=3 % row=2 = 1"):
+        ParallelGPT(GPT(dataclasses.replace(BASE, **ODD_D)), fake_groups(row=2))
     tied = dataclasses.replace(BASE, tie_embeddings=True)
-    with pytest.raises(ValueError, match="tie_embeddings"):
-        check_grid(tied, {"data": 1, "depth": 2, "row": 1, "col": 1})
-    check_grid(tied, {"data": 2, "depth": 1, "row": 1, "col": 1})  # data parallel: fine
+    with pytest.raises(ValueError, match="tie_embeddings=True needs depth = row = col = 1"):
+        ParallelGPT(GPT(tied), fake_groups(depth=2))
+    ParallelGPT(GPT(tied), fake_groups(data=2))  # data parallel: fine
+    ParallelGPT(GPT(BASE), fake_groups(data=2, depth=3))  # any batch pads to data x depth
 
 
 def test_batch_shard_pads_and_splits_over_data_then_depth():
-    from common.grid import AxisGroup
-
     batch = torch.arange(5 * 3).view(5, 3)
     rows = []
     for d, z in itertools.product(range(2), range(2)):
@@ -363,12 +233,3 @@ def test_batch_shard_pads_and_splits_over_data_then_depth():
         rows.append(batch_shard(batch, groups, -1))
     assert all(r.shape == (2, 3) for r in rows)
     assert torch.equal(torch.cat(rows)[:5], batch) and (torch.cat(rows)[5:] == -1).all()
-
-
-def test_overlap_parse():
-    assert Overlap.parse("all") == Overlap() and str(Overlap()) == "all"
-    assert Overlap.parse("none") == Overlap(oar=False, ors=False, oag=False)
-    assert Overlap.parse("oar, oag") == Overlap(ors=False)
-    assert str(Overlap.parse("ors")) == "ors"
-    with pytest.raises(ValueError, match="unknown"):
-        Overlap.parse("oar,fast")

@@ -1,106 +1,28 @@
-"""The trainer and its CLIs: schedule, exact resume, checkpoints, rank-0 output, errors.
+"""The CLIs (llm.train, llm.memorization, llm.sample): flags, rank-0 output, metrics,
+checkpoints, resume, errors on every rank, and llm.train under injected faults (SIGTERM as
+Slurm sends it; a SIGKILLed rank).
 
-Single-process runs need no process group and run in this process; the CLIs run in-process
-through ``main(argv)`` except where a real launcher is the point (mpiexec).
+Single-process runs go through ``main(argv)`` in this process; a real launcher (mpiexec or
+torchrun's environment) runs where it is the point.
 """
 
 import json
-import math
 import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from llm import checkpoint
 from llm.memorization import main as memorization_main
 from llm.sample import main as sample_main
 from llm.train import main as train_main
-from llm.train import run
-from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, TrainConfig, lr_at
-from tests.llm.test_parallel import make_trainer, one_rank_groups
+from llm.train import parse_args
+from tests.distributed import ROOT, kill_one_rank_and_collect, launch, launch_env, needs_mpi
 
-ROOT = Path(__file__).resolve().parents[2]
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_lr_schedule():
-    cfg = OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=4)
-    lrs = [lr_at(s, 14, cfg) for s in range(1, 15)]
-    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert lrs[-1] == pytest.approx(0.1)
-    assert lrs[8] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
-    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))  # decays monotonically
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (lambda: DataConfig(docs=0), "--docs"),
-    (lambda: OptimConfig(lr=0), "lr > 0"),
-    (lambda: GoldfishConfig(strategy="md5"), "strategy"),
-    (lambda: TrainConfig(steps=3, epochs=2), "not both"),
-    (lambda: TrainConfig(overlap="fast"), "overlap"),
-])
-def test_config_errors(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        kwargs()
-
-
-def test_resume_continues_exactly(tmp_path):
-    """6 straight steps == 3 steps, checkpoint through a file, fresh trainer, 3 more steps."""
-    straight = make_trainer(one_rank_groups(), steps=6)
-    expected = run(straight)
-    first = make_trainer(one_rank_groups(), steps=6)
-    for _ in range(3):
-        first.train_step()
-    path = checkpoint.save(first.state_dict(), tmp_path / "ck")
-    assert path == tmp_path / "ck" / "step-00000003" / "checkpoint.pt"
-    assert os.listdir(tmp_path / "ck") == ["step-00000003"]  # no temporary left behind
-    second = make_trainer(one_rank_groups(), steps=6)
-    second.load_state_dict(checkpoint.load(tmp_path / "ck"))
-    resumed = run(second)
-    keys = ("step", "loss", "loss_all", "loss_dropped", "grad_norm", "lr", "num_kept")
-    assert [{k: r[k] for k in keys} for r in resumed] == \
-        [{k: r[k] for k in keys} for r in expected[3:]]
-    assert resumed[-1]["val_loss"] == expected[-1]["val_loss"]
-    for name, p in second.model.shards().items():
-        assert torch.equal(p, straight.model.shards()[name]), name
-
-
-def test_overlap_switch_gives_identical_training():
-    rows = [run(make_trainer(one_rank_groups(), steps=3, overlap=o)) for o in ("all", "none")]
-    assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
-
-
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
-    trainer = make_trainer(one_rank_groups(), steps=4)
-    trainer.train_step()
-    checkpoint.save(trainer.state_dict(), tmp_path)
-    trainer.train_step()
-    newest = checkpoint.save(trainer.state_dict(), tmp_path)
-    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk
-    assert checkpoint.load(tmp_path)["step"] == 1
-
-
-def test_checkpoint_mismatch_is_refused():
-    state = make_trainer(one_rank_groups(), steps=1).state_dict()
-    state["model_config"]["d_model"] = 64
-    with pytest.raises(ValueError, match="different model"):
-        make_trainer(one_rank_groups()).load_state_dict(state)
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        checkpoint.load("/nonexistent/dir")
+FAULT_ARGS = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "16", "--log-every", "1"]
 
 
 def _errors(argv, capsys, main=train_main):
@@ -111,10 +33,23 @@ def _errors(argv, capsys, main=train_main):
     return capsys.readouterr().err
 
 
+def test_checkpoint_flags_and_their_aliases():
+    new = parse_args(["--checkpoint-dir", "d", "--checkpoint-every", "5",
+                      "--keep-checkpoints", "2", "--resume"])
+    old = parse_args(["--out", "d", "--save-every", "5", "--keep-checkpoints", "2", "--resume"])
+    for args in (new, old):
+        assert (args.checkpoint_dir, args.checkpoint_every, args.keep_checkpoints,
+                args.resume) == ("d", 5, 2, True)
+    plain = parse_args([])
+    assert (plain.checkpoint_dir, plain.checkpoint_every, plain.keep_checkpoints) == \
+        (None, 0, 3)
+
+
 def test_cli_single_process_train_checkpoint_memorize_sample(tmp_path, capsys):
     out, metrics = tmp_path / "run", tmp_path / "m.jsonl"
     common = ["--docs", "4", "--seq-len", "40", "--batch-size", "4", "--goldfish-k", "4",
-              "--out", str(out), "--metrics", str(metrics), "--log-every", "1"]
+              "--out", str(out), "--metrics", str(metrics), "--log-every", "1",
+              "--keep-checkpoints", "2", "--checkpoint-every", "1"]
     assert train_main([*common, "--epochs", "2"]) == 0
     assert train_main([*common, "--epochs", "3", "--resume"]) == 0
     text = capsys.readouterr().out
@@ -122,12 +57,12 @@ def test_cli_single_process_train_checkpoint_memorize_sample(tmp_path, capsys):
     assert "resumed at step 2" in text and "step     3/3" in text
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r["step"] for r in rows if "step" in r]
-    assert steps == [1, 2, 3] and sum("summary" in r for r in rows) == 2
+    assert steps == [1, 2, 3] and sum("summary" in r for r in rows) == 2  # resume appends
     for key in ("loss", "loss_all", "loss_dropped", "tokens_per_s", "lr", "grad_norm"):
         assert all(key in r for r in rows if "step" in r), key
     assert "val_loss" in rows[-2] and rows[-2]["num_dropped"] > 0
-    assert sorted(os.listdir(out))[-1] == "step-00000003"
-    assert all(name.startswith("step-") for name in os.listdir(out))
+    assert not (tmp_path / "m.jsonl.tmp").exists()
+    assert sorted(os.listdir(out)) == ["step-00000002", "step-00000003"]  # keep 2 of 3
     assert memorization_main(["--checkpoint", str(out), "--suffix-len", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_docs"] == 4 and result["suffix_len"] == 8 and result["seq_len"] == 40
@@ -137,9 +72,21 @@ def test_cli_single_process_train_checkpoint_memorize_sample(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("The ")
 
 
+def test_cli_resume_without_a_checkpoint_starts_fresh(tmp_path, capsys):
+    """As in plexus.train: --resume continues when there is a checkpoint, else starts."""
+    args = ["--steps", "1", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "0",
+            "--checkpoint-dir", str(tmp_path / "new"), "--resume"]
+    assert train_main(args) == 0
+    assert f"no checkpoint in {tmp_path / 'new'} yet: starting at step 0" in \
+        capsys.readouterr().out
+    assert checkpoint.load(tmp_path / "new")["step"] == 1
+
+
 def test_cli_errors(tmp_path, capsys):
-    assert "--resume needs --out" in _errors(["--resume"], capsys)
-    assert "no checkpoint at" in _errors(["--resume", "--out", str(tmp_path)], capsys)
+    assert "--resume needs --checkpoint-dir" in _errors(["--resume"], capsys)
+    assert "--keep-checkpoints must be >= 1" in _errors(["--keep-checkpoints", "0"], capsys)
+    (tmp_path / "file").write_text("")
+    assert "--checkpoint-dir" in _errors(["--out", str(tmp_path / "file")], capsys)
     assert "num_docs must be in [1, " in _errors(["--docs", "500"], capsys)
     assert "exceeds the model's max_seq_len=128" in _errors(["--seq-len", "500"], capsys)
     assert "does not exist" in _errors(["--metrics", str(tmp_path / "x" / "m.jsonl")], capsys)
@@ -151,20 +98,14 @@ def test_cli_errors(tmp_path, capsys):
     assert "no checkpoint" in _errors(["--checkpoint", str(tmp_path)], capsys, sample_main)
 
 
-def _mpiexec(n, args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, "-m", "llm.train", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-
-
 @needs_mpi
 @pytest.mark.slow
 def test_cli_four_ranks_prints_on_rank_0_and_checkpoints_for_any_grid(tmp_path, capsys):
     out, metrics = tmp_path / "run", tmp_path / "m.jsonl"
-    r = _mpiexec(4, ["--grid", "data=1,depth=2,row=2,col=1", "--steps", "3", "--seq-len", "32",
-                     "--batch-size", "4", "--out", str(out), "--metrics", str(metrics),
-                     "--log-every", "1", "--eval-batches", "1"])
+    r = launch(["-m", "llm.train", "--grid", "data=1,depth=2,row=2,col=1", "--steps", "3",
+                "--seq-len", "32", "--batch-size", "4", "--checkpoint-dir", str(out),
+                "--metrics", str(metrics), "--log-every", "1", "--eval-batches", "1"],
+               ranks=4, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("GPT tiny: 139,584 parameters") == 1  # rank 0 only
     assert "grid data=1,depth=2,row=2,col=1 (4 ranks, mpiexec, gloo)" in r.stdout
@@ -172,6 +113,7 @@ def test_cli_four_ranks_prints_on_rank_0_and_checkpoints_for_any_grid(tmp_path, 
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
     assert all(r["comm_bytes"] > 0 for r in rows if "step" in r)
+    assert all(min(r["overlapped"].values()) > 0 for r in rows if "step" in r)
     # the 4-rank checkpoint loads into one process and continues there
     assert train_main(["--steps", "4", "--seq-len", "32", "--batch-size", "4", "--out",
                        str(out), "--resume", "--eval-batches", "1"]) == 0
@@ -180,9 +122,45 @@ def test_cli_four_ranks_prints_on_rank_0_and_checkpoints_for_any_grid(tmp_path, 
 
 @needs_mpi
 @pytest.mark.slow
-def test_cli_wrong_grid_fails_on_every_rank():
-    r = _mpiexec(2, ["--grid", "1x1x1x1", "--steps", "1"], timeout=120)
+def test_cli_grid_problems_fail_on_every_rank():
+    r = launch(["-m", "llm.train", "--grid", "1x1x1x1", "--steps", "1"], ranks=2, timeout=120)
     assert r.returncode != 0
     msg = re.escape("grid data=1 * depth=1 * row=1 * col=1 = 1 ranks, but 2 processes were "
                     "launched")
     assert set(re.findall(r"\[rank (\d)\] error: " + msg, r.stderr)) == {"0", "1"}, r.stderr
+    r = launch(["-m", "llm.train", "--grid", "2x1x1x1", "--batch-size", "3", "--steps", "1"],
+               ranks=2, timeout=120)
+    assert r.returncode != 0  # the batch is split over data x depth
+    msg = re.escape("grid data=2,depth=1,row=1,col=1: batch: global_batch=3 % "
+                    "(data*depth=2) = 1")
+    assert set(re.findall(r"\[rank (\d)\] error: " + msg, r.stderr)) == {"0", "1"}, r.stderr
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "llm.train", *FAULT_ARGS, "--steps",
+                             "100000", "--out", str(out)], cwd=ROOT, env=launch_env(),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:
+        if line.startswith("step     3/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "preempted (SIGTERM/SIGUSR1) at step" in rest
+    step = checkpoint.load(out)["step"]
+    assert step >= 3
+    resumed = subprocess.run([sys.executable, "-m", "llm.train", *FAULT_ARGS, "--steps",
+                              str(step + 2), "--out", str(out), "--resume"], cwd=ROOT,
+                             env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at step {step}" in resumed.stdout
+
+
+def test_a_killed_rank_stops_every_other_rank_with_its_name():
+    results = kill_one_rank_and_collect(
+        ["llm.train", *FAULT_ARGS, "--grid", "data=1,depth=2,row=1,col=2", "--steps", "100000"],
+        world=4, victim=1, ready="step     3/")
+    for r, (code, err, seconds) in results.items():
+        assert code != 0 and seconds < 60, (r, code, seconds)
+        assert f"[rank {r}] error: rank 1 was lost" in err, err[-2000:]

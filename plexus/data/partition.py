@@ -1,0 +1,118 @@
+"""Graph preprocessing for Plexus: normalisation, permutations, adjacency blocks.
+
+Pure arithmetic on numpy/scipy (no torch.distributed), so it is tested on its own.
+
+Conventions (plexus-3d.md sections 1-3, 6):
+
+* ``edge_index[0]`` is the source, ``edge_index[1]`` the target; node ``t`` aggregates from its
+  in-neighbours: ``Â[t, s] = 1/sqrt(d_t d_s)`` for an edge ``s -> t`` or ``s == t``, with
+  ``d`` the in-degree in ``A + I`` (the convention of PyG's ``gcn_norm``). For undirected
+  graphs (both directions stored) this is the symmetric ``D^-1/2 (A + I) D^-1/2``.
+* Permutations are arrays ``perm[new] = old``. Even layers use ``A' = Pr Â Pc^T``
+  (``A'[i, j] = Â[pr[i], pc[j]]``) with input rows in ``Pc`` order and output in ``Pr``
+  order; odd layers use ``A'' = Pc Â Pr^T``. ``none``: Pr = Pc = identity; ``single``:
+  Pr = Pc (one symmetric permutation); ``double``: independent Pr and Pc.
+* Which axis cuts the rows and columns of layer ``l``'s matrix: plexus.layout.
+
+Shapes (N = padded node count):
+    Â, A', A''                 [N, N] CSR float32
+    A_l block on rank (o, i, p): [N/P, N/O]  rows chunk p, cols chunk o (replicated over I)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from common.grid import round_up
+
+PERMUTATIONS = ("none", "single", "double")
+
+
+def normalized_adjacency(edge_index: np.ndarray, num_nodes: int) -> sp.csr_matrix:
+    """``Â`` as CSR (float32), rows = targets, with one self-loop per node (existing ones merged).
+
+    Duplicate edges are kept as multi-edges (weights add), as PyG's ``gcn_norm`` does.
+    """
+    src, dst = np.asarray(edge_index[0]), np.asarray(edge_index[1])
+    keep = src != dst  # replace existing self-loops by exactly one, like add_remaining_self_loops
+    loops = np.arange(num_nodes)
+    rows = np.concatenate([dst[keep], loops])
+    cols = np.concatenate([src[keep], loops])
+    deg = np.bincount(rows, minlength=num_nodes).astype(np.float64)
+    dinv = 1.0 / np.sqrt(deg)
+    vals = (dinv[rows] * dinv[cols]).astype(np.float32)
+    a = sp.csr_matrix((vals, (rows, cols)), shape=(num_nodes, num_nodes))
+    a.sum_duplicates()
+    return a
+
+
+def make_permutations(num_nodes: int, mode: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(pr, pc), each ``perm[new] = old`` over ``num_nodes`` (padded) nodes."""
+    if mode not in PERMUTATIONS:
+        raise ValueError(f"unknown permutation {mode!r}; choose from {PERMUTATIONS}")
+    rng = np.random.default_rng(seed)
+    if mode == "none":
+        ident = np.arange(num_nodes)
+        return ident, ident
+    pr = rng.permutation(num_nodes)
+    return (pr, pr) if mode == "single" else (pr, rng.permutation(num_nodes))
+
+
+def layer_orders(layer: int, pr: np.ndarray, pc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(output row order, input row order) of ``layer``: (pr, pc) even, (pc, pr) odd."""
+    return (pr, pc) if layer % 2 == 0 else (pc, pr)
+
+
+def output_order(num_layers: int, pr: np.ndarray, pc: np.ndarray) -> np.ndarray:
+    """Row order of the model's output: ``Pr`` after an odd number of layers, else ``Pc``."""
+    return layer_orders(num_layers - 1, pr, pc)[0]
+
+
+def permuted(a: sp.csr_matrix, rows: np.ndarray, cols: np.ndarray) -> sp.csr_matrix:
+    """``a[rows][:, cols]`` (``A'[i, j] = a[rows[i], cols[j]]``) as CSR with sorted column
+    indices (canonical order: the SpMM sums each row in column order, as on prepared blocks)."""
+    out = a[rows][:, cols].tocsr()
+    out.sort_indices()
+    return out
+
+
+def block(a: sp.csr_matrix, p: int, num_p: int, o: int, num_o: int) -> sp.csr_matrix:
+    """Rows chunk ``p`` of ``num_p`` and columns chunk ``o`` of ``num_o`` of ``a``."""
+    nr, nc = a.shape[0] // num_p, a.shape[1] // num_o
+    return a[p * nr : (p + 1) * nr, o * nc : (o + 1) * nc].tocsr()
+
+
+def block_nnz(a: sp.csr_matrix, num_p: int, num_o: int) -> np.ndarray:
+    """Nonzeros of every (p, o) block of ``a``: int64 [num_p, num_o]."""
+    coo = a.tocoo()
+    nr, nc = a.shape[0] // num_p, a.shape[1] // num_o
+    ids = (coo.row // nr) * num_o + coo.col // nc
+    return np.bincount(ids, minlength=num_p * num_o).reshape(num_p, num_o)
+
+
+@dataclass(frozen=True)
+class Balance:
+    """Max/mean nonzeros over the blocks of one adjacency layout."""
+
+    max_nnz: int
+    mean_nnz: float
+
+    @property
+    def ratio(self) -> float:
+        return self.max_nnz / self.mean_nnz if self.mean_nnz else 1.0
+
+
+def block_balance(
+    edge_index: np.ndarray, num_nodes: int, k: int, mode: str, seed: int = 0
+) -> Balance:
+    """Balance of the even-layer matrix ``A'`` of ``Â`` (self-loops included) in ``k x k``
+    blocks under a permutation mode."""
+    n = round_up(num_nodes, k)
+    a = normalized_adjacency(edge_index, num_nodes)
+    a.resize((n, n))
+    pr, pc = make_permutations(n, mode, seed)
+    counts = block_nnz(permuted(a, pr, pc), k, k)
+    return Balance(int(counts.max()), float(counts.mean()))

@@ -1,0 +1,435 @@
+"""Prepare a graph for Plexus as k x k memory-mappable block files, streaming the edges.
+
+    python -m plexus.prepare --source rmat --scale 24 --edge-factor 64 --features 16 \\
+        --out data/rmat-24-k8                       # 1B generated edges, never all in memory
+    python -m plexus.prepare --source ogbn-papers100M --root data --out data/papers100M-k8
+    python -m plexus.prepare --source edges.npy --num-nodes 1000000 --out data/mygraph
+    python -m plexus.prepare --source planted --out data/planted-k8    # small, built-in
+    python -m plexus.train --dataset data/rmat-24-k8 --grid 2x2x2      # train on it
+
+No step holds the whole edge list. Peak memory is O(B + M + N): B edges per chunk
+(``--chunk-edges``), M nonzeros of the largest block (about nnz / k^2 after the double
+permutation), N nodes (degrees, permutations, labels). The steps:
+
+1. stream the edges in chunks: drop self-loops, optionally symmetrise, map every edge to the
+   permuted matrices (``A' = Pr Â Pc^T`` and, for directed graphs, ``A'' = Pc Â Pr^T``) and
+   append its in-block key to the bucket file of its block;
+2. per block: sort, merge duplicate edges (or count them as multi-edges), add up in-degrees;
+3. per block: add the self-loops, normalise (``1/sqrt(d_t d_s)`` in float64, stored float32,
+   exactly as plexus.data.partition.normalized_adjacency), write CSR and transposed CSR;
+4. features, labels and split codes by row chunks, in the permuted orders.
+
+Every file's SHA-256 goes into ``manifest.json`` as it is written.
+
+The files' layout: plexus.data.schema.
+
+The output is written under ``OUT.partial`` and renamed at the end: an interrupted run leaves
+no half-written dataset at OUT, and an existing OUT is never overwritten without ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common.grid import round_up
+from plexus.data import partition as part
+from plexus.data.schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    MATRICES,
+    SPLIT_CODES,
+    file_record,
+    progress,
+    verify,
+)
+from plexus.data.sources import (
+    EdgeSource,
+    NodeData,
+    edge_file_source,
+    graph_source,
+    ogb_source,
+    rmat_source,
+)
+
+# ----------------------------------------------------------------------------- the pipeline
+
+
+def _save(path: Path, arr: np.ndarray, files: dict, root: Path) -> None:
+    """np.save, then record the file's size and SHA-256 in ``files``."""
+    np.save(path, arr)
+    _record(path, files, root)
+
+
+def _record(path: Path, files: dict, root: Path) -> None:
+    rel, rec = file_record(path, root)
+    files[rel] = rec
+
+
+def _index_dtype(nnz: int, rows: int):
+    return np.int32 if max(nnz, rows) < 2**31 else np.int64
+
+
+def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
+            permutation: str = "double", seed: int = 0, force: bool = False,
+            quiet: bool = False) -> dict:
+    """Write ``source`` to ``out`` as ``blocks x blocks`` block files; returns the manifest.
+
+    Args:
+        source: the edges and node data (:func:`rmat_source`, :func:`graph_source`,
+            :func:`edge_file_source`).
+        out: output directory; must not exist unless ``force``.
+        blocks: k; training grids need axis sizes that divide k.
+        permutation: ``none``, ``single`` or ``double`` (plexus-3d.md section 6).
+        seed: permutation seed (training with this dataset uses these permutations).
+        force: replace an existing ``out`` (only after the new one is complete).
+        quiet: no progress bars.
+    """
+    if blocks < 1:
+        raise ValueError(f"--blocks must be >= 1, got {blocks}")
+    if permutation not in part.PERMUTATIONS:
+        raise ValueError(f"unknown permutation {permutation!r}; choose from {part.PERMUTATIONS}")
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists; choose another --out or pass --force "
+                              "to replace it once the new one is complete")
+    t_start = time.perf_counter()
+    k, n = blocks, source.num_nodes
+    n_pad = round_up(max(n, 1), k)
+    bs = n_pad // k
+    work = Path(f"{out}.partial")
+    if work.exists():
+        shutil.rmtree(work)  # left by an interrupted run of ours
+    (work / "buckets").mkdir(parents=True)
+    _check_space(work, source)
+    mats = ("even",) if source.symmetric else MATRICES
+    pr, pc = part.make_permutations(n_pad, permutation, seed)
+    inv = {"pr": np.argsort(pr), "pc": np.argsort(pc)}
+    # (row order, col order) of each matrix: A' rows in Pr order, cols in Pc order; A'' swapped
+    orders = {"even": ("pr", "pc"), "odd": ("pc", "pr")}
+    files: dict[str, dict] = {}
+    key_dtype = np.int64
+    try:
+        # 1. bucket the edges by block
+        edges_in = 0
+        with progress(source.num_edges, "1/4 bucket edges", "edge", quiet) as bar:
+            for chunk in source.chunks():
+                edges_in += chunk.shape[1]
+                bar.update(chunk.shape[1])
+                src, dst = chunk[0], chunk[1]
+                if chunk.shape[1] and (min(src.min(), dst.min()) < 0
+                                       or max(src.max(), dst.max()) >= n):
+                    raise ValueError(f"edge ids must be in [0, {n}); this chunk has "
+                                     f"[{min(src.min(), dst.min())}, "
+                                     f"{max(src.max(), dst.max())}]; check --num-nodes")
+                keep = src != dst
+                src, dst = src[keep], dst[keep]
+                if source.symmetrize:
+                    src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
+                for mat in mats:
+                    ro, co = orders[mat]
+                    r, c = inv[ro][dst], inv[co][src]  # rows are targets
+                    bid = (r // bs) * k + c // bs
+                    key = (r % bs) * bs + c % bs
+                    del r, c
+                    order = np.argsort(bid.astype(np.int16 if k * k < 2**15 else np.int64),
+                                       kind="stable")
+                    counts = np.bincount(bid, minlength=k * k)
+                    key = key[order].astype(key_dtype)
+                    del order, bid
+                    lo = 0
+                    for b in np.flatnonzero(counts):
+                        with open(work / "buckets" / f"{mat}-{b}.bin", "ab") as f:
+                            key[lo:lo + counts[b]].tofile(f)
+                        lo += counts[b]
+                del src, dst, keep
+        # 2. per block: sort, merge duplicates, in-degrees (rows of A' are targets, Pr order)
+        deg_rows = np.zeros(n_pad, dtype=np.int64)
+        block_nnz = {m: np.zeros((k, k), dtype=np.int64) for m in mats}
+        multi = False
+        with progress(len(mats) * k * k, "2/4 sort blocks", "block", quiet) as bar:
+            for mat in mats:
+                for b in range(k * k):
+                    bucket = work / "buckets" / f"{mat}-{b}.bin"
+                    keys = (np.fromfile(bucket, dtype=key_dtype) if bucket.exists()
+                            else np.zeros(0, dtype=key_dtype))
+                    keys, counts = _sorted_unique(keys, source.dedupe)
+                    if counts is not None:
+                        if counts.size and counts.max() > 1:
+                            multi = True
+                            counts.astype(np.int32).tofile(bucket.with_suffix(".cnt"))
+                    # a new file, not a rewrite: truncating a file with unwritten pages
+                    # makes ext4 flush it synchronously (auto_da_alloc)
+                    keys.tofile(bucket.with_suffix(".srt"))
+                    bucket.unlink(missing_ok=True)
+                    if mat == "even":
+                        i = b // k
+                        deg_rows[i * bs:(i + 1) * bs] += np.bincount(
+                            keys // bs, weights=counts, minlength=bs).astype(np.int64)
+                    bar.update()
+        in_degree = np.zeros(n_pad, dtype=np.int64)
+        in_degree[pr] = deg_rows  # row i of A' is node pr[i]
+        del deg_rows
+        real = np.arange(n_pad) < n
+        dinv = np.zeros(n_pad, dtype=np.float64)
+        dinv[real] = 1.0 / np.sqrt(in_degree[real] + 1.0)  # + 1: the self-loop
+        perm = {"pr": pr, "pc": pc}
+        # 3. per block: self-loops, values, CSR and transposed CSR
+        with progress(len(mats) * k * k, "3/4 write blocks", "block", quiet) as bar:
+            for mat in mats:
+                ro, co = orders[mat]
+                dinv_r, dinv_c = dinv[perm[ro]], dinv[perm[co]]
+                v = np.arange(n)  # self-loop of node v sits at (inv_row[v], inv_col[v])
+                loop_r, loop_c = inv[ro][v], inv[co][v]
+                loop_bid = (loop_r // bs) * k + loop_c // bs
+                loop_order = np.argsort(loop_bid, kind="stable")
+                loop_start = np.concatenate([[0], np.cumsum(np.bincount(loop_bid,
+                                                                        minlength=k * k))])
+                loop_key = ((loop_r % bs) * bs + loop_c % bs)[loop_order]
+                del v, loop_r, loop_c, loop_bid, loop_order
+                for b in range(k * k):
+                    i, j = divmod(b, k)
+                    bucket = work / "buckets" / f"{mat}-{b}.srt"
+                    keys = np.fromfile(bucket, dtype=key_dtype)
+                    cnt_file = bucket.with_suffix(".cnt")
+                    counts = np.fromfile(cnt_file, dtype=np.int32) if cnt_file.exists() else None
+                    lk = np.sort(loop_key[loop_start[b]:loop_start[b + 1]])
+                    pos = np.searchsorted(keys, lk)
+                    keys = np.insert(keys, pos, lk)
+                    if counts is not None:
+                        counts = np.insert(counts, pos, 1)
+                    _write_block(work / mat / f"{i}_{j}", keys, counts, bs,
+                                 dinv_r[i * bs:(i + 1) * bs], dinv_c[j * bs:(j + 1) * bs],
+                                 files, work)
+                    block_nnz[mat][i, j] = keys.size
+                    bucket.unlink(missing_ok=True)
+                    cnt_file.unlink(missing_ok=True)
+                    bar.update()
+        shutil.rmtree(work / "buckets")
+        # 4. node data by row chunks
+        nd = source.node_data(in_degree[:n])
+        try:
+            _write_node_data(work, nd, source, pr, pc, n, k, bs, files, quiet)
+        finally:
+            nd.cleanup()
+        (work / "perm").mkdir()
+        _save(work / "perm" / "pr.npy", pr, files, work)
+        _save(work / "perm" / "pc.npy", pc, files, work)
+        split_counts = {s: int((nd.split == c).sum()) for s, c in SPLIT_CODES.items()}
+        nnz = int(block_nnz["even"].sum())
+        manifest = {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": source.name,
+            "source": source.description, "num_nodes": n, "num_nodes_padded": n_pad,
+            "num_edges": nnz - n, "nnz": nnz, "edges_read": edges_in,
+            "num_features": source.num_features, "num_classes": source.num_classes,
+            "blocks": k, "block_size": bs, "symmetric": source.symmetric,
+            "multi_edges": multi, "dedupe": source.dedupe, "permutation": permutation,
+            "seed": seed, "split_counts": split_counts,
+            "block_nnz": {m: block_nnz[m].tolist() for m in mats},
+            "prepare_seconds": round(time.perf_counter() - t_start, 3),
+            "files": files,
+        }
+        with open(work / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+        if out.exists():  # --force: replace only now that the new dataset is complete
+            shutil.rmtree(out)
+        os.replace(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _sorted_unique(keys: np.ndarray, dedupe: bool):
+    """(sorted distinct keys, how often each occurs or None with ``dedupe``); sorts in place
+    (numpy's hash-based np.unique is several times slower on these sizes)."""
+    keys.sort()
+    first = np.ones(keys.size, dtype=bool)
+    np.not_equal(keys[1:], keys[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    del first
+    counts = None if dedupe else np.diff(starts, append=keys.size).astype(np.int32)
+    return keys[starts], counts
+
+
+def _check_space(work: Path, source: EdgeSource) -> None:
+    """Fail early when the disk clearly cannot hold the buckets plus the blocks."""
+    if source.num_edges is None:
+        return
+    nnz = source.num_edges * (2 if source.symmetrize else 1) * (1 if source.symmetric else 2)
+    need = nnz * (8 + 16) + source.num_nodes * (source.num_features * 4 + 64)
+    free = shutil.disk_usage(work).free
+    if need > free:
+        raise OSError(f"preparing needs up to {need / 2**30:.1f} GiB of disk at {work}, "
+                      f"only {free / 2**30:.1f} GiB are free; choose another --out")
+
+
+def _write_block(folder: Path, keys: np.ndarray, counts, bs: int, dinv_r: np.ndarray,
+                 dinv_c: np.ndarray, files: dict, root: Path) -> None:
+    """CSR and transposed CSR of one block from its sorted unique keys (row * bs + col)."""
+    folder.mkdir(parents=True)
+    rows = keys // bs
+    cols = keys - rows * bs
+    vals = (dinv_r[rows] * dinv_c[cols]).astype(np.float32)
+    if counts is not None:
+        vals *= counts.astype(np.float32)  # multi-edges: weights add up
+    idx = _index_dtype(keys.size, bs)
+    indptr = np.zeros(bs + 1, dtype=idx)
+    np.cumsum(np.bincount(rows, minlength=bs), out=indptr[1:])
+    indices = cols.astype(idx)
+    _save(folder / "indptr.npy", indptr, files, root)
+    _save(folder / "indices.npy", indices, files, root)
+    _save(folder / "values.npy", vals, files, root)
+    t_indptr = np.zeros(bs + 1, dtype=idx)
+    np.cumsum(np.bincount(cols, minlength=bs), out=t_indptr[1:])
+    try:
+        from plexus.kernels import csr_transpose
+    except ImportError:  # numpy: a stable sort keeps rows ascending inside each column
+        order = np.argsort(cols, kind="stable")
+        t_indices, t_values = rows[order].astype(idx), vals[order]
+    else:  # a counting sort by column, O(nnz)
+        t_indices, t_values = np.empty_like(indices), np.empty_like(vals)
+        csr_transpose(indptr, indices, vals, t_indptr, t_indices, t_values)
+    _save(folder / "t_indptr.npy", t_indptr, files, root)
+    _save(folder / "t_indices.npy", t_indices, files, root)
+    _save(folder / "t_values.npy", t_values, files, root)
+
+
+def _write_node_data(work: Path, nd: NodeData, source: EdgeSource, pr, pc, n, k, bs, files,
+                     quiet) -> None:
+    for sub in ("features", "labels", "split"):
+        (work / sub).mkdir()
+    if nd.labels.shape != (n,) or nd.split.shape != (n,):
+        raise ValueError(f"labels and split must be [{n}] arrays")
+    bad = (nd.labels < -1) | (nd.labels >= source.num_classes)
+    if bad.any():
+        v = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"label {int(nd.labels[v])} of node {v} is outside [0, "
+                         f"{source.num_classes}) (-1 = unlabeled)")
+    f = source.num_features
+    step = max(1, (1 << 26) // max(4 * f, 1))  # rows per gather: about 64 MiB
+    with progress(n, "4/4 features", "row", quiet) as bar:
+        for c in range(k):
+            ids = pc[c * bs:(c + 1) * bs]
+            path = work / "features" / f"{c}.npy"
+            x = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(bs, f))
+            for lo in range(0, bs, step):
+                part_ids = ids[lo:lo + step]
+                real = np.flatnonzero(part_ids < n)
+                block = np.zeros((part_ids.size, f), dtype=np.float32)
+                if real.size:
+                    srt = np.argsort(part_ids[real])
+                    rows = nd.features(part_ids[real][srt])
+                    if not np.isfinite(rows).all():
+                        raise ValueError("features contain NaN or infinity; clean the input")
+                    block[real[srt]] = rows
+                x[lo:lo + part_ids.size] = block
+                bar.update(real.size)
+            x.flush()
+            del x
+            _record(path, files, work)
+    for name, order in (("pr", pr), ("pc", pc)):
+        for c in range(k):
+            ids = order[c * bs:(c + 1) * bs]
+            real = ids < n
+            safe = np.where(real, ids, 0)
+            _save(work / "labels" / f"{name}_{c}.npy",
+                  np.where(real, nd.labels[safe], -1).astype(np.int64), files, work)
+            _save(work / "split" / f"{name}_{c}.npy",
+                  np.where(real, nd.split[safe], 0).astype(np.int8), files, work)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m plexus.prepare",
+        description="Write a graph as k x k memory-mappable block files for plexus.train, "
+        "streaming the edges (peak memory: a chunk of edges, one block, O(nodes)).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--source", default=None,
+                   help="rmat (streamed R-MAT generator), ogbn-arxiv / ogbn-products / "
+                   "ogbn-papers100M (raw files under --root, read in chunks), a .npy edge file "
+                   "([2, E] or [E, 2] integers), or a built-in name (planted, rmat-SCALE: "
+                   "loaded in memory, for small graphs)")
+    p.add_argument("--out", default=None, help="output directory (must not exist)")
+    p.add_argument("--blocks", type=int, default=8,
+                   help="k: k x k blocks; training grid axis sizes must divide k")
+    p.add_argument("--permutation", choices=part.PERMUTATIONS, default="double")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the permutations and of generated data")
+    p.add_argument("--root", default="data", help="OGB: directory of the dataset folders")
+    p.add_argument("--scale", type=int, default=20, help="R-MAT: log2 of the node count")
+    p.add_argument("--edge-factor", type=int, default=16, help="R-MAT: edges per node")
+    p.add_argument("--features", type=int, default=128, help="R-MAT / edge file: feature width")
+    p.add_argument("--classes", type=int, default=32, help="R-MAT / edge file: classes")
+    p.add_argument("--num-nodes", type=int, default=None, help="edge file: node count")
+    p.add_argument("--symmetrize", action="store_true",
+                   help="edge file: add reverse edges and drop duplicates (undirected graph)")
+    p.add_argument("--chunk-edges", type=int, default=1 << 23, help="edges per chunk")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--verify", metavar="DIR", default=None,
+                   help="only check the checksums of a prepared dataset")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.verify is None and (args.source is None or args.out is None):
+        p.error("--source and --out are required (or --verify DIR)")
+    return args
+
+
+def source_from_args(args: argparse.Namespace, tmp_dir: str) -> EdgeSource:
+    if args.source == "rmat":
+        return rmat_source(args.scale, args.edge_factor, args.seed,
+                           num_features=args.features, num_classes=args.classes,
+                           chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
+    if args.source.startswith("ogbn-"):
+        return ogb_source(args.source, args.root, chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
+    if args.source.endswith(".npy"):
+        if args.num_nodes is None:
+            raise ValueError("an edge file needs --num-nodes")
+        return edge_file_source(args.source, args.num_nodes, symmetrize=args.symmetrize,
+                                num_features=args.features, num_classes=args.classes,
+                                seed=args.seed, chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
+    from plexus.data.registry import load_dataset
+
+    return graph_source(load_dataset(args.source, seed=args.seed),
+                        chunk_edges=args.chunk_edges)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.verify is not None:
+            bad = verify(args.verify, quiet=args.quiet)
+            print(f"{args.verify}: " + ("intact" if not bad else
+                                        f"{len(bad)} damaged or missing file(s): "
+                                        + ", ".join(bad[:10])))
+            return 1 if bad else 0
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        source = source_from_args(args, tmp_dir=str(out.parent))
+        m = prepare(source, out, blocks=args.blocks, permutation=args.permutation,
+                    seed=args.seed, force=args.force, quiet=args.quiet)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    nnz = np.asarray(m["block_nnz"]["even"])
+    print(f"{out}: {m['num_nodes']:,} nodes, {m['num_edges']:,} edges ({m['nnz']:,} nonzeros "
+          f"with self-loops) in {m['blocks']}x{m['blocks']} blocks, max/mean nonzeros per "
+          f"block {nnz.max() / max(nnz.mean(), 1):.3f}; {m['prepare_seconds']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

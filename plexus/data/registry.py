@@ -1,0 +1,93 @@
+"""Dataset names to graphs and shard sources: what ``--dataset`` means.
+
+    load_dataset("planted")                       # an in-memory Graph
+    open_source("ogbn-arxiv", root="data")        # a ShardSource for the trainer
+    open_source("data/rmat-24-k8")                # a prepared dataset: mapped per rank
+
+Names: ``planted`` (built-in, learnable), ``rmat`` (scale 12), ``rmat-<scale>``, the OGB node
+datasets (read by the real ``ogb`` loaders from ``root``), or a directory written by
+``python -m plexus.prepare`` (as a path, or as a name under ``root``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from plexus.data.generators import planted_partition, rmat_graph
+from plexus.data.graph import Graph
+from plexus.data.memory import InMemorySource
+from plexus.data.ogb import OGB_DATASETS, load_ogb
+from plexus.data.prepared import PreparedGraph
+from plexus.data.schema import DEFAULT_ROOT, is_prepared
+from plexus.data.shard import ShardSource
+
+RMAT_DEFAULT_SCALE = 12  # "rmat": 4,096 nodes, 65,536 generated edges
+
+
+def available_datasets() -> list[str]:
+    """Names :func:`load_dataset` accepts; "rmat-<scale>" stands for rmat-10, rmat-14, ..."""
+    return ["planted", "rmat", "rmat-<scale>", *OGB_DATASETS]
+
+
+def load_dataset(name: str, root: str | os.PathLike | None = None, seed: int = 0, *,
+                 download: bool = False) -> Graph:
+    """Load a dataset by name as an in-memory :class:`Graph`.
+
+    Args:
+        name: one of :func:`available_datasets`: "planted" (the learnable default), "rmat"
+            (scale 12), "rmat-<scale>" (edge factor 16), or an OGB name.
+        root: folder of the OGB dataset folders; default "data" (relative to the working dir).
+            Unused by the generated datasets.
+        seed: seed of the generated datasets and their random splits; OGB uses its own split.
+        download: let the OGB loader fetch missing files (needs internet).
+
+    Raises:
+        ValueError: unknown name (the message lists the available ones).
+        DatasetNotFoundError: OGB files missing (see :func:`plexus.data.ogb.load_ogb`).
+    """
+    if name == "planted":
+        return planted_partition(seed=seed)
+    if name == "rmat":
+        return rmat_graph(RMAT_DEFAULT_SCALE, seed=seed)
+    if match := re.fullmatch(r"rmat-(\d+)", name):
+        return rmat_graph(int(match.group(1)), seed=seed)
+    if name in OGB_DATASETS:
+        return load_ogb(name, DEFAULT_ROOT if root is None else root, download=download)
+    raise ValueError(f"unknown dataset {name!r}; available: {', '.join(available_datasets())}"
+                     " or a directory written by python -m plexus.prepare")
+
+
+def open_source(name: str, *, root: str | os.PathLike | None = None,
+                permutation: str | None = None, seed: int = 0,
+                pad_multiple: int = 1) -> ShardSource:
+    """The shard source of ``--dataset NAME``: a prepared directory (``NAME`` as a path, or
+    ``ROOT/NAME``) is memory-mapped per rank; any other name is loaded whole.
+
+    Args:
+        name: a dataset name (:func:`load_dataset`) or a prepared directory.
+        root: default "data".
+        permutation: ``none``/``single``/``double``; None: ``double`` in memory, a prepared
+            dataset's own. A prepared dataset refuses a different one.
+        seed: permutation seed of in-memory graphs (and the seed of generated ones); a
+            prepared dataset uses its own.
+        pad_multiple: in-memory graphs: pad the node count to a multiple of this too.
+
+    Raises:
+        ValueError: unknown name, or a permutation the prepared dataset was not made with.
+        DatasetNotFoundError, DatasetCorruptError: missing or unreadable files.
+    """
+    root = Path(DEFAULT_ROOT if root is None else root)
+    for path in (Path(name), root / name):
+        if is_prepared(path):
+            source = PreparedGraph(path)
+            if permutation is not None and permutation != source.permutation:
+                raise ValueError(
+                    f"{path} was prepared with --permutation {source.permutation} (seed "
+                    f"{source.seed}); train with --permutation {source.permutation} or "
+                    f"prepare it again with --permutation {permutation}")
+            return source
+    graph = load_dataset(name, root=root, seed=seed)
+    return InMemorySource(graph, permutation=permutation or "double", seed=seed,
+                          pad_multiple=pad_multiple)

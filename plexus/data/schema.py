@@ -1,0 +1,102 @@
+"""What plexus data looks like: split names and codes, and the on-disk format of a prepared
+dataset (format version, manifest, checksums). The writer (plexus.data.prepare) and the
+reader (plexus.data.prepared) both use this module; neither imports the other.
+
+Layout of a prepared dataset ``OUT`` (N_pad = N rounded up to k; bs = N_pad / k):
+
+    manifest.json                 sizes, k, permutation and seed, per-block nnz, checksums
+    perm/pr.npy, perm/pc.npy      int64 [N_pad], perm[new] = old
+    even/R_C/{indptr,indices,values,t_indptr,t_indices,t_values}.npy
+                                  block (R, C) of A' [bs, bs] as CSR (int32 indices) and the
+                                  CSR of its transpose; odd/R_C/... the same for A'' (directed
+                                  graphs only: for symmetric ones A'' = A'^T)
+    features/C.npy                float32 [bs, F]: rows chunk C of the features in Pc order
+    labels/{pr,pc}_C.npy          int64 [bs]: labels of rows chunk C in Pr / Pc order (-1 none)
+    split/{pr,pc}_C.npy           int8 [bs]: 0 none, 1 train, 2 val, 3 test
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from plexus.data.errors import DatasetCorruptError
+
+SPLITS = ("train", "val", "test")
+SPLIT_CODES = {"train": 1, "val": 2, "test": 3}  # 0: in no split
+DEFAULT_ROOT = "data"  # --root default: OGB folders (data/ogbn_arxiv) and prepared datasets
+
+FORMAT_NAME = "plexus-blocks"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MATRICES = ("even", "odd")  # A' = Pr Â Pc^T (even layers), A'' = Pc Â Pr^T (odd layers)
+
+
+def is_prepared(path: str | os.PathLike) -> bool:
+    """True if ``path`` is a directory written by plexus.prepare (it holds a manifest)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the prepared dataset at ``path``, checked for format and version.
+
+    Raises:
+        FileNotFoundError: no manifest.json at ``path``.
+        DatasetCorruptError: the manifest is unreadable or of another format version.
+    """
+    path = Path(path)
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise FileNotFoundError(
+            f"{path} is not a prepared dataset (no {MANIFEST}); write one with "
+            f"python -m plexus.prepare --source ... --out {path}")
+    try:
+        with open(mf) as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DatasetCorruptError(f"{mf} is unreadable ({e}); prepare the dataset again "
+                                  "with python -m plexus.prepare") from e
+    if m.get("format") != FORMAT_NAME or m.get("version") != FORMAT_VERSION:
+        raise DatasetCorruptError(
+            f"{mf} is format {m.get('format')!r} version {m.get('version')!r}; this "
+            f"version reads {FORMAT_NAME} version {FORMAT_VERSION}: prepare it again")
+    return m
+
+
+def file_record(path: Path, root: Path) -> tuple[str, dict[str, Any]]:
+    """(path relative to ``root``, {"bytes", "sha256"}) of a written file, as the manifest
+    stores it (read back right after writing, while it is in the page cache)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return str(path.relative_to(root)), {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def progress(total: int, desc: str, unit: str, quiet: bool):
+    """A tqdm bar on stderr with rate and ETA (disabled with ``quiet``)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=quiet,
+                file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+
+
+def verify(path: str | os.PathLike, quiet: bool = True) -> list[str]:
+    """Files of a prepared dataset whose size or SHA-256 differ from the manifest (or are
+    missing); an empty list means intact."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    bad = []
+    with progress(len(manifest["files"]), "verify", "file", quiet) as bar:
+        for rel, meta in manifest["files"].items():
+            p = root / rel
+            if not p.is_file() or p.stat().st_size != meta["bytes"]:
+                bad.append(rel)
+            elif file_record(p, root)[1]["sha256"] != meta["sha256"]:
+                bad.append(rel)
+            bar.update()
+    return bad

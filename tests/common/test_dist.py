@@ -1,0 +1,171 @@
+"""common.dist: start-up under real launchers (mpiexec with mpich + mpi4py, torchrun, alone),
+a wrong grid reported on every rank, timeouts read at call time, the context that closes
+itself, and the watchdog that names a lost rank."""
+
+import ast
+import re
+import subprocess
+import sys
+
+import pytest
+
+from common.dist import DistContext, detect_launcher, first_slurm_host, resolve_timeouts
+from tests.distributed import ROOT, launch, launch_env
+
+CHECKS = ["-m", "tests.common.collective_checks"]
+
+
+@pytest.mark.slow
+def test_mpiexec_four_ranks():
+    r = launch([*CHECKS, "--grid", "1x2x2"], ranks=4, launcher="mpiexec")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # mpiexec merges the ranks' stdout, so lines may run together: count in the whole text
+    assert r.stdout.count("launcher=mpiexec OK 0 failures") == 4, r.stdout
+
+
+@pytest.mark.slow
+def test_mpiexec_wrong_grid_fails_on_every_rank():
+    r = launch([*CHECKS, "--grid", "2x2x2"], ranks=4, launcher="mpiexec", timeout=120)
+    assert r.returncode != 0
+    msg = "grid x=2 * y=2 * z=2 = 8 ranks, but 4 processes were launched"
+    # mpiexec merges the ranks' stderr, so lines may run together: search the whole text
+    ranks = set(re.findall(r"\[rank (\d+)\] error: " + re.escape(msg), r.stderr))
+    assert ranks == {"0", "1", "2", "3"}, r.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks():
+    r = launch([*CHECKS, "--grid", "data=2"], ranks=2, launcher="torchrun")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("launcher=torchrun OK 0 failures") == 2, r.stdout
+
+
+def test_single_process():
+    r = launch([*CHECKS, "--grid", "1x1x1"], launcher="single")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 0/1 launcher=single OK" in r.stdout
+    bad = launch([*CHECKS, "--grid", "1x2x1"], launcher="single")
+    assert bad.returncode == 2
+    assert "grid x=1 * y=2 * z=1 = 2 ranks, but 1 processes were launched" in bad.stderr
+
+
+def test_launcher_detection():
+    assert detect_launcher({}) == "single"
+    assert detect_launcher({"PMI_SIZE": "4", "PMI_RANK": "0"}) == "mpiexec"
+    assert detect_launcher({"OMPI_COMM_WORLD_SIZE": "2"}) == "mpiexec"
+    assert detect_launcher({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                            "MASTER_PORT": "1"}) == "torchrun"
+    slurm = {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8"}
+    assert detect_launcher(slurm) == "srun"
+    # an sbatch shell (no job step) running one process is not an srun launch
+    assert detect_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) == "single"
+    assert first_slurm_host("nid[001-004,010],gpu7") == "nid001"
+    assert first_slurm_host("node17") == "node17"
+    assert first_slurm_host("a[7,9]") == "a7"
+
+
+def test_timeouts_are_read_at_call_time(monkeypatch):
+    monkeypatch.delenv("HPC_DIST_TIMEOUT", raising=False)
+    monkeypatch.delenv("HPC_HEARTBEAT_TIMEOUT", raising=False)
+    assert resolve_timeouts() == (300.0, 30.0)
+    monkeypatch.setenv("HPC_DIST_TIMEOUT", "7")
+    monkeypatch.setenv("HPC_HEARTBEAT_TIMEOUT", "3.5")
+    assert resolve_timeouts() == (7.0, 3.5)
+    assert resolve_timeouts(11, 2) == (11.0, 2.0)  # arguments win over the environment
+    monkeypatch.setenv("HPC_DIST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="HPC_DIST_TIMEOUT='soon' is not a number"):
+        resolve_timeouts()
+    with pytest.raises(ValueError, match="heartbeat_timeout_s must be > 0"):
+        resolve_timeouts(5, 0)
+    # nothing is read at import: a bad value breaks only the call that reads it
+    code = "import common.dist, common.run"
+    env = launch_env({"HPC_DIST_TIMEOUT": "soon", "HPC_HEARTBEAT_TIMEOUT": "x"})
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+
+
+def test_no_module_level_mutable_state():
+    """No module of common/ keeps process state in a global (the watchdog belongs to the
+    DistContext): no `global` statement, no module-level list or set."""
+    offenders = []
+    for path in sorted((ROOT / "common").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        offenders += [f"{path.name}:{n.lineno} global" for n in ast.walk(tree)
+                      if isinstance(n, ast.Global)]
+        for node in tree.body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target",
+                                                                                 None)]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                continue
+            mutable = isinstance(value, (ast.List, ast.Set, ast.ListComp, ast.SetComp)) or (
+                isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                and value.func.id in ("list", "set", "defaultdict"))
+            if mutable:
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_bad_arguments_fail_before_start_up():
+    from common.dist import init_distributed
+
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        init_distributed(device="tpu")
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        init_distributed(timeout_s=-1)
+
+
+CONTEXT = """
+import torch.distributed as dist
+from common.dist import init_distributed
+with init_distributed(device="cpu") as ctx:
+    assert dist.is_initialized() and ctx.watchdog is None and ctx.heartbeat_timeout_s == 4.0
+    print(ctx.launcher, ctx.rank, ctx.world_size, ctx.is_main)
+assert not dist.is_initialized()
+ctx.close()  # idempotent
+again = init_distributed(device="cpu", heartbeat_timeout_s=9)
+print("again", again.heartbeat_timeout_s, dist.is_initialized())
+# no close: the exit hook does it
+"""
+
+
+def test_context_manager_close_and_exit_hook():
+    r = subprocess.run([sys.executable, "-c", CONTEXT], capture_output=True, text=True,
+                       env=launch_env({"HPC_HEARTBEAT_TIMEOUT": "4"}), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["single 0 1 True", "again 9.0 True"], r.stdout
+
+
+WATCHDOG = """
+import sys, time
+import torch.distributed as dist
+from common.dist import Watchdog
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+mine = Watchdog(store, 0, 2, interval_s=0.1, timeout_s=1.0)
+peer = Watchdog(store, 1, 2, interval_s=0.1, timeout_s=1.0)
+time.sleep(1.5)
+print("both alive", flush=True)
+peer.stop(clean=sys.argv[1] == "clean")
+time.sleep(2.0)
+print("survived", flush=True)
+mine.stop()
+"""
+
+
+@pytest.mark.parametrize("how", ["clean", "failed"])
+def test_watchdog_names_a_lost_rank_but_not_a_finished_one(how):
+    """Rank 1 stops heart-beating: after a clean stop (it finished) rank 0 carries on; after a
+    failure (clean=False) rank 0 exits 1 within the heartbeat timeout, naming rank 1."""
+    r = subprocess.run([sys.executable, "-c", WATCHDOG, how], capture_output=True, text=True,
+                       env=launch_env(), timeout=60)
+    assert "both alive" in r.stdout, r.stdout + r.stderr
+    if how == "clean":
+        assert r.returncode == 0 and "survived" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode == 1 and "survived" not in r.stdout, r.stdout + r.stderr
+        assert "[rank 0] error: rank 1 was lost (no heartbeat for 1 s)" in r.stderr, r.stderr
+
+
+def test_dist_context_fields():
+    names = list(DistContext.__dataclass_fields__)
+    assert names == ["rank", "world_size", "local_rank", "local_world_size", "device",
+                     "backend", "launcher", "heartbeat_timeout_s", "watchdog"]

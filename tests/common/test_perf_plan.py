@@ -1,0 +1,106 @@
+"""The planner: one plan and one auto_grid for both workloads, constraints, the command."""
+
+import subprocess
+import sys
+
+import pytest
+
+from common.grid import ProcessGrid
+from common.perf import GCNWorkload, GPTWorkload, auto_grid, choose, load_profile, plan, plan_gcn
+from common.perf.machine import Compute, Link, MachineProfile
+from common.perf.plan import main
+from tests.distributed import launch_env
+
+GCN = GCNWorkload(num_nodes=50000, nnz=1_000_000, num_features=128, num_classes=16)
+# the llm tiny preset's shape, written out (common imports no engine)
+TINY = {"vocab_size": 256, "num_layers": 4, "num_heads": 4, "d_model": 128, "d_ff": 512}
+
+
+def gpt_work(**kw):
+    return GPTWorkload(**{**TINY, **kw}, seq_len=64, global_batch=16, micro_batch=8)
+
+
+def test_plan_is_reexported():
+    assert choose.plan is plan and choose.auto_grid is auto_grid
+
+
+def test_auto_grid_is_the_plans_best_for_a_gcn():
+    grid, ranked = auto_grid(GCN, 8, machine="local-cpu")
+    assert grid == ProcessGrid.plexus(*ranked.best.shape.values()) and grid.num_ranks == 8
+    assert "runner-up" in ranked.describe_choice()
+    # a profile object, a name and the default ($HPC_MACHINE_PROFILE, else local-cpu) agree
+    same = plan_gcn(GCN, 8, load_profile("local-cpu"))
+    assert [p.shape for p in plan(GCN, 8, machine=load_profile("local-cpu")).predictions] == [
+        p.shape for p in same.predictions] == [p.shape for p in ranked.predictions]
+
+
+def test_auto_grid_for_a_gpt():
+    grid, ranked = auto_grid(gpt_work(), 8, machine="local-cpu")
+    assert grid.axes == ("data", "depth", "row", "col") and grid.num_ranks == 8
+    assert grid == ProcessGrid.axonn(*ranked.best.shape.values())
+    assert ranked.best.extra["micro_batch"] == 8
+
+
+def test_machine_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HPC_MACHINE_PROFILE", "perlmutter-a100")
+    assert "perlmutter-a100" in plan(GCN, 4).title
+    monkeypatch.delenv("HPC_MACHINE_PROFILE")
+    assert "local-cpu" in plan(GCN, 4).title
+
+
+def test_constraints_make_grids_not_runnable():
+    def no_z(shape):
+        return [f"test: z={shape['z']} > 1"] if shape["z"] > 1 else []
+
+    ranked = plan(GCN, 8, machine="local-cpu", constraints=[no_z])
+    assert ranked.runnable and all(p.shape["z"] == 1 for p in ranked.runnable)
+    assert any(p.invalid == "test: z=2 > 1" for p in ranked.predictions)
+    grid, _ = auto_grid(GCN, 8, machine="local-cpu", constraints=[no_z])
+    assert grid.size("z") == 1
+    # the workload's own problems stay, constraints add to them
+    work = gpt_work(num_heads=2, d_model=128)
+    ranked = plan(work, 4, machine="local-cpu", constraints=[lambda s: ["never"]])
+    assert not ranked.runnable
+    assert {p.invalid for p in ranked.predictions if p.shape["row"] == 4} == {
+        "heads: num_heads=2 % row=4 = 2; never"}
+    with pytest.raises(ValueError, match="no grid of 4 ranks fits: every grid has a problem"):
+        auto_grid(work, 4, machine="local-cpu", constraints=[lambda s: ["never"]])
+
+
+def test_no_grid_fits_in_memory():
+    tiny = MachineProfile(name="tiny", node_memory=1e12, device_memory=35e6,
+                          intra=Link(alpha_s=0, bandwidth=1e9), inter=Link(alpha_s=0,
+                                                                           bandwidth=1e9),
+                          compute=(Compute(spmm_bandwidth=1e9, gemm_flops=1e9,
+                                           memory_bandwidth=1e9),))
+    work = GCNWorkload(num_nodes=20000, nnz=200000, num_features=64, num_classes=8)
+    with pytest.raises(ValueError, match="no grid of 1 ranks fits in memory"):
+        auto_grid(work, 1, machine=tiny)
+    with pytest.raises(TypeError, match="GCNWorkload or a GPTWorkload"):
+        plan("graph", 4)  # type: ignore[arg-type]
+
+
+def test_plan_cli_prints_a_ranked_table(capsys):
+    assert main(["gcn", "--nodes", "1000", "--nnz", "20000", "--features", "16",
+                 "--classes", "4", "--ranks", "8", "--machine", "perlmutter-a100"]) == 0
+    out = capsys.readouterr().out
+    assert "comm x" in out and "GiB/rank" in out and "runner-up" in out
+    assert len([ln for ln in out.splitlines() if " yes" in ln]) == 10  # every grid of 8 fits
+    assert main(["gcn", "--ranks", "4"]) == 2
+    assert "--nodes" in capsys.readouterr().err
+    assert main(["gpt", "--vocab", "256", "--layers", "4", "--heads", "4", "--d-model", "128",
+                 "--d-ff", "512", "--batch", "16", "--seq-len", "64", "--ranks", "8",
+                 "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "comm row" in out and "grid auto: data=" in out
+    assert "17 more grids" in out  # 20 grids of 8 ranks on 4 axes
+    assert main(["gpt", "--vocab", "256", "--batch", "16", "--seq-len", "64",
+                 "--ranks", "8"]) == 2
+    assert "missing --layers --heads --d-model --d-ff" in capsys.readouterr().err
+
+
+def test_plan_command_runs_as_a_module():
+    r = subprocess.run([sys.executable, "-m", "common.perf.plan", "profiles"],
+                       capture_output=True, text=True, env=launch_env(), timeout=60)
+    assert r.returncode == 0 and "perlmutter-a100" in r.stdout, r.stderr
+    assert r.stderr == ""  # no runpy warning about the re-exported module

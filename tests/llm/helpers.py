@@ -1,0 +1,55 @@
+"""Plain helpers of the llm tests (test modules and rank processes import them; the fixtures
+are in conftest.py): a small GPT and trainer, and the per-rank functions of the two shared
+multi-rank launches.
+
+Starting ranks costs seconds each on 2 cores, so all 4-rank checks (test_parallel,
+test_trainer, test_loss) run in ONE launch and all 8-rank checks (test_parallel, test_tp,
+test_trainer) in another; each check's per-rank function lives in its test module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.grid import ProcessGrid
+from llm.model import GPTConfig
+
+# A 2-layer GPT on bytes with grouped-query attention (4 / 2 heads), 16-token windows.
+SMALL = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32,
+                  d_ff=48, max_seq_len=16)
+TRAIN_STEPS = 20
+
+
+def one_rank_groups() -> dict[str, Any]:
+    """Axis groups of the 1x1x1x1 grid: no process group needed."""
+    from llm.parallel import make_groups
+
+    return make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0)
+
+
+def make_trainer(groups, steps=TRAIN_STEPS, overlap="all", device="cpu"):
+    """:data:`SMALL` on 16-byte windows, goldfish on (k=4, h=3), gradient accumulation 2."""
+    from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, RunConfig, Trainer
+
+    return Trainer(SMALL, DataConfig(seq_len=16, batch_size=6, eval_batches=1),
+                   OptimConfig(lr=1e-2, warmup_steps=3), GoldfishConfig(k=4, h=3),
+                   RunConfig(steps=steps, grad_accum=2, overlap=overlap), groups, seed=5,
+                   device=device)
+
+
+def four_rank_checks(ctx) -> dict[str, Any]:
+    """Everything the 4-rank tests compare, computed on one rank of one launch."""
+    from tests.llm import test_loss, test_parallel, test_trainer
+
+    return {"parallel": test_parallel.parallel_cases(ctx, test_parallel.CASES[4]),
+            "overlap": test_trainer.overlap_runs(ctx),
+            "loss": test_loss.sharded_losses(ctx)}
+
+
+def eight_rank_checks(ctx) -> dict[str, Any]:
+    """Everything the 8-rank tests compare, computed on one rank of one launch."""
+    from tests.llm import test_parallel, test_tp, test_trainer
+
+    return {"parallel": test_parallel.parallel_cases(ctx, test_parallel.CASES[8]),
+            "volumes": [test_tp.linear_volumes(ctx, g, o) for g, o in test_tp.VOLUME_CASES],
+            **test_trainer.train_on_grids(ctx)}

@@ -1,0 +1,113 @@
+"""plexus.data.prepare: streaming preparation into k x k block files, and its checks.
+
+A prepared dataset must give every rank exactly the blocks, features, labels and masks the
+in-memory source builds (tests/plexus/data/test_prepared.py); here: each source (R-MAT stream,
+edge files, OGB raw files) against the in-memory graph, errors, overwrite protection and damage.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from common.grid import ProcessGrid
+from plexus.data import SPLITS, DatasetCorruptError, PreparedGraph
+from plexus.data.generators import rmat_graph
+from plexus.data.prepare import prepare, verify
+from plexus.data.sources import edge_file_source, graph_source, rmat_source
+from tests.distributed import launch
+from tests.plexus.data.shards import assert_same_shard, directed_graph, memory_shard, widths
+
+
+def test_rmat_stream_gives_the_in_memory_rmat_graph(tmp_path):
+    m = prepare(rmat_source(10, 8, seed=1, num_features=16, chunk_edges=1000,
+                            tmp_dir=tmp_path), tmp_path / "r", blocks=4, seed=2, quiet=True)
+    g = rmat_graph(10, 8, seed=1, num_features=16)
+    assert (m["num_nodes"], m["num_edges"]) == (g.num_nodes, g.num_edges)
+    assert m["edges_read"] == 8 * 1024 and m["symmetric"] and not m["multi_edges"]
+    pg = PreparedGraph(tmp_path / "r")
+    shape = {"x": 2, "y": 1, "z": 2}
+    grid = ProcessGrid.plexus(2, 1, 2)
+    for rank in range(4):
+        mem = memory_shard(g, shape, grid.coords(rank), 3, 8, seed=2, pad_multiple=4)
+        assert_same_shard(pg.shard(shape, grid.coords(rank), widths(g, 3, 8)), mem)
+    assert not list(tmp_path.glob("features-*.npy"))  # temporary feature file removed
+
+
+def test_edge_file_in_either_layout_and_clear_errors(tmp_path):
+    rng = np.random.default_rng(0)
+    ei = rng.integers(0, 100, (2, 700))
+    np.save(tmp_path / "e2.npy", ei.astype(np.int32))
+    np.save(tmp_path / "e1.npy", ei.T.copy())
+    ms = [prepare(edge_file_source(tmp_path / f, 100, num_features=4, num_classes=3,
+                                   tmp_dir=tmp_path), tmp_path / f"o{f}", blocks=2, quiet=True)
+          for f in ("e2.npy", "e1.npy")]
+    assert ms[0]["block_nnz"] == ms[1]["block_nnz"] and not ms[0]["symmetric"]
+    assert sorted(ms[0]["block_nnz"]) == ["even", "odd"]
+    # ids beyond --num-nodes: clear error, nothing left behind
+    with pytest.raises(ValueError, match=r"edge ids must be in \[0, 50\).*--num-nodes"):
+        prepare(edge_file_source(tmp_path / "e2.npy", 50, num_classes=3, tmp_dir=tmp_path),
+                tmp_path / "bad", blocks=2, quiet=True)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+    np.save(tmp_path / "f.npy", rng.random((3, 3)))
+    with pytest.raises(ValueError, match="expected integers shaped"):
+        edge_file_source(tmp_path / "f.npy", 10)
+
+
+def test_existing_output_is_never_overwritten_without_force(tmp_path):
+    graph = directed_graph(n=50, e=200)
+    out = tmp_path / "p"
+    prepare(graph_source(graph), out, blocks=2, quiet=True)
+    before = (out / "manifest.json").read_bytes()
+    with pytest.raises(FileExistsError, match="--force"):
+        prepare(graph_source(graph), out, blocks=2, permutation="none", quiet=True)
+    assert (out / "manifest.json").read_bytes() == before
+    m = prepare(graph_source(graph), out, blocks=2, permutation="none", force=True, quiet=True)
+    assert m["permutation"] == "none" and json.loads((out / "manifest.json").read_text()) == m
+
+
+def test_damage_is_detected(tmp_path):
+    out = tmp_path / "p"
+    prepare(graph_source(directed_graph(n=60, e=300)), out, blocks=2, quiet=True)
+    assert verify(out) == []
+    vals = out / "even" / "1_0" / "values.npy"
+    raw = bytearray(vals.read_bytes())
+    raw[-1] ^= 0xFF
+    vals.write_bytes(raw)
+    assert verify(out) == ["even/1_0/values.npy"]
+    r = launch(["-m", "plexus.prepare", "--verify", str(out)], launcher="single")
+    assert r.returncode == 1 and "even/1_0/values.npy" in r.stdout
+    (out / "even" / "0_1" / "indices.npy").write_bytes(b"\x93NUMPY")  # truncated
+    pg = PreparedGraph(out)
+    with pytest.raises(DatasetCorruptError, match="--verify"):
+        pg.shard({"x": 1, "y": 1, "z": 1}, {"x": 0, "y": 0, "z": 0}, [9, 4, 6])
+    [problem] = pg.grid_problems({"x": 4, "y": 1, "z": 1})
+    assert re.search(r"x=4 do not divide the 2x2 blocks.*\[1, 2\]", problem), problem
+    assert pg.grid_problems({"x": 2, "y": 1, "z": 2}) == []
+    with pytest.raises(FileNotFoundError, match=r"python -m plexus\.prepare"):
+        PreparedGraph(tmp_path)
+
+
+@pytest.mark.parametrize("writer", ["arxiv", "products", "papers100M"])
+def test_ogb_raw_files_stream_into_the_same_shards_as_the_ogb_loader(tmp_path, writer):
+    from plexus.data.ogb import load_ogb
+    from plexus.data.sources import ogb_source
+    from tests.plexus.data import ogb_format
+
+    write = getattr(ogb_format, f"write_{writer.lower()}_like")
+    write(tmp_path)
+    name = f"ogbn-{writer}"
+    m = prepare(ogb_source(name, tmp_path, chunk_edges=97, tmp_dir=tmp_path),
+                tmp_path / "p", blocks=4, quiet=True)
+    graph = load_ogb(name, tmp_path)
+    assert m["symmetric"] == (writer == "products")
+    pg = PreparedGraph(tmp_path / "p")
+    assert pg.split_counts == {s: int(graph.split_idx(s).numel()) for s in SPLITS}
+    for spec in ("1x1x1", "2x1x2", "1x4x1"):
+        grid = ProcessGrid.parse(spec)
+        for rank in range(grid.num_ranks):
+            mem = memory_shard(graph, grid.shape, grid.coords(rank), 3, 6, pad_multiple=4)
+            assert_same_shard(pg.shard(grid.shape, grid.coords(rank), widths(graph, 3, 6)), mem)
+
+
