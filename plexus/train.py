@@ -59,18 +59,19 @@ def choose_grid(spec: str | None, source: ShardSource, model: ModelConfig, ctx) 
     name, _, profile = spec.partition(":")
     if name != "auto":
         return ProcessGrid.parse(spec)
-    from common.perf import auto_grid
+    from common.perf import auto_grid, load_profile
     from common.perf.gcn import GCNWorkload
 
     work = GCNWorkload(name=source.name, num_nodes=source.num_nodes, nnz=source.nnz,
                        num_features=source.num_features, num_classes=source.num_classes,
                        num_layers=model.num_layers, hidden=model.hidden,
                        learn_features=model.learn_features)
-    grid, plan = auto_grid(work, ctx.world_size, machine=profile or None,
+    machine = load_profile(profile or None)
+    grid, plan = auto_grid(work, ctx.world_size, machine=machine,
                            ranks_per_node=ctx.local_world_size,
                            constraints=[source.grid_problems])
     if ctx.is_main:
-        print(plan.describe_choice(), flush=True)
+        print(f"{plan.describe_choice()} [profile {machine.name}]", flush=True)
     return grid
 
 
@@ -134,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics and ctx.is_main:
             run.check_writable(args.metrics, flag="--metrics")
         if ck.dir:
-            run.check_writable(os.path.join(ck.dir, "x"), flag="--checkpoint-dir",
-                             create_dir=True)
+            run.check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
         source = open_source(args.dataset, root=args.root, permutation=args.permutation,
                              seed=args.seed)
         grid = choose_grid(args.grid, source, configs["model"], ctx)

@@ -165,7 +165,7 @@ def test_bad_inputs_fail_clearly_and_lose_nothing(tmp_path):
         ("unwritable metrics dir", ["--metrics", str(tmp_path / "a-file" / "m.jsonl")],
          "does not exist"),
         ("unwritable checkpoint dir", ["--checkpoint-dir", str(tmp_path / "a-file" / "ck")],
-         "cannot create directory"),
+         "cannot create the directory"),
         ("checkpoint of another model", ["--hidden", "32", "--checkpoint-dir", ck, "--resume"],
          "different model"),
     ]
