@@ -39,7 +39,7 @@ ENV_PROFILE = "HPC_MACHINE_PROFILE"
 
 def ring_steps(op: str, group_size: int) -> int:
     """Latency terms of a ring ``op``: ``2(g-1)`` for all-reduce, ``g-1`` otherwise."""
-    _check_op(op)
+    check_op(op)
     return (2 if op == "all_reduce" else 1) * max(group_size - 1, 0)
 
 
@@ -86,7 +86,7 @@ class CollectiveFit:
     bandwidth: float
 
     def __post_init__(self) -> None:
-        _check_op(self.op)
+        check_op(self.op)
         if self.group_size < 2 or self.ranks_per_node < self.group_size:
             raise ValueError(f"collective fit needs 2 <= group_size <= ranks_per_node, got "
                              f"group_size={self.group_size}, ranks_per_node="
@@ -270,6 +270,6 @@ def load_profile(name_or_path: str | os.PathLike | None = None) -> MachineProfil
         raise ValueError(f"machine profile {path}: malformed ({e})") from e
 
 
-def _check_op(op: str) -> None:
+def check_op(op: str) -> None:
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; choose from {OPS}")

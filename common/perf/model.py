@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from common.comm_stats import ring_bytes
 from common.grid import ProcessGrid
-from common.perf.machine import MachineProfile, _check_op
+from common.perf.machine import MachineProfile, check_op
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Collective:
     count: int = 1
 
     def __post_init__(self) -> None:
-        _check_op(self.op)
+        check_op(self.op)
 
 
 def factorizations(n: int, num_axes: int) -> list[tuple[int, ...]]:

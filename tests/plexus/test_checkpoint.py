@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.distributed import launch_command, launch_env, needs_mpi, run_ranks
-from tests.plexus.test_train import SMALL, _cli
+from tests.plexus.test_train import SMALL, cli
 
 
 def _losses(path):
@@ -22,12 +22,12 @@ def _losses(path):
 @needs_mpi
 def test_resume_is_bit_for_bit(tmp_path):
     args = [*SMALL, "--grid", "1x1x2", "--learn-features"]
-    a = _cli([*args, "--epochs", "8", "--metrics", str(tmp_path / "a.jsonl")], 2)
+    a = cli([*args, "--epochs", "8", "--metrics", str(tmp_path / "a.jsonl")], 2)
     assert a.returncode == 0, a.stderr
     ck = str(tmp_path / "ck")
-    b1 = _cli([*args, "--epochs", "4", "--checkpoint-dir", ck], 2)
+    b1 = cli([*args, "--epochs", "4", "--checkpoint-dir", ck], 2)
     assert b1.returncode == 0, b1.stderr
-    b2 = _cli([*args, "--epochs", "8", "--checkpoint-dir", ck, "--resume",
+    b2 = cli([*args, "--epochs", "8", "--checkpoint-dir", ck, "--resume",
                "--metrics", str(tmp_path / "b.jsonl")], 2)
     assert b2.returncode == 0, b2.stderr
     assert "resumed from the checkpoint of epoch 4" in b2.stdout
@@ -134,7 +134,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
 
     _, manifest, _ = ckpt.load_latest(ck)
     assert manifest["step"] >= 3
-    resumed = _cli([*SMALL, "--epochs", str(manifest["step"] + 2), "--checkpoint-dir", ck,
+    resumed = cli([*SMALL, "--epochs", str(manifest["step"] + 2), "--checkpoint-dir", ck,
                     "--resume"], 2)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from the checkpoint of epoch {manifest['step']}" in resumed.stdout

@@ -17,7 +17,7 @@ from tests.distributed import kill_one_rank_and_collect, launch, needs_mpi
 SMALL = ["--hidden", "16", "--log-every", "1"]
 
 
-def _cli(args, n=None, timeout=300):
+def cli(args, n=None, timeout=300):
     """``python -m plexus.train ARGS``, alone or under mpiexec on ``n`` ranks."""
     return launch(["-m", "plexus.train", *args], ranks=n or 1,
                   launcher="single" if n is None else "mpiexec", timeout=timeout)
@@ -27,7 +27,7 @@ def _cli(args, n=None, timeout=300):
 @needs_mpi
 def test_cli_four_ranks_writes_metrics(tmp_path):
     path = tmp_path / "m.jsonl"
-    r = _cli(["--epochs", "4", "--hidden", "16", "--metrics", str(path), "--log-every", "2"], 4)
+    r = cli(["--epochs", "4", "--hidden", "16", "--metrics", str(path), "--log-every", "2"], 4)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "grid 2x2x1 (4 ranks, mpiexec, gloo)" in r.stdout
     assert r.stdout.count("epoch    4/4") == 1  # only rank 0 prints
@@ -46,25 +46,25 @@ def test_cli_four_ranks_writes_metrics(tmp_path):
 @pytest.mark.slow
 @needs_mpi
 def test_cli_wrong_grid_fails_on_every_rank():
-    r = _cli(["--grid", "2x2x1", "--epochs", "1"], 2, timeout=120)
+    r = cli(["--grid", "2x2x1", "--epochs", "1"], 2, timeout=120)
     assert r.returncode != 0
     msg = re.escape("grid x=2 * y=2 * z=1 = 4 ranks, but 2 processes were launched")
     assert set(re.findall(r"\[rank (\d)\] error: " + msg, r.stderr)) == {"0", "1"}, r.stderr
 
 
 def test_cli_bad_inputs(tmp_path):
-    r = _cli(["--dataset", "cora-typo", "--epochs", "1"], timeout=120)
+    r = cli(["--dataset", "cora-typo", "--epochs", "1"], timeout=120)
     assert r.returncode != 0 and "cora-typo" in r.stderr and "planted" in r.stderr
-    r = _cli(["--dataset", "ogbn-arxiv", "--root", str(tmp_path), "--epochs", "1"], timeout=120)
+    r = cli(["--dataset", "ogbn-arxiv", "--root", str(tmp_path), "--epochs", "1"], timeout=120)
     assert r.returncode != 0 and str(tmp_path) in r.stderr, r.stderr
     bad = tmp_path / "missing-dir" / "m.jsonl"
-    r = _cli(["--epochs", "1", "--metrics", str(bad)], timeout=120)
+    r = cli(["--epochs", "1", "--metrics", str(bad)], timeout=120)
     assert r.returncode != 0 and "does not exist" in r.stderr
     assert not bad.parent.exists()
 
 
 def test_help_lists_the_flags():
-    r = _cli(["--help"], timeout=60)
+    r = cli(["--help"], timeout=60)
     assert r.returncode == 0
     for flag in ("--dataset", "--root", "--grid", "--layers", "--hidden", "--epochs", "--lr",
                  "--weight-decay", "--seed", "--permutation", "--learn-features", "--metrics",
@@ -84,7 +84,7 @@ def test_ogb_format_datasets_train_through_the_real_loaders(tmp_path):
     write_papers100m_like(tmp_path, num_nodes=400)
     for name in ("ogbn-arxiv", "ogbn-papers100M"):
         path = tmp_path / f"{name}.jsonl"
-        r = _cli(["--dataset", name, "--root", str(tmp_path), "--epochs", "30", "--hidden", "32",
+        r = cli(["--dataset", name, "--root", str(tmp_path), "--epochs", "30", "--hidden", "32",
                   "--grid", "1x1x2", "--metrics", str(path)], 2)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "OGB Evaluator" in r.stdout
@@ -121,7 +121,7 @@ def test_bad_inputs_fail_clearly_and_lose_nothing(tmp_path):
     from tests.plexus.data.ogb_format import write_arxiv_like
 
     ck = str(tmp_path / "ck")
-    ok = _cli([*SMALL, "--epochs", "2", "--checkpoint-dir", ck])
+    ok = cli([*SMALL, "--epochs", "2", "--checkpoint-dir", ck])
     assert ok.returncode == 0, ok.stderr
     before = _tree_digest(ck)
 
@@ -172,7 +172,7 @@ def test_bad_inputs_fail_clearly_and_lose_nothing(tmp_path):
     for name, args, fragment in cases:
         metrics = tmp_path / f"{name.replace(' ', '_')}.jsonl"
         extra = [] if "--metrics" in args else ["--metrics", str(metrics)]
-        r = _cli(["--epochs", "2", *args, *extra], timeout=120)
+        r = cli(["--epochs", "2", *args, *extra], timeout=120)
         assert r.returncode != 0, f"{name}: exit 0\n{r.stdout}"
         assert fragment in r.stderr, f"{name}: message lacks {fragment!r}:\n{r.stderr[-1500:]}"
         assert "Traceback" not in r.stderr, f"{name}: a traceback instead of a message"
