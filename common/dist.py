@@ -30,8 +30,7 @@ import signal
 import socket
 import sys
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NoReturn
@@ -39,11 +38,12 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from common.watchdog import DEFAULT_HEARTBEAT_TIMEOUT_S, Watchdog
+
 # Defaults of the two timeouts when neither the argument nor the environment sets them. The
 # environment variables are read by init_distributed when it runs, never at import.
 ENV_TIMEOUT, DEFAULT_TIMEOUT_S = "HPC_DIST_TIMEOUT", 300.0
-# a rank whose heartbeat stalls this long is declared lost (detection within ~this + 2 s)
-ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT_S = "HPC_HEARTBEAT_TIMEOUT", 30.0
+ENV_HEARTBEAT_TIMEOUT = "HPC_HEARTBEAT_TIMEOUT"  # default: watchdog.DEFAULT_HEARTBEAT_TIMEOUT_S
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|Socket Timeout|"
                         r"Connection refused|NCCL (error|communicator was aborted)")
 _MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -301,75 +301,6 @@ def _default_store() -> Any:
         return None
 
 
-class Watchdog:
-    """Heartbeats through the rendezvous store; turns a lost peer into a prompt, named exit.
-
-    Every ``interval_s`` each rank bumps its counter ``hpc/hb/<rank>`` and watches its ring
-    successor's. If the successor's counter has not moved for ``timeout_s``, the rank posts
-    ``hpc/abort`` naming it; every rank polls that key and exits with status 1 and the message.
-    If the store itself is gone (its host died), the rank exits naming the store's host.
-
-    Owned by the :class:`DistContext` that :func:`init_distributed` returns; closing the
-    context stops it.
-    """
-
-    def __init__(self, store: Any, rank: int, world: int, *, interval_s: float = 2.0,
-                 timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
-        self.store, self.rank, self.world = store, rank, world
-        self.interval_s, self.timeout_s = interval_s, timeout_s
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
-        self.thread.start()
-
-    def _die(self, message: str) -> None:
-        if self.stopped.wait(2 * self.interval_s):  # a clean shutdown raced us: stay quiet
-            return
-        print(f"[rank {self.rank}] error: {message}; exiting", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    def _run(self) -> None:
-        succ = (self.rank + 1) % self.world
-        beat, seen, since = 0, None, time.monotonic()
-        while not self.stopped.is_set():
-            try:
-                beat += 1
-                self.store.set(f"hpc/hb/{self.rank}", str(beat))
-                if self.store.check(["hpc/abort"]):
-                    return self._die(self.store.get("hpc/abort").decode())
-                key = f"hpc/hb/{succ}"
-                value = self.store.get(key) if self.store.check([key]) else None
-                done = self.store.check([f"hpc/done/{succ}"])
-            except Exception as e:  # the store's host is gone
-                return self._die(f"lost contact with the rendezvous store ({type(e).__name__}"
-                                 "); rank 0 or the launcher that hosts it was probably lost")
-            now = time.monotonic()
-            if value != seen or done:
-                seen, since = value, now
-            elif now - since > self.timeout_s:
-                msg = f"rank {succ} was lost (no heartbeat for {self.timeout_s:.0f} s)"
-                try:
-                    self.store.set("hpc/abort", msg)
-                except Exception:
-                    pass
-                return self._die(msg)
-            self.stopped.wait(self.interval_s)
-
-    def stop(self, *, clean: bool = True) -> None:
-        """Stop heart-beating (idempotent). ``clean``: tell the peers this rank finished, so
-        they do not report it lost; a failing rank stops with ``clean=False`` and its peers
-        name it within ``timeout_s``."""
-        if self.stopped.is_set():
-            return
-        if clean:
-            try:
-                self.store.set(f"hpc/done/{self.rank}", "1")
-            except Exception:  # shutting down anyway
-                pass
-        self.stopped.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=5)
-
-
 def preemption_flag(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
                     ) -> Callable[[], bool]:
     """Install handlers for the scheduler's preemption signals; return ``requested()``.
@@ -413,12 +344,18 @@ def exit_on_comm_failure(error: BaseException, ctx: DistContext | None) -> NoRet
     os._exit(1)
 
 
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce; collective)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+def max_over_ranks(values: Sequence[float], device: torch.device | str = "cpu") -> list[float]:
+    """The elementwise maximum of ``values`` over all ranks, on every rank (one all-reduce of
+    float64; collective). Without a process group, ``values`` themselves."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return t.tolist()
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce; collective)."""
+    return max_over_ranks([1.0 if flag else 0.0], device)[0] > 0
 
 
 def shutdown(ctx: DistContext | None = None) -> None:

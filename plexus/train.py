@@ -16,12 +16,9 @@ import resource
 import sys
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from common import run
 from common.checkpoint import CheckpointError
-from common.dist import preemption_flag
+from common.dist import max_over_ranks, preemption_flag
 from common.grid import ProcessGrid
 from plexus import layout
 from plexus.config import ModelConfig, OptimConfig, RunConfig
@@ -195,13 +192,6 @@ def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def _max_over_ranks(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, grid) -> None:
     """Block balance per adjacency layout, loading time and per-rank memory (max over ranks).
 
@@ -209,7 +199,7 @@ def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, gri
     whether held in memory or memory-mapped from a prepared dataset.
     """
     other = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    adj, feats, res, peak = _max_over_ranks(
+    adj, feats, res, peak = max_over_ranks(
         [shard.adjacency_bytes(), other, resident_bytes(), peak_bytes()], ctx.device)
     info["memory_per_rank_max"] = {
         "adjacency_bytes": int(adj), "adjacency_storage": source.storage,
@@ -247,7 +237,7 @@ def _summary(result: TrainResult, source: ShardSource, grid, ctx) -> dict[str, A
         "comm_share": comm_s / epoch_s if epoch_s else 0.0,
         "comm_bytes_per_epoch": hist[-1]["comm_bytes"] if hist else 0,
         "memory_per_rank_max": {**result.info.get("memory_per_rank_max", {}),
-                                "peak_bytes": int(_max_over_ranks([peak_bytes()],
+                                "peak_bytes": int(max_over_ranks([peak_bytes()],
                                                                   ctx.device)[0])},
         "final": {k: hist[-1][k] for k in ("loss", "train_acc", "val_acc", "test_acc")}
         if hist else {},

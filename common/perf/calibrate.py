@@ -70,16 +70,11 @@ def _measure(ctx, args) -> dict:
     import torch.distributed as dist
 
     from common import collectives as coll
+    from common.dist import max_over_ranks
     from common.grid import ProcessGrid
 
     world, rank = ctx.world_size, ctx.rank
     gen = torch.Generator().manual_seed(1234 + rank)
-
-    def max_over_ranks(sec: float) -> float:
-        t = torch.tensor([sec], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
 
     def timed(fn, iters: int, rounds: int) -> float:
         # From a common start until the last rank is done, so that ranks sharing cores are
@@ -94,7 +89,7 @@ def _measure(ctx, args) -> dict:
                 fn()
             if world > 1:
                 dist.barrier()
-            out.append(max_over_ranks((time.perf_counter() - t0) / iters))
+            out.append(max_over_ranks([(time.perf_counter() - t0) / iters])[0])
         return min(out)  # the round least disturbed by other jobs on the machine
 
     result: dict = {"ranks": world, "threads": torch.get_num_threads(), "collectives": [],

@@ -138,7 +138,7 @@ def test_context_manager_close_and_exit_hook():
 WATCHDOG = """
 import sys, time
 import torch.distributed as dist
-from common.dist import Watchdog
+from common.watchdog import Watchdog
 store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
 mine = Watchdog(store, 0, 2, interval_s=0.1, timeout_s=1.0)
 peer = Watchdog(store, 1, 2, interval_s=0.1, timeout_s=1.0)

@@ -1,0 +1,86 @@
+"""A heartbeat thread that turns a lost peer into a prompt, named exit on every other rank.
+
+Gloo and NCCL report a dead peer as a generic connection error (or hang); the watchdog,
+started by :func:`common.dist.init_distributed` with several ranks and owned by its
+``DistContext``, names the rank that stopped heart-beating and exits every other rank non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+# a rank whose heartbeat stalls this long is declared lost (detection within ~this + 2 s)
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+
+
+class Watchdog:
+    """Heartbeats through the rendezvous store; turns a lost peer into a prompt, named exit.
+
+    Every ``interval_s`` each rank bumps its counter ``hpc/hb/<rank>`` and watches its ring
+    successor's. If the successor's counter has not moved for ``timeout_s``, the rank posts
+    ``hpc/abort`` naming it; every rank polls that key and exits with status 1 and the message.
+    If the store itself is gone (its host died), the rank exits naming the store's host.
+
+    Owned by the :class:`~common.dist.DistContext` that :func:`~common.dist.init_distributed`
+    returns; closing the context stops it.
+    """
+
+    def __init__(self, store: Any, rank: int, world: int, *, interval_s: float = 2.0,
+                 timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
+        self.thread.start()
+
+    def _die(self, message: str) -> None:
+        if self.stopped.wait(2 * self.interval_s):  # a clean shutdown raced us: stay quiet
+            return
+        print(f"[rank {self.rank}] error: {message}; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _run(self) -> None:
+        succ = (self.rank + 1) % self.world
+        beat, seen, since = 0, None, time.monotonic()
+        while not self.stopped.is_set():
+            try:
+                beat += 1
+                self.store.set(f"hpc/hb/{self.rank}", str(beat))
+                if self.store.check(["hpc/abort"]):
+                    return self._die(self.store.get("hpc/abort").decode())
+                key = f"hpc/hb/{succ}"
+                value = self.store.get(key) if self.store.check([key]) else None
+                done = self.store.check([f"hpc/done/{succ}"])
+            except Exception as e:  # the store's host is gone
+                return self._die(f"lost contact with the rendezvous store ({type(e).__name__}"
+                                 "); rank 0 or the launcher that hosts it was probably lost")
+            now = time.monotonic()
+            if value != seen or done:
+                seen, since = value, now
+            elif now - since > self.timeout_s:
+                msg = f"rank {succ} was lost (no heartbeat for {self.timeout_s:.0f} s)"
+                try:
+                    self.store.set("hpc/abort", msg)
+                except Exception:
+                    pass
+                return self._die(msg)
+            self.stopped.wait(self.interval_s)
+
+    def stop(self, *, clean: bool = True) -> None:
+        """Stop heart-beating (idempotent). ``clean``: tell the peers this rank finished, so
+        they do not report it lost; a failing rank stops with ``clean=False`` and its peers
+        name it within ``timeout_s``."""
+        if self.stopped.is_set():
+            return
+        if clean:
+            try:
+                self.store.set(f"hpc/done/{self.rank}", "1")
+            except Exception:  # shutting down anyway
+                pass
+        self.stopped.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5)
