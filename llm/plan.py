@@ -37,12 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        work = workload(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return print_plan(work, args)
+    return print_plan(lambda: workload(args), args)
 
 
 if __name__ == "__main__":

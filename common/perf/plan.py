@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from common.perf import gcn as perf_gcn
@@ -115,10 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def print_plan(work: Workload, args: argparse.Namespace) -> int:
-    """Plan ``work`` with the shared flags, print the table and the choice; exit status."""
+def print_plan(build: Callable[[], Workload], args: argparse.Namespace) -> int:
+    """Build the workload, plan it with the shared flags, print the table and the choice;
+    exit status (2 with the message on a ValueError from either step)."""
     try:
-        ranked = plan(work, args.ranks, machine=args.machine, ranks_per_node=args.ranks_per_node)
+        ranked = plan(build(), args.ranks, machine=args.machine,
+                      ranks_per_node=args.ranks_per_node)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -130,16 +133,12 @@ def print_plan(work: Workload, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        if args.engine == "profiles":
-            for name in available_profiles():
-                print(f"{name:<18} {load_profile(name).description}")
-            return 0
-        work: Workload = gcn_workload(args) if args.engine == "gcn" else gpt_workload(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return print_plan(work, args)
+    if args.engine == "profiles":
+        for name in available_profiles():
+            print(f"{name:<18} {load_profile(name).description}")
+        return 0
+    build = gcn_workload if args.engine == "gcn" else gpt_workload
+    return print_plan(lambda: build(args), args)
 
 
 if __name__ == "__main__":
