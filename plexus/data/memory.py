@@ -92,14 +92,17 @@ class InMemorySource:
                                 part.Balance(int(counts.max()), float(counts.mean())))
         del mats
 
-        # input features: Pc order (layer 0's input order), padded, block (x chunk, y chunk)
+        # input features: rows chunk x of the Pc order (layer 0's input order), columns chunk y
+        # of the padded width; padding rows and columns stay zero
         o0, i0, _ = layout.roles(0)
         rows = _chunk(torch.from_numpy(pc), shape[o0], coords[o0])
-        cols = _chunk(torch.arange(widths_pad[0]), shape[i0], coords[i0])
-        features_block = torch.zeros(rows.numel(), cols.numel())
-        real_rows, real_cols = rows < n, cols < widths[0]
-        features_block[real_rows.nonzero()[:, :1], real_cols.nonzero()[:, 0]] = \
-            g.x[rows[real_rows]][:, cols[real_cols]]
+        width = widths_pad[0] // shape[i0]
+        lo = coords[i0] * width
+        hi = min(lo + width, widths[0])
+        features_block = torch.zeros(rows.numel(), width)
+        real = rows < n
+        if hi > lo:
+            features_block[real, : hi - lo] = g.x[rows[real], lo:hi]
 
         # labels and masks of the output rows held here
         _, _, p_last = layout.roles(num_layers - 1)
