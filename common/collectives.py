@@ -6,6 +6,11 @@ at once without communicating (the fast path). With ``async_op=True`` the call r
 :class:`CommHandle`; ``handle.wait()`` returns the result, so communication can overlap with
 compute issued in between. Buffers are allocated on the input's device.
 
+Transport: a CPU tensor on a group with an MPI communicator (``group.mpi``, set up when the job
+was started by an MPI launcher; :mod:`common.mpi`) goes through MPI; anything else (CUDA tensors:
+NCCL; jobs without MPI: gloo) through the group's ``torch.distributed`` group. The results and
+the byte counts are the same either way.
+
 Shapes (``g`` = group size, ``dim`` = the tensor dimension gathered or scattered):
     all_reduce:      x [*]                       -> [*]
     all_gather:      x [..., s, ...]             -> [..., g*s, ...]   (chunks in group order)
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +43,7 @@ class CommHandle:
 
     def __init__(
         self,
-        work: dist.Work | None,
+        work: Any,
         finish: Callable[[], torch.Tensor],
         record: Callable[[float], None] | None = None,
         start: float = 0.0,
@@ -65,10 +71,20 @@ def _run(
     op_name: str,
     full_bytes: int,
     stats: CommStats | None,
-    launch: Callable[[], dist.Work | None],
+    launch: Callable[[], Any],
     finish: Callable[[], torch.Tensor],
     async_op: bool,
 ) -> torch.Tensor | CommHandle:
+    start = time.perf_counter()
+    work = launch()
+    if not async_op:  # the hot path of small messages: no handle, no closures
+        if work is not None:
+            work.wait()
+        out = finish()
+        if stats is not None:
+            stats.record(group.name, op_name, ring_bytes(op_name, full_bytes, group.size),
+                         time.perf_counter() - start)
+        return out
     record = None
     if stats is not None:
         nbytes = ring_bytes(op_name, full_bytes, group.size)
@@ -76,9 +92,12 @@ def _run(
         def record(seconds: float) -> None:
             stats.record(group.name, op_name, nbytes, seconds)
 
-    start = time.perf_counter()
-    handle = CommHandle(launch(), finish, record, start)
-    return handle if async_op else handle.wait()
+    return CommHandle(work, finish, record, start)
+
+
+def _mpi_for(group: AxisGroup, x: torch.Tensor, op: Any = None) -> Any:
+    """The group's MPI communicator if it takes ``x`` (a CPU tensor, an MPI reduction)."""
+    return group.mpi if group.mpi is not None and group.mpi.supports(x, op) else None
 
 
 def all_reduce(
@@ -93,9 +112,15 @@ def all_reduce(
     """All-reduce ``x`` over ``group`` (sum by default). Out of place unless ``inplace``."""
     if group.size == 1:
         return CommHandle.done(x) if async_op else x
-    buf = x if inplace else x.clone(memory_format=torch.contiguous_format)
-    if not buf.is_contiguous():
+    if inplace and not x.is_contiguous():
         raise ValueError("in-place all_reduce needs a contiguous tensor")
+    mpi = _mpi_for(group, x, op)
+    if mpi is not None:  # MPI reduces out of place without copying x first
+        src = x.contiguous()
+        out = x if inplace else torch.empty_like(src)
+        return _run(group, "all_reduce", out.numel() * out.element_size(), stats,
+                    lambda: mpi.all_reduce(src, out, op, async_op), lambda: out, async_op)
+    buf = x if inplace else x.clone(memory_format=torch.contiguous_format)
     return _run(
         group, "all_reduce", buf.numel() * buf.element_size(), stats,
         lambda: dist.all_reduce(buf, op=op, group=group.group, async_op=True),
@@ -121,15 +146,18 @@ def all_gather(
     shape = tuple(x.shape)
 
     def finish() -> torch.Tensor:
-        stacked = buf.view(g, *shape)
         if x.dim() == 0:
-            return stacked
+            return buf.view(g)
         out_shape = (*shape[:dim], g * shape[dim], *shape[dim + 1:])
-        return stacked.movedim(0, dim).reshape(out_shape)
+        if dim == 0:  # chunks already lie in place
+            return buf.view(out_shape)
+        return buf.view(g, *shape).movedim(0, dim).reshape(out_shape)
 
+    mpi = _mpi_for(group, src)
     return _run(
         group, "all_gather", buf.numel() * buf.element_size(), stats,
-        lambda: _all_gather_single(buf, src.view(-1), group=group.group, async_op=True),
+        (lambda: mpi.all_gather(src.view(-1), buf, async_op)) if mpi is not None else
+        (lambda: _all_gather_single(buf, src.view(-1), group=group.group, async_op=True)),
         finish, async_op,
     )
 
@@ -160,11 +188,14 @@ def reduce_scatter(
     # [.., g*c, ..] -> [g, .., c, ..]: chunk i becomes the i-th contiguous block.
     src = x.reshape((*shape[:dim], g, chunk, *shape[dim + 1:])).movedim(dim, 0).contiguous()
     out = torch.empty((*shape[:dim], chunk, *shape[dim + 1:]), dtype=x.dtype, device=x.device)
+    sum_op = ReduceOp.SUM
+    mpi = _mpi_for(group, src, sum_op)
     return _run(
         group, "reduce_scatter", src.numel() * src.element_size(), stats,
-        lambda: _reduce_scatter_single(
-            out.view(-1), src.view(-1), group=group.group, async_op=True
-        ),
+        (lambda: mpi.reduce_scatter(src.view(-1), out.view(-1), sum_op, async_op))
+        if mpi is not None else
+        (lambda: _reduce_scatter_single(out.view(-1), src.view(-1), group=group.group,
+                                        async_op=True)),
         lambda: out, async_op,
     )
 

@@ -1,8 +1,10 @@
 """Distributed start-up and shutdown under mpiexec, torchrun, srun or a single process.
 
 :func:`init_distributed` finds out how the job was launched, sets up ``torch.distributed``
-(gloo on CPU, NCCL on GPU) with a timeout so a lost peer raises instead of hanging, splits
-the machine's cores between the ranks of a node, and returns a :class:`DistContext`. The
+(gloo on CPU; on GPU NCCL for CUDA tensors and gloo for CPU ones) with a timeout so a lost peer
+raises instead of hanging, splits the machine's cores between the ranks of a node, picks the
+transport of CPU tensors (MPI through mpi4py when an MPI launcher started the job:
+:mod:`common.mpi`; else gloo), and returns a :class:`DistContext`. The
 context owns the heartbeat :class:`Watchdog` and closes itself: an exit hook stops the
 watchdog and destroys the process group when the interpreter exits (a process that exits with
 a live gloo group can die with "terminate called without an active exception"); use
@@ -30,7 +32,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NoReturn
@@ -38,12 +40,15 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from common.grid import AxisGroup, ProcessGrid
+from common.mpi import MPITransport, mpi_world_size
 from common.watchdog import DEFAULT_HEARTBEAT_TIMEOUT_S, Watchdog
 
 # Defaults of the two timeouts when neither the argument nor the environment sets them. The
 # environment variables are read by init_distributed when it runs, never at import.
 ENV_TIMEOUT, DEFAULT_TIMEOUT_S = "HPC_DIST_TIMEOUT", 300.0
 ENV_HEARTBEAT_TIMEOUT = "HPC_HEARTBEAT_TIMEOUT"  # default: watchdog.DEFAULT_HEARTBEAT_TIMEOUT_S
+COMMS = ("auto", "mpi", "torch")
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|Socket Timeout|"
                         r"Connection refused|NCCL (error|communicator was aborted)")
 _MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -62,10 +67,14 @@ class DistContext:
         rank, world_size: this process's global rank and the number of ranks.
         local_rank, local_world_size: the same among the ranks of this node.
         device: the torch device this rank computes on.
-        backend: ``"gloo"`` or ``"nccl"``.
+        backend: the ``torch.distributed`` backend: ``"gloo"``, or ``"cpu:gloo,cuda:nccl"``
+            on GPUs.
         launcher: ``"torchrun"``, ``"srun"``, ``"mpiexec"`` or ``"single"``.
         heartbeat_timeout_s: how long the watchdog waits for a silent peer.
         watchdog: the heartbeat thread (None with one rank or ``watchdog=False``).
+        transport: the :class:`~common.mpi.MPITransport` that CPU tensors use, or None
+            (``torch.distributed`` only); pass it to ``ProcessGrid.create_groups`` or use
+            :meth:`create_groups`.
     """
 
     rank: int
@@ -77,10 +86,28 @@ class DistContext:
     launcher: str
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     watchdog: Watchdog | None = field(default=None, compare=False, repr=False)
+    transport: MPITransport | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def comm(self) -> str:
+        """The transport of CPU tensors: ``"mpi"`` or ``"torch"``."""
+        return "torch" if self.transport is None else "mpi"
+
+    @property
+    def comm_label(self) -> str:
+        """For logs: ``"mpi"`` (plus ``"+nccl"`` on GPUs), else the torch backend."""
+        if self.transport is None:
+            return self.backend
+        return "mpi+nccl" if self.device.type == "cuda" else "mpi"
+
+    def create_groups(self, grid: ProcessGrid, axis_sets: Iterable[str | Iterable[str]] | None
+                      = None, **pg_kwargs: Any) -> dict[str, AxisGroup]:
+        """``grid.create_groups(self.rank, axis_sets, transport=self.transport)``; collective."""
+        return grid.create_groups(self.rank, axis_sets, transport=self.transport, **pg_kwargs)
 
     def close(self) -> None:
         """Stop the watchdog and destroy the process group (:func:`shutdown`; idempotent)."""
@@ -179,6 +206,24 @@ def _cores_available() -> int:
         return os.cpu_count() or 1
 
 
+def yield_when_oversubscribed(env: MutableMapping[str, str]) -> bool:
+    """Before MPI starts: if this node runs at least as many ranks as it has cores, make MPI
+    wait politely (MPICH ``MPIR_CVAR_ENABLE_HEAVY_YIELD``, Open MPI ``mpi_yield_when_idle``).
+
+    MPI spins while it waits for a peer. With a core per rank (and one more for the progress
+    thread of :mod:`common.mpi`) that is the fastest wait; with more ranks than cores the
+    spinning rank steals the core a peer needs to reach the collective (4 ranks on 2 cores:
+    2.3x slower epochs, measured on plexus.train). A setting the user made wins. Returns True
+    when it set the variables.
+    """
+    local = env.get("MPI_LOCALNRANKS") or env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if local is None or int(local) < _cores_available():
+        return False
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    return True
+
+
 def _rendezvous(launcher: str) -> tuple[int, int, int, int, str, int]:
     """(rank, world, local_rank, local_world, master_addr, master_port) for a launcher."""
     env = os.environ
@@ -197,6 +242,7 @@ def _rendezvous(launcher: str) -> tuple[int, int, int, int, str, int]:
         return (int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
                 max(1, world // nodes), addr, port)
     if launcher == "mpiexec":
+        yield_when_oversubscribed(env)
         try:
             from mpi4py import MPI
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -229,6 +275,9 @@ def init_distributed(
     heartbeat_timeout_s: float | None = None,
     set_threads: bool = True,
     watchdog: bool = True,
+    comm: str = "auto",
+    two_level: bool = False,
+    ranks_per_node: int | None = None,
 ) -> DistContext:
     """Start ``torch.distributed`` for this process and return its :class:`DistContext`.
 
@@ -247,9 +296,17 @@ def init_distributed(
             sharing a machine do not fight over cores (``OMP_NUM_THREADS`` wins if set).
         watchdog: with several ranks, start a heartbeat thread (:class:`Watchdog`) so that a
             killed rank makes every other rank exit non-zero, naming it, instead of hanging.
+        comm: transport of CPU tensors. ``"auto"``: MPI when mpiexec started the job (and
+            it has several ranks), else ``torch.distributed``; ``"mpi"``: MPI or an error
+            (also under srun with an MPI-enabled Slurm); ``"torch"``: gloo/NCCL only.
+        two_level: with MPI, two-level (PCCL) all-gather and reduce-scatter on groups that
+            span nodes.
+        ranks_per_node: with MPI, treat every ``ranks_per_node`` consecutive ranks as one
+            node (simulates a multi-node layout); None: the real nodes.
 
     Raises:
-        ValueError: an unknown device, launcher or a bad timeout.
+        ValueError: an unknown device, launcher, comm, or a bad timeout; ``comm="mpi"`` in
+            a job MPI did not start.
     """
     timeout_s, heartbeat_timeout_s = resolve_timeouts(timeout_s, heartbeat_timeout_s)
     launcher = launcher or detect_launcher()
@@ -257,7 +314,10 @@ def init_distributed(
         raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    if comm not in COMMS:
+        raise ValueError(f"unknown comm {comm!r}; use one of {', '.join(COMMS)}")
     rank, world, local_rank, local_world, addr, port = _rendezvous(launcher)
+    use_mpi = _use_mpi(comm, launcher, world)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -265,7 +325,7 @@ def init_distributed(
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    backend = backend or default_backend(dev.type)
     if set_threads and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, _cores_available() // max(1, local_world)))
 
@@ -286,10 +346,45 @@ def init_distributed(
         default_store = _default_store()
         if default_store is not None:
             dog = Watchdog(default_store, rank, world, timeout_s=heartbeat_timeout_s)
+    transport = (MPITransport(two_level=two_level, ranks_per_node=ranks_per_node)
+                 if use_mpi else None)
     ctx = DistContext(rank, world, local_rank, local_world, dev, backend, launcher,
-                      heartbeat_timeout_s=heartbeat_timeout_s, watchdog=dog)
+                      heartbeat_timeout_s=heartbeat_timeout_s, watchdog=dog, transport=transport)
     atexit.register(ctx._at_exit)
     return ctx
+
+
+def default_backend(device_type: str) -> str:
+    """The ``torch.distributed`` backend for a device type: ``"gloo"`` on CPU; on CUDA NCCL
+    for CUDA tensors plus gloo for the collectives that run on CPU tensors even in a GPU job
+    (set-up checks, metrics, predictions): ``"cpu:gloo,cuda:nccl"``."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def _use_mpi(comm: str, launcher: str, world: int) -> bool:
+    """Whether CPU tensors go through MPI (see ``comm`` in :func:`init_distributed`)."""
+    if comm == "torch" or world == 1:
+        return False
+    if comm == "auto" and launcher != "mpiexec":
+        return False  # torchrun / srun: never start MPI behind the launcher's back
+    try:
+        mpi_world = mpi_world_size() if comm == "auto" else _start_mpi()
+    except ImportError:
+        mpi_world = 0
+    if mpi_world == world:
+        return True
+    if comm == "mpi":
+        raise ValueError(
+            f"--comm mpi: MPI sees {mpi_world} rank(s) but the job has {world}; start it with "
+            "mpiexec (or srun with Slurm's MPI support) and mpi4py built for that MPI, or use "
+            "--comm torch")
+    return False
+
+
+def _start_mpi() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
 
 
 def _default_store() -> Any:
@@ -366,6 +461,8 @@ def shutdown(ctx: DistContext | None = None) -> None:
     """
     if ctx is not None and ctx.watchdog is not None:
         ctx.watchdog.stop()
+    if ctx is not None and ctx.transport is not None:
+        ctx.transport.close()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

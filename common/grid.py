@@ -231,17 +231,22 @@ class ProcessGrid:
 
     # ----------------------------------------------------------------- groups (collective)
     def create_groups(
-        self, rank: int, axis_sets: Iterable[str | Iterable[str]] | None = None, **pg_kwargs: Any
+        self, rank: int, axis_sets: Iterable[str | Iterable[str]] | None = None, *,
+        transport: Any = None, **pg_kwargs: Any
     ) -> dict[str, AxisGroup]:
         """Create process groups for each axis (or set of axes); collective over the world.
 
         Every rank must call this with the same arguments: for each axis set, in the given
         order, it creates every group along that set (in :meth:`groups` order) and keeps the
-        one containing ``rank``. Groups of size 1 are not created (they need no communication).
+        one containing ``rank``. Groups of size 1 get no ``torch.distributed`` group (they
+        need no communication).
 
         Args:
             rank: this process's global rank.
             axis_sets: axes or tuples of axes; default: each single axis.
+            transport: a :class:`~common.mpi.MPITransport` (``DistContext.transport``): each
+                group also gets an MPI communicator, which CPU tensors then use. None: only
+                ``torch.distributed`` groups.
             pg_kwargs: forwarded to ``torch.distributed.new_group`` (e.g. ``timeout``).
 
         Returns:
@@ -262,7 +267,8 @@ class ProcessGrid:
                     group = dist.new_group(members, **pg_kwargs)
                     if members == mine:
                         pg = group
-            out[name] = AxisGroup(name, pg, len(mine), mine.index(rank), tuple(mine))
+            mpi = transport.split(self.groups(axes)) if transport is not None else None
+            out[name] = AxisGroup(name, pg, len(mine), mine.index(rank), tuple(mine), mpi)
         return out
 
     # ----------------------------------------------------------------- helpers
@@ -294,6 +300,8 @@ class AxisGroup:
         size: number of ranks in the group.
         rank: this rank's index in the group (its coordinate along the axis).
         members: global ranks of the group, in group-rank order.
+        mpi: the group's :class:`~common.mpi.MPIGroup` (CPU tensors go through MPI), or
+            ``None`` (no MPI transport, or ``size == 1``).
     """
 
     name: str
@@ -301,6 +309,7 @@ class AxisGroup:
     size: int
     rank: int
     members: tuple[int, ...] = ()
+    mpi: Any = None
 
 
 def _parse_size(value: str, text: str, hint: str) -> int:

@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import IO, Any, TypeVar
 
 from common.dist import (
+    COMMS,
     DistContext,
     exit_on_comm_failure,
     fail_all_ranks,
@@ -67,9 +68,17 @@ class CheckpointConfig:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    """``--device {auto,cpu,cuda}``, ``--dist-timeout S``, ``--heartbeat-timeout S``."""
+    """``--device {auto,cpu,cuda}``, ``--comm {auto,mpi,torch}``, ``--two-level``,
+    ``--dist-timeout S``, ``--heartbeat-timeout S``."""
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA when torch sees a GPU, else CPU (default: auto)")
+    parser.add_argument("--comm", choices=COMMS, default="auto",
+                        help="transport of CPU tensors: mpi (mpi4py; the default when mpiexec "
+                        "started the job) or torch (gloo; the default under torchrun/srun). "
+                        "CUDA tensors always use NCCL")
+    parser.add_argument("--two-level", action="store_true",
+                        help="with --comm mpi: two-level (PCCL) all-gather and reduce-scatter "
+                        "on groups that span nodes")
     parser.add_argument("--dist-timeout", type=float, default=None, metavar="S",
                         help="a collective that waits this long for a peer fails (default: "
                         "$HPC_DIST_TIMEOUT, else 300)")
@@ -89,7 +98,8 @@ def start(args: argparse.Namespace) -> DistContext:
             fail_all_ranks(f"{flag} must be > 0 seconds, got {seconds:g}", None)
     try:
         return init_distributed(device=args.device, timeout_s=args.dist_timeout,
-                                heartbeat_timeout_s=args.heartbeat_timeout)
+                                heartbeat_timeout_s=args.heartbeat_timeout, comm=args.comm,
+                                two_level=args.two_level)
     except ValueError as e:
         fail_all_ranks(str(e), None)
 

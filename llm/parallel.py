@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,13 +53,15 @@ from llm.tp import (
 TRANSPOSED = ("o_proj", "down_proj")
 
 
-def make_groups(grid: ProcessGrid, rank: int) -> dict[str, AxisGroup]:
+def make_groups(grid: ProcessGrid, rank: int, transport: Any = None) -> dict[str, AxisGroup]:
     """Axis groups the trainer uses; collective: every rank calls it, in the same order.
 
     Keys: ``data``, ``depth``, ``row``, ``col``, ``data+depth`` (batch split: loss sums,
-    replicated gradients) and ``depth+row+col`` (the gradient norm).
+    replicated gradients) and ``depth+row+col`` (the gradient norm). ``transport``
+    (``DistContext.transport``): CPU tensors go through MPI.
     """
-    return grid.create_groups(rank, [*AXONN_AXES, ("data", "depth"), ("depth", "row", "col")])
+    return grid.create_groups(rank, [*AXONN_AXES, ("data", "depth"), ("depth", "row", "col")],
+                              transport=transport)
 
 
 @dataclass(frozen=True)

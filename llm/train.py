@@ -153,7 +153,8 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[Trainer, ProcessG
     work = GPTWorkload.from_config(model_config, global_batch=args.batch_size * args.grad_accum,
                                    micro_batch=args.batch_size, seq_len=args.seq_len)
     grid, note = choose_grid(args, work, ctx)
-    trainer = Trainer(model_config, data, optim, goldfish, run_cfg, make_groups(grid, ctx.rank),
+    trainer = Trainer(model_config, data, optim, goldfish, run_cfg, make_groups(grid, ctx.rank,
+                                                                           ctx.transport),
                       seed=args.seed, device=ctx.device)
     return trainer, grid, note
 
@@ -224,7 +225,7 @@ def _header(trainer: Trainer, args: argparse.Namespace, grid: ProcessGrid, ctx: 
         start = ""
     return (f"GPT {args.preset}: {cfg.num_params():,} parameters ({cfg.num_layers} layers, "
             f"d_model {cfg.d_model}, {cfg.num_heads} heads); grid {grid} ({ctx.world_size} "
-            f"ranks, {ctx.launcher}, {ctx.backend}), overlap {trainer.run_cfg.overlap}\n"
+            f"ranks, {ctx.launcher}, {ctx.comm_label}), overlap {trainer.run_cfg.overlap}\n"
             f"data: {source}, {text}; {fish}; {trainer.total_steps} steps of "
             f"{data.batch_size} x {data.seq_len} tokens x {trainer.run_cfg.grad_accum} "
             f"micro-batches{start}")

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def train() -> TrainResult:
         return train_gcn(source, grid, ctx.rank, device=ctx.device, on_epoch=on_epoch,
-                         should_stop=preemption_flag(),
+                         should_stop=preemption_flag(), transport=ctx.transport,
                          on_setup=lambda shard, model, info: _log_setup(
                              info, shard, model, ctx, source, grid), **configs)
 
@@ -209,7 +209,7 @@ def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, gri
         return
     print(f"graph {source.name}: {source.num_nodes:,} nodes, {source.num_edges:,} edges, "
           f"{source.num_features} features, {source.num_classes} classes; grid {grid} "
-          f"({ctx.world_size} ranks, {ctx.launcher}, {ctx.backend})", flush=True)
+          f"({ctx.world_size} ranks, {ctx.launcher}, {ctx.comm_label})", flush=True)
     for lay, blk in sorted(shard.adj.items()):
         o, i, p = layout.roles(lay)
         print(f"  adjacency layout {lay} (O,I,P)=({o},{i},{p}): max/mean nonzeros per "

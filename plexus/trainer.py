@@ -26,6 +26,7 @@ from common.checkpoint import list_steps
 from common.comm_stats import CommStats
 from common.dist import any_rank
 from common.grid import AxisGroup, ProcessGrid
+from common.mpi import MPITransport
 from common.run import CheckpointConfig
 from plexus import checkpoint as ckpt
 from plexus import layout
@@ -47,15 +48,16 @@ class TrainResult:
 
 
 def setup(source: ShardSource, grid: ProcessGrid, rank: int, model: ModelConfig, *,
-          seed: int = 0, device: torch.device | str = "cpu"
+          seed: int = 0, device: torch.device | str = "cpu", transport: MPITransport | None = None
           ) -> tuple[GraphShard, dict[str, AxisGroup], PlexusGCN]:
-    """Create the axis groups (collective), this rank's shard, and the model.
+    """Create the axis groups (collective; over ``transport`` too, if given), this rank's
+    shard, and the model.
 
     If reading the shard fails on any rank (a damaged file may touch some ranks only), every
     rank raises: the failing ones their own error, the others a DatasetCorruptError saying so,
     so that no rank waits in a collective for one that stopped.
     """
-    groups = grid.create_groups(rank)
+    groups = grid.create_groups(rank, transport=transport)
     widths = layout.layer_widths(source.num_features, model.hidden, model.num_layers,
                                  source.num_classes)
     error: Exception | None = None
@@ -83,6 +85,7 @@ def train_gcn(
     on_epoch: Callable[[dict[str, Any]], None] | None = None,
     on_setup: Callable[[GraphShard, PlexusGCN, dict[str, Any]], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    transport: MPITransport | None = None,
 ) -> TrainResult:
     """Train a GCN on ``source`` with the Plexus 3D algorithm; every rank of ``grid`` calls this.
 
@@ -91,7 +94,8 @@ def train_gcn(
 
     ``should_stop`` (e.g. :func:`common.dist.preemption_flag`) is checked after every epoch and
     agreed over all ranks; when it fires, the run checkpoints (if configured) and returns
-    with ``info["preempted"] = True``.
+    with ``info["preempted"] = True``. ``transport`` (``DistContext.transport``): CPU tensors
+    go through MPI.
 
     Raises:
         ValueError: the grid does not match the process count or the source.
@@ -104,7 +108,8 @@ def train_gcn(
     grid.check(dist.get_world_size() if dist.is_initialized() else 1, source.grid_problems)
     if torch.device(device).type == "cpu" and run.retain_freed_memory:
         retain_freed_memory()  # reuse activation pages every epoch (see common.alloc)
-    shard, groups, net = setup(source, grid, rank, model, seed=run.seed, device=device)
+    shard, groups, net = setup(source, grid, rank, model, seed=run.seed, device=device,
+                               transport=transport)
     net.to(device)
     for blk in shard.adj.values():
         blk.a.to(device, kernel=run.spmm), blk.a_t.to(device, kernel=run.spmm)
@@ -220,8 +225,9 @@ def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str = "cpu",
     else:
         graph = data if isinstance(data, Graph) else Graph.from_pyg(data)
         source = InMemorySource(graph, permutation=permutation, seed=configs["run"].seed)
+    transport = None
     if not dist.is_initialized():
-        init_distributed(device=device)
+        transport = init_distributed(device=device).transport
     grid = ProcessGrid.parse(grid) if isinstance(grid, str) else grid
     return train_gcn(source, grid, dist.get_rank(), device=device, on_epoch=on_epoch,
-                     **configs)
+                     transport=transport, **configs)

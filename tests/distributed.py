@@ -2,10 +2,13 @@
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), each with
 the torchrun environment variables set, calls ``common.init_distributed`` and then
-``fn(ctx, *args)``; it returns the per-rank results in rank order. An exception on any rank is
-re-raised here with that rank's traceback; a rank that hangs or dies fails the test after
-``timeout`` seconds instead of hanging the suite. ``fn`` must be a module-level function.
-Batch several checks into one call: starting ranks costs about a second each on 2 cores.
+``fn(ctx, *args)``; it returns the per-rank results in rank order. ``comm="mpi"`` starts them
+under ``mpiexec`` instead (``python -m tests.mpi_worker``), so CPU tensors go through the MPI
+transport: parametrize a parallel == serial test over :data:`COMMS` to run it on both. An
+exception on any rank is re-raised here with that rank's traceback; a rank that hangs or dies
+fails the test after ``timeout`` seconds instead of hanging the suite. ``fn`` must be a
+module-level function. Batch several checks into one call: starting ranks costs about a second
+each on 2 cores.
 
 ``launch(args, ranks=N, launcher=...)`` runs ``python ARGS`` under mpiexec, torchrun or alone
 and returns the finished process; :func:`find_mpiexec` finds the launcher (beside
@@ -42,6 +45,8 @@ def find_mpiexec() -> str | None:
 MPIEXEC = find_mpiexec()
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside sys.executable or "
                                "on PATH (pip install mpich)")
+# the two transports of CPU tensors, as a parametrization (the MPI one skips without mpiexec)
+COMMS = ("torch", pytest.param("mpi", marks=needs_mpi))
 
 
 def require_mpiexec() -> str:
@@ -107,9 +112,16 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         out.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240
-              ) -> list[Any]:
-    """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
+              comm: str = "torch") -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return results by rank.
+
+    ``comm="torch"``: spawned processes over gloo; ``"mpi"``: under mpiexec with the MPI
+    transport (``ctx.transport``; use ``ctx.create_groups(grid)`` in ``fn``)."""
+    if comm == "mpi":
+        return _run_ranks_mpi(fn, world_size, args, timeout)
+    if comm != "torch":
+        raise ValueError(f"comm {comm!r}: use torch or mpi")
     import torch.distributed as dist
 
     ctx = mp.get_context("spawn")
@@ -186,3 +198,34 @@ def kill_one_rank_and_collect(args: list[str], world: int, victim: int, ready: s
                 p.kill()
         del store
     return out
+
+
+def _run_ranks_mpi(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...],
+                   timeout: float) -> list[Any]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="run_ranks_") as tmp:
+        job = Path(tmp)
+        (job / "job.pkl").write_bytes(pickle.dumps((fn, args)))
+        try:
+            proc = subprocess.run(
+                launch_command(["-m", "tests.mpi_worker", str(job)], ranks=world_size),
+                cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout,
+                stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"mpiexec ranks did not finish within {timeout} s") from None
+        results, errors = [], []
+        for r in range(world_size):
+            path = job / f"rank{r}.pkl"
+            if not path.exists():
+                errors.append(f"--- rank {r} wrote no result ---")
+                continue
+            ok, value = pickle.loads(path.read_bytes())
+            if ok:
+                results.append(value)
+            else:
+                errors.append(f"--- rank {r} ---\n{value}")
+        if errors or proc.returncode:
+            raise AssertionError("distributed run (mpiexec) failed:\n" + "\n".join(errors)
+                                 + f"\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        return results

@@ -4,10 +4,25 @@ A :class:`MachineProfile` is data (a JSON file under ``common/perf/profiles/``):
 published machines are written from published figures, and ``python -m common.perf.calibrate``
 writes one measured on the machine at hand. Pure Python: no torch.
 
-Collective time (alpha-beta ring model, ``g`` = group size, ``M`` = bytes of the full tensor)::
+Collective time (alpha-beta model, ``g`` = group size, ``M`` = bytes of the full tensor, ``c`` =
+``collective_call_s``, the fixed cost of one collective call). The ring (NCCL's default)::
 
-    all-reduce:                  2 (g-1) alpha + 2 (g-1)/g * M / beta
-    all-gather, reduce-scatter:    (g-1) alpha +   (g-1)/g * M / beta
+    all-reduce:                  c + 2 (g-1) alpha + 2 (g-1)/g * M / beta
+    all-gather, reduce-scatter:  c +   (g-1) alpha +   (g-1)/g * M / beta
+
+Two-level (PCCL: Singh et al., "The Big Send-off", arXiv 2504.18658): a group of ``g = k n``
+ranks, ``k`` on each of ``n`` nodes, runs one collective inside every node (``k`` ranks, intra
+link) and one across nodes (``n`` ranks, one per node, the ``k`` rails of the group in parallel
+over the NICs)::
+
+    all-gather:      inter all-gather of M/k over n, then intra all-gather of M over k
+    reduce-scatter:  intra reduce-scatter of M over k, then inter reduce-scatter of M/k over n
+    all-reduce:      the two-level reduce-scatter, then the two-level all-gather
+
+Each level is one call (``c``) and costs the cheaper of the ring and the latency-optimal
+algorithm (:func:`level_seconds`: Bruck all-gather, recursive-halving reduce-scatter; ``ceil(log2
+g)`` steps of alpha and the ring's bytes). ``collective_algorithm`` picks ``ring``, ``two-level``
+or ``auto`` (the cheaper of the two for each call).
 
 ``alpha`` and ``beta`` come, in this order, from
 
@@ -16,10 +31,17 @@ Collective time (alpha-beta ring model, ``g`` = group size, ``M`` = bytes of the
    so oversubscribed cores and loopback contention are inside the numbers), else
 2. the placement of the group (perf-model.md): a group whose ranks share a node rings over the
    intra-node link; otherwise it uses the node's NICs, ``nics_per_node * inter.bandwidth``,
-   divided among the ``ranks_per_node`` ranks of the node that talk at once (every rank is in
-   one group of the axis, and all groups of an axis run together). Ranks are numbered
-   consecutively on nodes, so the groups of an axis with stride ``s`` and size ``g`` all lie
-   inside nodes exactly when ``s * g`` divides ``ranks_per_node``.
+   divided among the groups of the node that talk at once (every rank is in one group of the
+   axis, and all groups of an axis run together). A ring whose group has ``k`` ranks on each
+   node leaves the node once per ring (NCCL spreads its channels over the node's NICs and
+   GPUs), so the node's ``ranks_per_node / k`` groups share the NICs:
+   ``beta = min(nics_per_node * inter.bandwidth * k / ranks_per_node, intra ring of k)``.
+   Ranks are numbered consecutively on nodes, so the groups of an axis with stride ``s`` and
+   size ``g`` all lie inside nodes exactly when ``s * g`` divides ``ranks_per_node``.
+
+Inside a node, ``intra.bandwidth`` is what one rank pushes into a ring over the whole node; with
+``intra_peer_bandwidth`` (fully connected nodes: dedicated links to every peer), a ring of ``k``
+ranks uses only the links among them: ``min(intra.bandwidth, (k-1) * intra_peer_bandwidth)``.
 
 Units: seconds, bytes, bytes/s, flop/s.
 """
@@ -33,6 +55,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
+ALGORITHMS: tuple[str, ...] = ("ring", "two-level", "auto")
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 ENV_PROFILE = "HPC_MACHINE_PROFILE"
 
@@ -47,6 +70,50 @@ def ring_factor(op: str, group_size: int) -> float:
     """Bytes sent per rank divided by the full tensor's bytes ``M``: ``2(g-1)/g`` or ``(g-1)/g``."""
     g = group_size
     return ring_steps(op, g) / g if g > 1 else 0.0
+
+
+def latency_optimal_steps(op: str, group_size: int) -> int | None:
+    """Latency terms of the latency-optimal all-gather or reduce-scatter of ``g`` ranks, or None
+    where there is none better than the ring.
+
+    All-gather: Bruck, ``ceil(log2 g)`` steps for any ``g``; reduce-scatter: recursive halving,
+    ``log2 g`` steps when ``g`` is a power of two (Thakur, Rabenseifner, Gropp, "Optimization of
+    collective communication operations in MPICH", IJHPCA 2005). Both send the ring's
+    ``(g-1)/g * M`` bytes per rank.
+    """
+    if op not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"latency-optimal steps are for all_gather and reduce_scatter, got {op!r}")
+    g = group_size
+    if g <= 1:
+        return 0
+    if op == "reduce_scatter" and g & (g - 1):
+        return None
+    return (g - 1).bit_length()
+
+
+def level_seconds(op: str, full_bytes: float, group_size: int, alpha_s: float,
+                  bandwidth: float) -> float:
+    """Seconds of one all-gather or reduce-scatter level: the cheaper of the ring,
+    ``(g-1) alpha + (g-1)/g M / beta``, and the latency-optimal algorithm,
+    ``steps alpha + (g-1)/g M / beta`` (:func:`latency_optimal_steps`); no call overhead."""
+    g = group_size
+    if g <= 1:
+        return 0.0
+    steps = ring_steps(op, g)
+    fast = latency_optimal_steps(op, g)
+    if fast is not None:
+        steps = min(steps, fast)
+    return steps * alpha_s + ring_factor(op, g) * full_bytes / bandwidth
+
+
+def group_ranks_per_node(group_size: int, stride: int, node_ranks: int) -> int:
+    """Ranks ``k`` of one group on each node it touches, when the group's ``g`` ranks, ``stride``
+    apart, tile nodes of ``node_ranks`` consecutively numbered ranks evenly; 1 otherwise (the
+    group crosses nodes at every step, the conservative case)."""
+    g, s, r = group_size, stride, node_ranks
+    if s >= r or r % s or ((s * g) % r and r % (s * g)):
+        return 1
+    return min(g, r // s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,10 +202,18 @@ class MachineProfile:
         node_memory: bytes of host memory per node.
         cache_line: smallest chunk a gathered feature row costs (bytes): a 32-byte sector on
             NVIDIA and AMD GPUs, a 64-byte line on x86.
-        intra, inter: the intra-node link (per rank) and one NIC (inter-node).
+        intra, inter: the intra-node link (per rank, a ring over the whole node) and one NIC
+            (inter-node).
         nics_per_node: NICs per node.
         compute: per-rank rates, one entry per measured ranks-per-node count.
         collectives: measured fits that override the link model.
+        intra_peer_bandwidth: bytes/s of the dedicated links from one rank to each peer of a
+            fully connected node (a ring of ``k`` ranks inside the node gets
+            ``min(intra.bandwidth, (k-1) * intra_peer_bandwidth)``); None: every ring inside a
+            node gets ``intra.bandwidth``.
+        collective_call_s: fixed seconds of one collective call (kernel launch and the
+            library's set-up), on top of the per-step alpha.
+        collective_algorithm: ``ring``, ``two-level`` or ``auto`` (module docstring).
     """
 
     name: str
@@ -154,6 +229,9 @@ class MachineProfile:
     nics_per_node: int = 1
     compute: tuple[Compute, ...]
     collectives: tuple[CollectiveFit, ...] = field(default=())
+    intra_peer_bandwidth: float | None = None
+    collective_call_s: float = 0.0
+    collective_algorithm: str = "ring"
 
     def __post_init__(self) -> None:
         if not self.compute:
@@ -163,6 +241,12 @@ class MachineProfile:
         if self.nics_per_node < 1 or self.cache_line < 1 or self.node_memory <= 0:
             raise ValueError(f"machine profile {self.name!r}: need nics_per_node >= 1, "
                              f"cache_line >= 1 and node_memory > 0")
+        check_algorithm(self.collective_algorithm)
+        if self.collective_call_s < 0 or (self.intra_peer_bandwidth is not None
+                                          and not self.intra_peer_bandwidth > 0):
+            raise ValueError(f"machine profile {self.name!r}: need collective_call_s >= 0 and "
+                             f"intra_peer_bandwidth > 0 or None, got {self.collective_call_s}, "
+                             f"{self.intra_peer_bandwidth}")
         keys = [(c.op, c.ranks_per_node, c.group_size) for c in self.collectives]
         if len(set(keys)) != len(keys):
             raise ValueError(f"machine profile {self.name!r} repeats a collective fit")
@@ -192,6 +276,20 @@ class MachineProfile:
                        gemm_flops=near.gemm_flops * scale,
                        memory_bandwidth=near.memory_bandwidth * scale, gemm_flops_low=low)
 
+    def intra_ring_bandwidth(self, ranks: int) -> float:
+        """Bytes/s per rank of a ring of ``ranks`` ranks inside one node."""
+        if self.intra_peer_bandwidth is None:
+            return self.intra.bandwidth
+        return min(self.intra.bandwidth, max(ranks - 1, 1) * self.intra_peer_bandwidth)
+
+    def measured(self, op: str, group_size: int, node_ranks: int) -> CollectiveFit | None:
+        """The measured fit for ``op`` on groups of ``group_size`` with ``node_ranks`` on the
+        node, if the profile has one."""
+        for c in self.collectives:
+            if (c.op, c.ranks_per_node, c.group_size) == (op, node_ranks, group_size):
+                return c
+        return None
+
     def link_for(self, op: str, group_size: int, stride: int, node_ranks: int
                  ) -> tuple[float, float, str]:
         """(alpha_s, bandwidth, source) of a ring of ``group_size`` ranks ``stride`` apart.
@@ -199,21 +297,61 @@ class MachineProfile:
         A CPU profile measured at other rank counts falls back to its intra link (the 2-rank
         fit), which is optimistic for more oversubscribed ranks: calibrate the counts you run.
         """
-        for c in self.collectives:
-            if (c.op, c.ranks_per_node, c.group_size) == (op, node_ranks, group_size):
-                return c.alpha_s, c.bandwidth, "measured"
+        fit = self.measured(op, group_size, node_ranks)
+        if fit is not None:
+            return fit.alpha_s, fit.bandwidth, "measured"
         if within_node(group_size, stride, node_ranks):
-            return self.intra.alpha_s, self.intra.bandwidth, "intra"
-        share = self.nics_per_node * self.inter.bandwidth / node_ranks
-        return self.inter.alpha_s, min(self.intra.bandwidth, share), "inter"
+            return self.intra.alpha_s, self.intra_ring_bandwidth(group_size), "intra"
+        k = group_ranks_per_node(group_size, stride, node_ranks)
+        share = self.nics_per_node * self.inter.bandwidth * k / node_ranks
+        cap = self.intra_ring_bandwidth(k) if k > 1 else self.intra.bandwidth
+        return self.inter.alpha_s, min(cap, share), "inter"
 
     def collective_time(self, op: str, full_bytes: float, group_size: int, *, stride: int = 1,
-                        node_ranks: int = 1) -> float:
-        """Seconds of one ring ``op`` on a ``full_bytes`` tensor (see the module docstring)."""
+                        node_ranks: int = 1, algorithm: str | None = None) -> float:
+        """Seconds of one ``op`` on a ``full_bytes`` tensor (see the module docstring).
+
+        Args:
+            algorithm: ``ring``, ``two-level`` or ``auto``; None: the profile's
+                ``collective_algorithm``. A measured fit is the library's own algorithm and
+                is used as it is.
+        """
         if group_size <= 1:
             return 0.0
-        alpha, beta, _ = self.link_for(op, group_size, stride, node_ranks)
-        return ring_steps(op, group_size) * alpha + ring_factor(op, group_size) * full_bytes / beta
+        algo = algorithm or self.collective_algorithm
+        check_algorithm(algo)
+        alpha, beta, source = self.link_for(op, group_size, stride, node_ranks)
+        ring = (self.collective_call_s + ring_steps(op, group_size) * alpha
+                + ring_factor(op, group_size) * full_bytes / beta)
+        if algo == "ring" or source == "measured":
+            return ring
+        two = self.two_level_time(op, full_bytes, group_size, stride=stride,
+                                  node_ranks=node_ranks)
+        return two if algo == "two-level" else min(ring, two)
+
+    def two_level_time(self, op: str, full_bytes: float, group_size: int, *, stride: int = 1,
+                       node_ranks: int = 1) -> float:
+        """Seconds of the two-level ``op`` (module docstring): ``k`` ranks per node
+        (:func:`group_ranks_per_node`; all ``g`` when the group lies inside a node) and
+        ``n = g / k`` nodes; the inter level's rails share the node's NICs with the node's
+        other ranks (``nics * inter.bandwidth / ranks_per_node`` each)."""
+        check_op(op)
+        g = group_size
+        if g <= 1:
+            return 0.0
+        if op == "all_reduce":
+            return (self.two_level_time("reduce_scatter", full_bytes, g, stride=stride,
+                                        node_ranks=node_ranks)
+                    + self.two_level_time("all_gather", full_bytes, g, stride=stride,
+                                          node_ranks=node_ranks))
+        k = g if within_node(g, stride, node_ranks) else group_ranks_per_node(g, stride,
+                                                                              node_ranks)
+        n = g // k
+        rail = min(self.intra.bandwidth,
+                   self.nics_per_node * self.inter.bandwidth / node_ranks)
+        intra = level_seconds(op, full_bytes, k, self.intra.alpha_s, self.intra_ring_bandwidth(k))
+        inter = level_seconds(op, full_bytes / k, n, self.inter.alpha_s, rail)
+        return intra + inter + self.collective_call_s * ((k > 1) + (n > 1))
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
@@ -273,3 +411,8 @@ def load_profile(name_or_path: str | os.PathLike | None = None) -> MachineProfil
 def check_op(op: str) -> None:
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; choose from {OPS}")
+
+
+def check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown collective algorithm {algorithm!r}; choose from {ALGORITHMS}")

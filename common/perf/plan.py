@@ -5,10 +5,15 @@
         --ranks 8
     python -m common.perf.plan gpt --vocab 32000 --layers 32 --heads 32 --d-model 4096 \\
         --d-ff 11008 --batch 1024 --seq-len 2048 --ranks 64 --machine perlmutter-a100 --bf16
+    python -m common.perf.plan gcn --dataset ogbn-papers100M --learn-features --ranks 2048 \
+        --machine frontier-mi250x --collectives both --top 5
     python -m common.perf.plan profiles
 
 Prints, per grid: predicted time split into compute and communication per axis, memory per
-rank, and whether it fits (see :mod:`common.perf`). The engines hand the planner their workload
+rank, and whether it fits (see :mod:`common.perf`). ``--collectives`` picks the collective
+algorithm (:mod:`common.perf.machine`: ``ring``, PCCL's ``two-level``, ``auto``: the cheaper per
+call); ``both`` prints the ring and the two-level plan and whether two-level pays. The engines
+hand the planner their workload
 (:class:`~common.perf.gcn.GCNWorkload`, :class:`~common.perf.gpt.GPTWorkload`); the trainers'
 ``--grid auto`` call :func:`common.perf.choose.auto_grid`, and ``python -m llm.plan`` adds the
 llm presets on top of this command. Pure Python: imports no engine and no torch.
@@ -17,6 +22,7 @@ llm presets on top of this command. Pure Python: imports no engine and no torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +30,8 @@ from typing import Any
 from common.perf import gcn as perf_gcn
 from common.perf import gpt as perf_gpt
 from common.perf.choose import Workload, plan
-from common.perf.machine import available_profiles, load_profile
+from common.perf.machine import ALGORITHMS, available_profiles, load_profile
+from common.perf.model import Plan
 
 DATASETS = {"ogbn-products": perf_gcn.ogbn_products, "ogbn-papers100M": perf_gcn.ogbn_papers100m}
 
@@ -65,7 +72,8 @@ def gpt_workload(args: argparse.Namespace) -> perf_gpt.GPTWorkload:
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
-    """``--ranks --machine --ranks-per-node --top``: the flags every sub-command shares."""
+    """``--ranks --machine --ranks-per-node --top --collectives``: the flags every sub-command
+    shares."""
     parser.add_argument("--ranks", type=int, required=True, help="G, the number of ranks")
     parser.add_argument("--machine", default=None,
                         help="profile name or JSON path (default $HPC_MACHINE_PROFILE or "
@@ -73,6 +81,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="default: the profile's (all ranks on one node for CPU profiles)")
     parser.add_argument("--top", type=int, default=None, help="print only the best N grids")
+    parser.add_argument("--collectives", choices=[*ALGORITHMS, "both"], default=None,
+                        help="collective algorithm: ring, two-level (intra-node then "
+                        "inter-node, PCCL), auto (the cheaper per call), or both (print the "
+                        "ring and the two-level plans); default: the profile's")
 
 
 def add_gpt_size_args(parser: argparse.ArgumentParser) -> None:
@@ -117,18 +129,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_plan(build: Callable[[], Workload], args: argparse.Namespace) -> int:
-    """Build the workload, plan it with the shared flags, print the table and the choice;
-    exit status (2 with the message on a ValueError from either step)."""
+    """Build the workload, plan it with the shared flags, print the table and the choice (for
+    ``--collectives both``: the ring and the two-level plan and which pays); exit status (2
+    with the message on a ValueError from either step)."""
+    algos = ["ring", "two-level"] if args.collectives == "both" else [args.collectives]
     try:
-        ranked = plan(build(), args.ranks, machine=args.machine,
-                      ranks_per_node=args.ranks_per_node)
+        work = build()
+        profile = load_profile(args.machine)
+        plans = [plan(work, args.ranks, ranks_per_node=args.ranks_per_node,
+                      machine=dataclasses.replace(profile, collective_algorithm=a) if a
+                      else profile) for a in algos]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(ranked.table(top=args.top))
-    if ranked.runnable:
-        print(ranked.describe_choice())
+    for algo, ranked in zip(algos, plans):
+        if len(plans) > 1:
+            print(f"\ncollectives: {algo}")
+        print(ranked.table(top=args.top))
+        if ranked.runnable:
+            print(ranked.describe_choice())
+    if len(plans) > 1:
+        print(compare_collectives(*plans))
     return 0
+
+
+def compare_collectives(ring: Plan, two_level: Plan) -> str:
+    """One line: the best grid's predicted time with ring and with two-level collectives."""
+    if not ring.runnable or not two_level.runnable:
+        return "collectives: no runnable grid to compare"
+    r, t = ring.best, two_level.best
+    gain = r.total_s / t.total_s - 1
+    if abs(gain) < 5e-4:
+        verdict = "no difference (within 0.05%)"
+    elif gain > 0:
+        verdict = f"two-level pays ({100 * gain:.1f}% faster)"
+    else:
+        verdict = f"ring is better (two-level {100 * (t.total_s / r.total_s - 1):.1f}% slower)"
+    return (f"collectives: ring {r.label()} {1e3 * r.total_s:.1f} ms (communication "
+            f"{1e3 * r.comm_s:.1f}), two-level {t.label()} {1e3 * t.total_s:.1f} ms "
+            f"(communication {1e3 * t.comm_s:.1f}): {verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,9 @@ from tests.distributed import ROOT, launch
 SCRIPT = ROOT / "bench" / "collectives.py"
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = ("1 KiB", "4 KiB", "16 KiB", "64 KiB")
-# size, iters, ours us, ours busbw, MPI us, MPI busbw, ours/MPI
-ROW = re.compile(r"^\s*(\d+ [KM]?i?B)\s+(\d+)" + r"\s+([0-9.eE+-]+|inf|nan)" * 5 + r"\s*$")
+# size, iters, ours us, ours busbw, MPI us, MPI busbw, ours/MPI, extra us, reused us, target
+ROW = re.compile(r"^\s*(\d+ [KM]?i?B)\s+(\d+)" + r"\s+([0-9.eE+-]+|inf|nan)" * 7
+                 + r"\s+(met|MISSED)\s*$")
 
 
 @pytest.mark.slow
@@ -35,5 +36,6 @@ def test_bench_collectives_two_ranks(tmp_path):
         assert tuple(rows) == SIZES, (op, r.stdout)
         for size, ratio in rows.items():
             assert math.isfinite(ratio) and ratio > 0, (op, size, ratio)
+    assert "ours (MPI transport) vs MPICH" in r.stdout
     assert "checks OK" in r.stdout
     assert len(csv_path.read_text().splitlines()) == 1 + len(OPS) * len(SIZES)

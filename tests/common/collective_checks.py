@@ -78,7 +78,7 @@ def check_grid(ctx, grid_text: str, seed: int = 0) -> list[str]:
     axes = AXONN_AXES if "=" in grid_text or grid_text.count("x") == 3 else PLEXUS_AXES
     grid = ProcessGrid.parse(grid_text, axes)
     grid.check(ctx.world_size)
-    groups = grid.create_groups(ctx.rank, [*grid.axes, tuple(grid.axes[:2])])
+    groups = ctx.create_groups(grid, [*grid.axes, tuple(grid.axes[:2])])
     failures = []
     for name, grp in groups.items():
         members = grp.members

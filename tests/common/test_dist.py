@@ -168,4 +168,4 @@ def test_watchdog_names_a_lost_rank_but_not_a_finished_one(how):
 def test_dist_context_fields():
     names = list(DistContext.__dataclass_fields__)
     assert names == ["rank", "world_size", "local_rank", "local_world_size", "device",
-                     "backend", "launcher", "heartbeat_timeout_s", "watchdog"]
+                     "backend", "launcher", "heartbeat_timeout_s", "watchdog", "transport"]

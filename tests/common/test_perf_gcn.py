@@ -71,7 +71,7 @@ def _trainer_bytes(ctx, cases):
     for grid, layers, learn in cases:
         model = ModelConfig(num_layers=layers, hidden=6, learn_features=learn)
         res = train_gcn(graph, ProcessGrid.parse(grid), ctx.rank, model=model,
-                        run=RunConfig(epochs=2))
+                        run=RunConfig(epochs=2), transport=ctx.transport)
         out.append([row["comm_bytes_by_axis"] for row in res.history])
     return out
 

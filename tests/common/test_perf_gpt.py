@@ -118,7 +118,8 @@ def _trainer_bytes(ctx, cases):
                           DataConfig(seq_len=16, batch_size=batch, eval_batches=0),
                           OptimConfig(lr=1e-2, warmup_steps=2), GoldfishConfig(k=4, h=3),
                           RunConfig(steps=1, grad_accum=accum),
-                          make_groups(ProcessGrid.parse(grid, AXONN_AXES), ctx.rank), seed=5)
+                          make_groups(ProcessGrid.parse(grid, AXONN_AXES), ctx.rank,
+                                      ctx.transport), seed=5)
         trainer.train_step()
         out.append({axis: r.bytes for axis, r in trainer.stats.by_axis().items()})
     return out

@@ -104,3 +104,17 @@ def test_plan_command_runs_as_a_module():
                        capture_output=True, text=True, env=launch_env(), timeout=60)
     assert r.returncode == 0 and "perlmutter-a100" in r.stdout, r.stderr
     assert r.stderr == ""  # no runpy warning about the re-exported module
+
+
+def test_plan_cli_compares_ring_and_two_level_collectives(capsys):
+    assert main(["gcn", "--dataset", "ogbn-papers100M", "--learn-features", "--ranks", "64",
+                 "--machine", "frontier-mi250x", "--collectives", "both", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "collectives: ring\n" in out and "collectives: two-level\n" in out
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("collectives: ring ") and "two-level" in verdict
+    assert main(["gpt", "--vocab", "256", "--layers", "4", "--heads", "4", "--d-model", "128",
+                 "--d-ff", "512", "--batch", "16", "--seq-len", "64", "--ranks", "8",
+                 "--machine", "perlmutter-a100", "--collectives", "two-level",
+                 "--top", "1"]) == 0
+    assert "grid auto: data=" in capsys.readouterr().out

@@ -56,7 +56,7 @@ def test_cli_on_one_gpu_uses_nccl(tmp_path):
     r = launch([*ARGS, "--device", "cuda", "--metrics", str(tmp_path / "gpu.jsonl")],
                launcher="single", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "(1 ranks, single, nccl)" in r.stdout
+    assert "(1 ranks, single, cpu:gloo,cuda:nccl)" in r.stdout
     cpu = launch([*ARGS, "--device", "cpu", "--metrics", str(tmp_path / "cpu.jsonl")],
                  launcher="single", timeout=300)
     assert cpu.returncode == 0, cpu.stdout + cpu.stderr
@@ -71,7 +71,7 @@ def test_two_nccl_ranks_follow_one_cpu_rank(tmp_path):
                   "--metrics", str(tmp_path / "gpu.jsonl")], ranks=2, launcher="torchrun",
                  timeout=300)
     assert gpu.returncode == 0, gpu.stdout + gpu.stderr
-    assert "(2 ranks, torchrun, nccl)" in gpu.stdout
+    assert "(2 ranks, torchrun, cpu:gloo,cuda:nccl)" in gpu.stdout
     cpu = launch([*ARGS, "--device", "cpu", "--metrics", str(tmp_path / "cpu.jsonl")],
                  launcher="single", timeout=300)
     assert cpu.returncode == 0, cpu.stdout + cpu.stderr

@@ -69,7 +69,7 @@ def sharded_losses(ctx):
     for vocabulary chunk ``row.rank`` of :func:`make_case`."""
     from llm.parallel import make_groups
 
-    row = make_groups(ProcessGrid.axonn(1, 1, 4, 1), ctx.rank)["row"]
+    row = make_groups(ProcessGrid.axonn(1, 1, 4, 1), ctx.rank, ctx.transport)["row"]
     logits, targets, _ = make_case()
     width = PADDED // 4
     z = logits[..., row.rank * width : (row.rank + 1) * width].clone().requires_grad_()

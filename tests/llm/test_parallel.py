@@ -61,7 +61,7 @@ def parallel_cases(ctx, cases):
     for grid_text, changes, overlap, micro in cases:
         config = dataclasses.replace(BASE, **changes)
         grid = ProcessGrid.parse(grid_text, AXONN_AXES)
-        groups = make_groups(grid, ctx.rank)
+        groups = make_groups(grid, ctx.rank, ctx.transport)
         torch.manual_seed(SEED)
         stats = CommStats()
         model = ParallelGPT(GPT(config), groups, overlap=Overlap.parse(overlap), stats=stats)

@@ -34,7 +34,7 @@ def linear_pair(groups, overlap, stats=None):
 def linear_volumes(ctx, grid_text, overlap):
     """Forward and backward of :func:`linear_pair` on this rank: (axis, op) -> (calls, bytes
     sent per rank) of its collectives, and its overlap counts."""
-    groups = make_groups(ProcessGrid.parse(grid_text, AXONN_AXES), ctx.rank)
+    groups = make_groups(ProcessGrid.parse(grid_text, AXONN_AXES), ctx.rank, ctx.transport)
     stats = CommStats()
     layers, weights, grads, counts = linear_pair(groups, overlap, stats)
     weights.begin_forward()

@@ -108,7 +108,7 @@ def test_cli_four_ranks_prints_on_rank_0_and_checkpoints_for_any_grid(tmp_path, 
                ranks=4, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("GPT tiny: 139,584 parameters") == 1  # rank 0 only
-    assert "grid data=1,depth=2,row=2,col=1 (4 ranks, mpiexec, gloo)" in r.stdout
+    assert "grid data=1,depth=2,row=2,col=1 (4 ranks, mpiexec, mpi)" in r.stdout
     assert r.stdout.count("step     3/3") == 1
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]

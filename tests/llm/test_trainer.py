@@ -93,7 +93,8 @@ def overlap_runs(ctx):
     rows, and the final full weights (rank 0)."""
     out = {}
     for overlap in ("all", "none"):
-        groups = make_groups(ProcessGrid.parse(OVERLAP_GRID, AXONN_AXES), ctx.rank)
+        groups = make_groups(ProcessGrid.parse(OVERLAP_GRID, AXONN_AXES), ctx.rank,
+                             ctx.transport)
         trainer = make_trainer(groups, steps=OVERLAP_STEPS, overlap=overlap)
         rows = run(trainer)
         weights = trainer.model.full_state_dict()  # collective
@@ -127,7 +128,8 @@ def train_on_grids(ctx):
     on the first grid (rank 0)."""
     out = {"train": {}}
     for grid_text in TRAIN_GRIDS:
-        trainer = make_trainer(make_groups(ProcessGrid.parse(grid_text, AXONN_AXES), ctx.rank))
+        trainer = make_trainer(make_groups(ProcessGrid.parse(grid_text, AXONN_AXES), ctx.rank,
+                                           ctx.transport))
         history = []
         for _ in range(TRAIN_STEPS):
             history.append(trainer.train_step())

@@ -53,7 +53,7 @@ def _parallel(ctx, cases):
         graph = small_graph()
         grid = ProcessGrid.parse(grid_text)
         grid.check(ctx.world_size)
-        groups = grid.create_groups(ctx.rank)
+        groups = ctx.create_groups(grid)
         coords = grid.coords(ctx.rank)
         widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
         shard = InMemorySource(graph, permutation=mode, seed=11).shard(grid.shape, coords,

@@ -29,7 +29,7 @@ def test_cli_four_ranks_writes_metrics(tmp_path):
     path = tmp_path / "m.jsonl"
     r = cli(["--epochs", "4", "--hidden", "16", "--metrics", str(path), "--log-every", "2"], 4)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "grid 2x2x1 (4 ranks, mpiexec, gloo)" in r.stdout
+    assert "grid 2x2x1 (4 ranks, mpiexec, mpi)" in r.stdout
     assert r.stdout.count("epoch    4/4") == 1  # only rank 0 prints
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     epochs, summary = lines[:-1], lines[-1]["summary"]

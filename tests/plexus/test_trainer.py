@@ -15,7 +15,7 @@ def _fit_losses(ctx, grid, epochs, config):
 
     graph = planted_partition(num_nodes=1001, seed=1)  # 1001 = 7*11*13: padding on 2x2x2
     source = InMemorySource(graph, permutation=config.pop("permutation"))
-    res = train_gcn(source, ProcessGrid.parse(grid), ctx.rank,
+    res = train_gcn(source, ProcessGrid.parse(grid), ctx.rank, transport=ctx.transport,
                     **split_config(epochs=epochs, **config))
     return [(r["loss"], r["train_acc"], r["test_acc"]) for r in res.history]
 

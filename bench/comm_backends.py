@@ -1,0 +1,102 @@
+"""The same plexus and llm jobs with ``--comm torch`` (gloo) and ``--comm mpi``, in one run.
+
+    python bench/comm_backends.py                     # both jobs, 4 ranks each
+    python bench/comm_backends.py --jobs plexus --epochs 5 --steps 5   # quicker
+
+Jobs (issue 12), each launched under mpiexec on 4 ranks once per transport:
+
+* plexus: ``python -m plexus.train --dataset rmat-16 --grid 2x2x1 --hidden 128 --layers 3``
+  (R-MAT scale 16: 65,536 nodes);
+* llm: ``python -m llm.train --preset tiny --grid data=1,depth=1,row=2,col=2``.
+
+Each job writes ``--metrics`` JSON lines; the bench takes the median epoch (plexus) or step
+(llm) time over all but the first (warm-up), and the median share of it spent inside
+collectives (``comm_s``, wall time from issue to wait), and prints them per transport with the
+ratio torch / mpi (> 1: MPI is faster). The losses of the two transports must agree (same
+numbers, another transport): a mismatch exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMS = ("torch", "mpi")
+RANKS = 4
+
+
+def job_args(job: str, args: argparse.Namespace) -> list[str]:
+    if job == "plexus":
+        return ["-m", "plexus.train", "--dataset", "rmat-16", "--grid", "2x2x1", "--hidden",
+                "128", "--layers", "3", "--epochs", str(args.epochs), "--log-every", "1000"]
+    return ["-m", "llm.train", "--preset", "tiny", "--grid", "data=1,depth=1,row=2,col=2",
+            "--steps", str(args.steps), "--log-every", "1000", "--eval-batches", "0"]
+
+
+def run_job(job: str, comm: str, args: argparse.Namespace, tmp: Path) -> dict:
+    """Launch one job; return its median time, median comm share and losses."""
+    metrics = tmp / f"{job}-{comm}.jsonl"
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
+    cmd = [mpiexec, "-n", str(RANKS), sys.executable, *job_args(job, args), "--comm", comm,
+           "--metrics", str(metrics)]
+    print(f"  {job} --comm {comm}: {' '.join(cmd[3:])}", flush=True)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
+                       stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise SystemExit(f"{job} --comm {comm} failed (exit {r.returncode}):\n{r.stdout}\n"
+                         f"{r.stderr}")
+    key = "epoch_s" if job == "plexus" else "step_s"
+    rows = [row for row in map(json.loads, metrics.read_text().splitlines()) if key in row]
+    timed = rows[1:] if len(rows) > 1 else rows
+    return {"seconds": statistics.median(r[key] for r in timed),
+            "comm_share": statistics.median(r["comm_s"] / r[key] for r in timed),
+            "losses": [r["loss"] for r in rows], "iterations": len(timed)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", default="plexus,llm", help="comma list from plexus, llm")
+    p.add_argument("--epochs", type=int, default=8, help="plexus epochs (first is warm-up)")
+    p.add_argument("--steps", type=int, default=12, help="llm steps (first is warm-up)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = p.parse_args(argv)
+    jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
+    if bad := [j for j in jobs if j not in ("plexus", "llm")]:
+        p.error(f"unknown job(s) {bad}; choose from plexus, llm")
+    if min(args.epochs, args.steps) < 2:
+        p.error("need --epochs and --steps >= 2 (the first is warm-up)")
+    results: dict[str, dict[str, dict]] = {}
+    print(f"comm backends bench: {RANKS} ranks under mpiexec, each job once per transport")
+    with tempfile.TemporaryDirectory(prefix="comm_backends_") as tmp:
+        for job in jobs:
+            results[job] = {c: run_job(job, c, args, Path(tmp)) for c in COMMS}
+    failures = []
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(f"\n{'job':<8}{'comm':<7}{'median s':>10}{'comm share':>12}{'iters':>7}")
+        for job, by_comm in results.items():
+            for comm, r in by_comm.items():
+                print(f"{job:<8}{comm:<7}{r['seconds']:>10.4f}{100 * r['comm_share']:>11.1f}%"
+                      f"{r['iterations']:>7}")
+            ratio = by_comm["torch"]["seconds"] / by_comm["mpi"]["seconds"]
+            print(f"{job:<8}torch / mpi time = {ratio:.2f}")
+    for job, by_comm in results.items():
+        a, b = by_comm["torch"]["losses"], by_comm["mpi"]["losses"]
+        if len(a) != len(b) or any(abs(x - y) > 1e-4 * max(abs(x), 1.0) for x, y in zip(a, b)):
+            failures.append(f"{job}: losses differ between transports: {a} vs {b}")
+    for f in failures:
+        print(f"FAIL: {f}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

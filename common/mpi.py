@@ -1,0 +1,328 @@
+"""The MPI transport: collectives on CPU tensors through mpi4py, with real asynchronous progress.
+
+Gloo moves CPU tensors over TCP sockets, even between ranks of one node; the machine's MPI uses
+shared memory there and tuned algorithms everywhere (on a 2-core machine gloo's 1 KiB
+all-reduce takes ~2.8 ms, MPICH's ~30 us: bench/collectives.py). When the job was started by an
+MPI launcher, :func:`common.dist.init_distributed` builds an :class:`MPITransport`, and
+:meth:`common.grid.ProcessGrid.create_groups` gives every axis group an :class:`MPIGroup`: a
+communicator split from ``COMM_WORLD`` along the same axes. :mod:`common.collectives` then runs
+CPU tensors through it (same API, same autograd pairs, same byte accounting) and everything
+else (CUDA tensors: NCCL) through the group's ``torch.distributed`` group.
+
+Asynchronous progress. MPICH advances a non-blocking collective only inside MPI calls, so an
+``Iallreduce`` left alone while torch computes would mostly wait for ``wait()``. Instead one
+communication thread per process (:class:`ProgressThread`) runs the *blocking* MPI call of
+each async collective, in issue order, with the GIL released, while the caller computes.
+Synchronous collectives run on the caller's thread when nothing is queued (no hand-off
+latency), else behind the queued ones, so every rank issues every communicator's collectives in
+the same order. Collectives of one process must be issued from one thread (as with
+``torch.distributed``); MPI is initialised with ``MPI_THREAD_MULTIPLE``.
+
+Dtypes. Buffers are passed to MPI zero-copy (``tensor.numpy()`` views). MPI has no reduction
+for bfloat16 and float16: those are reduced in float32 and rounded once at the end (more
+accurate than a bf16 running sum); gathers move their bytes as 16-bit integers.
+
+Two-level collectives (PCCL, ``two_level=True``): an all-gather or reduce-scatter over a group
+that spans nodes runs in two steps, across nodes between the ranks with the same position in
+their node (each rank sends only its own chunk over the network, all NICs busy at once) and
+within each node, each step with MPI's own algorithm for its size. Used when the group has the
+same number of ranks on every node, in node-major order. Nodes come from
+``MPI_COMM_TYPE_SHARED``, or from ``ranks_per_node`` (consecutive ranks per node) to simulate a
+layout on one machine.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch reduce ops -> MPI op names (AVG and the others have no MPI twin)
+_MPI_OPS = {"SUM": "SUM", "MAX": "MAX", "MIN": "MIN", "PRODUCT": "PROD"}
+# dtypes MPI cannot reduce: reduce in float32, round once
+_UPCAST = (torch.bfloat16, torch.float16)
+# dtypes numpy cannot view: moved as raw 16-bit words by gathers
+_AS_INT16 = (torch.bfloat16,)
+_REDUCIBLE = (torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
+              torch.uint8, *_UPCAST)
+
+
+class Work:
+    """A collective in flight on the :class:`ProgressThread`."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        """True once the collective finished (without waiting; no MPI call)."""
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class Done:
+    """A collective that ran on the caller's thread and is complete (no Event to pay for)."""
+
+    __slots__ = ()
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = Done()
+
+
+class ProgressThread:
+    """One communication thread per process: runs queued collectives in issue order.
+
+    The thread blocks inside MPI with the GIL released, so a collective progresses while the
+    issuing thread computes. ``pending`` counts queued and running jobs; only the issuing
+    thread adds jobs, so ``pending == 0`` means the thread is idle and stays so.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Work] | None] = (
+            queue.SimpleQueue())
+        self._lock = threading.Lock()
+        self.pending = 0
+        self._thread = threading.Thread(target=self._run, name="hpc-mpi-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, work = job
+            try:
+                fn()
+            except BaseException as e:  # handed to the waiter
+                work._error = e
+            with self._lock:
+                self.pending -= 1
+            work._done.set()
+
+    def submit(self, fn: Callable[[], None]) -> Work:
+        work = Work()
+        with self._lock:
+            self.pending += 1
+        self._jobs.put((fn, work))
+        return work
+
+    def run(self, fn: Callable[[], None], async_op: bool) -> Work | Done:
+        """Run ``fn`` (a blocking MPI call) now on this thread if nothing is queued and the
+        call is synchronous; else queue it behind the others."""
+        if not async_op and self.pending == 0:
+            fn()
+            return DONE
+        work = self.submit(fn)
+        if not async_op:
+            work.wait()
+        return work
+
+    def stop(self) -> bool:
+        """End the thread after the queued jobs (idempotent); True if it is idle and ended.
+        With jobs still pending (a failing rank exits) it does not wait for them."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            if self.pending:
+                return False
+            self._thread.join(timeout=10)
+        return not self._thread.is_alive()
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+def mpi_world_size() -> int:
+    """Ranks in ``MPI_COMM_WORLD`` if mpi4py is importable and MPI runs, else 0 (no import of
+    mpi4py when it is absent: a torchrun job without MPI pays nothing)."""
+    try:
+        mpi = _mpi()
+    except ImportError:
+        return 0
+    return mpi.COMM_WORLD.Get_size() if mpi.Is_initialized() else 0
+
+
+def _np(t: torch.Tensor) -> Any:
+    """A zero-copy numpy view of a contiguous CPU tensor (bf16 as int16 words)."""
+    t = t.detach()
+    return (t.view(torch.int16) if t.dtype in _AS_INT16 else t).numpy()
+
+
+class MPIGroup:
+    """One axis group's communicator (and, two-level, its node and cross-node parts).
+
+    Attributes:
+        comm: the mpi4py communicator, ranks in group order.
+        node, cross: for two-level collectives, the communicators of this rank's node and of
+            the ranks at the same node position on every node; None when not used.
+        progress: the process's :class:`ProgressThread`.
+    """
+
+    def __init__(self, comm: Any, progress: ProgressThread, node: Any = None,
+                 cross: Any = None) -> None:
+        self.comm, self.progress, self.node, self.cross = comm, progress, node, cross
+        mpi = _mpi()
+        self._in_place = mpi.IN_PLACE
+        # keyed by torch's ReduceOp values (hashable), resolved once: this is the hot path
+        self._ops = {getattr(dist.ReduceOp, t): getattr(mpi, m) for t, m in _MPI_OPS.items()}
+
+    @property
+    def two_level(self) -> bool:
+        return self.node is not None
+
+    def supports(self, x: torch.Tensor, op: Any = None) -> bool:
+        """Whether this transport runs a collective on ``x`` (with reduce ``op``)."""
+        if x.device.type != "cpu":
+            return False
+        return op is None or (x.dtype in _REDUCIBLE and op in self._ops)
+
+    # Each method returns a Work; the out buffers are the caller's, filled when it completes.
+    def all_reduce(self, src: torch.Tensor, out: torch.Tensor, op: Any,
+                   async_op: bool) -> Work | Done:
+        """``out`` = the reduction of every rank's contiguous ``src`` (``out`` may be ``src``:
+        in place). Out of place MPI reads ``src`` directly: no copy of it first."""
+        mpi_op = self._ops[op]
+        if src.dtype in _UPCAST:
+            def call() -> None:
+                wide = src.float()
+                self.comm.Allreduce(self._in_place, wide.numpy(), op=mpi_op)
+                out.copy_(wide)
+            return self.progress.run(call, async_op)
+        send = self._in_place if out is src else _np(src)
+        recv = _np(out)
+        return self.progress.run(lambda: self.comm.Allreduce(send, recv, op=mpi_op), async_op)
+
+    def all_gather(self, src: torch.Tensor, out: torch.Tensor, async_op: bool) -> Work | Done:
+        """``out`` [g * n] = every rank's flat ``src`` [n] in group order."""
+        if self.two_level:
+            return self.progress.run(lambda: self._all_gather_2l(src, out), async_op)
+        return self.progress.run(lambda: self.comm.Allgather(_np(src), _np(out)), async_op)
+
+    def reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, op: Any,
+                       async_op: bool) -> Work | Done:
+        """``out`` [n] = this rank's chunk of the sum of every rank's flat ``src`` [g * n]."""
+        mpi_op = self._ops[op]
+        if src.dtype not in _UPCAST and not self.two_level:
+            s, o = _np(src), _np(out)
+            return self.progress.run(lambda: self.comm.Reduce_scatter_block(s, o, op=mpi_op),
+                                     async_op)
+
+        def call() -> None:
+            wide = src.dtype in _UPCAST
+            s, o = (src.float(), torch.empty(out.shape)) if wide else (src, out)
+            if self.two_level:
+                self._reduce_scatter_2l(s, o, mpi_op)
+            else:
+                self.comm.Reduce_scatter_block(_np(s), _np(o), op=mpi_op)
+            if wide:
+                out.copy_(o)
+        return self.progress.run(call, async_op)
+
+    def barrier(self) -> None:
+        self.progress.run(self.comm.Barrier, async_op=False)
+
+    # Two-level (PCCL). Group order is node-major: rank (n, l) = node n, position l; g = N * L.
+    def _all_gather_2l(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        num_nodes, per_node = self.cross.Get_size(), self.node.Get_size()
+        n = src.numel()
+        across = torch.empty(num_nodes * n, dtype=src.dtype)  # [N, n]: position l of each node
+        self.cross.Allgather(_np(src), _np(across))
+        by_pos = torch.empty(per_node * num_nodes * n, dtype=src.dtype)  # [L, N, n]
+        self.node.Allgather(_np(across), _np(by_pos))
+        out.view(num_nodes, per_node, n).copy_(by_pos.view(per_node, num_nodes, n).transpose(0, 1))
+
+    def _reduce_scatter_2l(self, src: torch.Tensor, out: torch.Tensor, mpi_op: Any) -> None:
+        num_nodes, per_node = self.cross.Get_size(), self.node.Get_size()
+        n = out.numel()
+        # [N, L, n] -> [L, N, n]: the node step leaves position l the node's sum of column l
+        by_pos = src.view(num_nodes, per_node, n).transpose(0, 1).contiguous()
+        mine = torch.empty(num_nodes * n, dtype=src.dtype)  # [N, n]
+        self.node.Reduce_scatter_block(_np(by_pos), _np(mine), op=mpi_op)
+        self.cross.Reduce_scatter_block(_np(mine), _np(out), op=mpi_op)
+
+
+class MPITransport:
+    """The MPI side of a job: ``COMM_WORLD``, node layout and the progress thread.
+
+    Built by :func:`common.dist.init_distributed` (``comm="mpi"``, or ``"auto"`` under an MPI
+    launcher) and owned by its ``DistContext``; :meth:`close` stops the thread and frees the
+    communicators.
+
+    Args:
+        two_level: use two-level all-gather / reduce-scatter on groups that span nodes.
+        ranks_per_node: consecutive world ranks per node (simulates a node layout); None: the
+            real nodes (``MPI_COMM_TYPE_SHARED``).
+    """
+
+    def __init__(self, *, two_level: bool = False, ranks_per_node: int | None = None) -> None:
+        mpi = _mpi()
+        self.world = mpi.COMM_WORLD
+        self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        self.two_level = two_level
+        if ranks_per_node is not None:
+            if ranks_per_node < 1 or self.size % ranks_per_node:
+                raise ValueError(f"ranks_per_node={ranks_per_node} must divide the "
+                                 f"{self.size} ranks of the job")
+            node = self.rank // ranks_per_node
+        else:
+            local = self.world.Split_type(mpi.COMM_TYPE_SHARED, key=self.rank)
+            # a node's id: its smallest world rank
+            node = local.allreduce(self.rank, op=mpi.MIN)
+            local.Free()
+        self.node_of: list[int] = self.world.allgather(node)
+        self.progress = ProgressThread()
+        self._comms: list[Any] = []
+
+    def split(self, groups: Sequence[Sequence[int]]) -> MPIGroup | None:
+        """The :class:`MPIGroup` of this rank among ``groups`` (a partition of the world's
+        ranks, each in group order); collective over ``COMM_WORLD``. None for a group of 1."""
+        color = next(i for i, members in enumerate(groups) if self.rank in members)
+        members = list(groups[color])
+        comm = self.world.Split(color, key=members.index(self.rank))
+        self._comms.append(comm)
+        node = cross = None
+        if self.two_level:
+            node, cross = self._two_level_parts(comm, members)
+        return MPIGroup(comm, self.progress, node, cross) if len(members) > 1 else None
+
+    def _two_level_parts(self, comm: Any, members: list[int]) -> tuple[Any, Any]:
+        nodes = [self.node_of[r] for r in members]
+        order = list(dict.fromkeys(nodes))  # distinct nodes in group order
+        per_node = nodes.count(order[0])
+        usable = (len(order) > 1 and per_node > 1 and nodes == sorted(nodes)
+                  and all(nodes.count(n) == per_node for n in order))
+        # every member computes the same `usable` (same lists), so all split or none
+        if not usable:
+            return None, None
+        me = members.index(self.rank)
+        node = comm.Split(me // per_node, key=me)
+        cross = comm.Split(me % per_node, key=me)
+        self._comms += [node, cross]
+        return node, cross
+
+    def close(self) -> None:
+        """Stop the progress thread and free the communicators (idempotent). A collective
+        still in flight (a failing rank exits) leaves them to the exiting process."""
+        if not self.progress.stop():
+            return
+        for c in self._comms:
+            try:
+                c.Free()
+            except Exception:  # MPI already finalised at interpreter exit
+                pass
+        self._comms.clear()

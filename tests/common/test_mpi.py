@@ -1,0 +1,149 @@
+"""common.mpi: the MPI transport against gloo on the same data (dtypes without an MPI reduction
+included), asynchronous progress without wait(), two-level (PCCL) collectives on simulated
+2x2 node layouts, and the choice of transport at start-up."""
+
+import time
+
+import pytest
+import torch
+
+from common import collectives as coll
+from common.comm_stats import CommStats
+from common.grid import AXONN_AXES, PLEXUS_AXES, ProcessGrid
+from common.mpi import MPITransport, ProgressThread
+from tests.distributed import launch, needs_mpi, run_ranks
+
+DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.float16)
+
+
+def _data(rank: int, shape, dtype) -> torch.Tensor:
+    """Small integers: sums are exact in every dtype and order, so results compare bitwise."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(shape, generator=g) * 4).round().to(dtype)
+
+
+def _results(groups, dtype) -> dict[str, torch.Tensor]:
+    """Every collective of the transport on this rank's data, sync and async, in one order."""
+    out = {}
+    for name, grp in groups.items():
+        if grp.size == 1:
+            continue
+        x = _data(grp.members[grp.rank], (grp.size * 3, 5), dtype)
+        out[f"{name}/all_reduce"] = coll.all_reduce(x, grp)
+        if dtype in (torch.float32, torch.int64):
+            out[f"{name}/max"] = coll.all_reduce(x, grp, op=coll.ReduceOp.MAX)
+        h = coll.all_gather(x, grp, dim=1, async_op=True)  # queued: the sync call waits its turn
+        out[f"{name}/reduce_scatter"] = coll.reduce_scatter(x, grp, dim=0)
+        out[f"{name}/all_gather"] = h.wait()
+        out[f"{name}/all_gather_t"] = coll.all_gather(x.t(), grp, dim=0)  # non-contiguous
+    return out
+
+
+def _compare(ctx):
+    """(failures, two-level groups used) of the MPI transport against gloo on this rank."""
+    failures, used = [], []
+    grids = ["2x2x1", "1x4x1", "data=1,depth=2,row=1,col=2"]
+    for rpn in (None, 2):  # real node (one), then two simulated nodes of 2 ranks
+        t = MPITransport(two_level=rpn is not None, ranks_per_node=rpn)
+        try:
+            for text in grids:
+                grid = ProcessGrid.parse(text, AXONN_AXES if "=" in text else PLEXUS_AXES)
+                axis_sets = [*grid.axes, tuple(grid.axes)]
+                mpi = grid.create_groups(ctx.rank, axis_sets, transport=t)
+                torch_groups = grid.create_groups(ctx.rank, axis_sets)
+                used += [f"{text}/{n}" for n, g in mpi.items() if g.mpi and g.mpi.two_level]
+                assert all(g.mpi is not None for g in mpi.values() if g.size > 1)
+                for dtype in DTYPES:
+                    want, got = _results(torch_groups, dtype), _results(mpi, dtype)
+                    for key, w in want.items():
+                        if got[key].dtype != w.dtype or not torch.equal(got[key], w):
+                            failures.append(f"rpn={rpn} {text} {dtype} {key} differs")
+        finally:
+            t.close()
+    return failures, used
+
+
+def _progress(ctx):
+    """An async all-reduce completes while this rank only sleeps (no MPI call, no wait), and
+    its result and byte count are right."""
+    grid = ProcessGrid.parse(f"data={ctx.world_size},depth=1,row=1,col=1", AXONN_AXES)
+    grp = ctx.create_groups(grid)["data"]
+    stats = CommStats()
+    x = torch.full((1 << 20,), float(ctx.rank))  # 4 MiB: far above any eager limit
+    h = coll.all_reduce(x, grp, async_op=True, stats=stats)
+    deadline = time.monotonic() + 20
+    while not h._work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    progressed = h._work.is_completed()
+    total = float(sum(range(ctx.world_size)))
+    m = grp.mpi  # what the transport takes, and what it leaves to torch.distributed
+    declines = [m.supports(torch.zeros(2, device="meta")),
+                not m.supports(torch.zeros(2, dtype=torch.bfloat16), coll.ReduceOp.SUM),
+                not m.supports(torch.zeros(2, dtype=torch.bool)),  # gathers move any bytes
+                m.supports(torch.zeros(2, dtype=torch.bool), coll.ReduceOp.SUM),
+                m.supports(torch.zeros(2), coll.ReduceOp.AVG)]
+    return progressed, bool((h.wait() == total).all()), stats.total_bytes, declines
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_mpi_transport_equals_gloo_and_two_level_equals_flat():
+    results = run_ranks(_compare, 4, comm="mpi")
+    failures = [f for fs, _ in results for f in fs]
+    assert not failures, "\n".join(failures[:20])
+    # two simulated nodes {0,1},{2,3}: the groups that span both run two-level
+    assert set(results[0][1]) == {"2x2x1/x+y+z", "1x4x1/y", "1x4x1/x+y+z",
+                                  "data=1,depth=2,row=1,col=2/data+depth+row+col"}
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_async_collectives_progress_without_wait():
+    for progressed, correct, nbytes, declines in run_ranks(_progress, 2, comm="mpi"):
+        assert progressed and correct
+        assert nbytes == 4 << 20  # ring all-reduce over 2 ranks: 2 (g-1)/g * 4 MiB
+        assert not any(declines), declines
+
+
+def test_progress_thread_runs_jobs_in_order_and_hands_back_errors():
+    p = ProgressThread()
+    try:
+        seen = []
+        works = [p.submit(lambda i=i: seen.append(i)) for i in range(50)]
+        direct = p.run(lambda: seen.append("sync"), async_op=False)  # waits behind the queue
+        assert direct.is_completed() and seen == [*range(50), "sync"]
+        assert all(w.is_completed() for w in works) and p.pending == 0
+
+        def boom():
+            raise RuntimeError("peer gone")
+        with pytest.raises(RuntimeError, match="peer gone"):
+            p.run(boom, async_op=True).wait()
+        assert p.pending == 0
+    finally:
+        assert p.stop()
+
+
+CHOICE = """
+from common.dist import init_distributed
+try:
+    ctx = init_distributed(device="cpu", comm="{comm}")
+    print("rank", ctx.rank, "comm", ctx.comm, flush=True)
+except ValueError as e:
+    print("error:", e, flush=True)
+    raise SystemExit(2)
+"""
+
+
+@needs_mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, comm, expect", [
+    ("mpiexec", "auto", "comm mpi"), ("mpiexec", "torch", "comm torch"),
+    ("torchrun", "auto", "comm torch"),
+    ("torchrun", "mpi", "--comm mpi: MPI sees 1 rank(s) but the job has 2"),
+])
+def test_transport_choice(tmp_path, launcher, comm, expect):
+    script = tmp_path / "choice.py"
+    script.write_text(CHOICE.format(comm=comm))
+    r = launch([str(script)], ranks=2, launcher=launcher, timeout=120)
+    assert r.stdout.count(expect) == 2, r.stdout + r.stderr
+    assert (r.returncode != 0) == ("error" in expect or "MPI sees" in expect)

@@ -1,0 +1,33 @@
+"""One rank of :func:`tests.distributed.run_ranks` with ``comm="mpi"``: run under mpiexec as
+``python -m tests.mpi_worker JOB_DIR``; reads ``(fn, args)`` from ``JOB_DIR/job.pkl``, calls
+``fn(ctx, *args)`` with the MPI transport and writes ``(ok, result or traceback)`` to
+``JOB_DIR/rank<R>.pkl``."""
+
+import pickle
+import sys
+import traceback
+from pathlib import Path
+
+
+def main(job: Path) -> int:
+    from common.dist import init_distributed
+
+    fn, args = pickle.loads((job / "job.pkl").read_bytes())
+    rank, ok, result = None, False, None
+    try:
+        with init_distributed(device="cpu", timeout_s=120, comm="mpi") as ctx:
+            rank = ctx.rank
+            result = fn(ctx, *args)
+        ok = True
+    except BaseException:  # reported to the parent
+        result = traceback.format_exc()
+    if rank is None:
+        from mpi4py import MPI
+
+        rank = MPI.COMM_WORLD.Get_rank()
+    (job / f"rank{rank}.pkl").write_bytes(pickle.dumps((ok, result)))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
