@@ -1,13 +1,15 @@
 """The same plexus and llm jobs with ``--comm torch`` (gloo) and ``--comm mpi``, in one run.
 
-    python bench/comm_backends.py                     # both jobs, 4 ranks each
-    python bench/comm_backends.py --jobs plexus --epochs 5 --steps 5   # quicker
+    python bench/comm_backends.py                     # all three jobs, 4 ranks each
+    python bench/comm_backends.py --jobs planted --epochs 20       # make train's job only
 
 Jobs (issue 12), each launched under mpiexec on 4 ranks once per transport:
 
 * plexus: ``python -m plexus.train --dataset rmat-16 --grid 2x2x1 --hidden 128 --layers 3``
   (R-MAT scale 16: 65,536 nodes);
-* llm: ``python -m llm.train --preset tiny --grid data=1,depth=1,row=2,col=2``.
+* llm: ``python -m llm.train --preset tiny --grid data=1,depth=1,row=2,col=2``;
+* planted: ``make train``'s job (``python -m plexus.train --grid 2x2x1``: the built-in planted
+  graph), also run on 1 rank, printing the 4-rank / 1-rank epoch time (target <= 5).
 
 Each job writes ``--metrics`` JSON lines; the bench takes the median epoch (plexus) or step
 (llm) time over all but the first (warm-up), and the median share of it spent inside
@@ -32,7 +34,10 @@ COMMS = ("torch", "mpi")
 RANKS = 4
 
 
-def job_args(job: str, args: argparse.Namespace) -> list[str]:
+def job_args(job: str, args: argparse.Namespace, ranks: int = RANKS) -> list[str]:
+    if job == "planted":
+        return ["-m", "plexus.train", "--grid", "2x2x1" if ranks > 1 else "1x1x1", "--epochs",
+                str(args.epochs), "--log-every", "1000"]
     if job == "plexus":
         return ["-m", "plexus.train", "--dataset", "rmat-16", "--grid", "2x2x1", "--hidden",
                 "128", "--layers", "3", "--epochs", str(args.epochs), "--log-every", "1000"]
@@ -40,19 +45,20 @@ def job_args(job: str, args: argparse.Namespace) -> list[str]:
             "--steps", str(args.steps), "--log-every", "1000", "--eval-batches", "0"]
 
 
-def run_job(job: str, comm: str, args: argparse.Namespace, tmp: Path) -> dict:
+def run_job(job: str, comm: str, args: argparse.Namespace, tmp: Path, ranks: int = RANKS
+            ) -> dict:
     """Launch one job; return its median time, median comm share and losses."""
-    metrics = tmp / f"{job}-{comm}.jsonl"
+    metrics = tmp / f"{job}-{comm}-{ranks}.jsonl"
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-    cmd = [mpiexec, "-n", str(RANKS), sys.executable, *job_args(job, args), "--comm", comm,
-           "--metrics", str(metrics)]
-    print(f"  {job} --comm {comm}: {' '.join(cmd[3:])}", flush=True)
+    job_cmd = [sys.executable, *job_args(job, args, ranks), "--metrics", str(metrics)]
+    cmd = job_cmd if ranks == 1 else [mpiexec, "-n", str(ranks), *job_cmd, "--comm", comm]
+    print(f"  {job} on {ranks} rank(s), --comm {comm}: {' '.join(job_cmd[1:])}", flush=True)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
                        stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise SystemExit(f"{job} --comm {comm} failed (exit {r.returncode}):\n{r.stdout}\n"
                          f"{r.stderr}")
-    key = "epoch_s" if job == "plexus" else "step_s"
+    key = "step_s" if job == "llm" else "epoch_s"
     rows = [row for row in map(json.loads, metrics.read_text().splitlines()) if key in row]
     timed = rows[1:] if len(rows) > 1 else rows
     return {"seconds": statistics.median(r[key] for r in timed),
@@ -62,15 +68,16 @@ def run_job(job: str, comm: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--jobs", default="plexus,llm", help="comma list from plexus, llm")
+    p.add_argument("--jobs", default="planted,plexus,llm",
+                   help="comma list from planted, plexus, llm")
     p.add_argument("--epochs", type=int, default=8, help="plexus epochs (first is warm-up)")
     p.add_argument("--steps", type=int, default=12, help="llm steps (first is warm-up)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
-    if bad := [j for j in jobs if j not in ("plexus", "llm")]:
-        p.error(f"unknown job(s) {bad}; choose from plexus, llm")
+    if bad := [j for j in jobs if j not in ("planted", "plexus", "llm")]:
+        p.error(f"unknown job(s) {bad}; choose from planted, plexus, llm")
     if min(args.epochs, args.steps) < 2:
         p.error("need --epochs and --steps >= 2 (the first is warm-up)")
     results: dict[str, dict[str, dict]] = {}
@@ -78,19 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="comm_backends_") as tmp:
         for job in jobs:
             results[job] = {c: run_job(job, c, args, Path(tmp)) for c in COMMS}
+            if job == "planted":
+                results[job]["one rank"] = run_job(job, "none", args, Path(tmp), ranks=1)
     failures = []
     if args.json:
         print(json.dumps(results))
     else:
-        print(f"\n{'job':<8}{'comm':<7}{'median s':>10}{'comm share':>12}{'iters':>7}")
+        print(f"\n{'job':<8}{'comm':<10}{'median s':>10}{'comm share':>12}{'iters':>7}")
         for job, by_comm in results.items():
             for comm, r in by_comm.items():
-                print(f"{job:<8}{comm:<7}{r['seconds']:>10.4f}{100 * r['comm_share']:>11.1f}%"
+                print(f"{job:<8}{comm:<10}{r['seconds']:>10.4f}{100 * r['comm_share']:>11.1f}%"
                       f"{r['iterations']:>7}")
             ratio = by_comm["torch"]["seconds"] / by_comm["mpi"]["seconds"]
             print(f"{job:<8}torch / mpi time = {ratio:.2f}")
+            if "one rank" in by_comm:
+                four = by_comm["mpi"]["seconds"] / by_comm["one rank"]["seconds"]
+                print(f"{job:<8}{RANKS} ranks (mpi) / 1 rank epoch time = {four:.2f} (target "
+                      "<= 5)")
     for job, by_comm in results.items():
-        a, b = by_comm["torch"]["losses"], by_comm["mpi"]["losses"]
+        a, b = by_comm["torch"]["losses"], by_comm["mpi"]["losses"]  # same grid: same numbers
         if len(a) != len(b) or any(abs(x - y) > 1e-4 * max(abs(x), 1.0) for x, y in zip(a, b)):
             failures.append(f"{job}: losses differ between transports: {a} vs {b}")
     for f in failures:

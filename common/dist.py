@@ -206,24 +206,6 @@ def _cores_available() -> int:
         return os.cpu_count() or 1
 
 
-def yield_when_oversubscribed(env: MutableMapping[str, str]) -> bool:
-    """Before MPI starts: if this node runs at least as many ranks as it has cores, make MPI
-    wait politely (MPICH ``MPIR_CVAR_ENABLE_HEAVY_YIELD``, Open MPI ``mpi_yield_when_idle``).
-
-    MPI spins while it waits for a peer. With a core per rank (and one more for the progress
-    thread of :mod:`common.mpi`) that is the fastest wait; with more ranks than cores the
-    spinning rank steals the core a peer needs to reach the collective (4 ranks on 2 cores:
-    2.3x slower epochs, measured on plexus.train). A setting the user made wins. Returns True
-    when it set the variables.
-    """
-    local = env.get("MPI_LOCALNRANKS") or env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if local is None or int(local) < _cores_available():
-        return False
-    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    return True
-
-
 def _rendezvous(launcher: str) -> tuple[int, int, int, int, str, int]:
     """(rank, world, local_rank, local_world, master_addr, master_port) for a launcher."""
     env = os.environ
@@ -242,7 +224,6 @@ def _rendezvous(launcher: str) -> tuple[int, int, int, int, str, int]:
         return (int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
                 max(1, world // nodes), addr, port)
     if launcher == "mpiexec":
-        yield_when_oversubscribed(env)
         try:
             from mpi4py import MPI
         except ImportError as e:  # pragma: no cover - depends on the install
@@ -326,8 +307,8 @@ def init_distributed(
     else:
         dev = torch.device("cpu")
     backend = backend or default_backend(dev.type)
-    if set_threads and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, _cores_available() // max(1, local_world)))
+    if set_threads:
+        split_threads(local_world)
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
@@ -359,6 +340,24 @@ def default_backend(device_type: str) -> str:
     for CUDA tensors plus gloo for the collectives that run on CPU tensors even in a GPU job
     (set-up checks, metrics, predictions): ``"cpu:gloo,cuda:nccl"``."""
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def split_threads(local_world: int, env: MutableMapping[str, str] | None = None) -> int:
+    """Give this rank ``cores / ranks-on-this-node`` threads (``OMP_NUM_THREADS`` wins if set)
+    in torch and in numba's kernel pool; return the count.
+
+    numba sizes its OpenMP pool from ``NUMBA_NUM_THREADS`` when it is first imported (so set it
+    here, before plexus loads its kernels; a setting the user made wins): idle pool threads
+    spin-wait, so a pool of every core in each of 4 ranks on 2 cores burned 92 ms of CPU per
+    rank per epoch of make train's job (plexus.train 2x2x1 on 2 cores: 188 -> about 30 ms/epoch).
+    """
+    env = os.environ if env is None else env
+    threads = (int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit()
+               else max(1, _cores_available() // max(1, local_world)))
+    if "OMP_NUM_THREADS" not in env:
+        torch.set_num_threads(threads)
+    env.setdefault("NUMBA_NUM_THREADS", str(threads))
+    return threads
 
 
 def _use_mpi(comm: str, launcher: str, world: int) -> bool:

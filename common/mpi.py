@@ -33,8 +33,10 @@ layout on one machine.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,8 +122,8 @@ class ProgressThread:
         return work
 
     def run(self, fn: Callable[[], None], async_op: bool) -> Work | Done:
-        """Run ``fn`` (a blocking MPI call) now on this thread if nothing is queued and the
-        call is synchronous; else queue it behind the others."""
+        """Run ``fn`` (an MPI call) now on this thread if nothing is queued and the call is
+        synchronous; else queue it behind the others."""
         if not async_op and self.pending == 0:
             fn()
             return DONE
@@ -139,6 +141,13 @@ class ProgressThread:
                 return False
             self._thread.join(timeout=10)
         return not self._thread.is_alive()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
 
 
 def _mpi() -> Any:
@@ -171,11 +180,18 @@ class MPIGroup:
         node, cross: for two-level collectives, the communicators of this rank's node and of
             the ranks at the same node position on every node; None when not used.
         progress: the process's :class:`ProgressThread`.
+        polite: asynchronous collectives run as non-blocking MPI calls completed by
+            :func:`_poll` (test, sleep, test) instead of MPI's spinning blocking call, so the
+            progress thread leaves the core to the compute it overlaps. Synchronous ones always
+            use the blocking call. Every rank must decide the same way (MPI does not match a
+            blocking collective with a non-blocking one), and does: the choice depends on
+            ``async_op`` and on this flag, which :class:`MPITransport` agrees on.
     """
 
     def __init__(self, comm: Any, progress: ProgressThread, node: Any = None,
-                 cross: Any = None) -> None:
+                 cross: Any = None, *, polite: bool = False) -> None:
         self.comm, self.progress, self.node, self.cross = comm, progress, node, cross
+        self.polite = polite
         mpi = _mpi()
         self._in_place = mpi.IN_PLACE
         # keyed by torch's ReduceOp values (hashable), resolved once: this is the hot path
@@ -196,39 +212,42 @@ class MPIGroup:
                    async_op: bool) -> Work | Done:
         """``out`` = the reduction of every rank's contiguous ``src`` (``out`` may be ``src``:
         in place). Out of place MPI reads ``src`` directly: no copy of it first."""
-        mpi_op = self._ops[op]
+        mpi_op, nb = self._ops[op], async_op and self.polite
         if src.dtype in _UPCAST:
             def call() -> None:
                 wide = src.float()
-                self.comm.Allreduce(self._in_place, wide.numpy(), op=mpi_op)
+                _allreduce(self.comm, self._in_place, wide.numpy(), mpi_op, nb)
                 out.copy_(wide)
             return self.progress.run(call, async_op)
         send = self._in_place if out is src else _np(src)
         recv = _np(out)
-        return self.progress.run(lambda: self.comm.Allreduce(send, recv, op=mpi_op), async_op)
+        return self.progress.run(lambda: _allreduce(self.comm, send, recv, mpi_op, nb),
+                                 async_op)
 
     def all_gather(self, src: torch.Tensor, out: torch.Tensor, async_op: bool) -> Work | Done:
         """``out`` [g * n] = every rank's flat ``src`` [n] in group order."""
+        nb = async_op and self.polite
         if self.two_level:
-            return self.progress.run(lambda: self._all_gather_2l(src, out), async_op)
-        return self.progress.run(lambda: self.comm.Allgather(_np(src), _np(out)), async_op)
+            return self.progress.run(lambda: self._all_gather_2l(src, out, nb), async_op)
+        s, o = _np(src), _np(out)
+        return self.progress.run(lambda: _allgather(self.comm, s, o, nb), async_op)
 
     def reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, op: Any,
                        async_op: bool) -> Work | Done:
         """``out`` [n] = this rank's chunk of the sum of every rank's flat ``src`` [g * n]."""
-        mpi_op = self._ops[op]
+        mpi_op, nb = self._ops[op], async_op and self.polite
         if src.dtype not in _UPCAST and not self.two_level:
             s, o = _np(src), _np(out)
-            return self.progress.run(lambda: self.comm.Reduce_scatter_block(s, o, op=mpi_op),
+            return self.progress.run(lambda: _reduce_scatter(self.comm, s, o, mpi_op, nb),
                                      async_op)
 
         def call() -> None:
             wide = src.dtype in _UPCAST
             s, o = (src.float(), torch.empty(out.shape)) if wide else (src, out)
             if self.two_level:
-                self._reduce_scatter_2l(s, o, mpi_op)
+                self._reduce_scatter_2l(s, o, mpi_op, nb)
             else:
-                self.comm.Reduce_scatter_block(_np(s), _np(o), op=mpi_op)
+                _reduce_scatter(self.comm, _np(s), _np(o), mpi_op, nb)
             if wide:
                 out.copy_(o)
         return self.progress.run(call, async_op)
@@ -237,23 +256,62 @@ class MPIGroup:
         self.progress.run(self.comm.Barrier, async_op=False)
 
     # Two-level (PCCL). Group order is node-major: rank (n, l) = node n, position l; g = N * L.
-    def _all_gather_2l(self, src: torch.Tensor, out: torch.Tensor) -> None:
+    def _all_gather_2l(self, src: torch.Tensor, out: torch.Tensor, nb: bool) -> None:
         num_nodes, per_node = self.cross.Get_size(), self.node.Get_size()
         n = src.numel()
         across = torch.empty(num_nodes * n, dtype=src.dtype)  # [N, n]: position l of each node
-        self.cross.Allgather(_np(src), _np(across))
+        _allgather(self.cross, _np(src), _np(across), nb)
         by_pos = torch.empty(per_node * num_nodes * n, dtype=src.dtype)  # [L, N, n]
-        self.node.Allgather(_np(across), _np(by_pos))
+        _allgather(self.node, _np(across), _np(by_pos), nb)
         out.view(num_nodes, per_node, n).copy_(by_pos.view(per_node, num_nodes, n).transpose(0, 1))
 
-    def _reduce_scatter_2l(self, src: torch.Tensor, out: torch.Tensor, mpi_op: Any) -> None:
+    def _reduce_scatter_2l(self, src: torch.Tensor, out: torch.Tensor, mpi_op: Any,
+                           nb: bool) -> None:
         num_nodes, per_node = self.cross.Get_size(), self.node.Get_size()
         n = out.numel()
         # [N, L, n] -> [L, N, n]: the node step leaves position l the node's sum of column l
         by_pos = src.view(num_nodes, per_node, n).transpose(0, 1).contiguous()
         mine = torch.empty(num_nodes * n, dtype=src.dtype)  # [N, n]
-        self.node.Reduce_scatter_block(_np(by_pos), _np(mine), op=mpi_op)
-        self.cross.Reduce_scatter_block(_np(mine), _np(out), op=mpi_op)
+        _reduce_scatter(self.node, _np(by_pos), _np(mine), mpi_op, nb)
+        _reduce_scatter(self.cross, _np(mine), _np(out), mpi_op, nb)
+
+
+# The MPI calls: MPI's blocking call, or (nb) the non-blocking one completed by _poll.
+def _allreduce(comm: Any, send: Any, recv: Any, op: Any, nb: bool) -> None:
+    if nb:
+        _poll(comm.Iallreduce(send, recv, op=op))
+    else:
+        comm.Allreduce(send, recv, op=op)
+
+
+def _allgather(comm: Any, send: Any, recv: Any, nb: bool) -> None:
+    if nb:
+        _poll(comm.Iallgather(send, recv))
+    else:
+        comm.Allgather(send, recv)
+
+
+def _reduce_scatter(comm: Any, send: Any, recv: Any, op: Any, nb: bool) -> None:
+    if nb:
+        _poll(comm.Ireduce_scatter_block(send, recv, op=op))
+    else:
+        comm.Reduce_scatter_block(send, recv, op=op)
+
+
+def _poll(request: Any, spin_s: float = 5e-5, max_sleep_s: float = 5e-4) -> None:
+    """Complete ``request`` politely: test it (each test drives MPI's progress) for up to
+    ``spin_s``, then sleep between tests (20 us, doubling up to ``max_sleep_s``), so that a
+    waiting rank or thread gives its core to the work it waits for."""
+    end = time.perf_counter() + spin_s
+    while not request.Test():
+        if time.perf_counter() > end:
+            break
+    else:
+        return
+    delay = 2e-5
+    while not request.Test():
+        time.sleep(delay)
+        delay = min(2 * delay, max_sleep_s)
 
 
 class MPITransport:
@@ -267,24 +325,35 @@ class MPITransport:
         two_level: use two-level all-gather / reduce-scatter on groups that span nodes.
         ranks_per_node: consecutive world ranks per node (simulates a node layout); None: the
             real nodes (``MPI_COMM_TYPE_SHARED``).
+        polite: run asynchronous collectives politely (see :class:`MPIGroup`); None: when
+            some node of the job has fewer than two cores per rank (agreed by all ranks).
     """
 
-    def __init__(self, *, two_level: bool = False, ranks_per_node: int | None = None) -> None:
+    def __init__(self, *, two_level: bool = False, ranks_per_node: int | None = None,
+                 polite: bool | None = None) -> None:
         mpi = _mpi()
         self.world = mpi.COMM_WORLD
         self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
         self.two_level = two_level
+        local = self.world.Split_type(mpi.COMM_TYPE_SHARED, key=self.rank)
+        # a node's id: its smallest world rank
+        node, local_size = local.allreduce(self.rank, op=mpi.MIN), local.Get_size()
+        local.Free()
         if ranks_per_node is not None:
             if ranks_per_node < 1 or self.size % ranks_per_node:
                 raise ValueError(f"ranks_per_node={ranks_per_node} must divide the "
                                  f"{self.size} ranks of the job")
             node = self.rank // ranks_per_node
-        else:
-            local = self.world.Split_type(mpi.COMM_TYPE_SHARED, key=self.rank)
-            # a node's id: its smallest world rank
-            node = local.allreduce(self.rank, op=mpi.MIN)
-            local.Free()
         self.node_of: list[int] = self.world.allgather(node)
+        # Synchronous collectives always use MPI's blocking wait (it spins, then yields: the
+        # fastest for the short waits of small collectives, even with 4 ranks on 2 cores:
+        # make train's job 2.0-3.5x the 1-rank epoch time spinning, 4-5.4x sleeping). The
+        # progress thread waits politely unless every rank has a second core for it: spinning
+        # there takes the core from this rank's own compute (bench/comm_backends.py). All
+        # ranks must agree (blocking and non-blocking collectives do not match).
+        if polite is None:
+            polite = bool(self.world.allreduce(int(2 * local_size > _cores()), op=mpi.MAX))
+        self.polite = polite
         self.progress = ProgressThread()
         self._comms: list[Any] = []
 
@@ -298,7 +367,9 @@ class MPITransport:
         node = cross = None
         if self.two_level:
             node, cross = self._two_level_parts(comm, members)
-        return MPIGroup(comm, self.progress, node, cross) if len(members) > 1 else None
+        if len(members) == 1:
+            return None
+        return MPIGroup(comm, self.progress, node, cross, polite=self.polite)
 
     def _two_level_parts(self, comm: Any, members: list[int]) -> tuple[Any, Any]:
         nodes = [self.node_of[r] for r in members]

@@ -2,6 +2,7 @@
 included), asynchronous progress without wait(), two-level (PCCL) collectives on simulated
 2x2 node layouts, and the choice of transport at start-up."""
 
+import threading
 import time
 
 import pytest
@@ -109,9 +110,15 @@ def test_progress_thread_runs_jobs_in_order_and_hands_back_errors():
     p = ProgressThread()
     try:
         seen = []
-        works = [p.submit(lambda i=i: seen.append(i)) for i in range(50)]
-        direct = p.run(lambda: seen.append("sync"), async_op=False)  # waits behind the queue
-        assert direct.is_completed() and seen == [*range(50), "sync"]
+        def job(i):
+            return lambda: seen.append((i, threading.current_thread().name))
+
+        works = [p.submit(job(i)) for i in range(50)]
+        direct = p.run(job("sync"), async_op=False)  # waits behind the queue, on the thread
+        thread = "hpc-mpi-progress"
+        assert direct.is_completed() and seen == [(i, thread) for i in [*range(50), "sync"]]
+        p.run(job("idle"), async_op=False)  # nothing queued: on the caller's thread
+        assert seen[-1] == ("idle", threading.current_thread().name)
         assert all(w.is_completed() for w in works) and p.pending == 0
 
         def boom():
