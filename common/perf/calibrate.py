@@ -9,21 +9,29 @@ of ``G`` ranks measures, with all ``G`` ranks busy at once as in training (so ov
 cores and loopback contention are part of the numbers):
 
 * collectives: for every group size ``g`` dividing ``G``, all ``G/g`` groups run
-  all-reduce, all-gather and reduce-scatter together (:mod:`common.collectives`, all-reduce in
-  place); the time per call is the block of calls from a common start until the last rank is
-  done, divided by the calls, fastest of ``--rounds`` rounds (the least disturbed by other jobs);
-  ``t = steps * alpha + ring_bytes / bandwidth`` is fitted by least squares on relative error;
+  all-reduce, all-gather and reduce-scatter together (:mod:`common.collectives` over the
+  transport the trainers get from the same launcher: MPI under mpiexec, gloo under torchrun;
+  all-reduce in place); the time per call is the block of calls from a common start until the
+  last rank is done, divided by the calls, fastest of ``--rounds`` rounds (the least disturbed
+  by other jobs); ``t = steps * alpha + ring_bytes / bandwidth`` is fitted by least squares
+  on relative error;
 * SpMM: ``A @ X`` with a random CSR matrix (uniform columns, as after the double permutation)
-  for several widths; one bandwidth is fitted under :func:`common.perf.gcn.spmm_bytes`;
+  for several widths, by the kernel the GCN trainer runs (``--spmm-kernel``, default plexus's
+  numba kernel when importable, else torch's CSR matmul); one bandwidth is fitted under
+  :func:`common.perf.gcn.spmm_bytes`;
 * GEMM: float32 matmuls of GCN-like shapes, the median flop/s;
 * memory bandwidth: a large copy, (read + write) bytes/s.
 
-Only this module imports torch; the model (``common.perf.*``) does not.
+Freed buffers stay in the heap (:func:`common.alloc.retain_freed_memory`), as in the trainers.
+The profile's ``sources`` record the transport, the MPI library, the SpMM kernel and the
+thread counts measured. Only this module imports torch; the model (``common.perf.*``) does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -35,6 +43,8 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 from common.perf.gcn import gemm_seconds, spmm_bytes
 from common.perf.machine import OPS, CollectiveFit, Compute, Link, MachineProfile, ring_factor
 from common.perf.machine import ring_steps as _steps
@@ -42,6 +52,8 @@ from common.perf.machine import ring_steps as _steps
 SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)  # bytes of the full tensor
 WIDTHS = (8, 16, 32, 64, 128)
 GEMMS = ((8192, 32, 32), (8192, 64, 64), (8192, 128, 128), (8192, 128, 32), (4096, 64, 128))
+# the GCN trainer's CPU SpMM (plexus.sparse), named as a string: common imports no engine
+DEFAULT_KERNEL = "plexus.kernels:csr_spmm"
 
 
 def fit_alpha_beta(steps: int, samples: list[tuple[float, float]]) -> tuple[float, float]:
@@ -93,10 +105,11 @@ def _measure(ctx, args) -> dict:
         return min(out)  # the round least disturbed by other jobs on the machine
 
     result: dict = {"ranks": world, "threads": torch.get_num_threads(), "collectives": [],
-                    "table": []}
+                    "table": [], "transport": _transport_name(ctx),
+                    "spmm_kernel": args.spmm_kernel}
     for g in [d for d in range(2, world + 1) if world % d == 0]:
         grid = ProcessGrid({"rest": world // g, "group": g})
-        group = grid.create_groups(rank, ["group"])["group"]
+        group = ctx.create_groups(grid, ["group"])["group"]
         for op in OPS:
             samples = []
             for size in SIZES:
@@ -120,10 +133,19 @@ def _measure(ctx, args) -> dict:
         a = torch.sparse_csr_tensor(torch.arange(0, n * deg + 1, deg, dtype=torch.int32),
                                     cols.to(torch.int32), torch.rand(n * deg, generator=gen),
                                     size=(n, n), check_invariants=False)
+    kernel = _spmm_kernel(args.spmm_kernel)
+    indptr, indices, values = (t.numpy() for t in (a.crow_indices(), a.col_indices(),
+                                                    a.values()))
     spmm = []
     for width in WIDTHS:
         x = torch.rand(n, width, generator=gen)
-        t = timed(lambda x=x: a @ x, 5, args.rounds)
+        if kernel is None:
+            t = timed(lambda x=x: a @ x, 5, args.rounds)
+        else:
+            out = np.empty((n, width), np.float32)
+            xn = x.numpy()
+            t = timed(lambda xn=xn, out=out: kernel(indptr, indices, values, xn, out, False), 5,
+                      args.rounds)
         spmm.append((spmm_bytes(n, n * deg, width, index_bytes=4, cache_line=args.cache_line),
                      t))
     spmm_bw = sum(b for b, _ in spmm) / sum(t for _, t in spmm)
@@ -143,10 +165,39 @@ def _measure(ctx, args) -> dict:
     return result
 
 
+def _transport_name(ctx) -> str:
+    if ctx.transport is None:
+        return f"torch.distributed {ctx.backend}"
+    from mpi4py import MPI
+
+    return f"MPI ({MPI.Get_library_version().splitlines()[0].strip()}) via common.mpi"
+
+
+def _spmm_kernel(spec: str):
+    """``"torch"`` -> None (torch's CSR matmul); ``"MODULE:FUNCTION"`` -> that function, called
+    as ``f(indptr, indices, values, x, out, accumulate)`` on numpy arrays."""
+    if spec == "torch":
+        return None
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"--spmm-kernel {spec}: cannot load it ({e}); use torch or "
+                         "MODULE:FUNCTION") from None
+
+
+def _default_kernel() -> str:
+    """plexus's numba kernel when numba is installed (what the GCN trainer runs), else torch."""
+    return DEFAULT_KERNEL if importlib.util.find_spec("numba") is not None else "torch"
+
+
 def _merge(path: Path, res: dict, cache_line: int) -> MachineProfile:
     """Add one launch's measurements to the profile at ``path`` (created if missing)."""
     old = json.loads(path.read_text()) if path.is_file() else None
     world = res["ranks"]
+    measured = (f"{world} ranks: collectives over {res['transport']}, SpMM by "
+                f"{res['spmm_kernel']}, {res['threads']} torch thread(s) per rank")
+    notes = [n for n in (old or {}).get("sources", []) if not n.startswith(f"{world} ranks:")]
     compute = [c for c in (old or {}).get("compute", []) if c["ranks_per_node"] != world]
     compute.append(res["compute"])
     colls = [c for c in (old or {}).get("collectives", []) if c["ranks_per_node"] != world]
@@ -161,9 +212,11 @@ def _merge(path: Path, res: dict, cache_line: int) -> MachineProfile:
         name=(old or {}).get("name", path.stem),
         description=(f"Measured on {platform.node() or 'this machine'} ({platform.machine()}, "
                      f"{cores} cores, {pages / 2**30:.1f} GiB) by `python -m "
-                     "common.perf.calibrate`; CPU ranks over gloo, all on one node. Compute "
-                     "rates and collective fits are per count of ranks sharing the node."),
-        sources=("python -m common.perf.calibrate (this file's measurements)",),
+                     "common.perf.calibrate`; CPU ranks, all on one node. Compute rates and "
+                     "collective fits are per count of ranks sharing the node; sources say "
+                     "which transport and SpMM kernel were measured."),
+        sources=tuple(sorted({"python -m common.perf.calibrate (this file's measurements)",
+                              *notes, measured})),
         ranks_per_node=None, cores_per_node=cores, device_memory=None, node_memory=float(pages),
         cache_line=cache_line, intra=link, inter=link, nics_per_node=1,
         compute=tuple(Compute(**c) for c in sorted(compute, key=lambda c: c["ranks_per_node"])),
@@ -208,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spmm-degree", type=int, default=16)
     p.add_argument("--copy-bytes", type=int, default=1 << 26)
     p.add_argument("--cache-line", type=int, default=64)
+    p.add_argument("--spmm-kernel", default=_default_kernel(),
+                   help=f"the SpMM to time: torch (CSR matmul) or MODULE:FUNCTION (default: "
+                   f"{DEFAULT_KERNEL} when numba is installed, as the GCN trainer runs)")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.ranks:
@@ -221,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         return 0
 
+    from common.alloc import retain_freed_memory
     from common.dist import init_distributed
 
+    retain_freed_memory()  # as the trainers run
     with init_distributed(device="cpu") as ctx:
         res = _measure(ctx, args)
     if ctx.is_main:
