@@ -154,3 +154,61 @@ def test_transport_choice(tmp_path, launcher, comm, expect):
     r = launch([str(script)], ranks=2, launcher=launcher, timeout=120)
     assert r.stdout.count(expect) == 2, r.stdout + r.stderr
     assert (r.returncode != 0) == ("error" in expect or "MPI sees" in expect)
+
+
+LOOP = """
+import os, sys, time, torch
+from common import collectives as coll
+from common.dist import init_distributed
+from common.grid import ProcessGrid
+ctx = init_distributed(device="cpu")
+grp = ctx.create_groups(ProcessGrid.plexus(ctx.world_size, 1, 1))["x"]
+assert ctx.transport is not None
+with open(os.path.join(sys.argv[1], f"{ctx.rank}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    coll.all_reduce(torch.ones(1024), grp)
+    time.sleep(0.01)
+"""
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_mpi_job_on_every_rank(tmp_path):
+    """Under mpiexec a SIGKILLed rank ends every other rank within the heartbeat timeout (the
+    launcher and MPI abort the job; no survivor hangs in a collective)."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.distributed import launch_command, launch_env
+
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    proc = subprocess.Popen(launch_command([str(script), str(tmp_path)], ranks=4),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=launch_env({"HPC_HEARTBEAT_TIMEOUT": "8"}))
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            pids = {int(f.stem): int(f.read_text() or 0) for f in tmp_path.glob("*.pid")}
+        assert len(pids) == 4 and all(pids.values()), f"ranks did not start: {pids}"
+        time.sleep(1)  # all in the collective loop
+        os.kill(pids[2], signal.SIGKILL)
+        start = time.monotonic()
+        proc.wait(timeout=8 + 10)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and elapsed < 18, (proc.returncode, elapsed)
+    alive = []
+    for rank, pid in pids.items():
+        try:
+            os.kill(pid, 0)
+            alive.append(rank)
+        except ProcessLookupError:
+            pass
+    assert not alive, f"ranks {alive} outlived the job"
