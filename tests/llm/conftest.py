@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llm.model import GPTConfig
-from tests.distributed import run_ranks
+from tests.distributed import COMMS, run_ranks
 from tests.llm.helpers import eight_rank_checks, four_rank_checks
 
 
@@ -22,10 +22,11 @@ def small_config(tiny_gpt_config) -> GPTConfig:
     return tiny_gpt_config
 
 
-@pytest.fixture(scope="session")
-def four_ranks():
-    """Per rank, the results of every 4-rank check (one launch for the whole session)."""
-    return run_ranks(four_rank_checks, 4, timeout=600)
+@pytest.fixture(scope="session", params=COMMS)
+def four_ranks(request):
+    """Per rank, the results of every 4-rank check (one launch per transport for the whole
+    session: every test that uses it runs on gloo and on MPI)."""
+    return run_ranks(four_rank_checks, 4, timeout=600, comm=request.param)
 
 
 @pytest.fixture(scope="session")

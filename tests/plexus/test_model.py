@@ -15,7 +15,7 @@ from plexus.data.memory import InMemorySource
 from plexus.layout import layer_widths
 from plexus.loss import sharded_cross_entropy
 from plexus.model import PlexusGCN, init_weights
-from tests.distributed import run_ranks
+from tests.distributed import needs_mpi, run_ranks
 from tests.plexus.data.shards import small_graph
 
 HIDDEN = 6  # not divisible by 4: padded widths on 4-sized axes
@@ -165,15 +165,17 @@ def _cases(grids):
         + [(g, "double", 4, False) for g in grids]
 
 
-@pytest.mark.parametrize("world, grids", [
-    (1, ["1x1x1"]),
-    (2, ["2x1x1", "1x2x1", "1x1x2"]),
-    (4, ["2x2x1", "1x2x2"]),
-    (8, ["1x2x4", "4x1x2", "2x2x2"]),
+@pytest.mark.parametrize("world, grids, comm", [
+    (1, ["1x1x1"], "torch"),
+    (2, ["2x1x1", "1x2x1", "1x1x2"], "torch"),
+    (4, ["2x2x1", "1x2x2"], "torch"),
+    pytest.param(4, ["2x2x1", "1x2x2"], "mpi", marks=needs_mpi),
+    (8, ["1x2x4", "4x1x2", "2x2x2"], "torch"),
+    pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], "mpi", marks=needs_mpi),
 ])
 @pytest.mark.slow
-def test_plexus_equals_serial(world, grids):
-    _assert_matches(run_ranks(_parallel, world, _cases(grids)))
+def test_plexus_equals_serial(world, grids, comm):
+    _assert_matches(run_ranks(_parallel, world, _cases(grids), comm=comm))
 
 
 def test_serial_reference_agrees_with_pyg(tiny_graph):
