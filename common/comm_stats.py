@@ -88,7 +88,7 @@ class CommStats:
 
     def table(self) -> str:
         """A small fixed-width table, one row per (axis, op)."""
-        lines = [f"{'axis':<8}{'op':<16}{'calls':>8}{'MiB sent':>12}{'seconds':>10}"]
+        lines = [f"{'axis':<8}{'op':<16}{'calls':>8}{'ring MiB':>12}{'seconds':>10}"]
         for (axis, op), r in sorted(self.records.items()):
             lines.append(
                 f"{axis:<8}{op:<16}{r.calls:>8}{r.bytes / 2**20:>12.3f}{r.seconds:>10.4f}"

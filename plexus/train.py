@@ -266,7 +266,7 @@ def _print_summary(s: dict[str, Any]) -> None:
                         "per rank (max)"),
         ("epoch time", f"{1000 * s['epoch_s_mean']:.1f} ms, communication "
                        f"{100 * s['comm_share']:.1f}%, {s['comm_bytes_per_epoch'] / 2**20:.2f} "
-                       "MiB sent per rank"),
+                       "MiB per rank by the ring formula"),
     ]
     if s["final"]:
         f, b = s["final"], s["best_val"]
