@@ -11,9 +11,11 @@ else (CUDA tensors: NCCL) through the group's ``torch.distributed`` group.
 
 Asynchronous progress. MPICH advances a non-blocking collective only inside MPI calls, so an
 ``Iallreduce`` left alone while torch computes would mostly wait for ``wait()``. Instead one
-communication thread per process (:class:`ProgressThread`) runs the *blocking* MPI call of
-each async collective, in issue order, with the GIL released, while the caller computes.
-Synchronous collectives run on the caller's thread when nothing is queued (no hand-off
+communication thread per process (:class:`ProgressThread`) runs each async collective, in issue
+order, while the caller computes: MPI's blocking call (GIL released), or, when the node has
+fewer than two cores per rank, a non-blocking call that it tests and sleeps on (:func:`_poll`),
+so that it does not spin on the core the compute needs (see :class:`MPITransport` for the
+policy). Synchronous collectives run on the caller's thread when nothing is queued (no hand-off
 latency), else behind the queued ones, so every rank issues every communicator's collectives in
 the same order. Collectives of one process must be issued from one thread (as with
 ``torch.distributed``); MPI is initialised with ``MPI_THREAD_MULTIPLE``.
@@ -23,10 +25,11 @@ for bfloat16 and float16: those are reduced in float32 and rounded once at the e
 accurate than a bf16 running sum); gathers move their bytes as 16-bit integers.
 
 Two-level collectives (PCCL, ``two_level=True``): an all-gather or reduce-scatter over a group
-that spans nodes runs in two steps, across nodes between the ranks with the same position in
-their node (each rank sends only its own chunk over the network, all NICs busy at once) and
-within each node, each step with MPI's own algorithm for its size. Used when the group has the
-same number of ranks on every node, in node-major order. Nodes come from
+that spans nodes runs in two steps, each with MPI's own algorithm for its size: an all-gather
+first across nodes, between the ranks with the same position in their node (each rank sends
+only its own chunk over the network, all NICs busy at once), then within each node; a
+reduce-scatter first within each node (so only 1/L of the data crosses nodes), then across.
+Used when the group has the same number of ranks on every node, in node-major order. Nodes come from
 ``MPI_COMM_TYPE_SHARED``, or from ``ranks_per_node`` (consecutive ranks per node) to simulate a
 layout on one machine.
 """
@@ -180,16 +183,16 @@ class MPIGroup:
         node, cross: for two-level collectives, the communicators of this rank's node and of
             the ranks at the same node position on every node; None when not used.
         progress: the process's :class:`ProgressThread`.
-        polite: asynchronous collectives run as non-blocking MPI calls completed by
-            :func:`_poll` (test, sleep, test) instead of MPI's spinning blocking call, so the
-            progress thread leaves the core to the compute it overlaps. Synchronous ones always
-            use the blocking call. Every rank must decide the same way (MPI does not match a
-            blocking collective with a non-blocking one), and does: the choice depends on
-            ``async_op`` and on this flag, which :class:`MPITransport` agrees on.
+        polite: which collectives run as non-blocking MPI calls completed by :func:`_poll`
+            (test, sleep, test) instead of MPI's spinning blocking call: ``"none"``,
+            ``"async"`` (the progress thread leaves the core to the compute it overlaps) or
+            ``"all"``. Every rank must decide the same way (MPI does not match a blocking
+            collective with a non-blocking one), and does: the choice depends on ``async_op``
+            and on this setting, which :class:`MPITransport` agrees on.
     """
 
     def __init__(self, comm: Any, progress: ProgressThread, node: Any = None,
-                 cross: Any = None, *, polite: bool = False) -> None:
+                 cross: Any = None, *, polite: str = "none") -> None:
         self.comm, self.progress, self.node, self.cross = comm, progress, node, cross
         self.polite = polite
         mpi = _mpi()
@@ -212,7 +215,7 @@ class MPIGroup:
                    async_op: bool) -> Work | Done:
         """``out`` = the reduction of every rank's contiguous ``src`` (``out`` may be ``src``:
         in place). Out of place MPI reads ``src`` directly: no copy of it first."""
-        mpi_op, nb = self._ops[op], async_op and self.polite
+        mpi_op, nb = self._ops[op], self._nb(async_op)
         if src.dtype in _UPCAST:
             def call() -> None:
                 wide = src.float()
@@ -226,7 +229,7 @@ class MPIGroup:
 
     def all_gather(self, src: torch.Tensor, out: torch.Tensor, async_op: bool) -> Work | Done:
         """``out`` [g * n] = every rank's flat ``src`` [n] in group order."""
-        nb = async_op and self.polite
+        nb = self._nb(async_op)
         if self.two_level:
             return self.progress.run(lambda: self._all_gather_2l(src, out, nb), async_op)
         s, o = _np(src), _np(out)
@@ -235,7 +238,7 @@ class MPIGroup:
     def reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, op: Any,
                        async_op: bool) -> Work | Done:
         """``out`` [n] = this rank's chunk of the sum of every rank's flat ``src`` [g * n]."""
-        mpi_op, nb = self._ops[op], async_op and self.polite
+        mpi_op, nb = self._ops[op], self._nb(async_op)
         if src.dtype not in _UPCAST and not self.two_level:
             s, o = _np(src), _np(out)
             return self.progress.run(lambda: _reduce_scatter(self.comm, s, o, mpi_op, nb),
@@ -254,6 +257,10 @@ class MPIGroup:
 
     def barrier(self) -> None:
         self.progress.run(self.comm.Barrier, async_op=False)
+
+    def _nb(self, async_op: bool) -> bool:
+        """Non-blocking + :func:`_poll` (True) or MPI's blocking call (False)."""
+        return self.polite == "all" or (async_op and self.polite == "async")
 
     # Two-level (PCCL). Group order is node-major: rank (n, l) = node n, position l; g = N * L.
     def _all_gather_2l(self, src: torch.Tensor, out: torch.Tensor, nb: bool) -> None:
@@ -325,12 +332,13 @@ class MPITransport:
         two_level: use two-level all-gather / reduce-scatter on groups that span nodes.
         ranks_per_node: consecutive world ranks per node (simulates a node layout); None: the
             real nodes (``MPI_COMM_TYPE_SHARED``).
-        polite: run asynchronous collectives politely (see :class:`MPIGroup`); None: when
-            some node of the job has fewer than two cores per rank (agreed by all ranks).
+        polite: ``"none"``, ``"async"`` or ``"all"`` (see :class:`MPIGroup`); None: from the
+            busiest node of the job (agreed by all ranks): ``"async"`` below two cores per
+            rank, ``"all"`` from two ranks per core.
     """
 
     def __init__(self, *, two_level: bool = False, ranks_per_node: int | None = None,
-                 polite: bool | None = None) -> None:
+                 polite: str | None = None) -> None:
         mpi = _mpi()
         self.world = mpi.COMM_WORLD
         self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
@@ -345,14 +353,21 @@ class MPITransport:
                                  f"{self.size} ranks of the job")
             node = self.rank // ranks_per_node
         self.node_of: list[int] = self.world.allgather(node)
-        # Synchronous collectives always use MPI's blocking wait (it spins, then yields: the
-        # fastest for the short waits of small collectives, even with 4 ranks on 2 cores:
-        # make train's job 2.0-3.5x the 1-rank epoch time spinning, 4-5.4x sleeping). The
-        # progress thread waits politely unless every rank has a second core for it: spinning
-        # there takes the core from this rank's own compute (bench/comm_backends.py). All
-        # ranks must agree (blocking and non-blocking collectives do not match).
+        # MPI's blocking wait spins (then yields): the fastest for the short waits of small
+        # collectives, up to one rank per core and even at two (make train's job, 4 ranks on 2
+        # cores: 2.9-3.0x the 1-rank epoch time spinning, 4-5.4x sleeping). The progress
+        # thread waits politely unless every rank has a second core for it: spinning there
+        # takes the core from this rank's own compute (bench/comm_backends.py). Above two
+        # ranks per core every wait sleeps: spinning ranks then starve the ranks they wait for
+        # (the 8-rank plexus parallel == serial test on 2 cores: 116 s spinning, 23 s
+        # sleeping, 20 s over gloo). All ranks must agree (blocking and non-blocking
+        # collectives do not match).
         if polite is None:
-            polite = bool(self.world.allreduce(int(2 * local_size > _cores()), op=mpi.MAX))
+            per_core = local_size / _cores()
+            level = 2 if per_core > 2 else 1 if per_core > 0.5 else 0
+            polite = ("none", "async", "all")[self.world.allreduce(level, op=mpi.MAX)]
+        if polite not in ("none", "async", "all"):
+            raise ValueError(f"polite={polite!r}: use none, async or all")
         self.polite = polite
         self.progress = ProgressThread()
         self._comms: list[Any] = []

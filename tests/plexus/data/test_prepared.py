@@ -78,7 +78,7 @@ def test_cli_prepares_and_trains_and_rejects_a_grid_that_does_not_divide_k(tmp_p
     r = launch(["-m", "plexus.train", "--dataset", str(out), "--epochs", "1", "--grid",
                 "3x1x1"], ranks=3)
     assert r.returncode != 0
-    ranks = set(re.findall(r"\[rank (\d)\] error: .*axes x=3 do not divide the 4x4", r.stderr))
+    ranks = set(re.findall(r"\[rank (\d)\] error: .*?axes x=3 do not divide the 4x4", r.stderr))
     assert ranks == {"0", "1", "2"}, r.stderr
 
 
