@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from common.grid import AxisGroup, ProcessGrid
-from common.mpi import MPITransport, mpi_world_size
+from common.mpi import MPITransport, cores_available, mpi_world_size
 from common.watchdog import DEFAULT_HEARTBEAT_TIMEOUT_S, Watchdog
 
 # Defaults of the two timeouts when neither the argument nor the environment sets them. The
@@ -199,13 +199,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cores_available() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        return os.cpu_count() or 1
-
-
 def _rendezvous(launcher: str) -> tuple[int, int, int, int, str, int]:
     """(rank, world, local_rank, local_world, master_addr, master_port) for a launcher."""
     env = os.environ
@@ -353,7 +346,7 @@ def split_threads(local_world: int, env: MutableMapping[str, str] | None = None)
     """
     env = os.environ if env is None else env
     threads = (int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit()
-               else max(1, _cores_available() // max(1, local_world)))
+               else max(1, cores_available() // max(1, local_world)))
     if "OMP_NUM_THREADS" not in env:
         torch.set_num_threads(threads)
     env.setdefault("NUMBA_NUM_THREADS", str(threads))
@@ -366,10 +359,7 @@ def _use_mpi(comm: str, launcher: str, world: int) -> bool:
         return False
     if comm == "auto" and launcher != "mpiexec":
         return False  # torchrun / srun: never start MPI behind the launcher's back
-    try:
-        mpi_world = mpi_world_size() if comm == "auto" else _start_mpi()
-    except ImportError:
-        mpi_world = 0
+    mpi_world = mpi_world_size(start=comm == "mpi")
     if mpi_world == world:
         return True
     if comm == "mpi":
@@ -378,12 +368,6 @@ def _use_mpi(comm: str, launcher: str, world: int) -> bool:
             "mpiexec (or srun with Slurm's MPI support) and mpi4py built for that MPI, or use "
             "--comm torch")
     return False
-
-
-def _start_mpi() -> int:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_size()
 
 
 def _default_store() -> Any:

@@ -146,7 +146,8 @@ class ProgressThread:
         return not self._thread.is_alive()
 
 
-def _cores() -> int:
+def cores_available() -> int:
+    """Cores this process may run on (its CPU affinity)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS
@@ -159,14 +160,14 @@ def _mpi() -> Any:
     return MPI
 
 
-def mpi_world_size() -> int:
-    """Ranks in ``MPI_COMM_WORLD`` if mpi4py is importable and MPI runs, else 0 (no import of
-    mpi4py when it is absent: a torchrun job without MPI pays nothing)."""
+def mpi_world_size(*, start: bool = False) -> int:
+    """Ranks in ``MPI_COMM_WORLD``, or 0 if mpi4py is not importable or (``start=False``) MPI
+    is not running yet; ``start=True`` initialises MPI (importing mpi4py does)."""
     try:
         mpi = _mpi()
     except ImportError:
         return 0
-    return mpi.COMM_WORLD.Get_size() if mpi.Is_initialized() else 0
+    return mpi.COMM_WORLD.Get_size() if start or mpi.Is_initialized() else 0
 
 
 def _np(t: torch.Tensor) -> Any:
@@ -254,9 +255,6 @@ class MPIGroup:
             if wide:
                 out.copy_(o)
         return self.progress.run(call, async_op)
-
-    def barrier(self) -> None:
-        self.progress.run(self.comm.Barrier, async_op=False)
 
     def _nb(self, async_op: bool) -> bool:
         """Non-blocking + :func:`_poll` (True) or MPI's blocking call (False)."""
@@ -363,7 +361,7 @@ class MPITransport:
         # sleeping, 20 s over gloo). All ranks must agree (blocking and non-blocking
         # collectives do not match).
         if polite is None:
-            per_core = local_size / _cores()
+            per_core = local_size / cores_available()
             level = 2 if per_core > 2 else 1 if per_core > 0.5 else 0
             polite = ("none", "async", "all")[self.world.allreduce(level, op=mpi.MAX)]
         if polite not in ("none", "async", "all"):
