@@ -72,15 +72,16 @@ def _run(
     full_bytes: int,
     stats: CommStats | None,
     launch: Callable[[], Any],
-    finish: Callable[[], torch.Tensor],
+    result: torch.Tensor | Callable[[], torch.Tensor],
     async_op: bool,
 ) -> torch.Tensor | CommHandle:
+    """Launch a collective; ``result`` is the output tensor, or a function that makes it
+    once the collective completed (a view of the buffer)."""
     start = time.perf_counter()
     work = launch()
     if not async_op:  # the hot path of small messages: no handle, no closures
-        if work is not None:
-            work.wait()
-        out = finish()
+        work.wait()
+        out = result() if callable(result) else result
         if stats is not None:
             stats.record(group.name, op_name, ring_bytes(op_name, full_bytes, group.size),
                          time.perf_counter() - start)
@@ -92,12 +93,8 @@ def _run(
         def record(seconds: float) -> None:
             stats.record(group.name, op_name, nbytes, seconds)
 
+    finish = result if callable(result) else (lambda: result)
     return CommHandle(work, finish, record, start)
-
-
-def _mpi_for(group: AxisGroup, x: torch.Tensor, op: Any = None) -> Any:
-    """The group's MPI communicator if it takes ``x`` (a CPU tensor, an MPI reduction)."""
-    return group.mpi if group.mpi is not None and group.mpi.supports(x, op) else None
 
 
 def all_reduce(
@@ -114,17 +111,16 @@ def all_reduce(
         return CommHandle.done(x) if async_op else x
     if inplace and not x.is_contiguous():
         raise ValueError("in-place all_reduce needs a contiguous tensor")
-    mpi = _mpi_for(group, x, op)
-    if mpi is not None:  # MPI reduces out of place without copying x first
+    mpi = group.mpi
+    if mpi is not None and mpi.supports(x, op):  # MPI reduces out of place: no copy of x first
         src = x.contiguous()
         out = x if inplace else torch.empty_like(src)
-        return _run(group, "all_reduce", out.numel() * out.element_size(), stats,
-                    lambda: mpi.all_reduce(src, out, op, async_op), lambda: out, async_op)
+        return _run(group, "all_reduce", out.nbytes, stats,
+                    lambda: mpi.all_reduce(src, out, op, async_op), out, async_op)
     buf = x if inplace else x.clone(memory_format=torch.contiguous_format)
     return _run(
-        group, "all_reduce", buf.numel() * buf.element_size(), stats,
-        lambda: dist.all_reduce(buf, op=op, group=group.group, async_op=True),
-        lambda: buf, async_op,
+        group, "all_reduce", buf.nbytes, stats,
+        lambda: dist.all_reduce(buf, op=op, group=group.group, async_op=True), buf, async_op,
     )
 
 
@@ -140,26 +136,23 @@ def all_gather(
     g = group.size
     if g == 1:
         return CommHandle.done(x) if async_op else x
-    dim = dim % x.dim() if x.dim() else 0
-    src = x.contiguous()
-    buf = torch.empty((g * src.numel(),), dtype=x.dtype, device=x.device)
     shape = tuple(x.shape)
-
-    def finish() -> torch.Tensor:
-        if x.dim() == 0:
-            return buf.view(g)
+    dim = dim % len(shape) if shape else 0
+    src = x.contiguous()
+    result: torch.Tensor | Callable[[], torch.Tensor]
+    if dim == 0:  # the chunks lie in place: the buffer is the result
+        buf = result = src.new_empty(g * shape[0], *shape[1:]) if shape else src.new_empty(g)
+    else:  # [g, *shape] -> chunks moved to dim
+        buf = src.new_empty(g, *shape)
         out_shape = (*shape[:dim], g * shape[dim], *shape[dim + 1:])
-        if dim == 0:  # chunks already lie in place
-            return buf.view(out_shape)
-        return buf.view(g, *shape).movedim(0, dim).reshape(out_shape)
-
-    mpi = _mpi_for(group, src)
-    return _run(
-        group, "all_gather", buf.numel() * buf.element_size(), stats,
-        (lambda: mpi.all_gather(src.view(-1), buf, async_op)) if mpi is not None else
-        (lambda: _all_gather_single(buf, src.view(-1), group=group.group, async_op=True)),
-        finish, async_op,
-    )
+        result = lambda: buf.movedim(0, dim).reshape(out_shape)  # noqa: E731
+    mpi = group.mpi
+    if mpi is not None and mpi.supports(src):
+        launch = lambda: mpi.all_gather(src, buf, async_op)  # noqa: E731
+    else:
+        launch = lambda: _all_gather_single(  # noqa: E731
+            buf.view(-1), src.view(-1), group=group.group, async_op=True)
+    return _run(group, "all_gather", buf.nbytes, stats, launch, result, async_op)
 
 
 def reduce_scatter(
@@ -177,27 +170,28 @@ def reduce_scatter(
     g = group.size
     if g == 1:
         return CommHandle.done(x) if async_op else x
-    dim = dim % x.dim()
-    if x.shape[dim] % g:
+    shape = tuple(x.shape)
+    dim = dim % len(shape)
+    if shape[dim] % g:
         raise ValueError(
-            f"reduce_scatter over axis {group.name!r}: dimension {dim} has size {x.shape[dim]}, "
+            f"reduce_scatter over axis {group.name!r}: dimension {dim} has size {shape[dim]}, "
             f"not divisible by the group size {g}; pad it to a multiple of {g}"
         )
-    shape = tuple(x.shape)
     chunk = shape[dim] // g
-    # [.., g*c, ..] -> [g, .., c, ..]: chunk i becomes the i-th contiguous block.
-    src = x.reshape((*shape[:dim], g, chunk, *shape[dim + 1:])).movedim(dim, 0).contiguous()
-    out = torch.empty((*shape[:dim], chunk, *shape[dim + 1:]), dtype=x.dtype, device=x.device)
+    out_shape = (*shape[:dim], chunk, *shape[dim + 1:])
+    if dim == 0:  # chunk i is already the i-th contiguous block
+        src = x.contiguous()
+    else:  # [.., g*c, ..] -> [g, .., c, ..]
+        src = x.reshape((*shape[:dim], g, chunk, *shape[dim + 1:])).movedim(dim, 0).contiguous()
+    out = src.new_empty(*out_shape)
     sum_op = ReduceOp.SUM
-    mpi = _mpi_for(group, src, sum_op)
-    return _run(
-        group, "reduce_scatter", src.numel() * src.element_size(), stats,
-        (lambda: mpi.reduce_scatter(src.view(-1), out.view(-1), sum_op, async_op))
-        if mpi is not None else
-        (lambda: _reduce_scatter_single(out.view(-1), src.view(-1), group=group.group,
-                                        async_op=True)),
-        lambda: out, async_op,
-    )
+    mpi = group.mpi
+    if mpi is not None and mpi.supports(src, sum_op):
+        launch = lambda: mpi.reduce_scatter(src, out, sum_op, async_op)  # noqa: E731
+    else:
+        launch = lambda: _reduce_scatter_single(  # noqa: E731
+            out.view(-1), src.view(-1), group=group.group, async_op=True)
+    return _run(group, "reduce_scatter", src.nbytes, stats, launch, out, async_op)
 
 
 def chunk(x: torch.Tensor, group: AxisGroup, *, dim: int = 0) -> torch.Tensor:
