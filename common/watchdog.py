@@ -24,6 +24,8 @@ class Watchdog:
     successor's. If the successor's counter has not moved for ``timeout_s``, the rank posts
     ``hpc/abort`` naming it; every rank polls that key and exits with status 1 and the message.
     If the store itself is gone (its host died), the rank exits naming the store's host.
+    Before exiting, each rank waits briefly for the other survivors to print the abort too
+    (launchers kill the whole job as soon as one rank exits non-zero).
 
     Owned by the :class:`~common.dist.DistContext` that :func:`~common.dist.init_distributed`
     returns; closing the context stops it.
@@ -37,11 +39,29 @@ class Watchdog:
         self.thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
         self.thread.start()
 
-    def _die(self, message: str) -> None:
+    def _die(self, message: str, lost: int | None = None) -> None:
         if self.stopped.wait(2 * self.interval_s):  # a clean shutdown raced us: stay quiet
             return
+        self._wait_for_peers(lost)
         print(f"[rank {self.rank}] error: {message}; exiting", file=sys.stderr, flush=True)
         os._exit(1)
+
+    def _wait_for_peers(self, lost: int | None) -> None:
+        """Wait (at most ``2 * interval_s``) until every other surviving rank is about to report
+        the abort too, so that all report at once. Launchers end the whole job as soon as one
+        rank exits (torchrun) or, for mpiexec's Hydra, writes output after a rank died; a
+        rank that had not polled by then would die without a word."""
+        if lost is None:  # the store is gone: nothing to coordinate through
+            return
+        others = [f"hpc/told/{r}" for r in range(self.world) if r not in (self.rank, lost)]
+        deadline = time.monotonic() + 2 * self.interval_s
+        try:
+            self.store.set(f"hpc/told/{self.rank}", "1")
+            while others and time.monotonic() < deadline:
+                others = [k for k in others if not self.store.check([k])]
+                time.sleep(0.05)
+        except Exception:  # the store's host exited first
+            pass
 
     def _run(self) -> None:
         succ = (self.rank + 1) % self.world
@@ -51,7 +71,9 @@ class Watchdog:
                 beat += 1
                 self.store.set(f"hpc/hb/{self.rank}", str(beat))
                 if self.store.check(["hpc/abort"]):
-                    return self._die(self.store.get("hpc/abort").decode())
+                    lost = (int(self.store.get("hpc/lost").decode())
+                            if self.store.check(["hpc/lost"]) else None)
+                    return self._die(self.store.get("hpc/abort").decode(), lost)
                 key = f"hpc/hb/{succ}"
                 value = self.store.get(key) if self.store.check([key]) else None
                 done = self.store.check([f"hpc/done/{succ}"])
@@ -64,10 +86,11 @@ class Watchdog:
             elif now - since > self.timeout_s:
                 msg = f"rank {succ} was lost (no heartbeat for {self.timeout_s:.0f} s)"
                 try:
+                    self.store.set("hpc/lost", str(succ))  # before the abort its readers need
                     self.store.set("hpc/abort", msg)
                 except Exception:
                     pass
-                return self._die(msg)
+                return self._die(msg, succ)
             self.stopped.wait(self.interval_s)
 
     def stop(self, *, clean: bool = True) -> None:
