@@ -210,9 +210,7 @@ class MPIGroup:
         self._ops = {getattr(dist.ReduceOp, t): getattr(mpi, m) for t, m in _MPI_OPS.items()}
         self._mpi_sum = mpi.SUM
         self._reduce_types, self._gather_types = _types(mpi)
-        # synchronous collectives may call MPI's blocking routine directly on this thread
-        # (when nothing is queued): the hot path of small messages, with no closure or frame
-        # more than needed
+        # whether sync collectives may call MPI's blocking routine directly (:meth:`_now`)
         self._direct = polite != "all" and node is None
 
     @property
@@ -224,6 +222,11 @@ class MPIGroup:
         if not x.is_cpu:
             return False
         return op is None or (x.dtype in _REDUCIBLE and (op is _SUM or op in self._ops))
+
+    def _now(self, async_op: bool) -> bool:
+        """Whether MPI's blocking routine runs here and now (a sync collective with nothing
+        queued); what :meth:`ProgressThread.run` would do, without its closure."""
+        return not async_op and self._direct and not self.progress.pending
 
     def _mpi_op(self, op: Any) -> Any:
         return self._mpi_sum if op is _SUM else self._ops[op]
@@ -239,8 +242,7 @@ class MPIGroup:
         """``out`` = the reduction of every rank's ``src`` (``out`` may be ``src``: in
         place). Out of place MPI reads ``src`` directly: no copy of it first."""
         mpi_op, types = self._mpi_op(op), self._reduce_types
-        if (not async_op and self._direct and not self.progress.pending
-                and src.dtype not in _UPCAST):
+        if self._now(async_op) and src.dtype not in _UPCAST:
             send = self._in_place if out is src else self._msg(src, types)
             self.comm.Allreduce(send, self._msg(out, types), mpi_op)
             return DONE
@@ -259,7 +261,7 @@ class MPIGroup:
     def all_gather(self, src: torch.Tensor, out: torch.Tensor, async_op: bool) -> Work | Done:
         """``out`` [g * n] = every rank's ``src`` [n] in group order (flat order)."""
         types = self._gather_types
-        if not async_op and self._direct and not self.progress.pending:
+        if self._now(async_op):
             self.comm.Allgather(self._msg(src, types), self._msg(out, types))
             return DONE
         nb = self._nb(async_op)
@@ -275,8 +277,7 @@ class MPIGroup:
                        async_op: bool) -> Work | Done:
         """``out`` [n] = this rank's chunk of the sum of every rank's ``src`` [g * n]."""
         mpi_op, types = self._mpi_op(op), self._reduce_types
-        if (not async_op and self._direct and not self.progress.pending
-                and src.dtype not in _UPCAST):
+        if self._now(async_op) and src.dtype not in _UPCAST:
             self.comm.Reduce_scatter_block(self._msg(src, types), self._msg(out, types), mpi_op)
             return DONE
         nb = self._nb(async_op)

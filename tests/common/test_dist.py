@@ -165,6 +165,33 @@ def test_watchdog_names_a_lost_rank_but_not_a_finished_one(how):
         assert "[rank 0] error: rank 1 was lost (no heartbeat for 1 s)" in r.stderr, r.stderr
 
 
+def test_watchdog_survivors_report_together_within_a_bound():
+    """A survivor waits for the other survivors to be ready to report (not for the lost rank),
+    at most 2 intervals."""
+    import time
+
+    import torch.distributed as dist
+
+    from common.watchdog import Watchdog
+
+    def survivor(store, rank):
+        w = Watchdog.__new__(Watchdog)  # no heartbeat thread: only the reporting step
+        w.store, w.rank, w.world, w.interval_s = store, rank, 4, 0.5
+        return w
+
+    store = dist.HashStore()
+    store.set("hpc/told/3", "1")
+    start = time.monotonic()
+    survivor(store, 0)._wait_for_peers(lost=2)  # rank 1 never gets ready: the bound ends it
+    waited = time.monotonic() - start
+    assert 0.9 < waited < 3, waited
+    store.set("hpc/told/1", "1")
+    start = time.monotonic()
+    survivor(store, 0)._wait_for_peers(lost=2)  # 1 and 3 ready, 2 is the lost one
+    assert time.monotonic() - start < 0.5
+    assert store.check(["hpc/told/0"])
+
+
 def test_dist_context_fields():
     names = list(DistContext.__dataclass_fields__)
     assert names == ["rank", "world_size", "local_rank", "local_world_size", "device",

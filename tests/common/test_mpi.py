@@ -37,6 +37,11 @@ def _results(groups, dtype) -> dict[str, torch.Tensor]:
         out[f"{name}/reduce_scatter"] = coll.reduce_scatter(x, grp, dim=0)
         out[f"{name}/all_gather"] = h.wait()
         out[f"{name}/all_gather_t"] = coll.all_gather(x.t(), grp, dim=0)  # non-contiguous
+        if dtype is torch.float32:  # dtypes MPI gathers as bytes; a 0-dim and an empty tensor
+            out[f"{name}/all_gather_bool"] = coll.all_gather(x > 0, grp)
+            out[f"{name}/all_gather_complex"] = coll.all_gather(torch.complex(x, -x), grp, dim=1)
+            out[f"{name}/all_gather_0d"] = coll.all_gather(x[0, 0], grp)
+            out[f"{name}/all_gather_empty"] = coll.all_gather(x[:0], grp)
     return out
 
 
