@@ -142,7 +142,8 @@ def main() -> None:
     # common.alloc.retain_freed_memory (process-wide), so PyG runs again under the same setting
     pyg = pyg_epochs(graph, adj, args.hidden, args.layers, args.epochs + 1, 0.01)[1:]
     cfg = split_config(epochs=args.epochs + 1, hidden=args.hidden, num_layers=args.layers,
-                       lr=0.01, spmm=args.spmm, retain_freed_memory=args.retain)
+                       lr=0.01, spmm=args.spmm, retain_freed_memory=args.retain,
+                       bias=False, dropout=0.0, optimizer="adamw")  # PyG's side's model
     ours = [r["epoch_s"] for r in train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"),
                                             0, **cfg).history[1:]]
     tuned = retain_freed_memory() if args.retain else False

@@ -63,6 +63,7 @@ def run_grid(grid: str, ranks: int, args: argparse.Namespace, tmp: Path) -> dict
     cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "plexus.train",
            "--dataset", args.dataset, "--grid", grid, "--epochs", str(args.epochs),
            "--layers", str(args.layers), "--hidden", str(args.hidden),
+           "--dropout", "0", "--no-bias",  # the paper's bare GCN, which common.perf models
            "--log-every", "100000", "--metrics", str(metrics)]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -19,42 +19,27 @@ from common import checkpoint as ckpt
 from plexus.model import PlexusGCN
 
 # what must agree between the checkpoint and the run that loads it
-IDENTITY = ("dataset", "num_nodes", "widths", "learn_features")
+IDENTITY = ("dataset", "num_nodes", "widths", "learn_features", "model", "bias", "norm")
 
 
 def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
     """The model's identity: a checkpoint only loads into a model with the same one."""
     return {"dataset": dataset, "num_nodes": model.shard.num_nodes,
             "widths": list(model.shard.widths),
-            "learn_features": isinstance(model.features, torch.nn.Parameter)}
-
-
-def _params(model: PlexusGCN) -> list[tuple[str, torch.Tensor, int | None]]:
-    """(name, parameter, layer or None for features) in a fixed order."""
-    out = [(f"w{layer}", w, layer) for layer, w in enumerate(model.weights)]
-    if isinstance(model.features, torch.nn.Parameter):
-        out.append(("features", model.features, None))
-    return out
-
-
-def _gather(model: PlexusGCN, local: torch.Tensor, layer: int | None) -> torch.Tensor:
-    return model.gather_features(local) if layer is None else model.gather_weight(local, layer)
-
-
-def _shard(model: PlexusGCN, full: torch.Tensor, layer: int | None) -> torch.Tensor:
-    return model.shard_features(full) if layer is None else model.shard_weight(full, layer)
+            "learn_features": isinstance(model.features, torch.nn.Parameter),
+            "model": model.kind, "bias": len(model.biases) > 0, "norm": model.norm_kind}
 
 
 def save(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, epoch: int,
          history: list[dict[str, Any]], meta: dict[str, Any], keep: int = 3) -> None:
     """Collective: gather full tensors, rank 0 writes checkpoint ``epoch`` under ``root``."""
     tensors: dict[str, torch.Tensor] = {}
-    for name, p, layer in _params(model):
-        tensors[name] = _gather(model, p.detach(), layer).cpu()
+    for name, p, kind, layer in model.sharded_state():
+        tensors[name] = model.gather(kind, p.detach(), layer).cpu()
         state = opt.state.get(p, {})
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
-                tensors[f"{name}.{key}"] = _gather(model, state[key], layer).cpu()
+                tensors[f"{name}.{key}"] = model.gather(kind, state[key], layer).cpu()
         if "step" in state:
             tensors[f"{name}.step"] = state["step"].detach().cpu().clone()
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -90,13 +75,14 @@ def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[
     tensors = torch.load(io.BytesIO(files["tensors.pt"]), weights_only=True)
     device = model.weights[0].device
     with torch.no_grad():
-        for name, p, layer in _params(model):
-            p.copy_(_shard(model, tensors[name], layer).to(device))
+        for name, p, kind, layer in model.sharded_state():
+            p.copy_(model.shard_full(kind, tensors[name], layer).to(device))
             if f"{name}.step" in tensors:
                 opt.state[p] = {
                     "step": tensors[f"{name}.step"].clone(),
-                    "exp_avg": _shard(model, tensors[f"{name}.exp_avg"], layer).to(device),
-                    "exp_avg_sq": _shard(model, tensors[f"{name}.exp_avg_sq"], layer)
+                    "exp_avg": model.shard_full(kind, tensors[f"{name}.exp_avg"], layer)
+                    .to(device),
+                    "exp_avg_sq": model.shard_full(kind, tensors[f"{name}.exp_avg_sq"], layer)
                     .to(device),
                 }
     return int(manifest["step"]), json.loads(files["history.json"])

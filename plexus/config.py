@@ -1,7 +1,7 @@
 """Keyword-only configs of a plexus run, one per component (STYLE.md rule 9).
 
-    ModelConfig   depth, width, trainable features      -> plexus.model.PlexusGCN
-    OptimConfig   AdamW                                  -> torch.optim.AdamW
+    ModelConfig   GCN/SAGE, depth, width, the recipe      -> plexus.model.PlexusGCN
+    OptimConfig   Adam (L2 decay) or AdamW, per layer    -> torch.optim.Adam / AdamW
     RunConfig     epochs, seed, CPU kernel and allocator -> plexus.trainer.train_gcn
 
 How the graph is partitioned (permutation, padding) belongs to the data source
@@ -16,38 +16,92 @@ from typing import Any
 
 from plexus.sparse import SPMM_KERNELS
 
+MODELS = ("gcn", "sage")
+NORMS = ("none", "batch", "layer")
+OPTIMIZERS = ("adam", "adamw")
+
+
+def aggregation_of(model: str) -> str:
+    """The adjacency a model needs from its data source: ``gcn`` (``Â``) or ``mean``
+    (GraphSAGE's mean over in-neighbours, with the root blocks)."""
+    return "mean" if model == "sage" else "gcn"
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The GCN.
+    """The model (plexus.model.PlexusGCN) and its recipe.
 
     Attributes:
-        num_layers: GCN layers L (>= 1).
+        model: ``gcn`` (Kipf & Welling) or ``sage`` (GraphSAGE, mean aggregation + root weight).
+        num_layers: layers L (>= 1).
         hidden: hidden width.
         learn_features: make the input features trainable parameters (as the paper does).
+        dropout: dropout rate on the input of every layer (0.5 as the PyG and OGB examples).
+        bias: a bias in every layer.
+        norm: ``none``, ``batch`` or ``layer`` normalisation after every hidden layer.
+        normalize_features: row-normalise the input features (PyG's NormalizeFeatures).
     """
 
+    model: str = "gcn"
     num_layers: int = 3
     hidden: int = 128
     learn_features: bool = False
+    dropout: float = 0.5
+    bias: bool = True
+    norm: str = "none"
+    normalize_features: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.hidden < 1:
             raise ValueError(f"need num_layers >= 1 and hidden >= 1; got num_layers="
                              f"{self.num_layers}, hidden={self.hidden}")
+        if self.model not in MODELS or self.norm not in NORMS:
+            raise ValueError(f"need model in {MODELS} and norm in {NORMS}; got model="
+                             f"{self.model!r}, norm={self.norm!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"need 0 <= dropout < 1, got {self.dropout}")
 
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """AdamW (decoupled weight decay)."""
+    """The optimizer.
 
+    Attributes:
+        optimizer: ``adam`` (weight decay as an L2 term in the gradient, as PyG's and OGB's
+            examples) or ``adamw`` (decoupled weight decay).
+        lr: learning rate.
+        weight_decay: one value for every layer, or one per layer (layer l's weights, bias and
+            norm; the input features, when trained, take layer 0's). PyG's GCN example decays
+            the first layer only: ``(5e-4, 0.0)``.
+    """
+
+    optimizer: str = "adam"
     lr: float = 0.01
-    weight_decay: float = 5e-4
+    weight_decay: float | tuple[float, ...] = 5e-4
 
     def __post_init__(self) -> None:
-        if not self.lr > 0 or self.weight_decay < 0:
+        if isinstance(self.weight_decay, list):
+            self.weight_decay = tuple(self.weight_decay)
+        decays = self.weight_decay if isinstance(self.weight_decay, tuple) else (
+            self.weight_decay,)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {OPTIMIZERS}")
+        if not self.lr > 0 or not decays or min(decays) < 0:
             raise ValueError(f"need lr > 0 and weight_decay >= 0; got lr={self.lr}, "
                              f"weight_decay={self.weight_decay}")
+
+    def layer_decays(self, num_layers: int) -> list[float]:
+        """Weight decay of each of ``num_layers`` layers.
+
+        Raises:
+            ValueError: a per-layer list of the wrong length.
+        """
+        if not isinstance(self.weight_decay, tuple):
+            return [float(self.weight_decay)] * num_layers
+        if len(self.weight_decay) != num_layers:
+            raise ValueError(f"weight_decay has {len(self.weight_decay)} values for "
+                             f"{num_layers} layers; give one value or one per layer")
+        return [float(v) for v in self.weight_decay]
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from common import autograd
@@ -28,8 +29,13 @@ from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 from plexus import layout
+from plexus.config import MODELS, NORMS
+from plexus.data import partition
 from plexus.data.shard import GraphShard
+from plexus.layers import ShardedBatchNorm, ShardedLayerNorm, dropout_mask
 from plexus.layout import flat_shard
+
+ROOT_SEED_OFFSET = 7919  # GraphSAGE's root weights R_l come from init_weights(seed + this)
 
 
 def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
@@ -93,14 +99,37 @@ def _gather_flat(shard: torch.Tensor, group: AxisGroup, shape, stats) -> torch.T
 
 
 class PlexusGCN(nn.Module):
-    """An L-layer GCN whose every tensor is sharded over a 3D grid (x, y, z).
+    """An L-layer GCN or GraphSAGE whose every tensor is sharded over a 3D grid (x, y, z).
+
+    Layer ``l`` (roles O, I, P)::
+
+        F'  = dropout(F_l)                       grid-independent mask (plexus.layers)
+        GCN:  Q = (Â F') W_l                     collectives 1-4
+        SAGE: Q = (A_mean F') W_l + (S F') R_l   A_mean: mean over in-neighbours
+        Q  += b_l                                b_l [D_l+1/O], replicated over I and P
+        F_l+1 = relu(norm(Q))                    hidden layers; the last layer returns Q
+
+    GraphSAGE's root term ``x_i R_l`` needs the input rows of the output nodes, which live on
+    other ranks (F_l rows are split over O, Q rows over P). ``S`` is this rank's block of the
+    permuted identity (plexus.data.partition.permuted_identity), stationary like the
+    adjacency: ``S F'`` is an SpMM with about N/(P*O) nonzeros, all-reduced over O together
+    with ``A_mean F'``. So the root term adds one all-reduce of H's size over O (and the
+    gather of ``R_l``), never a full-size transfer.
 
     Args:
-        shard: this rank's :class:`~plexus.data.shard.GraphShard`.
+        shard: this rank's :class:`~plexus.data.shard.GraphShard` (``shard.root`` set for
+            ``model="sage"``).
         groups: the rank's axis groups ``{"x", "y", "z"}`` from ``ProcessGrid.create_groups``.
+        model: ``gcn`` or ``sage``.
         learn_features: make the input features a trainable parameter (initialised from the
             dataset's features), as in the paper.
-        seed: weight seed.
+        seed: weight and dropout seed.
+        dropout: dropout rate on the input of every layer (training mode only).
+        bias: add a bias (initialised to zero) in every layer. The defaults are the paper's
+            bare model; :class:`plexus.config.ModelConfig` holds the recipe's defaults.
+        norm: ``none``, ``batch`` or ``layer`` normalisation after every hidden layer.
+        normalize_features: row-normalise the input features as PyG's ``NormalizeFeatures``
+            (subtract the global minimum, divide each row by its sum clamped to >= 1).
 
     Shapes:
         forward() -> logits [N/P, C_pad/O] of the last layer's roles, rows in output order,
@@ -112,58 +141,159 @@ class PlexusGCN(nn.Module):
         shard: GraphShard,
         groups: dict[str, AxisGroup],
         *,
+        model: str = "gcn",
         learn_features: bool = False,
         seed: int = 0,
+        dropout: float = 0.0,
+        bias: bool = False,
+        norm: str = "none",
+        normalize_features: bool = False,
     ) -> None:
         super().__init__()
-        self.shard, self.groups = shard, groups
+        if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
+            raise ValueError(f"need model in {MODELS}, norm in {NORMS} and 0 <= dropout < 1; "
+                             f"got {model!r}, {norm!r}, {dropout}")
+        if (model == "sage") != (getattr(shard, "root", None) is not None):
+            raise ValueError(f"model {model!r} needs a shard built with aggregation "
+                             f"{'mean' if model == 'sage' else 'gcn'}")
+        self.shard, self.groups, self.kind = shard, groups, model
+        self.seed, self.dropout, self.norm_kind = seed, dropout, norm
         self.num_layers = len(shard.widths) - 1
         self.block_shapes = [self._block_shape(layer) for layer in range(self.num_layers)]
         self.weights = nn.ParameterList(
             nn.Parameter(self.shard_weight(w, layer))
-            for layer, w in enumerate(init_weights(shard.widths, seed))
-        )
-        feat = flat_shard(shard.features_block, groups["z"].size, groups["z"].rank)
+            for layer, w in enumerate(init_weights(shard.widths, seed)))
+        self.root_weights = nn.ParameterList(
+            nn.Parameter(self.shard_weight(w, layer))
+            for layer, w in enumerate(init_weights(shard.widths, seed + ROOT_SEED_OFFSET))
+            if model == "sage")
+        self.biases = nn.ParameterList(
+            nn.Parameter(self.shard_vector(torch.zeros(shard.widths[layer + 1]), layer))
+            for layer in range(self.num_layers) if bias)
+        self.norms = nn.ModuleList(self._make_norm(layer) for layer in range(self.num_layers - 1)
+                                   if norm != "none")
+        block = shard.features_block
+        if normalize_features:
+            block = self._normalized(block)
+        feat = flat_shard(block, groups["z"].size, groups["z"].rank)
         if learn_features:
             self.features = nn.Parameter(feat)
         else:
             self.register_buffer("features", feat)
-        self.features_shape = tuple(shard.features_block.shape)
-        # With fixed input features, H_0 = A_0 F_0 is the same every epoch: compute it (with
-        # collectives 1 and 2) once and reuse it, saving one SpMM per epoch.
+        self.features_shape = tuple(block.shape)
+        # With fixed input features, H_0 = A_0 F_0 is the same in every pass without dropout:
+        # compute it (with collectives 1 and 2) once and reuse it, saving one SpMM per epoch.
         self.cache_first_aggregation = not learn_features
-        self._h0: torch.Tensor | None = None
+        self._h0: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, stats: CommStats | None = None) -> torch.Tensor:
+    def forward(self, stats: CommStats | None = None, *, step: int = 0) -> torch.Tensor:
+        """Logits (module docstring); ``step`` keys the dropout masks (the epoch)."""
         g = self.groups
+        drop = self.training and self.dropout > 0
         f = None
         for layer in range(self.num_layers):
             _o_ax, i_ax, p_ax = layout.roles(layer)
-            if layer == 0 and self._h0 is not None:
-                h = self._h0
+            cached = layer == 0 and self.cache_first_aggregation and not drop
+            if cached and self._h0 is not None:
+                h, r = self._h0
             else:
-                h = self._aggregate(layer, f, stats)
-                if layer == 0 and self.cache_first_aggregation:
-                    self._h0 = h.detach()
+                x = self._layer_input(layer, f, stats)
+                if drop:
+                    x = x * self._dropout_mask(layer, step, x.device)
+                h, r = self._aggregate(layer, x, stats)
+                if cached:
+                    self._h0 = (h.detach(), None if r is None else r.detach())
             q = _GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
                                       self.block_shapes[layer], stats)
+            if r is not None:
+                q = q + _GatheredMatmul.apply(r, self.root_weights[layer], g[p_ax],
+                                              self.block_shapes[layer], stats)
             q = autograd.all_reduce_identity(q, g[i_ax], stats)
-            f = torch.relu_(q) if layer < self.num_layers - 1 else q
+            if len(self.biases):
+                q = q + autograd.identity_all_reduce(self.biases[layer], g[p_ax], stats)
+            if layer < self.num_layers - 1:
+                if len(self.norms):
+                    q = self.norms[layer](q, stats)
+                q = torch.relu_(q)  # q is a fresh tensor no backward needs
+            f = q
         return f
 
-    def _aggregate(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
-        """H_l = A_l F_l, all-reduced over O (collectives 1, 2; backward 7, 8)."""
-        g = self.groups
-        o_ax, _, p_ax = layout.roles(layer)
+    def _layer_input(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
+        """F_l [N/O, D_l/I], replicated over P: layer 0 gathers its flat shard over P
+        (collective 1; backward 8 reduce-scatters), later layers all-reduce dF over P."""
+        p_group = self.groups[layout.roles(layer)[2]]
         if layer == 0:
-            f = autograd.all_gather_reduce_scatter(self.features, g[p_ax], stats=stats)
-            f = f[: math.prod(self.features_shape)].view(self.features_shape)
-        else:
-            f = autograd.identity_all_reduce(f, g[p_ax], stats)
-        adj = self.shard.adj[layer % 6]
-        h = _SpMM.apply(adj.a, adj.a_t, f)
-        h = autograd.all_reduce_identity(h, g[o_ax], stats)
-        return autograd.identity_all_reduce(h, g[o_ax], stats)
+            x = autograd.all_gather_reduce_scatter(self.features, p_group, stats=stats)
+            return x[: math.prod(self.features_shape)].view(self.features_shape)
+        return autograd.identity_all_reduce(f, p_group, stats)
+
+    def _aggregate(self, layer: int, x: torch.Tensor, stats: CommStats | None):
+        """(H_l = A_l F_l, R_l = S_l F_l or None), all-reduced over O (collective 2; backward 7;
+        R only for GraphSAGE)."""
+        o_group = self.groups[layout.roles(layer)[0]]
+        out = []
+        for blocks in (self.shard.adj, getattr(self.shard, "root", None)):
+            if blocks is None:
+                out.append(None)
+                continue
+            blk = blocks[layer % 6]
+            h = _SpMM.apply(blk.a, blk.a_t, x)
+            h = autograd.all_reduce_identity(h, o_group, stats)
+            out.append(autograd.identity_all_reduce(h, o_group, stats))
+        return out[0], out[1]
+
+    def _input_ids(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(node ids [N/O], column ids [D_l/I]) of the rows and columns of F_l on this rank."""
+        if layer not in self._ids:
+            o_ax, i_ax, _ = layout.roles(layer)
+            g, sh = self.groups, self.shard
+            order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[1]
+            rows = torch.from_numpy(order).chunk(g[o_ax].size)[g[o_ax].rank]
+            width = sh.widths_padded[layer] // g[i_ax].size
+            cols = torch.arange(width) + g[i_ax].rank * width
+            self._ids[layer] = (rows, cols)
+        return self._ids[layer]
+
+    def _dropout_mask(self, layer: int, step: int, device) -> torch.Tensor:
+        rows, cols = self._input_ids(layer)
+        return dropout_mask(self.dropout, seed=self.seed, step=step, layer=layer, rows=rows,
+                            cols=cols).to(device)
+
+    def _output_rows(self, layer: int) -> torch.Tensor:
+        """bool [N/P]: the rows of layer ``layer``'s output that are graph nodes."""
+        _, _, p_ax = layout.roles(layer)
+        g, sh = self.groups, self.shard
+        order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[0]
+        rows = torch.from_numpy(order).chunk(g[p_ax].size)[g[p_ax].rank]
+        return rows < sh.num_nodes
+
+    def _make_norm(self, layer: int) -> nn.Module:
+        o_ax, _, p_ax = layout.roles(layer)
+        g, width = self.groups, self.block_shapes[layer][1]
+        if self.norm_kind == "batch":
+            return ShardedBatchNorm(width, self._output_rows(layer), self.shard.num_nodes,
+                                    g[p_ax])
+        cols = torch.arange(width) + g[o_ax].rank * width
+        return ShardedLayerNorm(width, cols < self.shard.widths[layer + 1],
+                                self.shard.widths[layer + 1], g[o_ax], g[p_ax])
+
+    @torch.no_grad()
+    def _normalized(self, block: torch.Tensor) -> torch.Tensor:
+        """PyG's NormalizeFeatures on the features block [N/X, D_0/Y]: x - min over the whole
+        graph, then each row over its row sum (all-reduced over y) clamped to >= 1."""
+        g, sh = self.groups, self.shard
+        rows = torch.from_numpy(sh.pc).chunk(g["x"].size)[g["x"].rank] < sh.num_nodes
+        width = block.shape[1]
+        cols = torch.arange(width) + g["y"].rank * width < sh.widths[0]
+        real = rows[:, None] & cols[None, :]
+        vals = torch.where(real, block, torch.inf)
+        low = (vals.min() if vals.numel() else torch.tensor(torch.inf)).reshape(1)
+        for ax in ("x", "y"):
+            low = coll.all_reduce(low, g[ax], op=dist.ReduceOp.MIN)
+        shifted = torch.where(real, block - low, 0.0)
+        sums = coll.all_reduce(shifted.sum(1), g["y"])
+        return shifted / sums.clamp(min=1.0)[:, None]
 
     def _apply(self, fn, recurse=True):  # .to(device) etc. must not keep a stale cache
         self._h0 = None
@@ -213,6 +343,54 @@ class PlexusGCN(nn.Module):
         out = torch.empty_like(full_perm)
         out[torch.from_numpy(self.shard.pc)] = full_perm
         return out[: self.shard.num_nodes, : self.shard.widths[0]]
+
+    def shard_vector(self, full: torch.Tensor, layer: int) -> torch.Tensor:
+        """This rank's chunk [D_l+1_pad/O] of a full per-output-column vector [D_l+1] of layer
+        ``layer`` (bias, norm parameters and statistics); padding is zero."""
+        o_ax = layout.roles(layer)[0]
+        padded = full.new_zeros(self.shard.widths_padded[layer + 1])
+        padded[: full.numel()] = full
+        return padded.chunk(self.groups[o_ax].size)[self.groups[o_ax].rank].clone()
+
+    @torch.no_grad()
+    def gather_vector(self, local: torch.Tensor, layer: int) -> torch.Tensor:
+        """Inverse of :meth:`shard_vector`: the full [D_l+1] on every rank."""
+        o_ax = layout.roles(layer)[0]
+        return coll.all_gather(local, self.groups[o_ax])[: self.shard.widths[layer + 1]]
+
+    def sharded_state(self) -> list[tuple[str, torch.Tensor, str, int | None]]:
+        """(name, local tensor, kind, layer) of every parameter and statistic in a fixed
+        order; kind ``weight``/``vector``/``features`` says which gather/shard pair maps it
+        (:meth:`gather`, :meth:`shard_full`). Used by checkpoints."""
+        out: list[tuple[str, torch.Tensor, str, int | None]] = []
+        for layer in range(self.num_layers):
+            out.append((f"w{layer}", self.weights[layer], "weight", layer))
+            if len(self.root_weights):
+                out.append((f"root{layer}", self.root_weights[layer], "weight", layer))
+            if len(self.biases):
+                out.append((f"b{layer}", self.biases[layer], "vector", layer))
+            if len(self.norms) and layer < self.num_layers - 1:
+                for key, t in [*self.norms[layer].named_parameters(),
+                               *self.norms[layer].named_buffers()]:
+                    if key in ("weight", "bias", "running_mean", "running_var"):
+                        out.append((f"norm{layer}.{key}", t, "vector", layer))
+        if isinstance(self.features, nn.Parameter):
+            out.append(("features", self.features, "features", None))
+        return out
+
+    def gather(self, kind: str, local: torch.Tensor, layer: int | None) -> torch.Tensor:
+        """The full tensor of a local one of :meth:`sharded_state` (collective)."""
+        if kind == "features":
+            return self.gather_features(local)
+        assert layer is not None
+        return (self.gather_weight if kind == "weight" else self.gather_vector)(local, layer)
+
+    def shard_full(self, kind: str, full: torch.Tensor, layer: int | None) -> torch.Tensor:
+        """This rank's shard of a full tensor of :meth:`sharded_state`'s ``kind``."""
+        if kind == "features":
+            return self.shard_features(full)
+        assert layer is not None
+        return (self.shard_weight if kind == "weight" else self.shard_vector)(full, layer)
 
     def full_weights(self, grads: bool = False) -> list[torch.Tensor]:
         """Every full (unpadded) ``W_l`` (or its gradient), on every rank (collective)."""

@@ -2,6 +2,8 @@
 
     python -m plexus.train                                   # built-in graph, one process
     mpiexec -n 8 python -m plexus.train --grid 2x2x2 --dataset ogbn-arxiv --root data
+    python -m plexus.train --dataset Planetoid/Cora --root data --layers 2 --hidden 16 \
+        --epochs 200 --normalize-features --runs 10      # PyG's GCN example, 10 seeds
     torchrun --standalone --nproc-per-node 4 -m plexus.train --grid 1x2x2
 
 This module parses arguments and prints; the loop is plexus.trainer, the data plexus.data.
@@ -11,17 +13,28 @@ Rank 0 prints and writes ``--metrics``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import sys
 from typing import Any
+
+import numpy as np
 
 from common import run
 from common.checkpoint import CheckpointError
 from common.dist import max_over_ranks, preemption_flag
 from common.grid import ProcessGrid
 from plexus import layout
-from plexus.config import ModelConfig, OptimConfig, RunConfig
+from plexus.config import (
+    MODELS,
+    NORMS,
+    OPTIMIZERS,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    aggregation_of,
+)
 from plexus.data import DatasetCorruptError, ShardSource, available_datasets, open_source
 from plexus.data.partition import PERMUTATIONS
 from plexus.data.schema import DEFAULT_ROOT
@@ -59,7 +72,8 @@ def choose_grid(spec: str | None, source: ShardSource, model: ModelConfig, ctx) 
     from common.perf import auto_grid, load_profile
     from common.perf.gcn import GCNWorkload
 
-    work = GCNWorkload(name=source.name, num_nodes=source.num_nodes, nnz=source.nnz,
+    work = GCNWorkload(name=source.name, model=model.model, num_nodes=source.num_nodes,
+                       nnz=source.nnz, cache_first_aggregation=model.dropout == 0,
                        num_features=source.num_features, num_classes=source.num_classes,
                        num_layers=model.num_layers, hidden=model.hidden,
                        learn_features=model.learn_features)
@@ -90,15 +104,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "or auto[:PROFILE]: the grid the performance model predicts fastest on a "
                    "machine profile (name or JSON path; default $HPC_MACHINE_PROFILE, else "
                    "local-cpu; see python -m common.perf.plan)")
-    p.add_argument("--layers", type=int, default=m.num_layers, help="GCN layers")
+    p.add_argument("--model", choices=MODELS, default=m.model,
+                   help="gcn (Kipf & Welling) or sage (GraphSAGE: mean of in-neighbours plus "
+                   "a root weight)")
+    p.add_argument("--layers", type=int, default=m.num_layers, help="layers")
     p.add_argument("--hidden", type=int, default=m.hidden)
+    p.add_argument("--dropout", type=float, default=m.dropout,
+                   help="dropout rate on the input of every layer (the same masks on any grid)")
+    p.add_argument("--no-bias", dest="bias", action="store_false", help="layers without bias")
+    p.add_argument("--norm", choices=NORMS, default=m.norm,
+                   help="normalisation after every hidden layer (batch statistics are "
+                   "reduced over the ranks, so any grid trains the serial model)")
+    p.add_argument("--normalize-features", action="store_true",
+                   help="row-normalise the input features (PyG's NormalizeFeatures)")
+    p.add_argument("--symmetrize", action="store_true",
+                   help="add the reverse of every edge (directed graphs such as ogbn-arxiv, "
+                   "as OGB's examples do)")
     p.add_argument("--learn-features", action="store_true",
                    help="make the input features trainable parameters")
     p.add_argument("--epochs", type=int, default=r.epochs)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=o.optimizer,
+                   help="adam: weight decay as an L2 term (PyG/OGB examples); adamw: decoupled")
     p.add_argument("--lr", type=float, default=o.lr)
-    p.add_argument("--weight-decay", type=float, default=o.weight_decay)
+    p.add_argument("--weight-decay", type=_decays, default=o.weight_decay, metavar="WD[,WD...]",
+                   help="one value, or one per layer (PyG's GCN example: 5e-4,0 decays only "
+                   "the first layer)")
     p.add_argument("--seed", type=int, default=r.seed,
-                   help="seeds the weights, the permutations and generated graphs")
+                   help="seeds the weights, dropout, the permutations and generated graphs")
+    p.add_argument("--runs", type=int, default=1,
+                   help="train N times with seeds SEED..SEED+N-1 and print mean +- std of the "
+                   "test accuracy at the best validation epoch (as OGB reports)")
     p.add_argument("--permutation", choices=PERMUTATIONS, default=None,
                    help="load-balancing permutation (default: double; a prepared "
                    "dataset's own)")
@@ -116,25 +151,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _decays(text: str) -> float | tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number or comma-separated numbers "
+                                         "(one per layer)") from None
+    return values[0] if len(values) == 1 else values
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctx = run.start(args)
 
     def prepare() -> tuple[ShardSource, ProcessGrid, dict[str, Any]]:
         configs = {
-            "model": ModelConfig(num_layers=args.layers, hidden=args.hidden,
-                                 learn_features=args.learn_features),
-            "optim": OptimConfig(lr=args.lr, weight_decay=args.weight_decay),
+            "model": ModelConfig(model=args.model, num_layers=args.layers, hidden=args.hidden,
+                                 learn_features=args.learn_features, dropout=args.dropout,
+                                 bias=args.bias, norm=args.norm,
+                                 normalize_features=args.normalize_features),
+            "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
+                                 weight_decay=args.weight_decay),
             "run": RunConfig(epochs=args.epochs, seed=args.seed, spmm=args.spmm,
                              retain_freed_memory=args.retain_freed_memory),
         }
+        configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth
+        if args.runs < 1:
+            raise ValueError(f"--runs must be >= 1, got {args.runs}")
         ck = run.checkpoint_config(args)
+        if args.runs > 1 and ck.dir:
+            raise ValueError("--runs > 1 trains several models; checkpoints hold one: drop "
+                             "--checkpoint-dir or use --runs 1")
         if args.metrics and ctx.is_main:
             run.check_writable(args.metrics, flag="--metrics")
         if ck.dir:
             run.check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
         source = open_source(args.dataset, root=args.root, permutation=args.permutation,
-                             seed=args.seed)
+                             seed=args.seed, symmetrize=args.symmetrize,
+                             aggregation=aggregation_of(args.model))
         grid = choose_grid(args.grid, source, configs["model"], ctx)
         grid.check(ctx.world_size, source.grid_problems)
         return source, grid, {**configs, "checkpoint": ck}
@@ -143,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                                           user_errors=(ValueError, OSError))
     metrics = run.MetricsWriter(args.metrics, enabled=ctx.is_main, resume=args.resume)
 
+    run_index = 0
+
     def on_epoch(row: dict[str, Any]) -> None:
-        metrics.write(row)
+        metrics.write({"run": run_index, **row} if args.runs > 1 else row)
         e = row["epoch"]
         if ctx.is_main and (e == 1 or e % max(args.log_every, 1) == 0 or e == args.epochs):
             share = row["comm_s"] / row["epoch_s"] if row["epoch_s"] else 0.0
@@ -154,28 +210,61 @@ def main(argv: list[str] | None = None) -> int:
                   f"comm {100 * share:4.1f}%", flush=True)
 
     def train() -> TrainResult:
+        cfg = dict(configs)
+        cfg["run"] = dataclasses.replace(configs["run"], seed=args.seed + run_index)
         return train_gcn(source, grid, ctx.rank, device=ctx.device, on_epoch=on_epoch,
                          should_stop=preemption_flag(), transport=ctx.transport,
                          on_setup=lambda shard, model, info: _log_setup(
-                             info, shard, model, ctx, source, grid), **configs)
+                             info, shard, model, ctx, source, grid) if run_index == 0
+                         else None, **cfg)
 
+    summaries = []
     with metrics:
-        result = run.run_or_exit(ctx, train, user_errors=(
-            CheckpointError, FloatingPointError, DatasetCorruptError))
-        if ctx.is_main and result.info.get("resumed_from"):
-            print(f"resumed from the checkpoint of epoch {result.info['resumed_from']}",
-                  flush=True)
-        if result.info["preempted"]:
-            if ctx.is_main:
-                print(f"preempted (SIGTERM/SIGUSR1): checkpoint written at epoch "
-                      f"{result.history[-1]['epoch']}; rerun with --resume to continue",
+        for run_index in range(args.runs):
+            if ctx.is_main and args.runs > 1:
+                print(f"run {run_index + 1}/{args.runs} (seed {args.seed + run_index})",
                       flush=True)
-            return 0
-        summary = _summary(result, source, grid, ctx)
-        if ctx.is_main:
-            _print_summary(summary)
-            metrics.write({"summary": summary})
+            result = run.run_or_exit(ctx, train, user_errors=(
+                CheckpointError, FloatingPointError, DatasetCorruptError))
+            if ctx.is_main and result.info.get("resumed_from"):
+                print(f"resumed from the checkpoint of epoch {result.info['resumed_from']}",
+                      flush=True)
+            if result.info["preempted"]:
+                if ctx.is_main:
+                    print(f"preempted (SIGTERM/SIGUSR1): checkpoint written at epoch "
+                          f"{result.history[-1]['epoch']}; rerun with --resume to continue",
+                          flush=True)
+                return 0
+            summary = _summary(result, source, grid, ctx)
+            summaries.append(summary)
+            if ctx.is_main:
+                _print_summary(summary)
+                metrics.write({"summary": summary} if args.runs == 1 else
+                              {"run": run_index, "summary": summary})
+        if args.runs > 1:
+            overall = runs_summary(summaries)
+            if ctx.is_main:
+                print("\n" + overall["text"], flush=True)
+                metrics.write({"runs_summary": overall})
     return 0
+
+
+def runs_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and standard deviation over runs of the test accuracy at the best validation epoch
+    and at the last epoch (OGB's report)."""
+    out: dict[str, Any] = {"runs": len(summaries)}
+    lines = [f"{len(summaries)} runs:"]
+    for key, label, pick in (("best_val", "at best val", lambda s: s["best_val"]),
+                             ("final", "final", lambda s: s["final"])):
+        for split in ("val_acc", "test_acc"):
+            vals = np.array([pick(s)[split] for s in summaries], dtype=float)
+            out[f"{key}.{split}"] = {"mean": float(vals.mean()), "std": float(vals.std())}
+        test = out[f"{key}.test_acc"]
+        val = out[f"{key}.val_acc"]
+        lines.append(f"  {label:<12} val {100 * val['mean']:.2f} +- {100 * val['std']:.2f}%  "
+                     f"test {100 * test['mean']:.2f} +- {100 * test['std']:.2f}%")
+    out["text"] = "\n".join(lines)
+    return out
 
 
 def resident_bytes() -> int:
@@ -223,7 +312,7 @@ def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, gri
 
 def _summary(result: TrainResult, source: ShardSource, grid, ctx) -> dict[str, Any]:
     hist = result.history
-    best = max(hist, key=lambda r: r["val_acc"]) if hist else {}
+    best = result.info.get("best") or {}
     steady = hist[1:] if len(hist) > 1 else hist  # epoch 1 includes warm-up
     epoch_s = sum(r["epoch_s"] for r in steady) / max(len(steady), 1)
     comm_s = sum(r["comm_s"] for r in steady) / max(len(steady), 1)
@@ -247,10 +336,11 @@ def _summary(result: TrainResult, source: ShardSource, grid, ctx) -> dict[str, A
     if source.name.startswith("ogbn-") and hist:
         from plexus.data.ogb import ogb_accuracy
 
-        splits = split_predictions(result)  # collective
-        if ctx.is_main:
-            out["ogb_evaluator"] = {s: ogb_accuracy(source.name, y, p)
-                                    for s, (y, p) in splits.items() if y.numel()}
+        for key, at_best in (("ogb_evaluator", False), ("ogb_evaluator_best_val", True)):
+            splits = split_predictions(result, best=at_best)  # collective
+            if ctx.is_main:
+                out[key] = {s: ogb_accuracy(source.name, y, p)
+                            for s, (y, p) in splits.items() if y.numel()}
     return out
 
 
@@ -259,7 +349,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     rows = [
         ("dataset", f"{s['dataset']} ({s['num_nodes']:,} nodes, {s['num_edges']:,} edges)"),
         ("grid", f"{s['grid']} on {s['world_size']} ranks ({s['launcher']}, {s['device']})"),
-        ("model", f"{m['num_layers']} layers, hidden {m['hidden']}, permutation "
+        ("model", f"{m['model']}, {m['num_layers']} layers, hidden {m['hidden']}, dropout "
+                  f"{m['dropout']}, norm {m['norm']}, bias {m['bias']}, permutation "
                   f"{c['permutation']}, learn features {m['learn_features']}"),
         ("epochs", f"{c['run']['epochs']} (setup {s['setup_s']:.2f} s)"),
         ("peak memory", f"{s['memory_per_rank_max']['peak_bytes'] / 2**20:,.0f} MiB resident "
@@ -274,9 +365,10 @@ def _print_summary(s: dict[str, Any]) -> None:
                               f"val {100 * f['val_acc']:.2f}%, test {100 * f['test_acc']:.2f}%"))
         rows.append(("best val", f"epoch {b['epoch']}: val {100 * b['val_acc']:.2f}%, "
                                  f"test {100 * b['test_acc']:.2f}%"))
-    if "ogb_evaluator" in s:
-        rows.append(("OGB Evaluator", ", ".join(f"{k} {100 * v:.2f}%"
-                                                for k, v in s["ogb_evaluator"].items())))
+    for key, label in (("ogb_evaluator", "OGB Evaluator"),
+                       ("ogb_evaluator_best_val", "  at best val")):
+        if key in s:
+            rows.append((label, ", ".join(f"{k} {100 * v:.2f}%" for k, v in s[key].items())))
     width = max(len(k) for k, _ in rows)
     print("\n" + "\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
 

@@ -30,7 +30,7 @@ from common.mpi import MPITransport
 from common.run import CheckpointConfig
 from plexus import checkpoint as ckpt
 from plexus import layout
-from plexus.config import ModelConfig, OptimConfig, RunConfig, split_config
+from plexus.config import ModelConfig, OptimConfig, RunConfig, aggregation_of, split_config
 from plexus.data import SPLITS, DatasetCorruptError, GraphShard, ShardSource
 from plexus.loss import correct_counts, sharded_argmax, sharded_cross_entropy
 from plexus.model import PlexusGCN
@@ -68,8 +68,23 @@ def setup(source: ShardSource, grid: ProcessGrid, rank: int, model: ModelConfig,
     if any_rank(error is not None, device):
         raise error or DatasetCorruptError(f"another rank could not read its shard of "
                                            f"{source.name} (its error is above)")
-    net = PlexusGCN(shard, groups, learn_features=model.learn_features, seed=seed)
+    net = PlexusGCN(shard, groups, model=model.model, learn_features=model.learn_features,
+                    seed=seed, dropout=model.dropout, bias=model.bias, norm=model.norm,
+                    normalize_features=model.normalize_features)
     return shard, groups, net
+
+
+def make_optimizer(net: PlexusGCN, optim: OptimConfig) -> torch.optim.Optimizer:
+    """Adam or AdamW over ``net``'s parameters, one group per layer with that layer's weight
+    decay (the input features, if trained, join layer 0)."""
+    decays = optim.layer_decays(net.num_layers)
+    groups: list[list[torch.nn.Parameter]] = [[] for _ in decays]
+    for _name, t, _kind, layer in net.sharded_state():
+        if isinstance(t, torch.nn.Parameter):
+            groups[layer or 0].append(t)
+    cls = torch.optim.Adam if optim.optimizer == "adam" else torch.optim.AdamW
+    return cls([{"params": ps, "weight_decay": wd} for ps, wd in zip(groups, decays) if ps],
+               lr=optim.lr)
 
 
 def train_gcn(
@@ -87,10 +102,15 @@ def train_gcn(
     should_stop: Callable[[], bool] | None = None,
     transport: MPITransport | None = None,
 ) -> TrainResult:
-    """Train a GCN on ``source`` with the Plexus 3D algorithm; every rank of ``grid`` calls this.
+    """Train a GCN or GraphSAGE on ``source`` with the Plexus 3D algorithm; every rank of
+    ``grid`` calls this.
 
-    Accuracies of epoch ``e`` are those of the forward pass of that epoch (before its
-    optimizer step), so no extra forward pass is spent on evaluation.
+    Accuracies of epoch ``e`` are measured as PyG's examples do: a forward pass in eval mode
+    (no dropout, batch norm on its running statistics) on the weights after the epoch's update,
+    so the last epoch's row is the final model (``eval_s`` is its time, apart from
+    ``epoch_s``). Model selection as OGB does it: ``info["best"]`` holds the epoch of best
+    validation accuracy with its accuracies, and the model's shards at that epoch are kept (a
+    copy of this rank's parameters) for :func:`split_predictions` with ``best=True``.
 
     ``should_stop`` (e.g. :func:`common.dist.preemption_flag`) is checked after every epoch and
     agreed over all ranks; when it fires, the run checkpoints (if configured) and returns
@@ -106,12 +126,16 @@ def train_gcn(
     optim, run, ck = optim or OptimConfig(), run or RunConfig(), checkpoint or CheckpointConfig()
     t0 = time.perf_counter()
     grid.check(dist.get_world_size() if dist.is_initialized() else 1, source.grid_problems)
+    need = aggregation_of(model.model)
+    if getattr(source, "aggregation", "gcn") != need:
+        raise ValueError(f"model {model.model!r} needs a source built with aggregation={need!r}"
+                         f"; {source.name} has {getattr(source, 'aggregation', 'gcn')!r}")
     if torch.device(device).type == "cpu" and run.retain_freed_memory:
         retain_freed_memory()  # reuse activation pages every epoch (see common.alloc)
     shard, groups, net = setup(source, grid, rank, model, seed=run.seed, device=device,
                                transport=transport)
     net.to(device)
-    for blk in shard.adj.values():
+    for blk in [*shard.adj.values(), *(shard.root or {}).values()]:
         blk.a.to(device, kernel=run.spmm), blk.a_t.to(device, kernel=run.spmm)
     config = {"model": asdict(model), "optim": asdict(optim), "run": asdict(run),
               "permutation": source.permutation}
@@ -122,40 +146,50 @@ def train_gcn(
     g_o, g_p = groups[o_ax], groups[p_ax]
     labels = shard.labels.to(device)
     masks = {s: m.to(device) for s, m in shard.masks.items()}
-    opt = torch.optim.AdamW(net.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    opt = make_optimizer(net, optim)
     stats, history, first = CommStats(), [], 1
     meta = {**ckpt.identity(net, source.name), "config": config, "grid": str(grid)}
     if ck.resume and list_steps(ck.dir):
         done, history = ckpt.load(ck.dir, net, opt, meta=meta)
         first, info["resumed_from"] = done + 1, done
     info["preempted"] = False
+    best: dict[str, Any] | None = None
+    for row in history:  # a resumed run's earlier epochs (their model shards are not kept)
+        if best is None or row["val_acc"] > best["val_acc"]:
+            best = {k: row[k] for k in ("epoch", "train_acc", "val_acc", "test_acc")}
+    best_state: dict[str, torch.Tensor] | None = None
     for epoch in range(first, run.epochs + 1):
         stats.reset()
         start = time.perf_counter()
+        net.train()
         opt.zero_grad(set_to_none=True)
-        logits = net(stats)
+        logits = net(stats, step=epoch)
         loss = sharded_cross_entropy(logits, labels, masks["train"],
                                      num_classes=shard.num_classes,
                                      count=shard.split_counts["train"],
                                      group_o=g_o, group_p=g_p, stats=stats)
         loss.backward()
         opt.step()
-        pred = sharded_argmax(logits.detach(), num_classes=shard.num_classes, group_o=g_o,
-                              stats=stats)
-        correct = correct_counts(pred, labels, masks, g_p, stats=stats)
         loss_value = loss.item()
+        epoch_s = time.perf_counter() - start
         if not torch.isfinite(torch.tensor(loss_value)):
             raise FloatingPointError(
                 f"loss became {loss_value} at epoch {epoch}; lower --lr or check the features")
+        start = time.perf_counter()
+        correct = _evaluate(net, labels, masks, g_o, g_p)
         row = {
             "epoch": epoch,
             "loss": loss_value,
             **{f"{s}_acc": correct[s] / max(shard.split_counts[s], 1) for s in SPLITS},
-            "epoch_s": time.perf_counter() - start,
+            "epoch_s": epoch_s,
+            "eval_s": time.perf_counter() - start,
             "comm_s": stats.total_seconds,
             "comm_bytes": stats.total_bytes,
             "comm_bytes_by_axis": {a: r.bytes for a, r in stats.by_axis().items()},
         }
+        if best is None or row["val_acc"] > best["val_acc"]:
+            best = {k: row[k] for k in ("epoch", "train_acc", "val_acc", "test_acc")}
+            best_state = _state(net)
         history.append(row)
         if on_epoch is not None:
             on_epoch(row)
@@ -165,17 +199,48 @@ def train_gcn(
         if stop:
             info["preempted"] = True
             break
+    info["best"] = best
+    info["best_state"] = best_state
     return TrainResult(history, net, shard, groups, info)
 
 
+def _state(net: PlexusGCN) -> dict[str, torch.Tensor]:
+    """A copy of this rank's shards of every parameter and statistic."""
+    return {name: t.detach().clone() for name, t, _, _ in net.sharded_state()}
+
+
 @torch.no_grad()
-def _gathered_outputs(result: TrainResult) -> tuple[torch.Tensor, ...]:
+def _load_state(net: PlexusGCN, state: dict[str, torch.Tensor]) -> None:
+    for name, t, _, _ in net.sharded_state():
+        t.copy_(state[name])
+
+
+@torch.no_grad()
+def _evaluate(net: PlexusGCN, labels: torch.Tensor, masks: dict[str, torch.Tensor],
+              g_o: AxisGroup, g_p: AxisGroup) -> dict[str, int]:
+    """Correct predictions per split of an eval-mode forward pass (collective)."""
+    net.eval()
+    logits = net()
+    pred = sharded_argmax(logits, num_classes=net.shard.num_classes, group_o=g_o)
+    return correct_counts(pred, labels, masks, g_p)
+
+
+@torch.no_grad()
+def _gathered_outputs(result: TrainResult, best: bool = False) -> tuple[torch.Tensor, ...]:
     """(predicted class, label, split code, original node id) of every padded output row,
     gathered over P onto every rank: int64 [N_pad] each (node id -1 on padding). One forward
-    pass without dropout, on the final weights."""
+    pass in eval mode, on the final weights (or, with ``best``, those of the best validation
+    epoch, when this run kept them)."""
     o_ax, _, p_ax = layout.roles(result.model.num_layers - 1)
-    shard, g_p = result.shard, result.groups[p_ax]
-    logits = result.model()
+    shard, g_p, net = result.shard, result.groups[p_ax], result.model
+    saved = result.info.get("best_state") if best else None
+    net.eval()
+    if saved:
+        final = _state(net)
+        _load_state(net, saved)
+    logits = net()
+    if saved:
+        _load_state(net, final)
     pred = sharded_argmax(logits, num_classes=shard.num_classes, group_o=result.groups[o_ax])
     code = torch.zeros_like(shard.labels)
     for i, s in enumerate(SPLITS, start=1):
@@ -198,23 +263,28 @@ def predictions(result: TrainResult) -> torch.Tensor:
     return out
 
 
-def split_predictions(result: TrainResult) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{split: (labels, predicted classes)}`` of every split's nodes under the final model,
-    on every rank (collective; for the OGB Evaluator). Works on any source: the labels come
-    from the shards, not from a whole graph."""
-    pred, labels, code, _ = _gathered_outputs(result)
+def split_predictions(result: TrainResult, *, best: bool = False
+                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{split: (labels, predicted classes)}`` of every split's nodes under the final model
+    (or the best validation epoch's, with ``best``), on every rank (collective; for the OGB
+    Evaluator). Works on any source: the labels come from the shards, not a whole graph."""
+    pred, labels, code, _ = _gathered_outputs(result, best)
     return {s: (labels[code == i], pred[code == i]) for i, s in enumerate(SPLITS, start=1)}
 
 
 def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str = "cpu",
-        permutation: str = "double", on_epoch: Callable[[dict[str, Any]], None] | None = None,
+        permutation: str = "double", symmetrize: bool = False,
+        on_epoch: Callable[[dict[str, Any]], None] | None = None,
         **config: Any) -> TrainResult:
     """Train on a :class:`~plexus.data.Graph`, a PyG ``Data`` (x, y, edge_index, masks) or any
     :class:`~plexus.data.ShardSource`.
 
     Starts a single-process ``torch.distributed`` group if none is running; under a launcher
     call :func:`common.init_distributed` first. ``config`` holds fields of ModelConfig,
-    OptimConfig and RunConfig (``num_layers=2, hidden=16, lr=0.01, epochs=200``).
+    OptimConfig and RunConfig (``model="sage", num_layers=2, hidden=16, dropout=0.5,
+    optimizer="adam", weight_decay=5e-4, lr=0.01, epochs=200``). ``symmetrize`` adds the
+    reverse of every edge of a graph first (OGB's ``to_symmetric()``). The test accuracy at
+    the best validation epoch is ``result.info["best"]["test_acc"]``.
     """
     from common.dist import init_distributed
     from plexus.data import Graph, InMemorySource
@@ -224,7 +294,10 @@ def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str = "cpu",
         source = data
     else:
         graph = data if isinstance(data, Graph) else Graph.from_pyg(data)
-        source = InMemorySource(graph, permutation=permutation, seed=configs["run"].seed)
+        if symmetrize:
+            graph = graph.to_undirected()
+        source = InMemorySource(graph, permutation=permutation, seed=configs["run"].seed,
+                                aggregation=aggregation_of(configs["model"].model))
     transport = None
     if not dist.is_initialized():
         transport = init_distributed(device=device).transport

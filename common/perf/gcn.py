@@ -10,7 +10,11 @@ Collectives per layer (``M`` = full bytes, float32; a flat shard is padded to a 
 ``P`` elements): (1) all-gather F over P (layer 0), (2) all-reduce H over O, (3) all-gather W
 over P, (4) all-reduce Q over I, (5) all-gather W over P, (6) reduce-scatter dW over P,
 (7) all-reduce dH over O, (8) all-reduce dF over P (layers >= 1) or reduce-scatter (layer 0,
-trainable features). With fixed features ``H_0`` is cached after the first epoch, so a steady
+trainable features). GraphSAGE (``model="sage"``) also aggregates the root term ``R = S F``
+with the permuted identity ``S`` (about ``N / (P O)`` nonzeros per block) and multiplies it by
+a second weight: (2), (3), (5), (6) and (7) run twice; (1), (4) and (8) once.
+
+With fixed features ``H_0`` is cached after the first epoch, so a steady
 epoch skips (1), (2) and the layer-0 SpMM, and nothing flows back into layer 0's aggregation:
 (5), (7), (8) and the SpMM with ``A_0^T`` are skipped too. The trainer adds the sharded loss
 and accuracy (plexus/loss.py): three all-reduces of ``[N/P]`` over O, one scalar over P, two
@@ -67,6 +71,7 @@ class GCNWorkload:
 
     Attributes:
         name: label for tables.
+        model: ``gcn`` or ``sage`` (GraphSAGE: a root term beside the mean aggregation).
         num_nodes: N.
         nnz: nonzeros of the normalised adjacency, self-loops included.
         num_features, num_classes: D_0 and C.
@@ -80,6 +85,7 @@ class GCNWorkload:
     """
 
     name: str = "graph"
+    model: str = "gcn"
     num_nodes: int
     nnz: int
     num_features: int
@@ -95,6 +101,8 @@ class GCNWorkload:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
             if getattr(self, f) < 1:
                 raise ValueError(f"GCNWorkload.{f} must be >= 1, got {getattr(self, f)}")
+        if self.model not in ("gcn", "sage"):
+            raise ValueError(f"GCNWorkload.model must be gcn or sage, got {self.model!r}")
         if self.imbalance < 1:
             raise ValueError(f"imbalance is max/mean nonzeros, >= 1; got {self.imbalance}")
         if self.index_bytes not in (None, 4, 8):
@@ -117,6 +125,11 @@ class GCNWorkload:
         """Problems of running on ``shape``: none; every X x Y x Z grid pads what it needs
         (the same interface as :meth:`common.perf.gpt.GPTWorkload.grid_problems`)."""
         return []
+
+    @property
+    def terms(self) -> int:
+        """Aggregations (and weights) per layer: 1 for GCN, 2 for GraphSAGE (mean + root)."""
+        return 2 if self.model == "sage" else 1
 
     def index_width(self) -> int:
         if self.index_bytes is not None:
@@ -155,6 +168,7 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
     """
     n, w = work.padded(shape)
     out: list[Collective] = []
+    k = work.terms
 
     def flat(numel: int, g: int) -> int:
         return round_up(numel, g) * F32
@@ -170,14 +184,14 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         if layer == 0 and forward:
             out.append(Collective(p, "all_gather", flat(f_block, P)))  # (1)
         if forward:
-            out.append(Collective(o, "all_reduce", h_bytes))  # (2)
-        out.append(Collective(p, "all_gather", w_flat))  # (3)
+            out.append(Collective(o, "all_reduce", h_bytes, count=k))  # (2)
+        out.append(Collective(p, "all_gather", w_flat, count=k))  # (3)
         out.append(Collective(i, "all_reduce", q_bytes))  # (4)
         if backward:
-            out.append(Collective(p, "all_gather", w_flat))  # (5)
-        out.append(Collective(p, "reduce_scatter", w_flat))  # (6)
+            out.append(Collective(p, "all_gather", w_flat, count=k))  # (5)
+        out.append(Collective(p, "reduce_scatter", w_flat, count=k))  # (6)
         if backward:
-            out.append(Collective(o, "all_reduce", h_bytes))  # (7)
+            out.append(Collective(o, "all_reduce", h_bytes, count=k))  # (7)
             if layer == 0:
                 out.append(Collective(p, "reduce_scatter", flat(f_block, P)))  # (8)
             else:
@@ -218,20 +232,23 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         O, I, P = shape[o], shape[i], shape[p]  # noqa: N806
         a, b, rows = w[layer] // I, w[layer + 1] // O, n // P
         nnz = work.imbalance * work.nnz / (P * O)
+        root = work.num_nodes / (P * O)  # GraphSAGE's S block
+        k = work.terms
         forward, backward = work._runs(layer, first_epoch)
-        if forward:
-            spmm += spmm_bytes(rows, nnz, a, index_bytes=idx, cache_line=line)
-            moved += 2 * rows * a * F32 * (O > 1)  # copy of H for its all-reduce
-        if backward:
-            spmm += spmm_bytes(n // O, nnz, a, index_bytes=idx, cache_line=line)
-            moved += 2 * rows * a * F32 * (O > 1) + 2 * (n // O) * a * F32 * (P > 1)
+        for blk in [nnz, root][:k]:
+            if forward:
+                spmm += spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line)
+                moved += 2 * rows * a * F32 * (O > 1)  # copy of H (R) for its all-reduce
+            if backward:
+                spmm += spmm_bytes(n // O, blk, a, index_bytes=idx, cache_line=line)
+                moved += 2 * rows * a * F32 * (O > 1) + 2 * (n // O) * a * F32 * (P > 1)
         n_gemm = 3 if backward else 2  # Q = H W, dW = H^T dQ, and dH = dQ W^T
-        gemm += n_gemm * gemm_seconds(rows, a, b, rate.gemm_flops, rate.memory_bandwidth)
+        gemm += k * n_gemm * gemm_seconds(rows, a, b, rate.gemm_flops, rate.memory_bandwidth)
         q = rows * b * F32
         moved += 2 * q * (I > 1)  # copy of Q for its all-reduce
         if layer < work.num_layers - 1:
             moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
-        params += round_up(a * b, P) // P
+        params += k * round_up(a * b, P) // P
     o, _, p = roles(work.num_layers - 1)
     moved += 12 * (n // shape[p]) * (w[-1] // shape[o]) * F32  # loss, softmax, argmax passes
     params += round_up((n // shape["x"]) * (w[0] // shape["y"]), shape["z"]) // shape["z"] * (
@@ -245,24 +262,26 @@ def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
     """Bytes per rank: adjacency (+ transposes), features, weights with AdamW state,
     activations kept for backward, and the largest transient buffer."""
     n, w = work.padded(shape)
-    idx = work.index_width()
+    idx, k = work.index_width(), work.terms
     total = 0.0
     for layer in range(min(6, work.num_layers)):
         o, _, p = roles(layer)
         nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
+        if k == 2:  # GraphSAGE's root blocks
+            nnz += work.num_nodes / (shape[p] * shape[o])
         rows_a, rows_t = n // shape[p], n // shape[o]
-        total += 2 * nnz * (idx + F32) + (rows_a + rows_t + 2) * idx
+        total += 2 * nnz * (idx + F32) + k * (rows_a + rows_t + 2) * idx
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
     total += round_up(f0, shape["z"]) // shape["z"] * F32 * (4 if work.learn_features else 1)
     transient = f0 * F32  # gathered F_0
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
         a, b, rows = w[layer] // shape[i], w[layer + 1] // shape[o], n // shape[p]
-        total += 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 AdamW moments
-        total += (rows * a + rows * b) * F32  # H_l and F_l+1 = relu(Q_l) (logits) kept
+        total += k * 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 Adam moments
+        total += (k * rows * a + rows * b) * F32  # H_l (R_l) and F_l+1 = relu(Q_l) kept
         transient = max(transient, a * b * F32 * 2, 2 * rows * max(a, b) * F32)
     if not work.learn_features and work.cache_first_aggregation:
-        total += (n // shape["z"]) * (w[0] // shape["y"]) * F32  # cached H_0
+        total += k * (n // shape["z"]) * (w[0] // shape["y"]) * F32  # cached H_0 (R_0)
     return total + transient
 
 
@@ -292,8 +311,9 @@ def plan_gcn(work: GCNWorkload, num_ranks: int, machine: MachineProfile, *,
     preds = [predict_gcn(work, s, machine, ranks_per_node=ranks_per_node,
                          first_epoch=first_epoch) for s in factorizations(num_ranks, 3)]
     rpn = machine.node_ranks(num_ranks, ranks_per_node)
-    title = (f"GCN {work.name}: N={work.num_nodes:,} nnz={work.nnz:,} D0={work.num_features} "
-             f"hidden={work.hidden} C={work.num_classes} L={work.num_layers} on {num_ranks} "
-             f"ranks ({rpn} per node) of {machine.name}; per epoch, per rank")
+    title = (f"{work.model.upper()} {work.name}: N={work.num_nodes:,} nnz={work.nnz:,} "
+             f"D0={work.num_features} hidden={work.hidden} C={work.num_classes} "
+             f"L={work.num_layers} on {num_ranks} ranks ({rpn} per node) of {machine.name}; "
+             "per epoch, per rank")
     return rank_predictions(preds, num_ranks, AXES, title)
 

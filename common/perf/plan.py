@@ -38,7 +38,7 @@ DATASETS = {"ogbn-products": perf_gcn.ogbn_products, "ogbn-papers100M": perf_gcn
 
 def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
     """The GCN workload of the ``gcn`` sub-command's flags."""
-    opts = {"num_layers": args.layers, "hidden": args.hidden,
+    opts = {"model": args.model, "num_layers": args.layers, "hidden": args.hidden,
             "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache}
     if args.dataset:
         return DATASETS[args.dataset](**opts)
@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--nnz", type=int, help="nonzeros of the adjacency with self-loops")
     g.add_argument("--features", type=int)
     g.add_argument("--classes", type=int)
+    g.add_argument("--model", choices=("gcn", "sage"), default="gcn",
+                   help="sage: GraphSAGE, whose root term doubles the aggregation and weight "
+                   "collectives")
     g.add_argument("--layers", type=int, default=3)
     g.add_argument("--hidden", type=int, default=128)
     g.add_argument("--learn-features", action="store_true")

@@ -11,6 +11,7 @@ Modules:
     graph       the in-memory Graph (validated at construction), PyG conversion, splits
     generators  planted partition and R-MAT graphs
     ogb         OGB node datasets through the real ``ogb`` loaders, offline-safe; Evaluator
+    pyg         PyTorch Geometric datasets by name (Planetoid/Cora, ...) through PyG's classes
     registry    dataset names -> Graph / ShardSource
     partition   normalisation, permutations, blocks, balance (pure numpy/scipy)
     shard       GraphShard, AdjBlock and the ShardSource protocol

@@ -7,7 +7,9 @@ and :class:`plexus.data.prepared.PreparedGraph`, which gives the same shards bit
 Each rank builds ``Â``, permutes it into the two distinct layouts (``A' = Pr Â Pc^T`` for even
 layers, ``A'' = Pc Â Pr^T`` for odd ones), and keeps one block (with its transpose) per layer
 layout ``l % 6``, its features block and the labels and split masks of its output rows
-(shapes: plexus.data.shard).
+(shapes: plexus.data.shard). With ``aggregation="mean"`` (GraphSAGE) the mean adjacency takes
+``Â``'s place and the permuted identities ``Pr I Pc^T`` / ``Pc I Pr^T`` (O(N) to build) give
+the root blocks, cut the same way.
 """
 
 from __future__ import annotations
@@ -35,30 +37,38 @@ class InMemorySource:
         seed: permutation seed (identical on every rank).
         pad_multiple: also pad the node count to a multiple of this (a prepared dataset's
             block count k gives the prepared run's permutations and blocks, so its numbers).
+        aggregation: ``gcn`` (``Â``, no root blocks) or ``mean`` (GraphSAGE: the mean
+            adjacency of plexus.data.partition.mean_adjacency, PyG's ``SAGEConv`` mean, and
+            the root blocks of the permuted identity; plexus.data.shard).
     """
 
     storage = "in memory"
 
     def __init__(self, graph: Graph, *, permutation: str = "double", seed: int = 0,
-                 pad_multiple: int = 1) -> None:
+                 pad_multiple: int = 1, aggregation: str = "gcn") -> None:
+        if aggregation not in part.AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {aggregation!r}; choose from "
+                             f"{part.AGGREGATIONS}")
         if permutation not in part.PERMUTATIONS:
             raise ValueError(f"unknown permutation {permutation!r}; choose from "
                              f"{part.PERMUTATIONS}")
         if pad_multiple < 1:
             raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
         self.graph, self.permutation, self.seed = graph, permutation, seed
-        self.pad_multiple = pad_multiple
+        self.pad_multiple, self.aggregation = pad_multiple, aggregation
         self.name = graph.name
         self.num_nodes, self.num_edges = graph.num_nodes, graph.num_edges
         self.num_features, self.num_classes = graph.num_features, graph.num_classes
         self.split_counts = {s: int(graph.split_idx(s).numel()) for s in SPLITS}
         src, dst = graph.edge_index
-        # nonzeros of Â: edges other than self-loops (duplicates counted), one loop per node
-        self.nnz = int((src != dst).sum()) + graph.num_nodes
+        # nonzeros of Â: edges other than self-loops (duplicates counted), one loop per node;
+        # of A_mean: every edge (duplicates counted, as for Â)
+        self.nnz = (int((src != dst).sum()) + graph.num_nodes if aggregation == "gcn"
+                    else graph.num_edges)
 
     def __repr__(self) -> str:
         return (f"InMemorySource({self.graph.summary()}, permutation={self.permutation}, "
-                f"seed={self.seed})")
+                f"seed={self.seed}, aggregation={self.aggregation})")
 
     def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
         """Any grid works: nodes and widths are padded to fit."""
@@ -76,21 +86,21 @@ class InMemorySource:
         widths_pad = layout.padded_widths(widths, shape)
         pr, pc = part.make_permutations(n_pad, self.permutation, self.seed)
 
-        a_hat = part.normalized_adjacency(g.edge_index.numpy(), n)
-        a_hat.resize((n_pad, n_pad))
+        build = (part.normalized_adjacency if self.aggregation == "gcn"
+                 else part.mean_adjacency)
+        a_full = build(g.edge_index.numpy(), n)
+        a_full.resize((n_pad, n_pad))
         # the two distinct layouts: layers of one parity share a matrix (layer_orders)
-        mats = {parity: part.permuted(a_hat, *part.layer_orders(parity, pr, pc))
-                for parity in range(min(2, num_layers))}
-        del a_hat
-        adj: dict[int, AdjBlock] = {}
-        for lay in range(min(6, num_layers)):
-            o_ax, _, p_ax = layout.roles(lay)
-            a_l = mats[lay % 2]
-            counts = part.block_nnz(a_l, shape[p_ax], shape[o_ax])
-            blk = part.block(a_l, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax])
-            adj[lay] = AdjBlock(BlockSparse.single(blk), BlockSparse.single(blk.T.tocsr()), blk.nnz,
-                                part.Balance(int(counts.max()), float(counts.mean())))
+        parities = range(min(2, num_layers))
+        mats = {par: part.permuted(a_full, *part.layer_orders(par, pr, pc)) for par in parities}
+        del a_full
+        adj = _blocks(mats, shape, coords, num_layers)
         del mats
+        root = None
+        if self.aggregation == "mean":
+            eyes = {par: part.permuted_identity(*part.layer_orders(par, pr, pc), n)
+                    for par in parities}
+            root = _blocks(eyes, shape, coords, num_layers)
 
         # input features: rows chunk x of the Pc order (layer 0's input order), columns chunk y
         # of the padded width; padding rows and columns stay zero
@@ -118,8 +128,23 @@ class InMemorySource:
             num_nodes=n, num_nodes_padded=n_pad, num_classes=g.num_classes,
             widths=widths, widths_padded=widths_pad, pr=pr, pc=pc, adj=adj,
             features_block=features_block, labels=labels, masks=masks,
-            split_counts=dict(self.split_counts), out_rows=out_rows,
+            split_counts=dict(self.split_counts), out_rows=out_rows, root=root,
         )
+
+
+def _blocks(mats, shape: Mapping[str, int], coords: Mapping[str, int],
+            num_layers: int) -> dict[int, AdjBlock]:
+    """This rank's block (and its transpose) of ``mats[l % 2]`` for every layer layout
+    ``l % 6``, with the balance over all ranks' blocks of that layout."""
+    out: dict[int, AdjBlock] = {}
+    for lay in range(min(6, num_layers)):
+        o_ax, _, p_ax = layout.roles(lay)
+        a_l = mats[lay % 2]
+        counts = part.block_nnz(a_l, shape[p_ax], shape[o_ax])
+        blk = part.block(a_l, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax])
+        out[lay] = AdjBlock(BlockSparse.single(blk), BlockSparse.single(blk.T.tocsr()), blk.nnz,
+                            part.Balance(int(counts.max()), float(counts.mean())))
+    return out
 
 
 def _chunk(t: torch.Tensor, num: int, i: int, dim: int = 0) -> torch.Tensor:

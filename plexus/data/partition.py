@@ -8,6 +8,11 @@ Conventions (plexus-3d.md sections 1-3, 6):
   in-neighbours: ``Â[t, s] = 1/sqrt(d_t d_s)`` for an edge ``s -> t`` or ``s == t``, with
   ``d`` the in-degree in ``A + I`` (the convention of PyG's ``gcn_norm``). For undirected
   graphs (both directions stored) this is the symmetric ``D^-1/2 (A + I) D^-1/2``.
+* Aggregations (:data:`AGGREGATIONS`): ``gcn`` uses ``Â``; ``mean`` (GraphSAGE,
+  ``h_t = W1 x_t + W2 mean_{s -> t} x_s``) uses the mean adjacency ``A_mean``
+  (:func:`mean_adjacency`) for the neighbour term and the permuted identity ``S``
+  (:func:`permuted_identity`), cut into the same blocks, for the root term: ``S_l F_l``,
+  all-reduced over O like ``A_l F_l``, holds the input rows of the layer's output nodes.
 * Permutations are arrays ``perm[new] = old``. Even layers use ``A' = Pr Â Pc^T``
   (``A'[i, j] = Â[pr[i], pc[j]]``) with input rows in ``Pc`` order and output in ``Pr``
   order; odd layers use ``A'' = Pc Â Pr^T``. ``none``: Pr = Pc = identity; ``single``:
@@ -15,8 +20,10 @@ Conventions (plexus-3d.md sections 1-3, 6):
 * Which axis cuts the rows and columns of layer ``l``'s matrix: plexus.layout.
 
 Shapes (N = padded node count):
-    Â, A', A''                 [N, N] CSR float32
+    Â, A_mean, A', A''         [N, N] CSR float32
+    S = Pr I Pc^T, Pc I Pr^T   [N, N] CSR float32, one 1 per real node, none on padding
     A_l block on rank (o, i, p): [N/P, N/O]  rows chunk p, cols chunk o (replicated over I)
+    S_l block on rank (o, i, p): [N/P, N/O]  the same cut of S (about N/(P O) nonzeros)
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import scipy.sparse as sp
 from common.grid import round_up
 
 PERMUTATIONS = ("none", "single", "double")
+AGGREGATIONS = ("gcn", "mean")  # GCN's Â; GraphSAGE's mean of in-neighbours plus a root term
 
 
 def normalized_adjacency(edge_index: np.ndarray, num_nodes: int) -> sp.csr_matrix:
@@ -47,6 +55,45 @@ def normalized_adjacency(edge_index: np.ndarray, num_nodes: int) -> sp.csr_matri
     a = sp.csr_matrix((vals, (rows, cols)), shape=(num_nodes, num_nodes))
     a.sum_duplicates()
     return a
+
+
+def mean_adjacency(edge_index: np.ndarray, num_nodes: int) -> sp.csr_matrix:
+    """``A_mean`` as CSR (float32), rows = targets: ``A_mean[t, s] = m_ts / deg_t``.
+
+    ``m_ts`` is the number of edges ``s -> t`` and ``deg_t`` the in-degree of ``t`` counting
+    every edge, so ``(A_mean x)_t`` is the mean of ``x_s`` over the messages ``t`` receives:
+    PyG's ``SAGEConv(aggr="mean")`` neighbour term, which scatter-means over edges. Hence
+    duplicate edges count as separate messages (weight ``m_ts / deg_t``), self-loop edges are
+    kept as ordinary messages (SAGEConv adds and removes none), and a node without
+    in-neighbours has an empty row (its mean is 0). Values are computed in float64 and stored
+    float32.
+    """
+    src, dst = np.asarray(edge_index[0]), np.asarray(edge_index[1])
+    deg = np.bincount(dst, minlength=num_nodes).astype(np.float64)
+    a = sp.csr_matrix((np.ones(dst.size), (dst, src)), shape=(num_nodes, num_nodes))
+    a.sum_duplicates()  # data = m_ts, column indices sorted
+    a.data = (a.data / np.repeat(deg, np.diff(a.indptr))).astype(np.float32)
+    return a
+
+
+def permuted_identity(rows: np.ndarray, cols: np.ndarray, num_real: int) -> sp.csr_matrix:
+    """The identity of the ``num_real`` real nodes in the layout ``(rows, cols)``, in O(N).
+
+    ``S[i, j] = 1`` iff ``rows[i] == cols[j] < num_real``: ``permuted(I, rows, cols)`` with
+    ``I`` zero on padding, built without indexing an ``[N, N]`` matrix. With the orders of
+    :func:`layer_orders` it is ``Pr I Pc^T`` (even layers) or ``Pc I Pr^T`` (odd), so
+    ``S @ F`` maps a layer's input rows to its output rows (GraphSAGE's root term).
+
+    Shapes: rows, cols [N] (``perm[new] = old``) -> [N, N] CSR float32 with num_real ones.
+    """
+    n = rows.size
+    inv_cols = np.empty(n, dtype=np.int64)
+    inv_cols[cols] = np.arange(n)
+    real = rows < num_real
+    indptr = np.concatenate([[0], np.cumsum(real)])
+    indices = inv_cols[rows[real]]
+    return sp.csr_matrix((np.ones(indices.size, dtype=np.float32), indices, indptr),
+                         shape=(n, n))
 
 
 def make_permutations(num_nodes: int, mode: str, seed: int) -> tuple[np.ndarray, np.ndarray]:

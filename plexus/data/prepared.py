@@ -13,6 +13,12 @@ the transpose of ``A'`` block (C, R), whose CSR the files hold already.
 
 The rank reads (copies) only its features block (rows chunk x of Pc order, columns chunk y)
 and the labels and split codes of its output rows. The file layout: plexus.data.schema.
+
+Only ``gcn`` aggregation: the files hold ``Â``'s values ``m_ts / sqrt(d_t d_s)`` with
+self-loop edges dropped at preparation and no degree file. The mean adjacency needs
+``deg_t`` for every row and column node, i.e. the self-loop values spread over all ``k^2``
+blocks, and the dropped self-loop messages cannot come back, so GraphSAGE (``mean``) needs an
+in-memory graph for now.
 """
 
 from __future__ import annotations
@@ -35,14 +41,30 @@ from plexus.sparse import BlockSparse, CSRBlock
 class PreparedGraph:
     """A prepared dataset: sizes from its manifest, shards on demand.
 
+    Args:
+        path: the directory written by ``python -m plexus.prepare``.
+        aggregation: must be ``gcn`` (module docstring).
+
     Raises:
         FileNotFoundError: no manifest.json at ``path``.
         DatasetCorruptError: the manifest is unreadable or of another format version.
+        ValueError: an aggregation other than ``gcn``.
     """
 
     storage = "memory-mapped"
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, aggregation: str = "gcn") -> None:
+        if aggregation not in part.AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {aggregation!r}; choose from "
+                             f"{part.AGGREGATIONS}")
+        if aggregation != "gcn":
+            raise ValueError(
+                f"aggregation {aggregation!r} (GraphSAGE) needs an in-memory graph for now: "
+                f"the prepared dataset {path} stores only the GCN's normalised adjacency "
+                "(no degrees, self-loops dropped), from which the mean adjacency cannot be "
+                "recovered; train GraphSAGE on the dataset by name (e.g. --dataset "
+                "ogbn-products), not on a prepared directory")
+        self.aggregation = aggregation
         self.path = Path(path)
         m = read_manifest(self.path)
         self.manifest = m

@@ -4,9 +4,12 @@
     open_source("ogbn-arxiv", root="data")        # a ShardSource for the trainer
     open_source("data/rmat-24-k8")                # a prepared dataset: mapped per rank
 
+    load_dataset("Planetoid/Cora", root="data")   # through torch_geometric.datasets.Planetoid
+
 Names: ``planted`` (built-in, learnable), ``rmat`` (scale 12), ``rmat-<scale>``, the OGB node
-datasets (read by the real ``ogb`` loaders from ``root``), or a directory written by
-``python -m plexus.prepare`` (as a path, or as a name under ``root``).
+datasets (read by the real ``ogb`` loaders from ``root``), the PyG node datasets
+(``Family/Name``, read by PyG's own dataset classes from ``root``: :mod:`plexus.data.pyg`), or
+a directory written by ``python -m plexus.prepare`` (as a path, or as a name under ``root``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from plexus.data.graph import Graph
 from plexus.data.memory import InMemorySource
 from plexus.data.ogb import OGB_DATASETS, load_ogb
 from plexus.data.prepared import PreparedGraph
+from plexus.data.pyg import is_pyg_name, load_pyg, pyg_patterns
 from plexus.data.schema import DEFAULT_ROOT, is_prepared
 from plexus.data.shard import ShardSource
 
@@ -27,26 +31,40 @@ RMAT_DEFAULT_SCALE = 12  # "rmat": 4,096 nodes, 65,536 generated edges
 
 
 def available_datasets() -> list[str]:
-    """Names :func:`load_dataset` accepts; "rmat-<scale>" stands for rmat-10, rmat-14, ..."""
-    return ["planted", "rmat", "rmat-<scale>", *OGB_DATASETS]
+    """Names :func:`load_dataset` accepts, some as patterns: "rmat-<scale>" stands for
+    rmat-10, rmat-14, ...; "Planetoid/<Cora|CiteSeer|PubMed>" for Planetoid/Cora, ..."""
+    return ["planted", "rmat", "rmat-<scale>", *OGB_DATASETS, *pyg_patterns()]
 
 
 def load_dataset(name: str, root: str | os.PathLike | None = None, seed: int = 0, *,
-                 download: bool = False) -> Graph:
+                 download: bool = False, symmetrize: bool = False) -> Graph:
     """Load a dataset by name as an in-memory :class:`Graph`.
 
     Args:
         name: one of :func:`available_datasets`: "planted" (the learnable default), "rmat"
-            (scale 12), "rmat-<scale>" (edge factor 16), or an OGB name.
-        root: folder of the OGB dataset folders; default "data" (relative to the working dir).
-            Unused by the generated datasets.
-        seed: seed of the generated datasets and their random splits; OGB uses its own split.
-        download: let the OGB loader fetch missing files (needs internet).
+            (scale 12), "rmat-<scale>" (edge factor 16), an OGB name, or a PyG name such as
+            "Planetoid/Cora", "Amazon/Photo", "Coauthor/CS", "Reddit" (:mod:`plexus.data.pyg`).
+        root: folder of the OGB and PyG dataset folders; default "data" (relative to the
+            working dir). Unused by the generated datasets.
+        seed: seed of the generated datasets and of random splits; OGB and PyG datasets with
+            their own split ignore it (:func:`plexus.data.pyg.load_pyg` says which have none).
+        download: let the OGB or PyG loader fetch missing files (needs internet).
+        symmetrize: make the graph undirected: add the missing reverse edges, dropping
+            duplicates and self-loops (:meth:`Graph.to_undirected`); an undirected graph is
+            returned unchanged.
 
     Raises:
         ValueError: unknown name (the message lists the available ones).
-        DatasetNotFoundError: OGB files missing (see :func:`plexus.data.ogb.load_ogb`).
+        DatasetNotFoundError: OGB or PyG files missing (see :func:`plexus.data.ogb.load_ogb`,
+            :func:`plexus.data.pyg.load_pyg`).
     """
+    graph = _load(name, DEFAULT_ROOT if root is None else root, seed, download)
+    if symmetrize and not graph.is_undirected():
+        graph = graph.to_undirected()
+    return graph
+
+
+def _load(name: str, root: str | os.PathLike, seed: int, download: bool) -> Graph:
     if name == "planted":
         return planted_partition(seed=seed)
     if name == "rmat":
@@ -54,14 +72,17 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, seed: int = 0
     if match := re.fullmatch(r"rmat-(\d+)", name):
         return rmat_graph(int(match.group(1)), seed=seed)
     if name in OGB_DATASETS:
-        return load_ogb(name, DEFAULT_ROOT if root is None else root, download=download)
+        return load_ogb(name, root, download=download)
+    if is_pyg_name(name):
+        return load_pyg(name, root, seed=seed, download=download)
     raise ValueError(f"unknown dataset {name!r}; available: {', '.join(available_datasets())}"
                      " or a directory written by python -m plexus.prepare")
 
 
 def open_source(name: str, *, root: str | os.PathLike | None = None,
                 permutation: str | None = None, seed: int = 0,
-                pad_multiple: int = 1) -> ShardSource:
+                pad_multiple: int = 1, symmetrize: bool = False,
+                aggregation: str = "gcn") -> ShardSource:
     """The shard source of ``--dataset NAME``: a prepared directory (``NAME`` as a path, or
     ``ROOT/NAME``) is memory-mapped per rank; any other name is loaded whole.
 
@@ -73,21 +94,32 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
         seed: permutation seed of in-memory graphs (and the seed of generated ones); a
             prepared dataset uses its own.
         pad_multiple: in-memory graphs: pad the node count to a multiple of this too.
+        symmetrize: in-memory graphs: made undirected (see :func:`load_dataset`); a prepared
+            dataset must have been prepared symmetric, it cannot be changed when mapped.
+        aggregation: ``gcn`` (``Â``) or ``mean`` (GraphSAGE; in-memory graphs only, see
+            :class:`~plexus.data.memory.InMemorySource`).
 
     Raises:
-        ValueError: unknown name, or a permutation the prepared dataset was not made with.
+        ValueError: unknown name, a permutation the prepared dataset was not made with, or
+            symmetrize for a prepared dataset holding a directed graph.
         DatasetNotFoundError, DatasetCorruptError: missing or unreadable files.
     """
     root = Path(DEFAULT_ROOT if root is None else root)
     for path in (Path(name), root / name):
         if is_prepared(path):
-            source = PreparedGraph(path)
+            source = PreparedGraph(path, aggregation=aggregation)
             if permutation is not None and permutation != source.permutation:
                 raise ValueError(
                     f"{path} was prepared with --permutation {source.permutation} (seed "
                     f"{source.seed}); train with --permutation {source.permutation} or "
                     f"prepare it again with --permutation {permutation}")
+            if symmetrize and not source.symmetric:
+                raise ValueError(
+                    f"{path} holds a directed graph and a prepared dataset cannot be "
+                    "symmetrized when it is mapped: prepare it again with python -m "
+                    "plexus.prepare --source ... --out ... --symmetrize (the flag applies to "
+                    ".npy edge-file sources), or train on it as it is")
             return source
-    graph = load_dataset(name, root=root, seed=seed)
+    graph = load_dataset(name, root=root, seed=seed, symmetrize=symmetrize)
     return InMemorySource(graph, permutation=permutation or "double", seed=seed,
-                          pad_multiple=pad_multiple)
+                          pad_multiple=pad_multiple, aggregation=aggregation)

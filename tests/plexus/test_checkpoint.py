@@ -36,36 +36,37 @@ def test_resume_is_bit_for_bit(tmp_path):
     assert all(resumed[e] == full[e] for e in resumed), (full, resumed)  # exact equality
 
 
-def _train_and_save(ctx, grid, ck):
+def _train_and_save(ctx, grid, ck, model):
     from common.grid import ProcessGrid
     from common.run import CheckpointConfig
-    from plexus.config import split_config
+    from plexus.config import aggregation_of, split_config
     from plexus.data import InMemorySource
     from plexus.data.generators import planted_partition
     from plexus.trainer import train_gcn
 
-    source = InMemorySource(planted_partition(num_nodes=301, seed=2), permutation="double")
+    source = InMemorySource(planted_partition(num_nodes=301, seed=2), permutation="double",
+                            aggregation=aggregation_of(model["model"]))
     res = train_gcn(source, ProcessGrid.parse(grid), ctx.rank,
-                    **split_config(epochs=3, hidden=12, learn_features=True),
+                    **split_config(epochs=3, hidden=12, learn_features=True, **model),
                     checkpoint=CheckpointConfig(dir=ck))
     return _full_logits(res.model)
 
 
-def _load_and_predict(ctx, grid, ck):
+def _load_and_predict(ctx, grid, ck, model):
     from common.grid import ProcessGrid
     from plexus import checkpoint
-    from plexus.config import ModelConfig
+    from plexus.config import ModelConfig, aggregation_of
     from plexus.data import InMemorySource
     from plexus.data.generators import planted_partition
     from plexus.trainer import setup
 
     source = InMemorySource(planted_partition(num_nodes=301, seed=2), permutation="single",
-                            seed=9)
-    _, _, model = setup(source, ProcessGrid.parse(grid), ctx.rank,
-                        ModelConfig(hidden=12, learn_features=True), seed=9)
-    opt = torch.optim.AdamW(model.parameters())
-    checkpoint.load(ck, model, opt, meta=checkpoint.identity(model, source.name))
-    return _full_logits(model)
+                            seed=9, aggregation=aggregation_of(model["model"]))
+    _, _, net = setup(source, ProcessGrid.parse(grid), ctx.rank,
+                      ModelConfig(hidden=12, learn_features=True, **model), seed=9)
+    opt = torch.optim.AdamW(net.parameters())
+    checkpoint.load(ck, net, opt, meta=checkpoint.identity(net, source.name))
+    return _full_logits(net)
 
 
 def _full_logits(model):
@@ -73,6 +74,7 @@ def _full_logits(model):
     from common import collectives as coll
     from plexus import layout
 
+    model.eval()  # no dropout
     with torch.no_grad():
         logits = model()
     o, _, p = layout.roles(model.num_layers - 1)
@@ -85,12 +87,15 @@ def _full_logits(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save_grid, load_grid", [("2x2x2", "1x1x1"), ("2x1x2", "1x2x1")])
-def test_checkpoint_loads_on_another_grid(tmp_path, save_grid, load_grid):
+@pytest.mark.parametrize("save_grid, load_grid, model", [
+    ("2x2x2", "1x1x1", {"model": "gcn", "norm": "none"}),
+    ("2x1x2", "1x2x1", {"model": "sage", "norm": "batch"}),  # root weights, norm statistics
+])
+def test_checkpoint_loads_on_another_grid(tmp_path, save_grid, load_grid, model):
     ck = str(tmp_path / "ck")
     world = lambda g: int(torch.tensor([int(s) for s in g.split("x")]).prod())  # noqa: E731
-    saved = run_ranks(_train_and_save, world(save_grid), save_grid, ck)[0]
-    loaded = run_ranks(_load_and_predict, world(load_grid), load_grid, ck)
+    saved = run_ranks(_train_and_save, world(save_grid), save_grid, ck, model)[0]
+    loaded = run_ranks(_load_and_predict, world(load_grid), load_grid, ck, model)
     for out in loaded:
         err = float((out - saved).norm() / saved.norm())
         assert err < 1e-5, f"{save_grid} -> {load_grid}: outputs differ by {err}"

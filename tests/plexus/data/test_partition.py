@@ -52,3 +52,39 @@ def test_double_permutation_balances_a_heavy_diagonal():
     assert ratios["none"] > ratios["single"] > ratios["double"], ratios
     assert ratios["none"] > 6.0 and ratios["single"] > 2.0, ratios
     assert ratios["double"] <= 1.05, ratios
+
+
+def test_aggregations():
+    assert part.AGGREGATIONS == ("gcn", "mean")
+
+
+def test_mean_adjacency_rows_are_means():
+    rng = np.random.default_rng(2)
+    n = 50
+    ei = rng.integers(0, n - 5, (2, 300))  # nodes 45..49: no edges at all
+    ei[:, :20] = ei[:, 20:40]  # duplicates
+    a = part.mean_adjacency(ei, n)
+    assert a.dtype == np.float32 and a.shape == (n, n)
+    deg = np.bincount(ei[1], minlength=n)
+    np.testing.assert_allclose(np.asarray(a.sum(axis=1)).ravel(), (deg > 0).astype(float),
+                               rtol=1e-6)
+    s, t = ei[:, 0]
+    assert a[t, s] == np.float32(((ei[0] == s) & (ei[1] == t)).sum() / deg[t])
+
+
+@pytest.mark.parametrize("mode", part.PERMUTATIONS)
+def test_permuted_identity_is_the_permuted_identity(mode):
+    import scipy.sparse as sp
+
+    n_pad, n = 60, 55
+    pr, pc = part.make_permutations(n_pad, mode, seed=7)
+    eye = sp.diags((np.arange(n_pad) < n).astype(np.float32)).tocsr()
+    eye.eliminate_zeros()
+    for layer in (0, 1):
+        rows, cols = part.layer_orders(layer, pr, pc)
+        s = part.permuted_identity(rows, cols, n)
+        assert s.dtype == np.float32 and s.nnz == n and s.has_sorted_indices
+        assert (s != part.permuted(eye, rows, cols)).nnz == 0
+        x = np.random.default_rng(0).standard_normal((n_pad, 3))
+        x[n:] = 0
+        np.testing.assert_array_equal(s @ x[cols], x[rows])  # input order -> output order

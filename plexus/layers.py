@@ -1,0 +1,137 @@
+"""Grid-independent pieces of the GCN recipe: dropout masks, batch and layer norm on shards.
+
+Each piece gives, on any grid, the numbers the serial model gives (parallel == serial):
+
+* :func:`dropout_mask` draws the keep-mask of element (node, column) of layer ``l`` at step
+  ``e`` from a counter-based hash of (seed, e, l, node id, column), not from a generator's
+  stream, so a rank computes exactly the mask entries of the block it holds, and 8 ranks drop
+  the same entries as 1 rank.
+* :class:`ShardedBatchNorm` normalises a block [N/P, D/O] (rows split over P, replicated over
+  I) with statistics over the real rows of the whole graph: the per-column sums are all-reduced
+  over P in the forward pass and their gradients in the backward pass.
+* :class:`ShardedLayerNorm` normalises each row over the real columns, all-reduced over O.
+
+Padding: rows and columns that only exist to make the grid divide are masked out of every
+statistic; padded columns stay zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from common import autograd
+from common.comm_stats import CommStats
+from common.grid import AxisGroup
+
+_U32 = np.uint32
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer mixer (xor-shift-multiply, arithmetic mod 2^32) on uint32 arrays."""
+    x = x ^ (x >> _U32(16))
+    x = x * _U32(0x7FEB352D)
+    x = x ^ (x >> _U32(15))
+    x = x * _U32(0x846CA68B)
+    return x ^ (x >> _U32(16))
+
+
+def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
+                 cols: torch.Tensor) -> torch.Tensor:
+    """Scaled keep-mask ``keep / (1 - p)`` of dropout with rate ``p`` on the block of global
+    ``rows`` (node ids) x ``cols`` (column ids) of layer ``layer``'s input at ``step``.
+
+    Entry (r, c) depends only on (seed, step, layer, r, c) (node ids modulo 2^32). Computed on
+    the CPU in numpy's wrapping uint32 arithmetic. Shapes: rows [a], cols [b] -> [a, b]
+    float32.
+    """
+    key = np.array([seed, step, layer], dtype=np.int64).astype(np.uint32)
+    k = _U32(0x5BD1E995)
+    with np.errstate(over="ignore"):
+        for part in key:
+            k = _mix32(np.array([k ^ part], dtype=np.uint32))[0]
+        r = _mix32(rows.numpy().astype(np.uint32) ^ k)
+        h = _mix32((r[:, None] ^ cols.numpy().astype(np.uint32)[None, :]) * _U32(0x9E3779B1) ^ k)
+    keep = torch.from_numpy(h >= _U32(min(int(p * 2.0**32), 2**32 - 1)))
+    return keep.to(torch.float32) / (1.0 - p)
+
+
+def _sum_over(x: torch.Tensor, group: AxisGroup, stats: CommStats | None) -> torch.Tensor:
+    """Forward: all-reduce over ``group``; backward: all-reduce of the gradient (the summed
+    value feeds rows or columns that other ranks of ``group`` hold)."""
+    return autograd.identity_all_reduce(autograd.all_reduce_identity(x, group, stats), group,
+                                        stats)
+
+
+class ShardedBatchNorm(nn.Module):
+    """BatchNorm1d over the rows of a block [N/P, D/O] whose rows are split over ``group_p``.
+
+    Args:
+        width: local columns D/O.
+        real_rows: bool [N/P], the rows that are graph nodes (not padding).
+        num_rows: real rows in the whole graph (the statistics' count).
+        group_p: the axis the rows are split over.
+        eps, momentum: as torch.nn.BatchNorm1d (running variance unbiased).
+
+    Shapes:
+        forward: q [N/P, D/O] -> [N/P, D/O]
+    """
+
+    def __init__(self, width: int, real_rows: torch.Tensor, num_rows: int, group_p: AxisGroup,
+                 *, eps: float = 1e-5, momentum: float = 0.1) -> None:
+        super().__init__()
+        self.group_p, self.num_rows, self.eps, self.momentum = group_p, num_rows, eps, momentum
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width))
+        self.register_buffer("row_mask", real_rows.to(torch.float32)[:, None], persistent=False)
+        self.register_buffer("running_mean", torch.zeros(width))
+        self.register_buffer("running_var", torch.ones(width))
+
+    def forward(self, q: torch.Tensor, stats: CommStats | None = None) -> torch.Tensor:
+        g, n = self.group_p, self.num_rows
+        if self.training:
+            mean = _sum_over((q * self.row_mask).sum(0), g, stats) / n
+            d = (q - mean) * self.row_mask
+            var = _sum_over((d * d).sum(0), g, stats) / n
+            with torch.no_grad():
+                m = self.momentum
+                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
+                self.running_var.mul_(1 - m).add_(var.detach() * (n / max(n - 1, 1)), alpha=m)
+        else:
+            mean, var = self.running_mean, self.running_var
+        scale = autograd.identity_all_reduce(self.weight, g, stats) * torch.rsqrt(var + self.eps)
+        return (q - mean) * scale + autograd.identity_all_reduce(self.bias, g, stats)
+
+
+class ShardedLayerNorm(nn.Module):
+    """LayerNorm over the columns of a block [N/P, D/O] whose columns are split over
+    ``group_o`` and rows over ``group_p``.
+
+    Args:
+        width: local columns D/O.
+        real_cols: bool [D/O], the columns below the true width D.
+        num_cols: the true width D.
+        group_o: the axis the columns are split over; group_p: the axis the rows are split
+            over (the affine parameters' gradients are summed over it).
+
+    Shapes:
+        forward: q [N/P, D/O] -> [N/P, D/O] (padded columns zero)
+    """
+
+    def __init__(self, width: int, real_cols: torch.Tensor, num_cols: int, group_o: AxisGroup,
+                 group_p: AxisGroup, *, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.group_o, self.group_p, self.num_cols, self.eps = group_o, group_p, num_cols, eps
+        self.weight = nn.Parameter(real_cols.to(torch.float32).clone())
+        self.bias = nn.Parameter(torch.zeros(width))
+        self.register_buffer("col_mask", real_cols.to(torch.float32)[None, :], persistent=False)
+
+    def forward(self, q: torch.Tensor, stats: CommStats | None = None) -> torch.Tensor:
+        go, gp, d_true = self.group_o, self.group_p, self.num_cols
+        mean = _sum_over((q * self.col_mask).sum(1, keepdim=True), go, stats) / d_true
+        d = (q - mean) * self.col_mask
+        var = _sum_over((d * d).sum(1, keepdim=True), go, stats) / d_true
+        w = autograd.identity_all_reduce(self.weight, gp, stats)
+        b = autograd.identity_all_reduce(self.bias, gp, stats)
+        return d * torch.rsqrt(var + self.eps) * w + b

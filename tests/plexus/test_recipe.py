@@ -1,0 +1,232 @@
+"""plexus.model with the full recipe equals a dense serial model on every grid.
+
+Bias, dropout (grid-independent masks), batch and layer norm, feature normalisation, GCN and
+GraphSAGE: the loss, the logits of a training pass and of an eval-mode pass after it, and the
+gradient of every weight, root weight, bias and norm parameter match plain dense float64
+autograd to 1e-5 (norm-wise relative), on lopsided grids and a node count that pads.
+"""
+
+import pytest
+import torch
+
+from plexus.data.partition import mean_adjacency
+from plexus.layers import dropout_mask
+from plexus.model import ROOT_SEED_OFFSET, init_weights
+from tests.distributed import run_ranks
+from tests.plexus.data.shards import small_graph
+from tests.plexus.test_model import rel
+
+HIDDEN, SEED, STEP = 6, 5, 3
+
+CASES = [  # (model, layers, dropout, norm, learn_features, normalize_features, bias)
+    ("gcn", 3, 0.5, "batch", False, True, True),
+    ("sage", 4, 0.3, "layer", True, False, True),
+    ("sage", 2, 0.5, "batch", False, False, True),
+    ("sage", 3, 0.0, "none", True, False, False),  # bare: bytes == the performance model's
+]
+
+
+def _dense_gcn(graph):
+    n = graph.num_nodes
+    a = torch.zeros(n, n, dtype=torch.float64)
+    src, dst = graph.edge_index
+    keep = src != dst
+    a.index_put_((dst[keep], src[keep]), torch.ones(int(keep.sum()), dtype=torch.float64),
+                 accumulate=True)
+    a += torch.eye(n, dtype=torch.float64)
+    dinv = a.sum(1).rsqrt()
+    return dinv[:, None] * a * dinv[None, :]
+
+
+def _normalize(x):  # PyG's NormalizeFeatures
+    x = x - x.min()
+    return x / x.sum(1, keepdim=True).clamp(min=1.0)
+
+
+def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, bias):
+    """Dense float64 model of the recipe; returns loss, train/eval logits and all gradients."""
+    n = graph.num_nodes
+    if model == "sage":
+        adj = torch.from_numpy(mean_adjacency(graph.edge_index.numpy(), n).toarray()).double()
+    else:
+        adj = _dense_gcn(graph)
+    widths = [graph.num_features] + [HIDDEN] * (num_layers - 1) + [graph.num_classes]
+    ws = [w.double().requires_grad_(True) for w in init_weights(widths, SEED)]
+    roots = [w.double().requires_grad_(True)
+             for w in init_weights(widths, SEED + ROOT_SEED_OFFSET)] if model == "sage" else []
+    bs = [torch.zeros(d, dtype=torch.float64, requires_grad=True) for d in widths[1:]]
+    gammas = [torch.ones(HIDDEN, dtype=torch.float64, requires_grad=True)
+              for _ in range(num_layers - 1)]
+    betas = [torch.zeros(HIDDEN, dtype=torch.float64, requires_grad=True)
+             for _ in range(num_layers - 1)]
+    x = graph.x.double()
+    if normalize:
+        x = _normalize(x)
+    x = x.requires_grad_(learn)
+    running = {}
+
+    def forward(train):
+        f = x
+        for layer in range(num_layers):
+            if train and dropout:
+                f = f * dropout_mask(dropout, seed=SEED, step=STEP, layer=layer,
+                                     rows=torch.arange(n), cols=torch.arange(f.shape[1])).double()
+            q = (adj @ f) @ ws[layer]
+            if roots:
+                q = q + f @ roots[layer]
+            q = q + bs[layer]
+            if layer < num_layers - 1:
+                if norm == "batch":
+                    if train:
+                        mean, var = q.mean(0), q.var(0, unbiased=False)
+                        running[layer] = (0.1 * mean.detach(),
+                                          0.9 + 0.1 * q.detach().var(0, unbiased=True))
+                    else:
+                        mean, var = running[layer]
+                    q = (q - mean) * torch.rsqrt(var + 1e-5) * gammas[layer] + betas[layer]
+                elif norm == "layer":
+                    mean, var = q.mean(1, keepdim=True), q.var(1, unbiased=False, keepdim=True)
+                    q = (q - mean) * torch.rsqrt(var + 1e-5) * gammas[layer] + betas[layer]
+                q = torch.relu(q)
+            f = q
+        return f
+
+    logits = forward(True)
+    loss = torch.nn.functional.cross_entropy(logits[graph.train_idx], graph.y[graph.train_idx])
+    loss.backward()
+    with torch.no_grad():
+        eval_logits = forward(False)
+    grads = {f"w{i}": w.grad for i, w in enumerate(ws)}
+    grads.update({f"root{i}": w.grad for i, w in enumerate(roots)})
+    if bias:
+        grads.update({f"b{i}": b.grad for i, b in enumerate(bs)})
+    if norm != "none":
+        grads.update({f"norm{i}.weight": g.grad for i, g in enumerate(gammas)})
+        grads.update({f"norm{i}.bias": b.grad for i, b in enumerate(betas)})
+    if learn:
+        grads["features"] = x.grad
+    return {"loss": loss.item(), "logits": logits.detach(), "eval": eval_logits, "grads": grads}
+
+
+def _parallel(ctx, grids):
+    from common.comm_stats import CommStats
+    from common.grid import ProcessGrid
+    from plexus.data.memory import InMemorySource
+    from plexus.layout import layer_widths, roles
+    from plexus.loss import sharded_cross_entropy
+    from plexus.model import PlexusGCN
+
+    out = []
+    for grid_text in grids:
+        for case in CASES:
+            model_kind, num_layers, dropout, norm, learn, normalize, bias = case
+            graph = small_graph()
+            grid = ProcessGrid.parse(grid_text)
+            groups = ctx.create_groups(grid)
+            widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
+            source = InMemorySource(graph, permutation="double", seed=11,
+                                    aggregation="mean" if model_kind == "sage" else "gcn")
+            shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
+            model = PlexusGCN(shard, groups, model=model_kind, learn_features=learn, seed=SEED,
+                              dropout=dropout, bias=bias, norm=norm,
+                              normalize_features=normalize)
+            o_ax, _, p_ax = roles(num_layers - 1)
+            stats = CommStats()  # the model's collectives only (the loss gets none)
+            logits = model(stats, step=STEP)
+            loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
+                                         num_classes=graph.num_classes,
+                                         count=shard.split_counts["train"],
+                                         group_o=groups[o_ax], group_p=groups[p_ax])
+            loss.backward()
+            model.eval()
+            with torch.no_grad():
+                eval_logits = model()
+            grads = {name: model.gather(kind, t.grad, layer)
+                     for name, t, kind, layer in model.sharded_state() if t.grad is not None}
+            out.append({"case": (grid_text, *case), "loss": loss.item(), "shape": grid.shape,
+                        "bytes": {k: v["bytes"] for k, v in stats.as_dict().items()},
+                        "logits": logits.detach(), "eval": eval_logits, "rows": shard.out_rows,
+                        "class_offset": groups[o_ax].rank * logits.shape[1], "grads": grads})
+    return out
+
+
+def _full_logits(per_rank, key, like, num_classes):
+    full = torch.full_like(like, float("nan"))
+    for r in per_rank:
+        real = r["rows"] >= 0
+        c0 = r["class_offset"]
+        width = min(r[key].shape[1], num_classes - c0)
+        if width > 0:
+            full[torch.from_numpy(r["rows"][real]), c0:c0 + width] = \
+                r[key][torch.from_numpy(real), :width].double()
+    return full
+
+
+def _assert_matches(results):
+    graph = small_graph()
+    for per_rank in zip(*results):
+        grid_text, *case = per_rank[0]["case"]
+        tag = f"grid {grid_text} case {case}"
+        ref = serial_reference(graph, *case)
+        for r in per_rank:
+            assert abs(r["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), tag
+            assert sorted(r["grads"]) == sorted(ref["grads"]), tag
+            for name, want in ref["grads"].items():
+                got = r["grads"][name].double()
+                # a bias before batch norm has a zero gradient: compare it absolutely
+                assert rel(got, want) < 1e-5 or (got - want).norm() < 1e-6, \
+                    f"{tag}: grad of {name} differs ({rel(got, want)})"
+        if case == list(CASES[-1]):  # the bare SAGE model: bytes as common.perf predicts
+            from common.perf.gcn import GCNWorkload, gcn_collectives
+            from common.perf.model import bytes_by_axis
+
+            shape = per_rank[0]["shape"]
+            work = GCNWorkload(model="sage", num_nodes=graph.num_nodes, nnz=1,
+                               num_features=graph.num_features, num_classes=graph.num_classes,
+                               num_layers=case[1], hidden=HIDDEN, learn_features=True)
+            want = {k: v for k, v in bytes_by_axis(gcn_collectives(work, shape, loss=False),
+                                                   shape).items() if v}
+            for r in per_rank:
+                got = {}
+                for key, b in r["bytes"].items():
+                    got[key.split("/")[0]] = got.get(key.split("/")[0], 0) + b
+                got = {k: v for k, v in got.items() if v}
+                assert got == want, f"{tag}: bytes {got} != model {want}"
+        for key in ("logits", "eval"):
+            got = _full_logits(per_rank, key, ref[key], graph.num_classes)
+            assert not torch.isnan(got).any(), f"{tag}: {key} not held by any rank"
+            assert rel(got, ref[key]) < 1e-5, f"{tag}: {key} differ"
+
+
+def test_recipe_serial_reference_agrees_with_pyg_sage():
+    """The dense SAGE reference is PyG's SAGEConv(aggr="mean") with the same weights."""
+    from torch_geometric.nn import SAGEConv
+
+    graph = small_graph()
+    conv = SAGEConv(graph.num_features, 4, aggr="mean").double()
+    adj = torch.from_numpy(mean_adjacency(graph.edge_index.numpy(),
+                                          graph.num_nodes).toarray()).double()
+    x = graph.x.double()
+    ours = adj @ x @ conv.lin_l.weight.T + conv.lin_l.bias + x @ conv.lin_r.weight.T
+    assert rel(ours.detach(), conv(x, graph.edge_index).detach()) < 1e-6  # A_mean is float32
+
+
+def test_dropout_mask_is_grid_independent_and_has_the_rate():
+    full = dropout_mask(0.3, seed=1, step=2, layer=1, rows=torch.arange(500),
+                        cols=torch.arange(40))
+    rows, cols = torch.randperm(500)[:77], torch.arange(11, 29)
+    part = dropout_mask(0.3, seed=1, step=2, layer=1, rows=rows, cols=cols)
+    assert torch.equal(full[rows][:, cols], part)
+    assert abs(float((full > 0).float().mean()) - 0.7) < 0.02
+    assert torch.allclose(full[full > 0], torch.tensor(1 / 0.7))
+    other = dropout_mask(0.3, seed=1, step=3, layer=1, rows=torch.arange(500),
+                         cols=torch.arange(40))
+    assert not torch.equal(full, other)  # a new mask every step
+
+
+@pytest.mark.parametrize("world, grids", [
+    (1, ["1x1x1"]),
+    pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], marks=pytest.mark.slow),
+])
+def test_recipe_equals_serial(world, grids):
+    _assert_matches(run_ranks(_parallel, world, grids))
