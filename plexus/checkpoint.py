@@ -19,7 +19,8 @@ from common import checkpoint as ckpt
 from plexus.model import PlexusGCN
 
 # what must agree between the checkpoint and the run that loads it
-IDENTITY = ("dataset", "num_nodes", "widths", "learn_features", "model", "bias", "norm")
+IDENTITY = ("dataset", "num_nodes", "widths", "learn_features", "model", "bias", "norm",
+            "residual")
 
 
 def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
@@ -27,7 +28,8 @@ def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
     return {"dataset": dataset, "num_nodes": model.shard.num_nodes,
             "widths": list(model.shard.widths),
             "learn_features": isinstance(model.features, torch.nn.Parameter),
-            "model": model.kind, "bias": len(model.biases) > 0, "norm": model.norm_kind}
+            "model": model.kind, "bias": len(model.biases) > 0, "norm": model.norm_kind,
+            "residual": model.residual}
 
 
 def save(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, epoch: int,

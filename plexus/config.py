@@ -40,6 +40,7 @@ class ModelConfig:
         bias: a bias in every layer.
         norm: ``none``, ``batch`` or ``layer`` normalisation after every hidden layer.
         normalize_features: row-normalise the input features (PyG's NormalizeFeatures).
+        residual: ``F_l+1 = relu(norm(Q_l)) + F_l`` in the hidden-to-hidden layers.
     """
 
     model: str = "gcn"
@@ -50,6 +51,7 @@ class ModelConfig:
     bias: bool = True
     norm: str = "none"
     normalize_features: bool = False
+    residual: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.hidden < 1:

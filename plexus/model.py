@@ -31,11 +31,20 @@ from common.grid import AxisGroup
 from plexus import layout
 from plexus.config import MODELS, NORMS
 from plexus.data import partition
+from plexus.data.memory import root_blocks
 from plexus.data.shard import GraphShard
 from plexus.layers import ShardedBatchNorm, ShardedLayerNorm, dropout_mask
 from plexus.layout import flat_shard
 
 ROOT_SEED_OFFSET = 7919  # GraphSAGE's root weights R_l come from init_weights(seed + this)
+
+
+def _shape(groups: dict[str, AxisGroup]) -> dict[str, int]:
+    return {ax: g.size for ax, g in groups.items()}
+
+
+def _coords(groups: dict[str, AxisGroup]) -> dict[str, int]:
+    return {ax: g.rank for ax, g in groups.items()}
 
 
 def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
@@ -130,6 +139,11 @@ class PlexusGCN(nn.Module):
         norm: ``none``, ``batch`` or ``layer`` normalisation after every hidden layer.
         normalize_features: row-normalise the input features as PyG's ``NormalizeFeatures``
             (subtract the global minimum, divide each row by its sum clamped to >= 1).
+        residual: ``F_l+1 = relu(norm(Q_l)) + F_l`` in the hidden layers whose input and output
+            widths agree (layers 1 .. L-2). ``F_l``'s rows reach the output rows through the
+            same ``S`` block as GraphSAGE's root term (built from the permutations if the
+            shard has none); its columns, split over I, are placed at their place in the
+            output's O split and summed over I: one all-reduce of Q's size, nothing full-size.
 
     Shapes:
         forward() -> logits [N/P, C_pad/O] of the last layer's roles, rows in output order,
@@ -148,15 +162,19 @@ class PlexusGCN(nn.Module):
         bias: bool = False,
         norm: str = "none",
         normalize_features: bool = False,
+        residual: bool = False,
     ) -> None:
         super().__init__()
         if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
             raise ValueError(f"need model in {MODELS}, norm in {NORMS} and 0 <= dropout < 1; "
                              f"got {model!r}, {norm!r}, {dropout}")
-        if (model == "sage") != (getattr(shard, "root", None) is not None):
-            raise ValueError(f"model {model!r} needs a shard built with aggregation "
-                             f"{'mean' if model == 'sage' else 'gcn'}")
+        if model == "sage" and shard.root is None:
+            raise ValueError("model 'sage' needs a shard built with aggregation 'mean'")
+        if residual and shard.root is None:
+            shard.root = root_blocks(shard.pr, shard.pc, shard.num_nodes, _shape(groups),
+                                     _coords(groups), len(shard.widths) - 1)
         self.shard, self.groups, self.kind = shard, groups, model
+        self.residual = residual
         self.seed, self.dropout, self.norm_kind = seed, dropout, norm
         self.num_layers = len(shard.widths) - 1
         self.block_shapes = [self._block_shape(layer) for layer in range(self.num_layers)]
@@ -195,13 +213,17 @@ class PlexusGCN(nn.Module):
         for layer in range(self.num_layers):
             _o_ax, i_ax, p_ax = layout.roles(layer)
             cached = layer == 0 and self.cache_first_aggregation and not drop
+            skip = None
             if cached and self._h0 is not None:
                 h, r = self._h0
             else:
                 x = self._layer_input(layer, f, stats)
+                if self._has_skip(layer):
+                    skip = self._skip(layer, x, stats)
                 if drop:
                     x = x * self._dropout_mask(layer, step, x.device)
-                h, r = self._aggregate(layer, x, stats)
+                h = self._spmm_o(self.shard.adj, layer, x, stats)
+                r = self._spmm_o(self.shard.root, layer, x, stats) if self.kind == "sage" else None
                 if cached:
                     self._h0 = (h.detach(), None if r is None else r.detach())
             q = _GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
@@ -216,6 +238,8 @@ class PlexusGCN(nn.Module):
                 if len(self.norms):
                     q = self.norms[layer](q, stats)
                 q = torch.relu_(q)  # q is a fresh tensor no backward needs
+                if skip is not None:
+                    q = q + skip
             f = q
         return f
 
@@ -228,20 +252,34 @@ class PlexusGCN(nn.Module):
             return x[: math.prod(self.features_shape)].view(self.features_shape)
         return autograd.identity_all_reduce(f, p_group, stats)
 
-    def _aggregate(self, layer: int, x: torch.Tensor, stats: CommStats | None):
-        """(H_l = A_l F_l, R_l = S_l F_l or None), all-reduced over O (collective 2; backward 7;
-        R only for GraphSAGE)."""
+    def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None):
+        """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
+        all-reduced over O (collective 2; backward 7)."""
         o_group = self.groups[layout.roles(layer)[0]]
-        out = []
-        for blocks in (self.shard.adj, getattr(self.shard, "root", None)):
-            if blocks is None:
-                out.append(None)
-                continue
-            blk = blocks[layer % 6]
-            h = _SpMM.apply(blk.a, blk.a_t, x)
-            h = autograd.all_reduce_identity(h, o_group, stats)
-            out.append(autograd.identity_all_reduce(h, o_group, stats))
-        return out[0], out[1]
+        blk = blocks[layer % 6]
+        h = _SpMM.apply(blk.a, blk.a_t, x)
+        h = autograd.all_reduce_identity(h, o_group, stats)
+        return autograd.identity_all_reduce(h, o_group, stats)
+
+    def _has_skip(self, layer: int) -> bool:
+        return self.residual and 1 <= layer < self.num_layers - 1
+
+    def _skip(self, layer: int, x: torch.Tensor, stats: CommStats | None) -> torch.Tensor:
+        """F_l in the layout of layer l's output [N/P, D_l+1/O], replicated over I (the
+        residual): rows through ``S_l`` (all-reduce over O), then this rank's I-chunk of
+        columns placed at its columns of the O split and summed over I."""
+        o_ax, i_ax, _ = layout.roles(layer)
+        g = self.groups
+        r = self._spmm_o(self.shard.root, layer, x, stats)  # [N/P, D_l/I]
+        w_in, w_out = r.shape[1], self.block_shapes[layer][1]
+        lo_in, lo_out = g[i_ax].rank * w_in, g[o_ax].rank * w_out
+        lo = max(lo_in, lo_out)
+        hi = min(lo_in + w_in, lo_out + w_out, self.shard.widths[layer])
+        # an empty slice when the chunks do not overlap keeps r in the graph, so every rank
+        # runs r's backward collectives
+        part, left = (r[:, lo - lo_in: hi - lo_in], lo - lo_out) if hi > lo else (r[:, :0], 0)
+        placed = torch.nn.functional.pad(part, (left, w_out - left - part.shape[1]))
+        return autograd.all_reduce_identity(placed, g[i_ax], stats)
 
     def _input_ids(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(node ids [N/O], column ids [D_l/I]) of the rows and columns of F_l on this rank."""

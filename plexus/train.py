@@ -115,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--norm", choices=NORMS, default=m.norm,
                    help="normalisation after every hidden layer (batch statistics are "
                    "reduced over the ranks, so any grid trains the serial model)")
+    p.add_argument("--residual", action="store_true",
+                   help="residual connections in the hidden-to-hidden layers")
     p.add_argument("--normalize-features", action="store_true",
                    help="row-normalise the input features (PyG's NormalizeFeatures)")
     p.add_argument("--symmetrize", action="store_true",
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": ModelConfig(model=args.model, num_layers=args.layers, hidden=args.hidden,
                                  learn_features=args.learn_features, dropout=args.dropout,
                                  bias=args.bias, norm=args.norm,
-                                 normalize_features=args.normalize_features),
+                                 normalize_features=args.normalize_features,
+                                 residual=args.residual),
             "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
                                  weight_decay=args.weight_decay),
             "run": RunConfig(epochs=args.epochs, seed=args.seed, spmm=args.spmm,
@@ -350,7 +353,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("dataset", f"{s['dataset']} ({s['num_nodes']:,} nodes, {s['num_edges']:,} edges)"),
         ("grid", f"{s['grid']} on {s['world_size']} ranks ({s['launcher']}, {s['device']})"),
         ("model", f"{m['model']}, {m['num_layers']} layers, hidden {m['hidden']}, dropout "
-                  f"{m['dropout']}, norm {m['norm']}, bias {m['bias']}, permutation "
+                  f"{m['dropout']}, norm {m['norm']}, bias {m['bias']}, residual "
+                  f"{m['residual']}, permutation "
                   f"{c['permutation']}, learn features {m['learn_features']}"),
         ("epochs", f"{c['run']['epochs']} (setup {s['setup_s']:.2f} s)"),
         ("peak memory", f"{s['memory_per_rank_max']['peak_bytes'] / 2**20:,.0f} MiB resident "

@@ -70,7 +70,7 @@ def setup(source: ShardSource, grid: ProcessGrid, rank: int, model: ModelConfig,
                                            f"{source.name} (its error is above)")
     net = PlexusGCN(shard, groups, model=model.model, learn_features=model.learn_features,
                     seed=seed, dropout=model.dropout, bias=model.bias, norm=model.norm,
-                    normalize_features=model.normalize_features)
+                    normalize_features=model.normalize_features, residual=model.residual)
     return shard, groups, net
 
 

@@ -96,11 +96,8 @@ class InMemorySource:
         del a_full
         adj = _blocks(mats, shape, coords, num_layers)
         del mats
-        root = None
-        if self.aggregation == "mean":
-            eyes = {par: part.permuted_identity(*part.layer_orders(par, pr, pc), n)
-                    for par in parities}
-            root = _blocks(eyes, shape, coords, num_layers)
+        root = root_blocks(pr, pc, n, shape, coords, num_layers) if (
+            self.aggregation == "mean") else None
 
         # input features: rows chunk x of the Pc order (layer 0's input order), columns chunk y
         # of the padded width; padding rows and columns stay zero
@@ -130,6 +127,16 @@ class InMemorySource:
             features_block=features_block, labels=labels, masks=masks,
             split_counts=dict(self.split_counts), out_rows=out_rows, root=root,
         )
+
+
+def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[str, int],
+                coords: Mapping[str, int], num_layers: int) -> dict[int, AdjBlock]:
+    """This rank's blocks of the permuted identity ``S_l`` for every layer layout (GraphSAGE's
+    root term, residual connections): O(N) work from the permutations alone, so any source's
+    shard can get them (plexus.data.shard)."""
+    eyes = {par: part.permuted_identity(*part.layer_orders(par, pr, pc), num_nodes)
+            for par in range(min(2, num_layers))}
+    return _blocks(eyes, shape, coords, num_layers)
 
 
 def _blocks(mats, shape: Mapping[str, int], coords: Mapping[str, int],

@@ -1,9 +1,10 @@
 """plexus.model with the full recipe equals a dense serial model on every grid.
 
-Bias, dropout (grid-independent masks), batch and layer norm, feature normalisation, GCN and
-GraphSAGE: the loss, the logits of a training pass and of an eval-mode pass after it, and the
-gradient of every weight, root weight, bias and norm parameter match plain dense float64
-autograd to 1e-5 (norm-wise relative), on lopsided grids and a node count that pads.
+Bias, dropout (grid-independent masks), batch and layer norm, feature normalisation, residual
+connections, GCN and GraphSAGE: the loss, the logits of a training pass and of an eval-mode
+pass after it, and the gradient of every weight, root weight, bias and norm parameter match
+plain dense float64 autograd to 1e-5 (norm-wise relative), on lopsided grids and a node count
+that pads.
 """
 
 import pytest
@@ -18,11 +19,11 @@ from tests.plexus.test_model import rel
 
 HIDDEN, SEED, STEP = 6, 5, 3
 
-CASES = [  # (model, layers, dropout, norm, learn_features, normalize_features, bias)
-    ("gcn", 3, 0.5, "batch", False, True, True),
-    ("sage", 4, 0.3, "layer", True, False, True),
-    ("sage", 2, 0.5, "batch", False, False, True),
-    ("sage", 3, 0.0, "none", True, False, False),  # bare: bytes == the performance model's
+CASES = [  # (model, layers, dropout, norm, learn_features, normalize_features, bias, residual)
+    ("gcn", 3, 0.5, "batch", False, True, True, True),
+    ("sage", 4, 0.3, "layer", True, False, True, True),
+    ("sage", 2, 0.5, "batch", False, False, True, False),
+    ("sage", 3, 0.0, "none", True, False, False, False),  # bare: bytes == the perf model's
 ]
 
 
@@ -43,7 +44,8 @@ def _normalize(x):  # PyG's NormalizeFeatures
     return x / x.sum(1, keepdim=True).clamp(min=1.0)
 
 
-def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, bias):
+def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, bias,
+                     residual):
     """Dense float64 model of the recipe; returns loss, train/eval logits and all gradients."""
     n = graph.num_nodes
     if model == "sage":
@@ -68,6 +70,7 @@ def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, 
     def forward(train):
         f = x
         for layer in range(num_layers):
+            f_in = f
             if train and dropout:
                 f = f * dropout_mask(dropout, seed=SEED, step=STEP, layer=layer,
                                      rows=torch.arange(n), cols=torch.arange(f.shape[1])).double()
@@ -88,6 +91,8 @@ def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, 
                     mean, var = q.mean(1, keepdim=True), q.var(1, unbiased=False, keepdim=True)
                     q = (q - mean) * torch.rsqrt(var + 1e-5) * gammas[layer] + betas[layer]
                 q = torch.relu(q)
+                if residual and layer >= 1:
+                    q = q + f_in
             f = q
         return f
 
@@ -119,7 +124,7 @@ def _parallel(ctx, grids):
     out = []
     for grid_text in grids:
         for case in CASES:
-            model_kind, num_layers, dropout, norm, learn, normalize, bias = case
+            model_kind, num_layers, dropout, norm, learn, normalize, bias, residual = case
             graph = small_graph()
             grid = ProcessGrid.parse(grid_text)
             groups = ctx.create_groups(grid)
@@ -129,7 +134,7 @@ def _parallel(ctx, grids):
             shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
             model = PlexusGCN(shard, groups, model=model_kind, learn_features=learn, seed=SEED,
                               dropout=dropout, bias=bias, norm=norm,
-                              normalize_features=normalize)
+                              normalize_features=normalize, residual=residual)
             o_ax, _, p_ax = roles(num_layers - 1)
             stats = CommStats()  # the model's collectives only (the loss gets none)
             logits = model(stats, step=STEP)
