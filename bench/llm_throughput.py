@@ -45,8 +45,7 @@ class Baseline:
     """The plain single-process loop on the same model, optimizer and batches."""
 
     def __init__(self, preset: str, data: DataConfig, optim: OptimConfig, seed: int) -> None:
-        torch.manual_seed(seed)
-        self.model = GPT(get_preset(preset))
+        self.model = GPT(get_preset(preset), seed=seed)  # the trainer's keyed initialisation
         decay = [p for p in self.model.parameters() if p.dim() > 1]
         rest = [p for p in self.model.parameters() if p.dim() <= 1]
         self.optimizer = torch.optim.AdamW(

@@ -5,8 +5,9 @@ the goldfish loss drops), ``data`` (byte tokenizer, offline corpus, resumable ba
 ``rouge`` (ROUGE-L).
 
 Parallelism: ``tp`` (the 3D tensor-parallel Linear, embedding and RMSNorm, with the OAR / ORS /
-OAG overlaps), ``parallel`` (``ParallelGPT``: slices a full GPT onto the grid, gradient sync and
-clipping, gathering full tensors back), ``loss`` (vocabulary-sharded cross-entropy).
+OAG overlaps), ``parallel`` (``ParallelGPT``: draws only this rank's shards of a meta-device
+GPT from the keyed initialisation of ``init``, gradient sync and clipping, gathering full
+tensors back), ``loss`` (vocabulary-sharded cross-entropy).
 
 Training: ``trainer`` (one config dataclass per component, AdamW with warmup + cosine, the
 step, evaluation, grid-independent state, and the loop ``run``), ``checkpoint`` (atomic files),

@@ -16,6 +16,9 @@ sharded by out_features) are sharded differently, so a tie would have to be rebu
 after parallelization. Tying is kept as a flag for small single-process models, where it saves
 ``V * d_model`` parameters.
 
+Initial weights are keyed by (seed, parameter name) (:mod:`llm.init`), so a grid can draw
+just its shards of them (:func:`llm.parallel.init_shards`) and hold this model exactly.
+
 Shapes legend:
     B: batch, T: sequence length, V: vocabulary, D: d_model, F: d_ff, Dh: head_dim,
     H: query heads, Hkv: key/value heads (both local to this process after sharding).
@@ -30,6 +33,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import scaled_dot_product_attention, silu
 
+from llm.init import fill_normal_
+
 __all__ = [
     "GPT",
     "PRESETS",
@@ -39,6 +44,7 @@ __all__ = [
     "gpt1b",
     "gpt7b",
     "gpt70b",
+    "init_std",
     "rope_cache",
     "small",
     "tiny",
@@ -197,6 +203,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.type_as(x)
 
 
+def init_std(config: GPTConfig, name: str) -> float | None:
+    """Standard deviation of the ``Normal(0, std)`` init of parameter ``name``; None: ones.
+
+    GPT-2 / nanoGPT: 0.02 for the Linears and the embedding; the residual outputs (o_proj,
+    down_proj) use ``0.02 / sqrt(2 * num_layers)`` so that the residual stream's variance does
+    not grow with depth; RMSNorm weights start at 1.
+    """
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 0.02 / math.sqrt(2 * config.num_layers)
+    return 0.02
+
+
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32.
 
@@ -282,36 +302,60 @@ class GPT(nn.Module):
 
     Args:
         config: sizes.
+        seed: key of the initial weights (:meth:`reset_parameters`); None: drawn from torch's
+            default generator.
+        device: where the parameters live; ``"meta"``: shapes only, nothing allocated or
+            initialised (for :class:`llm.parallel.ParallelGPT`, or :meth:`materialize`).
 
     Shapes:
         idx: int64 [B, T] with T <= max_seq_len -> logits [B, T, V]
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, *, seed: int | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        with torch.device("meta"):  # no memory and no throw-away default init
+            # _weight skips Embedding's normal_, whose meta kernel imports ~800 modules (1.5 s)
+            self.tok_emb = nn.Embedding(config.vocab_size, config.d_model,
+                                        _weight=torch.empty(config.vocab_size, config.d_model))
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.d_model, config.norm_eps)
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.reset_parameters()
+        device = torch.device("cpu" if device is None else device)
+        if device.type != "meta":
+            self.materialize(device, seed)
 
-    def reset_parameters(self) -> None:
-        """Initialise like GPT-2 / nanoGPT: Normal(0, 0.02) weights, RMSNorm weights 1.
+    def materialize(self, device: torch.device | str, seed: int | None = None) -> GPT:
+        """Allocate the parameters on ``device`` and initialise them (:meth:`reset_parameters`).
 
-        The residual outputs (o_proj, down_proj) use std 0.02 / sqrt(2 * num_layers) so that the
-        residual stream's variance does not grow with depth. Called by the constructor; call it
-        again after materialising a model built on the meta device.
+        For a model built with ``device="meta"``; returns the model.
         """
-        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                std = residual_std if name.endswith(("o_proj", "down_proj")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+        self.to_empty(device=device)
+        if self.config.tie_embeddings:  # to_empty allocates each module's tensor apart
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters(seed)
+        return self
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Initialise like GPT-2 / nanoGPT (:func:`init_std`), keyed by ``(seed, name)``.
+
+        Each weight is drawn by :func:`llm.init.fill_normal_`, so a grid's shards of it
+        (:func:`llm.parallel.init_shards`) hold exactly these values. ``seed`` None draws one
+        from torch's default generator (so ``torch.manual_seed`` governs it, as it does
+        ``nn.init``). Called by the constructor unless the model is built on the meta device.
+        """
+        if seed is None:
+            seed = int(torch.randint(2**62, ()).item())
+        for name, p in self.named_parameters():  # a tied weight once, as tok_emb.weight
+            std = init_std(self.config, name)
+            if std is None:
+                p.fill_(1.0)
+            else:
+                fill_normal_(p.view(-1), seed=seed, name=name, shape=p.shape, std=std)
 
     def forward(self, idx: Tensor) -> Tensor:
         seq = idx.shape[1]

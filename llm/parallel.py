@@ -1,9 +1,11 @@
 """Parallelize a GPT over the 4D grid ``data x depth x row x col`` (llm-4d-goldfish.md).
 
-:class:`ParallelGPT` takes the full :class:`llm.model.GPT` built from the seed on every rank
-and keeps this rank's slice of each weight, so every grid trains the same model as one
-process. The model's modules are swapped for those of :mod:`llm.tp` and its own ``forward``
-runs unchanged (attention takes its local heads from the shapes).
+:class:`ParallelGPT` takes a :class:`llm.model.GPT` built on the meta device and draws only
+this rank's shard of each weight (:func:`init_shards`: keyed by seed and parameter name, never
+the full tensor), so every grid trains the same model as one process without any rank holding
+it all. It also slices a full GPT, identical on every rank. The model's modules are swapped for
+those of :mod:`llm.tp` and its own ``forward`` runs unchanged (attention takes its local heads
+from the shapes).
 
 Layout of each parameter (``ShardSpec``; dims zero-padded to a multiple of the axis size):
 
@@ -39,7 +41,8 @@ from common.collectives import all_gather, all_reduce
 from common.comm_stats import CommStats
 from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
 from common.perf.gpt import GPTWorkload
-from llm.model import GPT, GPTConfig
+from llm.init import fill_normal_
+from llm.model import GPT, GPTConfig, init_std
 from llm.tp import (
     DepthGrads,
     DepthWeights,
@@ -86,6 +89,10 @@ class ShardSpec:
 
     def shard_numel(self, sizes: Mapping[str, int]) -> int:
         return -(-math.prod(self.block_shape(sizes)) // sizes["depth"])
+
+    def shard_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """Shape of this rank's shard: ``(shard_numel,)`` when flat, else the block's."""
+        return (self.shard_numel(sizes),) if self.flat else self.block_shape(sizes)
 
 
 def is_tensor_parallel(sizes: Mapping[str, int]) -> bool:
@@ -150,6 +157,48 @@ def shard_tensor(full: Tensor, spec: ShardSpec, sizes: Mapping[str, int],
     return flat[coords["depth"] * size : (coords["depth"] + 1) * size].clone()
 
 
+@torch.no_grad()
+def init_shard_(out: Tensor, config: GPTConfig, name: str, spec: ShardSpec,
+                sizes: Mapping[str, int], coords: Mapping[str, int], *, seed: int) -> Tensor:
+    """Fill ``out`` with this rank's shard of parameter ``name`` of ``GPT(config, seed=seed)``.
+
+    Bit for bit ``shard_tensor(full, spec, sizes, coords)`` of the full initial parameter, but
+    only the row blocks that the shard touches are drawn, one at a time
+    (:func:`llm.init.fill_normal_`): memory beyond ``out`` is one chunk. Pure.
+
+    Shapes:
+        out: spec.shard_shape(sizes) -> returns out
+    """
+    std = init_std(config, name)
+    if std is None:  # an RMSNorm weight: ones, D elements at most
+        return out.copy_(shard_tensor(torch.ones(spec.shape), spec, sizes, coords))
+    block = spec.block_shape(sizes)
+    origin = [coords[a] * n if a else 0 for n, a in zip(block, spec.axes)]
+    start = coords["depth"] * out.numel() if spec.flat else 0  # in the block's row-major order
+    fill_normal_(out.view(-1), seed=seed, name=name, shape=spec.shape, std=std, origin=origin,
+                 block=block, start=start)
+    return out
+
+
+def init_shards(config: GPTConfig, seed: int, sizes: Mapping[str, int],
+                coords: Mapping[str, int], device: torch.device | str | None = None
+                ) -> dict[str, Tensor]:
+    """Every shard of the rank at ``coords`` on a grid of ``sizes`` (:func:`init_shard_`).
+
+    A pure function of (config, seed, grid sizes, coords): the shards of every coordinate
+    assemble into ``GPT(config, seed=seed)``'s parameters. Keys: state_dict names. Peak
+    memory: the shards plus one chunk.
+    """
+    specs = param_specs(config, sizes)
+    # all shards first: the drawn chunks, freed one by one, then leave no holes between
+    # shards that the allocator could not give back (glibc kept ~50% more on CPU otherwise)
+    shards = {name: torch.empty(spec.shard_shape(sizes), device=device)
+              for name, spec in specs.items()}
+    for name, spec in specs.items():
+        init_shard_(shards[name], config, name, spec, sizes, coords, seed=seed)
+    return shards
+
+
 def gather_tensor(local: Tensor, spec: ShardSpec, groups: Mapping[str, AxisGroup],
                   stats: CommStats | None = None) -> Tensor:
     """The full tensor from every rank's shard; collective over depth, row and col.
@@ -190,12 +239,17 @@ class ParallelGPT(nn.Module):
     """A :class:`~llm.model.GPT` sharded over the 4D grid (see the module docstring).
 
     Args:
-        model: the full GPT, identical on every rank (built from the same seed); its modules
-            are replaced in place by sharded ones.
+        model: a GPT built on the meta device (``GPT(config, device="meta")``): this rank
+            draws only its shards, keyed by ``seed`` (:func:`init_shards`); or a full GPT,
+            identical on every rank, which is sliced. Its modules are replaced in place by
+            sharded ones.
         groups: from :func:`make_groups`.
+        seed: key of the initial weights; required for a meta model, refused otherwise.
         overlap: communication overlap switches (default: all on; results are identical
             either way).
         stats: byte accounting for every collective of the model (may be None).
+        device: where a meta model's shards are allocated (default cpu); a full model's
+            shards stay on its device.
 
     Attributes:
         overlapped: :class:`~llm.tp.OverlapCounts` of the collectives that overlapped since
@@ -203,7 +257,8 @@ class ParallelGPT(nn.Module):
 
     Raises:
         ValueError: the model does not split over the grid (heads over row, tied
-            embeddings on a tensor-parallel grid; :meth:`GPTWorkload.grid_problems`).
+            embeddings on a tensor-parallel grid; :meth:`GPTWorkload.grid_problems`), or
+            ``seed`` is missing for a meta model or given for a full one.
 
     Shapes:
         forward: idx int64 [B/(D*Z), T] -> logits [B/(D*Z), T, V_pad/R] (vocab split over row,
@@ -213,9 +268,14 @@ class ParallelGPT(nn.Module):
     with :meth:`full_state_dict` (or from a checkpoint, ``python -m llm.sample``).
     """
 
-    def __init__(self, model: GPT, groups: Mapping[str, AxisGroup], *,
-                 overlap: Overlap | None = None, stats: CommStats | None = None) -> None:
+    def __init__(self, model: GPT, groups: Mapping[str, AxisGroup], *, seed: int | None = None,
+                 overlap: Overlap | None = None, stats: CommStats | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
+        meta = any(p.is_meta for p in model.parameters())
+        if meta != (seed is not None):
+            raise ValueError("a GPT on the meta device needs seed= (this rank draws its shards)"
+                             if meta else "seed= is for a GPT built on the meta device")
         overlap = Overlap() if overlap is None else overlap
         self.config, self.groups = model.config, dict(groups)
         self.overlap, self.stats = overlap, stats
@@ -232,16 +292,25 @@ class ParallelGPT(nn.Module):
                                           counts=self.overlapped)
         self.depth_grads = DepthGrads(groups["depth"], defer=overlap.ors, stats=stats,
                                       counts=self.overlapped)
+        device = torch.device("cpu" if device is None else device)
         if is_tensor_parallel(self.sizes):
-            self._swap_modules(model)
+            self._swap_modules(model, seed, device)
+        elif meta:  # the fast path: this rank holds the whole model
+            model.materialize(device, seed)
         self.model = model
+        assert not any(p.is_meta for p in self.parameters()), "a parameter left on meta"
 
-    def _swap_modules(self, model: GPT) -> None:
-        full = dict(model.named_parameters())
+    def _swap_modules(self, model: GPT, seed: int | None, device: torch.device) -> None:
         g, cfg, stats = self.groups, self.config, self.stats
+        if seed is None:  # a full model: slice it
+            full = dict(model.named_parameters())
+            shards = {n: shard_tensor(full[n], s, self.sizes, self.coords)
+                      for n, s in self.specs.items()}
+        else:
+            shards = init_shards(cfg, seed, self.sizes, self.coords, device)
 
         def shard(name: str) -> Tensor:
-            return shard_tensor(full[name], self.specs[name], self.sizes, self.coords)
+            return shards.pop(name)
 
         def linear(name: str, transposed: bool) -> ParallelLinear:
             return ParallelLinear(shard(name), self.specs[name].block_shape(self.sizes),

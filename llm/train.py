@@ -9,9 +9,9 @@
     python -m llm.sample --checkpoint runs/gf --prompt "The assert statement"
 
 This module parses arguments, builds the configs and prints; the loop is
-:func:`llm.trainer.run`. Every rank builds the same full model from ``--seed`` and keeps its
-shards; rank 0 prints, writes ``--metrics`` (JSON lines) and the checkpoints
-(``DIR/step-N/``).
+:func:`llm.trainer.run`. Every rank draws only its shards of the model, keyed by ``--seed``
+(the same model on every grid; no rank holds it all); rank 0 prints, writes ``--metrics``
+(JSON lines) and the checkpoints (``DIR/step-N/``).
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ class Trainer:
     """This rank's share of a run: model shards, AdamW, data and the step counter.
 
     Args:
-        model_config: the GPT's sizes; the full model is built from ``seed`` on every rank.
+        model_config: the GPT's sizes; each rank draws only its shards of the initial
+            weights, keyed by ``seed`` (the same model on every grid: ``GPT(config, seed=seed)``).
         groups: from :func:`llm.parallel.make_groups` (any grid, 1x1x1x1 included).
         device: where the shards and batches live.
     """
@@ -201,8 +202,10 @@ class Trainer:
         self.device = torch.device(device)
         self.stats = CommStats()
         torch.manual_seed(seed)
-        self.model = ParallelGPT(GPT(model_config), groups, overlap=Overlap.parse(run.overlap),
-                                 stats=self.stats).to(self.device)
+        # built on meta: each rank draws only its shards of the weights keyed by the seed
+        self.model = ParallelGPT(GPT(model_config, device="meta"), groups, seed=seed,
+                                 overlap=Overlap.parse(run.overlap), stats=self.stats,
+                                 device=self.device)
         decay = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) > 1]
         rest = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) <= 1]
         self.optimizer = torch.optim.AdamW(

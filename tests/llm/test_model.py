@@ -21,8 +21,7 @@ from llm.model import (
 
 
 def tiny_model(seed=0, **changes):
-    torch.manual_seed(seed)
-    return GPT(dataclasses.replace(tiny(), **changes))
+    return GPT(dataclasses.replace(tiny(), **changes), seed=seed)
 
 
 def test_forward_shapes_and_length_check():

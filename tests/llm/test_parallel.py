@@ -42,8 +42,7 @@ def make_batch(num_rows=5, seq=16, micro=1):
 
 
 def serial(config, micro):
-    torch.manual_seed(SEED)
-    model = GPT(config)
+    model = GPT(config, seed=SEED)
     batches = make_batch(micro=micro)
     total = sum(int(((y != -100) & ~m).sum()) for _, y, m in batches)
     loss = 0.0
@@ -62,9 +61,10 @@ def parallel_cases(ctx, cases):
         config = dataclasses.replace(BASE, **changes)
         grid = ProcessGrid.parse(grid_text, AXONN_AXES)
         groups = make_groups(grid, ctx.rank, ctx.transport)
-        torch.manual_seed(SEED)
         stats = CommStats()
-        model = ParallelGPT(GPT(config), groups, overlap=Overlap.parse(overlap), stats=stats)
+        # built on meta: each rank draws only its shards, keyed by SEED like serial()'s model
+        model = ParallelGPT(GPT(config, device="meta"), groups, seed=SEED,
+                            overlap=Overlap.parse(overlap), stats=stats)
         batches = make_batch(micro=micro)
         total = sum(int(((y != -100) & ~m).sum()) for _, y, m in batches)
         kept_sum = torch.zeros(())
@@ -170,8 +170,7 @@ def assemble(shards, spec, sizes):
 def test_shards_cover_the_full_tensor(depth, row, col):
     config = dataclasses.replace(BASE, num_kv_heads=4) if row == 4 else BASE
     sizes = {"data": 1, "depth": depth, "row": row, "col": col}
-    torch.manual_seed(0)
-    model = GPT(config)
+    model = GPT(config, seed=0)
     specs = param_specs(config, sizes)
     assert set(specs) == {n for n, _ in model.named_parameters()}
     for name, full in model.state_dict().items():
@@ -213,16 +212,20 @@ def fake_groups(**sizes):
 
 def test_grid_errors_show_the_arithmetic():
     """ParallelGPT refuses a model that does not split, before any communication."""
+    def meta(config):
+        return GPT(config, device="meta")
+
     with pytest.raises(ValueError, match=r"grid data=1,depth=1,row=4,col=1: kv heads: "
                                          r"num_kv_heads=2 % row=4 = 2"):
-        ParallelGPT(GPT(BASE), fake_groups(row=4))
+        ParallelGPT(meta(BASE), fake_groups(row=4), seed=0)
     with pytest.raises(ValueError, match=r"heads: num_heads=3 % row=2 = 1"):
-        ParallelGPT(GPT(dataclasses.replace(BASE, **ODD_D)), fake_groups(row=2))
+        ParallelGPT(meta(dataclasses.replace(BASE, **ODD_D)), fake_groups(row=2), seed=0)
     tied = dataclasses.replace(BASE, tie_embeddings=True)
     with pytest.raises(ValueError, match="tie_embeddings=True needs depth = row = col = 1"):
-        ParallelGPT(GPT(tied), fake_groups(depth=2))
-    ParallelGPT(GPT(tied), fake_groups(data=2))  # data parallel: fine
-    ParallelGPT(GPT(BASE), fake_groups(data=2, depth=3))  # any batch pads to data x depth
+        ParallelGPT(meta(tied), fake_groups(depth=2), seed=0)
+    ParallelGPT(meta(tied), fake_groups(data=2), seed=0)  # data parallel: fine
+    ParallelGPT(meta(BASE), fake_groups(data=2, depth=3), seed=0)  # any batch pads to data x depth
+    ParallelGPT(GPT(BASE), fake_groups(depth=2))  # a full model is sliced
 
 
 def test_batch_shard_pads_and_splits_over_data_then_depth():
