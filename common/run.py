@@ -256,3 +256,19 @@ def run_or_exit(ctx: DistContext | None, fn: Callable[[], T], *,
         if isinstance(e, user_errors):
             fail_all_ranks(str(e), ctx)
         raise
+
+
+def resident_bytes() -> int:
+    """Current resident set size of this process (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_bytes() -> int:
+    """Peak resident set size of this process so far (``ru_maxrss``; KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

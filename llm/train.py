@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from common.dist import DistContext, preemption_flag
+from common.dist import DistContext, max_over_ranks, preemption_flag
 from common.grid import AXONN_AXES, ProcessGrid
 from common.perf import auto_grid
 from common.perf.gpt import GPTWorkload
@@ -35,6 +35,7 @@ from common.run import (
     add_launch_args,
     check_writable,
     checkpoint_config,
+    peak_bytes,
     run_or_exit,
     start,
 )
@@ -199,7 +200,8 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
 
         history = run(trainer, checkpoint=ck, is_main=ctx.is_main, on_row=on_row,
                       should_stop=preemption_flag())
-        summary = _summary(history, time.perf_counter() - start_s, trainer)
+        peak = int(max_over_ranks([peak_bytes()], ctx.device)[0])  # collective
+        summary = _summary(history, time.perf_counter() - start_s, trainer, peak)
         metrics.write({"summary": {k: v for k, v in summary.items() if k != "text"}})
     if ctx.is_main:
         if history and history[-1].get("preempted"):
@@ -244,17 +246,21 @@ def _format_row(row: dict[str, Any], trainer: Trainer) -> str:
     return text
 
 
-def _summary(history: list[dict[str, Any]], seconds: float, trainer: Trainer) -> dict:
+def _summary(history: list[dict[str, Any]], seconds: float, trainer: Trainer,
+             peak: int) -> dict:
+    """The run's summary; ``peak`` is the peak resident bytes per rank (max over ranks)."""
     if not history:
-        return {"steps": trainer.step, "text": f"nothing to do: already at step {trainer.step}"}
+        return {"steps": trainer.step, "peak_bytes_per_rank_max": peak,
+                "text": f"nothing to do: already at step {trainer.step}"}
     steady = history[1:] or history  # the first step includes warm-up
     tokens_per_s = sum(r["tokens"] for r in steady) / sum(r["step_s"] for r in steady)
     last = history[-1]
     out = {"steps": trainer.step, "loss": last["loss"], "val_loss": last.get("val_loss"),
-           "tokens_per_s": tokens_per_s, "wall_s": seconds}
+           "tokens_per_s": tokens_per_s, "wall_s": seconds, "peak_bytes_per_rank_max": peak}
     val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
     out["text"] = (f"done: {trainer.step} steps in {seconds:.1f} s, loss {last['loss']:.4f}"
-                   f"{val}, {tokens_per_s:,.0f} tokens/s")
+                   f"{val}, {tokens_per_s:,.0f} tokens/s, peak memory "
+                   f"{peak / 2**20:,.0f} MiB resident per rank (max)")
     return out
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import resource
 import sys
 from typing import Any
 
@@ -25,6 +23,7 @@ from common import run
 from common.checkpoint import CheckpointError
 from common.dist import max_over_ranks, preemption_flag
 from common.grid import ProcessGrid
+from common.run import peak_bytes, resident_bytes
 from plexus import layout
 from plexus.config import (
     MODELS,
@@ -268,20 +267,6 @@ def runs_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                      f"test {100 * test['mean']:.2f} +- {100 * test['std']:.2f}%")
     out["text"] = "\n".join(lines)
     return out
-
-
-def resident_bytes() -> int:
-    """Current resident set size of this process (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def peak_bytes() -> int:
-    """Peak resident set size of this process so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, grid) -> None:

@@ -58,6 +58,10 @@ def test_cli_single_process_train_checkpoint_memorize_sample(tmp_path, capsys):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r["step"] for r in rows if "step" in r]
     assert steps == [1, 2, 3] and sum("summary" in r for r in rows) == 2  # resume appends
+    for r in rows:  # peak resident memory per rank, max over ranks, in every summary
+        if "summary" in r:
+            assert r["summary"]["peak_bytes_per_rank_max"] > 10 * 2**20
+    assert "MiB resident per rank (max)" in text
     for key in ("loss", "loss_all", "loss_dropped", "tokens_per_s", "lr", "grad_norm"):
         assert all(key in r for r in rows if "step" in r), key
     assert "val_loss" in rows[-2] and rows[-2]["num_dropped"] > 0
