@@ -17,8 +17,9 @@ a second weight: (2), (3), (5), (6) and (7) run twice; (1), (4) and (8) once.
 With fixed features ``H_0`` is cached after the first epoch, so a steady
 epoch skips (1), (2) and the layer-0 SpMM, and nothing flows back into layer 0's aggregation:
 (5), (7), (8) and the SpMM with ``A_0^T`` are skipped too. The trainer adds the sharded loss
-and accuracy (plexus/loss.py): three all-reduces of ``[N/P]`` over O, one scalar over P, two
-all-gathers of ``[N/P]`` values (float32) and ids (int64) over O, an int64 ``[3]`` over P.
+(plexus/loss.py): three all-reduces of ``[N/P]`` over O and one scalar over P. An epoch is the
+training step the trainer times (``epoch_s``), of the paper's bare model (no bias, dropout or
+norm); the evaluation forward after it (``eval_s``) is not modelled.
 
 Compute per rank:
 
@@ -164,7 +165,7 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         work: the workload.
         shape: ``{"x": X, "y": Y, "z": Z}``.
         first_epoch: epoch 1 (computes ``H_0`` even when it is cached afterwards).
-        loss: include the trainer's loss and accuracy collectives.
+        loss: include the trainer's loss collectives.
     """
     n, w = work.padded(shape)
     out: list[Collective] = []
@@ -201,10 +202,6 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         rows = n // shape[p]
         out.append(Collective(o, "all_reduce", rows * F32, count=3))  # max, sum-exp, target
         out.append(Collective(p, "all_reduce", F32))  # the loss sum
-        if shape[o] > 1:  # argmax over the class axis: values and int64 ids
-            out.append(Collective(o, "all_gather", shape[o] * rows * F32))
-            out.append(Collective(o, "all_gather", shape[o] * rows * 8))
-        out.append(Collective(p, "all_reduce", 3 * 8))  # correct counts per split
     return out
 
 
