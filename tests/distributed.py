@@ -210,7 +210,9 @@ def _run_ranks_mpi(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...
         try:
             proc = subprocess.run(
                 launch_command(["-m", "tests.mpi_worker", str(job)], ranks=world_size),
-                cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout,
+                # a heavily loaded CI machine can stall a busy rank past the default 30 s
+                cwd=ROOT, env=launch_env({"HPC_HEARTBEAT_TIMEOUT": "120"}), capture_output=True,
+                text=True, timeout=timeout,
                 stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"mpiexec ranks did not finish within {timeout} s") from None

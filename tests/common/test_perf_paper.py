@@ -7,7 +7,9 @@ from common.perf import paper
 # The one number the model misses (see common/perf/paper.py and the issue-12 report): the
 # paper's 1024 -> 2048 GPU step speeds up 1.19x where every other doubling gives 1.39-1.47x;
 # the model keeps scaling at about 1.4x there. Pinned so that a regression elsewhere shows.
-KNOWN_GAPS = {("ogbn-papers100M", "perlmutter-a100", 2048): (0.6, 0.7)}
+# the model misses a cost that grows with scale at 2048 A100s (issue 12); 0.55 since the epoch
+# is the training step alone (no accuracy collectives), as in the paper's code
+KNOWN_GAPS = {("ogbn-papers100M", "perlmutter-a100", 2048): (0.5, 0.6)}
 
 
 @pytest.fixture(scope="module")

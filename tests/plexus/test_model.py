@@ -21,8 +21,8 @@ from tests.plexus.data.shards import small_graph
 HIDDEN = 6  # not divisible by 4: padded widths on 4-sized axes
 
 
-def serial_reference(graph, num_layers, hidden, seed):
-    """Dense GCN in float64: Â = D^-1/2 (A + I) D^-1/2 with rows = targets."""
+def dense_gcn_adjacency(graph):
+    """Dense float64 Â = D^-1/2 (A + I) D^-1/2 with rows = targets (an independent oracle)."""
     n = graph.num_nodes
     a = torch.zeros(n, n, dtype=torch.float64)
     src, dst = graph.edge_index
@@ -31,7 +31,12 @@ def serial_reference(graph, num_layers, hidden, seed):
                   accumulate=True)
     a += torch.eye(n, dtype=torch.float64)
     dinv = a.sum(1).rsqrt()
-    a_hat = dinv[:, None] * a * dinv[None, :]
+    return dinv[:, None] * a * dinv[None, :]
+
+
+def serial_reference(graph, num_layers, hidden, seed):
+    """Dense GCN in float64 (:func:`dense_gcn_adjacency`)."""
+    a_hat = dense_gcn_adjacency(graph)
     widths = [graph.num_features] + [hidden] * (num_layers - 1) + [graph.num_classes]
     ws = [w.double().requires_grad_(True) for w in init_weights(widths, seed)]
     x = graph.x.double().requires_grad_(True)

@@ -15,7 +15,7 @@ from plexus.layers import dropout_mask
 from plexus.model import ROOT_SEED_OFFSET, init_weights
 from tests.distributed import run_ranks
 from tests.plexus.data.shards import small_graph
-from tests.plexus.test_model import rel
+from tests.plexus.test_model import dense_gcn_adjacency, rel
 
 HIDDEN, SEED, STEP = 6, 5, 3
 
@@ -25,18 +25,6 @@ CASES = [  # (model, layers, dropout, norm, learn_features, normalize_features, 
     ("sage", 2, 0.5, "batch", False, False, True, False),
     ("sage", 3, 0.0, "none", True, False, False, False),  # bare: bytes == the perf model's
 ]
-
-
-def _dense_gcn(graph):
-    n = graph.num_nodes
-    a = torch.zeros(n, n, dtype=torch.float64)
-    src, dst = graph.edge_index
-    keep = src != dst
-    a.index_put_((dst[keep], src[keep]), torch.ones(int(keep.sum()), dtype=torch.float64),
-                 accumulate=True)
-    a += torch.eye(n, dtype=torch.float64)
-    dinv = a.sum(1).rsqrt()
-    return dinv[:, None] * a * dinv[None, :]
 
 
 def _normalize(x):  # PyG's NormalizeFeatures
@@ -51,7 +39,7 @@ def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, 
     if model == "sage":
         adj = torch.from_numpy(mean_adjacency(graph.edge_index.numpy(), n).toarray()).double()
     else:
-        adj = _dense_gcn(graph)
+        adj = dense_gcn_adjacency(graph)
     widths = [graph.num_features] + [HIDDEN] * (num_layers - 1) + [graph.num_classes]
     ws = [w.double().requires_grad_(True) for w in init_weights(widths, SEED)]
     roots = [w.double().requires_grad_(True)

@@ -1,7 +1,7 @@
-"""plexus.trainer: the loop on several grids, accuracy against PyG, fit(), the OGB Evaluator."""
+"""plexus.trainer: the loop on several grids, fit() on PyG data, the OGB Evaluator. Accuracy
+against PyG with the same recipe is bench/accuracy.py (tests/bench/test_accuracy_bench.py)."""
 
 import pytest
-import torch
 
 from plexus.config import split_config
 from plexus.data.generators import planted_partition
@@ -31,70 +31,6 @@ def test_loss_curve_8_ranks_matches_1_rank():
             assert abs(l1 - l8) <= 1e-4 * abs(l1) + 1e-6, f"epoch {epoch}: {l1} vs {l8}"
             assert abs(a1 - a8) <= 2e-3 and abs(t1 - t8) <= 2e-3, f"epoch {epoch}"
     assert serial[-1][0] < 0.5 * serial[0][0]  # it learned
-
-
-def _pyg_test_acc(graph, epochs, hidden, lr, weight_decay, seed):
-    from torch_geometric.nn import GCNConv
-
-    torch.manual_seed(seed)
-    convs = torch.nn.ModuleList([
-        GCNConv(a, b, bias=False)
-        for a, b in zip([graph.num_features, hidden, hidden], [hidden, hidden, graph.num_classes])
-    ])
-    opt = torch.optim.AdamW(convs.parameters(), lr=lr, weight_decay=weight_decay)
-    for _ in range(epochs):
-        opt.zero_grad()
-        h = graph.x
-        for i, conv in enumerate(convs):
-            h = conv(h, graph.edge_index)
-            h = h.relu() if i < len(convs) - 1 else h
-        loss = torch.nn.functional.cross_entropy(h[graph.train_idx], graph.y[graph.train_idx])
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        h = graph.x
-        for i, conv in enumerate(convs):
-            h = conv(h, graph.edge_index)
-            h = h.relu() if i < len(convs) - 1 else h
-    pred = h.argmax(1)
-    return float((pred[graph.test_idx] == graph.y[graph.test_idx]).float().mean())
-
-
-def _our_test_acc(ctx, epochs, hidden, lr, weight_decay, seed):
-    from plexus import fit
-    from plexus.data import load_dataset
-    from plexus.trainer import predictions
-
-    graph = load_dataset("planted")
-    # the PyG side's recipe: no bias, no dropout, AdamW (bench/accuracy.py compares the full
-    # recipe, GCN and GraphSAGE)
-    res = fit(graph, grid="1x1x1", epochs=epochs, hidden=hidden, lr=lr, bias=False,
-              dropout=0.0, optimizer="adamw", weight_decay=weight_decay, seed=seed)
-    pred = predictions(res)  # after the last step, like the PyG evaluation
-    return float((pred[graph.test_idx] == graph.y[graph.test_idx]).float().mean())
-
-
-@pytest.mark.slow
-def test_accuracy_matches_pyg_gcnconv():
-    """Built-in default, same model and hyper-parameters, mean over 3 seeds: within 1 point of
-    PyG."""
-    from plexus.data import load_dataset
-
-    hp = dict(epochs=100, hidden=64, lr=0.01, weight_decay=5e-4)
-    graph = load_dataset("planted")
-    seeds = (0, 1, 2)
-    ours = run_ranks(_ours_many, 1, seeds, hp)[0]
-    pyg = [_pyg_test_acc(graph, seed=s, **hp) for s in seeds]
-    mean_ours, mean_pyg = sum(ours) / len(ours), sum(pyg) / len(pyg)
-    print(f"test accuracy ours {mean_ours:.4f} PyG GCNConv {mean_pyg:.4f}")
-    assert abs(mean_ours - mean_pyg) <= 0.01, (ours, pyg)
-    assert mean_pyg > 2.0 / graph.num_classes  # the task is learnable, far above chance
-
-
-def _ours_many(ctx, seeds, hp):
-    return [_our_test_acc(ctx, seed=s, **hp) for s in seeds]
-
-
 
 
 def _fit_pyg(ctx, data):
