@@ -31,7 +31,8 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or belongs to another model."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (makes renames and new entries in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -81,7 +82,15 @@ def save(root: str | os.PathLike, step: int, files: Mapping[str, bytes],
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
+    commit(tmp, final, keep=keep)
+    return final
+
+
+def commit(tmp: Path, final: Path, *, keep: int) -> None:
+    """Rename the complete, fsync'ed checkpoint ``tmp`` to ``final`` (atomically replacing
+    a checkpoint of the same step), then keep only the newest ``keep`` under its parent."""
+    root = final.parent
     if final.exists():  # re-saving the same step: move the old one aside first
         old = root / f".old-{final.name}-{os.getpid()}"
         os.rename(final, old)
@@ -89,10 +98,9 @@ def save(root: str | os.PathLike, step: int, files: Mapping[str, bytes],
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for stale in list_steps(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(root / f"step-{stale:08d}", ignore_errors=True)
-    return final
 
 
 def list_steps(root: str | os.PathLike) -> list[int]:

@@ -1,16 +1,20 @@
-"""Checkpoints: full (grid-independent) tensors, atomic and checksummed, last K kept.
+"""Checkpoints, sharded: each rank writes its own shards, any grid (or one process) reads them.
 
-``DIR/step-<N>/checkpoint.pt`` holds what :meth:`llm.trainer.Trainer.state_dict` returns: the
-serial GPT's weights, the AdamW moments in the same full shapes, the data iterator's position,
-the RNG states, the step and the configs. Any grid can load it (each rank slices its shards),
-and a single process can rebuild the plain :class:`~llm.model.GPT` for sampling and evaluation.
+``DIR/step-<N>/`` is a :mod:`common.sharded` checkpoint: ``shard-RRRRR.bin`` per rank with its
+slices of the weights and both AdamW moments (a slice replicated over data-parallel ranks is
+written once), ``state.pt`` with the small per-run state (data iterator position, RNG), and a
+manifest whose meta holds the step, the model config and the run's configs. Nothing is
+gathered: saving and loading hold about one rank's shards, whatever the model size.
 
-Writing goes through :mod:`common.checkpoint` (temporary directory, fsync, rename, a manifest
-with a SHA-256 per file), so a crash leaves the newest complete checkpoint intact; loading
-verifies the checksums and falls back to an older checkpoint if the newest is damaged.
+Loading on any grid reads only the slices that grid needs; :func:`load_model` reads the full
+tensors into the plain single-process :class:`~llm.model.GPT` (sampling, evaluation: the whole
+model on one process, by design). ``python -m common.consolidate DIR OUT.safetensors`` writes
+one file with the full weights, streaming; :func:`load_model` reads that too.
 
-Format 2 (this one) names the model's sizes ``num_layers``, ``num_heads``, ``num_kv_heads``;
-format 1 (``n_layer``, ``n_head``, ``n_kv_head``) is refused with a message saying so.
+Writing is atomic and checksummed (temporary directory, fsync, rename; a SHA-256 per file),
+so a crash leaves the newest complete checkpoint intact; loading verifies the checksums and
+falls back to an older checkpoint if the newest is damaged. Format 3 (this one) is sharded;
+formats 1 and 2 (one ``checkpoint.pt`` of full tensors) are refused with a message.
 """
 
 from __future__ import annotations
@@ -23,73 +27,117 @@ from typing import Any
 import torch
 
 from common import checkpoint as ckpt
+from common import sharded
 from llm.model import GPT, GPTConfig
 
-FILENAME = "checkpoint.pt"
-FORMAT = 2  # the "format" entry of Trainer.state_dict(); bump when its layout changes
-
-
-def check_format(state: dict[str, Any], where: object) -> None:
-    """CheckpointError unless ``state`` has this code's :data:`FORMAT`."""
-    found = state.get("format")
-    if found != FORMAT:
-        raise ckpt.CheckpointError(
-            f"{where} has checkpoint format {found}, but this llm reads format {FORMAT} only "
-            f"(format 2 renamed the model's n_layer, n_head, n_kv_head to num_layers, "
-            f"num_heads, num_kv_heads); continue it with the code that wrote it, or retrain")
+FORMAT = 3  # meta["format"]; bump when the layout changes
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_FILE = "state.pt"
 
 
 def has_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a checkpoint file, a ``step-*`` directory or a root holding one."""
+    """Whether ``path`` is a ``step-*`` directory, a root holding one, or a consolidated file."""
     path = Path(path)
     return path.is_file() or (path / "manifest.json").is_file() or bool(ckpt.list_steps(path))
 
 
-def save(state: dict[str, Any], out_dir: str | os.PathLike, *, keep: int = 3) -> Path:
-    """Write ``state`` as checkpoint ``state["step"]`` under ``out_dir``; returns its file.
+def save(directory: str | os.PathLike, *, step: int, model: Any, optimizer: torch.optim.Optimizer,
+         meta: dict[str, Any], state: dict[str, Any], keep: int = 3) -> Path:
+    """Write checkpoint ``step`` of a :class:`~llm.parallel.ParallelGPT` and its AdamW under
+    ``directory``, keeping the newest ``keep``; collective. Returns the step directory.
 
-    Call on one rank only (the trainer's rank 0) after every rank has gathered ``state``.
+    Args:
+        meta: JSON-serialisable run description (model_config, configs); rank 0's is kept.
+        state: small torch-serialisable state (data position, RNG); rank 0's is kept.
     """
+    tensors: dict[str, tuple[torch.Tensor, sharded.Slab]] = {}
+    steps: dict[str, float] = {}
+    for name, p in model.shards().items():
+        slab = model.slab(name)
+        tensors[name] = (p.detach(), slab)
+        st = optimizer.state.get(p)
+        if st:
+            steps[name] = float(st["step"])
+            for key in MOMENTS:
+                tensors[f"{name}.{key}"] = (st[key], slab)
     buf = io.BytesIO()
     torch.save(state, buf)
-    meta = {"engine": "llm", "step": int(state.get("step", 0))}
-    final = ckpt.save(out_dir, meta["step"], {FILENAME: buf.getvalue()}, meta, keep=keep)
-    return final / FILENAME
+    return sharded.save(directory, step, tensors, keep=keep, files={STATE_FILE: buf.getvalue()},
+                        meta={**meta, "engine": "llm", "format": FORMAT, "step": step,
+                              "adam_steps": steps})
 
 
-def load(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint onto the CPU: a checkpoint root (newest intact ``step-*``), one
-    ``step-*`` directory, or a ``checkpoint.pt`` file.
+def open_checkpoint(path: str | os.PathLike, *, group: Any = None) -> sharded.ShardedCheckpoint:
+    """A checkpoint root (its newest intact ``step-*``) or one ``step-*`` directory, verified;
+    collective over ``group`` when torch.distributed runs.
 
     Raises:
         FileNotFoundError: no checkpoint there.
         common.checkpoint.CheckpointError: damaged, written by another engine, or in another
-            :data:`FORMAT`.
+            format.
     """
     path = Path(path)
-    if path.is_file():
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        check_format(state, path)
-        return state
     if (path / "manifest.json").is_file():
-        files, manifest = ckpt.load(path)
+        ck = sharded.load(path, group=group)
     elif ckpt.list_steps(path):
-        files, manifest, path = ckpt.load_latest(path)
+        ck = sharded.load_latest(path, group=group)
     else:
         raise FileNotFoundError(f"no checkpoint at {path}")
-    if manifest["meta"].get("engine") != "llm" or FILENAME not in files:
-        raise ckpt.CheckpointError(f"checkpoint {path} was not written by llm.train")
-    state = torch.load(io.BytesIO(files[FILENAME]), map_location="cpu", weights_only=True)
-    check_format(state, f"checkpoint {path}")
-    return state
+    check(ck.meta, ck.path)
+    return ck
+
+
+def check(meta: dict[str, Any], where: object) -> None:
+    """CheckpointError unless ``meta`` is an llm checkpoint of this :data:`FORMAT`."""
+    if meta.get("engine") != "llm":
+        raise ckpt.CheckpointError(f"checkpoint {where} was not written by llm.train")
+    if meta.get("format") != FORMAT:
+        raise ckpt.CheckpointError(
+            f"checkpoint {where} has format {meta.get('format')}, but this llm reads format "
+            f"{FORMAT} only (sharded); continue it with the code that wrote it, or retrain")
+
+
+def load_into(ck: sharded.ShardedCheckpoint, model: Any, optimizer: torch.optim.Optimizer
+              ) -> dict[str, Any]:
+    """Read this rank's slices of the weights and AdamW moments into ``model`` (a
+    :class:`~llm.parallel.ParallelGPT`, any grid) and ``optimizer``; returns the small state.
+
+    Raises:
+        ValueError: the checkpoint holds another model.
+    """
+    saved = GPTConfig(**ck.meta["model_config"])
+    if saved != model.config:
+        raise ValueError(f"checkpoint holds a different model: {saved} vs this run's "
+                         f"{model.config}")
+    steps = ck.meta.get("adam_steps", {})
+    with torch.no_grad():
+        for name, p in model.shards().items():
+            slab = model.slab(name)
+            p.copy_(ck.read(name, slab).to(p.dtype))
+            if name in steps:
+                optimizer.state[p] = {
+                    "step": torch.tensor(steps[name], dtype=torch.float32),
+                    **{key: ck.read(f"{name}.{key}", slab).to(p.device) for key in MOMENTS}}
+    return torch.load(io.BytesIO(ck.files[STATE_FILE]), weights_only=True)
 
 
 def load_model(path: str | os.PathLike) -> tuple[GPT, dict[str, Any]]:
-    """The plain single-process GPT of a checkpoint (eval mode) and the checkpoint itself."""
-    state = load(path)
-    model = GPT(GPTConfig(**state["model_config"]))
-    weights = dict(state["model"])
+    """The plain single-process GPT (eval mode) of a checkpoint directory or of a consolidated
+    ``.safetensors`` file, and the checkpoint's meta (step, model_config, configs)."""
+    path = Path(path)
+    if path.is_file():
+        from common.consolidate import read_consolidated
+
+        weights, meta = read_consolidated(path)
+        check(meta, path)
+        tensors = {n: t for n, t in weights.items() if not n.endswith(MOMENTS)}
+    else:
+        ck = open_checkpoint(path, group=None)
+        meta = ck.meta
+        tensors = {n: ck.read(n, sharded.Slab.whole(ck.shape(n))) for n in ck.names()
+                   if not n.endswith(MOMENTS)}
+    model = GPT(GPTConfig(**meta["model_config"]))
     if model.config.tie_embeddings:  # saved once, under the embedding's name
-        weights.setdefault("lm_head.weight", weights["tok_emb.weight"])
-    model.load_state_dict(weights)
-    return model.eval(), state
+        tensors.setdefault("lm_head.weight", tensors["tok_emb.weight"])
+    model.load_state_dict(tensors)
+    return model.eval(), meta

@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="checkpoint directory (its newest intact DIR/step-N/ is read), one "
-                   "step-N directory, or a checkpoint.pt file")
+                   "step-N directory, or a .safetensors file from python -m common.consolidate")
     p.add_argument("--docs", type=int, default=None, help="first N documents (default: the "
                    "checkpoint's --docs)")
     p.add_argument("--suffix-len", type=int, default=50, help="S tokens to recite")

@@ -41,6 +41,7 @@ from common.collectives import all_gather, all_reduce
 from common.comm_stats import CommStats
 from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
 from common.perf.gpt import GPTWorkload
+from common.sharded import Slab
 from llm.init import fill_normal_
 from llm.model import GPT, GPTConfig, init_std
 from llm.tp import (
@@ -197,6 +198,20 @@ def init_shards(config: GPTConfig, seed: int, sizes: Mapping[str, int],
     for name, spec in specs.items():
         init_shard_(shards[name], config, name, spec, sizes, coords, seed=seed)
     return shards
+
+
+def shard_slab(spec: ShardSpec, sizes: Mapping[str, int], coords: Mapping[str, int]) -> Slab:
+    """Where :func:`shard_tensor`'s output sits in the full tensor (a sharded checkpoint's
+    description of this rank's piece; pure)."""
+    block = spec.block_shape(sizes)
+    ranges = [(coords[a] * b, (coords[a] + 1) * b) if a else (0, n)
+              for n, b, a in zip(spec.shape, block, spec.axes)]
+    rows, cols = ranges if len(ranges) == 2 else ((0, 1), ranges[0])
+    flat = None
+    if spec.flat:
+        size = spec.shard_numel(sizes)
+        flat = (coords["depth"] * size, (coords["depth"] + 1) * size)
+    return Slab(spec.shape, rows, cols, flat)
 
 
 def gather_tensor(local: Tensor, spec: ShardSpec, groups: Mapping[str, AxisGroup],
@@ -391,6 +406,10 @@ class ParallelGPT(nn.Module):
     def shard(self, name: str, full: Tensor) -> Tensor:
         """This rank's shard of a full tensor laid out like parameter ``name``."""
         return shard_tensor(full, self.specs[name], self.sizes, self.coords)
+
+    def slab(self, name: str) -> Slab:
+        """Where this rank's shard of parameter ``name`` sits in the full tensor."""
+        return shard_slab(self.specs[name], self.sizes, self.coords)
 
     def gather(self, name: str, local: Tensor) -> Tensor:
         """The full tensor of a shard laid out like parameter ``name`` (collective)."""

@@ -1,4 +1,4 @@
-"""Sample text from a checkpoint (one process; the checkpoint holds full weights).
+"""Sample text from a checkpoint (one process reads the full weights from the shards).
 
     python -m llm.sample --checkpoint runs/tiny --prompt "The assert statement" --tokens 200
 """
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="checkpoint directory (its newest intact DIR/step-N/ is read), one "
-                   "step-N directory, or a checkpoint.pt file")
+                   "step-N directory, or a .safetensors file from python -m common.consolidate")
     p.add_argument("--prompt", default="\n", help="text to continue (byte tokens)")
     p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

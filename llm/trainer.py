@@ -276,59 +276,37 @@ class Trainer:
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     # ----------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Full (gathered) weights and AdamW moments, data position, RNG; collective.
-
-        Independent of the grid: :meth:`load_state_dict` reslices it for any grid.
-        """
-        shards = self.model.shards()
-        optim = {}
-        for name, p in shards.items():
-            state = self.optimizer.state.get(p)
-            optim[name] = {} if not state else {
-                "step": float(state["step"]),
-                "exp_avg": self.model.gather(name, state["exp_avg"]).cpu(),
-                "exp_avg_sq": self.model.gather(name, state["exp_avg_sq"]).cpu()}
-        return {"format": ckpt.FORMAT, "step": self.step, "model_config": asdict(self.model_config),
+    def meta(self) -> dict[str, Any]:
+        """What a checkpoint records about the run besides tensors (JSON)."""
+        return {"model_config": asdict(self.model_config),
                 "configs": {"data": asdict(self.data_cfg), "optim": asdict(self.optim_cfg),
-                            "goldfish": asdict(self.goldfish), "seed": self.seed},
-                "model": {k: v.cpu() for k, v in self.model.full_state_dict().items()},
-                "optimizer": optim, "data": self.train_iter.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+                            "goldfish": asdict(self.goldfish), "seed": self.seed}}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict` (saved on any grid); ValueError if it differs."""
-        ckpt.check_format(state, "this state")
-        saved = GPTConfig(**state["model_config"])
-        if saved != self.model_config:
-            raise ValueError(f"checkpoint holds a different model: {saved} vs this run's "
-                             f"{self.model_config}")
-        self.model.load_full_state_dict(state["model"])
-        for name, p in self.model.shards().items():
-            saved_opt = state["optimizer"].get(name) or {}
-            if saved_opt:
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(saved_opt["step"], dtype=torch.float32),
-                    "exp_avg": self.model.shard(name, saved_opt["exp_avg"]).to(p.device),
-                    "exp_avg_sq": self.model.shard(name, saved_opt["exp_avg_sq"]).to(p.device)}
+    def resume(self, directory: str) -> int | None:
+        """Load the newest intact checkpoint under ``directory`` (written on any grid; each
+        rank reads only its slices); its step, or None if there is none yet. Collective.
+
+        Raises:
+            ValueError: the checkpoint holds another model.
+            common.checkpoint.CheckpointError: damaged, foreign or of another format.
+        """
+        if not ckpt.has_checkpoint(directory):
+            return None
+        state = ckpt.load_into(ckpt.open_checkpoint(directory), self.model, self.optimizer)
         self.train_iter.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.step = int(state["step"])
-
-    def resume(self, directory: str) -> int | None:
-        """Load the newest intact checkpoint under ``directory``; its step, or None if there
-        is none yet (a fresh start). Every rank reads the files."""
-        if not ckpt.has_checkpoint(directory):
-            return None
-        self.load_state_dict(ckpt.load(directory))
         return self.step
 
     def save(self, directory: str, *, keep: int, is_main: bool) -> str | None:
-        """Checkpoint under ``directory`` keeping the newest ``keep``; collective (every rank
-        gathers), the main rank writes and gets the file's path."""
-        state = self.state_dict()
-        return str(ckpt.save(state, directory, keep=keep)) if is_main else None
+        """Checkpoint under ``directory`` keeping the newest ``keep``; collective (each rank
+        writes its own shards); the main rank gets the step directory's path."""
+        state = {"step": self.step, "data": self.train_iter.state_dict(),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        path = ckpt.save(directory, step=self.step, model=self.model, optimizer=self.optimizer,
+                         meta=self.meta(), state=state, keep=keep)
+        return str(path) if is_main else None
 
 
 def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None, is_main: bool = True,

@@ -1,22 +1,25 @@
-"""Plexus checkpoints: full (unsharded) tensors, so a checkpoint loads on any grid.
+"""Plexus checkpoints, sharded: each rank writes only its own shards, any grid loads them.
 
-Saving is collective: every rank helps gather the full weights, Adam moments and (if trained)
-input features; rank 0 writes them with :mod:`common.checkpoint` (atomic, checksummed, last K
-kept). Loading: every rank reads the files and keeps its own shards, for whatever grid and
-permutation the new run uses. On the same grid a resumed run continues bit for bit.
+Saving is collective (:mod:`common.sharded`): every rank writes its slices of the weights,
+biases, norm parameters and statistics, the Adam moments and (if trained) the input features
+into its own file; a slice replicated over ranks is written once. Nothing is gathered, so no
+rank ever holds more than its own shards. Loading reads, straight from the files, the slices
+the new run's grid and permutation need; on the same grid a resumed run continues bit for
+bit. ``python -m common.consolidate`` writes one full file from it, streaming.
 """
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from common import checkpoint as ckpt
+from common import sharded
 from plexus.model import PlexusGCN
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 # what must agree between the checkpoint and the run that loads it
 IDENTITY = ("dataset", "num_nodes", "widths", "learn_features", "model", "bias", "norm",
@@ -34,29 +37,27 @@ def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
 
 def save(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, epoch: int,
          history: list[dict[str, Any]], meta: dict[str, Any], keep: int = 3) -> None:
-    """Collective: gather full tensors, rank 0 writes checkpoint ``epoch`` under ``root``."""
-    tensors: dict[str, torch.Tensor] = {}
+    """Collective: every rank writes its shards as checkpoint ``epoch`` under ``root``."""
+    tensors: dict[str, tuple[torch.Tensor, sharded.Slab]] = {}
+    steps: dict[str, float] = {}
     for name, p, kind, layer in model.sharded_state():
-        tensors[name] = model.gather(kind, p.detach(), layer).cpu()
+        slab = model.slab(kind, layer)
+        tensors[name] = (p.detach(), slab)
         state = opt.state.get(p, {})
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in MOMENTS:
             if key in state:
-                tensors[f"{name}.{key}"] = model.gather(kind, state[key], layer).cpu()
+                tensors[f"{name}.{key}"] = (state[key], slab)
         if "step" in state:
-            tensors[f"{name}.step"] = state["step"].detach().cpu().clone()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        buf = io.BytesIO()
-        torch.save(tensors, buf)
-        files = {"tensors.pt": buf.getvalue(),
-                 "history.json": json.dumps(history).encode()}
-        ckpt.save(root, epoch, files, {**meta, "epoch": epoch, "engine": "plexus"}, keep=keep)
-    if dist.is_initialized():
-        dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
+            steps[name] = float(state["step"])
+    sharded.save(root, epoch, tensors, keep=keep,
+                 meta={**meta, "epoch": epoch, "engine": "plexus", "adam_steps": steps},
+                 files={"history.json": json.dumps(history).encode()})
 
 
 def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[str, Any]
          ) -> tuple[int, list[dict[str, Any]]]:
-    """Restore the newest intact checkpoint under ``root`` into this rank's shards.
+    """Restore the newest intact checkpoint under ``root`` into this rank's shards
+    (collective), reading only this rank's slices.
 
     Returns:
         (epoch of the checkpoint, metrics history up to it).
@@ -64,27 +65,24 @@ def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[
     Raises:
         common.checkpoint.CheckpointError: none found, corrupt, or from a different model.
     """
-    files, manifest, path = ckpt.load_latest(root)
-    saved = manifest["meta"]
+    ck = sharded.load_latest(root)
+    saved = ck.meta
     if saved.get("engine") != "plexus":
-        raise ckpt.CheckpointError(f"checkpoint {path} was written by "
+        raise ckpt.CheckpointError(f"checkpoint {ck.path} was written by "
                                    f"{saved.get('engine')!r}, not plexus")
     diff = [f"{k} {saved.get(k)!r} != {meta.get(k)!r}" for k in IDENTITY
             if saved.get(k) != meta.get(k)]
     if diff:
-        raise ckpt.CheckpointError(f"checkpoint {path} is from a different model: "
+        raise ckpt.CheckpointError(f"checkpoint {ck.path} is from a different model: "
                                    + ", ".join(diff))
-    tensors = torch.load(io.BytesIO(files["tensors.pt"]), weights_only=True)
     device = model.weights[0].device
+    steps = saved.get("adam_steps", {})
     with torch.no_grad():
         for name, p, kind, layer in model.sharded_state():
-            p.copy_(model.shard_full(kind, tensors[name], layer).to(device))
-            if f"{name}.step" in tensors:
-                opt.state[p] = {
-                    "step": tensors[f"{name}.step"].clone(),
-                    "exp_avg": model.shard_full(kind, tensors[f"{name}.exp_avg"], layer)
-                    .to(device),
-                    "exp_avg_sq": model.shard_full(kind, tensors[f"{name}.exp_avg_sq"], layer)
-                    .to(device),
-                }
-    return int(manifest["step"]), json.loads(files["history.json"])
+            slab = model.slab(kind, layer)
+            p.copy_(ck.read(name, slab).to(device))
+            if name in steps:
+                opt.state[p] = {"step": torch.tensor(steps[name]),
+                                **{key: ck.read(f"{name}.{key}", slab).to(device)
+                                   for key in MOMENTS}}
+    return ck.step, json.loads(ck.files["history.json"])

@@ -28,6 +28,7 @@ from common import autograd
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
+from common.sharded import Slab
 from plexus import layout
 from plexus.config import MODELS, NORMS
 from plexus.data import partition
@@ -105,6 +106,20 @@ class _GatheredMatmul(torch.autograd.Function):
 def _gather_flat(shard: torch.Tensor, group: AxisGroup, shape, stats) -> torch.Tensor:
     full = coll.all_gather(shard, group, stats=stats)
     return full[: math.prod(shape)].view(shape)
+
+
+def _slab(shape: tuple[int, ...], rows, cols: tuple[int, AxisGroup],
+          flat: tuple[tuple[int, int], AxisGroup] | None) -> Slab:
+    """A :class:`Slab` of columns ``cols`` (padded width, split over a group) and, with
+    ``flat`` (block shape, group), the block flattened and split as :func:`flat_shard`."""
+    width, group = cols
+    step = width // group.size
+    flat_range = None
+    if flat is not None:
+        (a, b), p = flat
+        size = -(-a * b // p.size)
+        flat_range = (p.rank * size, (p.rank + 1) * size)
+    return Slab(shape, rows, (group.rank * step, (group.rank + 1) * step), flat_range)
 
 
 class PlexusGCN(nn.Module):
@@ -429,6 +444,24 @@ class PlexusGCN(nn.Module):
             return self.shard_features(full)
         assert layer is not None
         return (self.shard_weight if kind == "weight" else self.shard_vector)(full, layer)
+
+    def slab(self, kind: str, layer: int | None) -> Slab:
+        """Where this rank's tensor of :meth:`sharded_state`'s ``kind`` sits in the full one
+        (a sharded checkpoint's description of :meth:`shard_full`; pure)."""
+        g, sh = self.groups, self.shard
+        if kind == "features":
+            rows = torch.from_numpy(sh.pc).chunk(g["x"].size)[g["x"].rank].numpy()
+            return _slab((sh.num_nodes, sh.widths[0]), rows,
+                         (sh.widths_padded[0], g["y"]), (self.features_shape, g["z"]))
+        assert layer is not None
+        o_ax, i_ax, p_ax = layout.roles(layer)
+        w_out = sh.widths_padded[layer + 1]
+        if kind == "vector":
+            return _slab((sh.widths[layer + 1],), (0, 1), (w_out, g[o_ax]), None)
+        d_in = sh.widths_padded[layer] // g[i_ax].size
+        rows = (g[i_ax].rank * d_in, (g[i_ax].rank + 1) * d_in)
+        return _slab((sh.widths[layer], sh.widths[layer + 1]), rows, (w_out, g[o_ax]),
+                     (self.block_shapes[layer], g[p_ax]))
 
     def full_weights(self, grads: bool = False) -> list[torch.Tensor]:
         """Every full (unpadded) ``W_l`` (or its gradient), on every rank (collective)."""

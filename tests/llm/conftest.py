@@ -30,6 +30,6 @@ def four_ranks(request):
 
 
 @pytest.fixture(scope="session")
-def eight_ranks():
+def eight_ranks(tmp_path_factory):
     """Per rank, the results of every 8-rank check (one launch for the whole session)."""
-    return run_ranks(eight_rank_checks, 8, timeout=600)
+    return run_ranks(eight_rank_checks, 8, str(tmp_path_factory.mktemp("llm8")), timeout=600)

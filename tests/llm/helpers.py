@@ -46,10 +46,11 @@ def four_rank_checks(ctx) -> dict[str, Any]:
             "loss": test_loss.sharded_losses(ctx)}
 
 
-def eight_rank_checks(ctx) -> dict[str, Any]:
-    """Everything the 8-rank tests compare, computed on one rank of one launch."""
+def eight_rank_checks(ctx, tmp: str) -> dict[str, Any]:
+    """Everything the 8-rank tests compare, computed on one rank of one launch (``tmp``: a
+    directory shared by the ranks, for a checkpoint)."""
     from tests.llm import test_parallel, test_tp, test_trainer
 
     return {"parallel": test_parallel.parallel_cases(ctx, test_parallel.CASES[8]),
             "volumes": [test_tp.linear_volumes(ctx, g, o) for g, o in test_tp.VOLUME_CASES],
-            **test_trainer.train_on_grids(ctx)}
+            **test_trainer.train_on_grids(ctx, tmp)}

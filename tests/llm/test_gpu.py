@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from llm import checkpoint
 from llm.trainer import run
 from tests.distributed import launch
 from tests.llm.helpers import make_trainer, one_rank_groups
@@ -35,11 +34,10 @@ def test_one_cuda_rank_follows_the_cpu_run(tmp_path):
             assert close(a[key], b[key], 1e-3), (a["step"], key, a[key], b[key])
         assert (a["num_kept"], a["num_dropped"]) == (b["num_kept"], b["num_dropped"])
     assert close(cpu[-1]["val_loss"], gpu[-1]["val_loss"], 1e-3)
-    # a GPU checkpoint holds CPU tensors and continues on the CPU
+    # a GPU checkpoint (raw bytes per shard) continues on the CPU
     trainer.save(str(tmp_path), keep=1, is_main=True)
     resumed = make_trainer(one_rank_groups(), steps=STEPS + 1)
     assert resumed.resume(str(tmp_path)) == STEPS
-    assert all(not t.is_cuda for t in checkpoint.load(tmp_path)["model"].values())
     assert run(resumed)[-1]["step"] == STEPS + 1
 
 

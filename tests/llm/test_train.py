@@ -83,7 +83,7 @@ def test_cli_resume_without_a_checkpoint_starts_fresh(tmp_path, capsys):
     assert train_main(args) == 0
     assert f"no checkpoint in {tmp_path / 'new'} yet: starting at step 0" in \
         capsys.readouterr().out
-    assert checkpoint.load(tmp_path / "new")["step"] == 1
+    assert checkpoint.open_checkpoint(tmp_path / "new").step == 1
 
 
 def test_cli_errors(tmp_path, capsys):
@@ -152,7 +152,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     rest, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "preempted (SIGTERM/SIGUSR1) at step" in rest
-    step = checkpoint.load(out)["step"]
+    step = checkpoint.open_checkpoint(out).step
     assert step >= 3
     resumed = subprocess.run([sys.executable, "-m", "llm.train", *FAULT_ARGS, "--steps",
                               str(step + 2), "--out", str(out), "--resume"], cwd=ROOT,

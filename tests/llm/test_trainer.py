@@ -75,7 +75,7 @@ def test_loop_checkpoints_every_n_steps_and_keeps_k(tmp_path):
     assert [("checkpoint" in r) for r in rows] == [False, True, False, True, True]
     assert sorted(os.listdir(tmp_path)) == ["step-00000004", "step-00000005"]  # keep = 2
     assert "val_loss" in rows[-1] and all("val_loss" not in r for r in rows[:-1])
-    assert checkpoint.load(tmp_path)["step"] == 5
+    assert checkpoint.open_checkpoint(tmp_path).step == 5
 
 
 def test_preemption_checkpoints_and_stops(tmp_path):
@@ -84,7 +84,7 @@ def test_preemption_checkpoints_and_stops(tmp_path):
                should_stop=lambda: trainer.step >= 2)
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["preempted"]
     assert "val_loss" in rows[-1] and "checkpoint" in rows[-1]
-    assert checkpoint.load(tmp_path)["step"] == 2
+    assert checkpoint.open_checkpoint(tmp_path).step == 2
 
 
 # ----------------------------------------------------------------- overlap, 4 ranks
@@ -123,9 +123,9 @@ def test_overlap_on_and_off_train_bit_for_bit_and_overlap_really_runs(four_ranks
 
 
 # ----------------------------------------------------------------- 8 ranks track 1
-def train_on_grids(ctx):
-    """Per rank: TRAIN_STEPS steps on each of TRAIN_GRIDS, and the state after half of them
-    on the first grid (rank 0)."""
+def train_on_grids(ctx, tmp):
+    """Per rank: TRAIN_STEPS steps on each of TRAIN_GRIDS, and a sharded checkpoint under
+    ``tmp`` after half of them on the first grid."""
     out = {"train": {}}
     for grid_text in TRAIN_GRIDS:
         trainer = make_trainer(make_groups(ProcessGrid.parse(grid_text, AXONN_AXES), ctx.rank,
@@ -134,8 +134,7 @@ def train_on_grids(ctx):
         for _ in range(TRAIN_STEPS):
             history.append(trainer.train_step())
             if trainer.step == TRAIN_STEPS // 2 and grid_text == TRAIN_GRIDS[0]:
-                state = trainer.state_dict()  # collective; full tensors on every rank
-                out["state"] = state if ctx.rank == 0 else None
+                out["checkpoint"] = trainer.save(f"{tmp}/ck", keep=1, is_main=True)
         history[-1].update(trainer.evaluate())
         out["train"][grid_text] = history
     return out
@@ -168,10 +167,15 @@ def test_training_on_8_ranks_tracks_1_rank(eight_ranks):
 
 @pytest.mark.slow
 def test_checkpoint_from_8_ranks_continues_on_1_rank(eight_ranks):
-    state = eight_ranks[0]["state"]
+    from common import sharded
+
+    path = eight_ranks[0]["checkpoint"]
+    # sharded: each of the 8 ranks wrote its own file, none much above a 1/8 share
+    files = sharded.load(path).manifest["files"]
+    sizes = [v["bytes"] for k, v in files.items() if k.startswith("shard-")]
+    assert len(sizes) == 8 and max(sizes) < 1.5 * sum(sizes) / 8, sizes
     trainer = make_trainer(one_rank_groups())
-    trainer.load_state_dict(state)
-    assert trainer.step == TRAIN_STEPS // 2
+    assert trainer.resume(str(path).rsplit("/", 1)[0]) == TRAIN_STEPS // 2
     resumed = run_trainer(trainer, TRAIN_STEPS)
     parallel = eight_ranks[0]["train"][TRAIN_GRIDS[0]][TRAIN_STEPS // 2 :]
     for a, b in zip(resumed, parallel, strict=True):

@@ -95,6 +95,13 @@ def test_checkpoint_loads_on_another_grid(tmp_path, save_grid, load_grid, model)
     ck = str(tmp_path / "ck")
     world = lambda g: int(torch.tensor([int(s) for s in g.split("x")]).prod())  # noqa: E731
     saved = run_ranks(_train_and_save, world(save_grid), save_grid, ck, model)[0]
+    # sharded: one file per rank, none much above its 1/G share (vectors are written once)
+    from common import sharded
+
+    manifest = sharded.load_latest(ck).manifest
+    sizes = [v["bytes"] for k, v in manifest["files"].items() if k.startswith("shard-")]
+    assert len(sizes) == world(save_grid)
+    assert max(sizes) < 1.5 * sum(sizes) / len(sizes), sizes
     loaded = run_ranks(_load_and_predict, world(load_grid), load_grid, ck, model)
     for out in loaded:
         err = float((out - saved).norm() / saved.norm())

@@ -1,0 +1,488 @@
+"""Sharded checkpoints: every rank writes only what it holds, any grid reads what it needs.
+
+A tensor of a parallel model is split over a grid; a :class:`Slab` says where one rank's
+local tensor sits in the global (serial, unpadded) tensor, in the form both trainers use::
+
+    block   = padded_global[rows][:, cols]      rows: a range or explicit row ids (features
+                                                in a permuted node order); cols: a range
+    local   = block                              (flat=None)
+            | block.ravel()[flat[0]:flat[1]]     (flat split over a third axis, zero beyond)
+
+Row ids or columns at or beyond the global shape are padding (zero, never stored anywhere
+else). A 1-D global tensor is a one-row matrix (``rows=(0, 1)``).
+
+Layout of checkpoint ``step`` under ``ROOT``::
+
+    ROOT/step-00000012/manifest.json     step, meta, per tensor its pieces, per file SHA-256
+    ROOT/step-00000012/shard-00003.bin   rank 3's pieces (and explicit row ids), raw bytes
+    ROOT/step-00000012/<name>            small files of rank 0 (history, iterator state)
+
+Saving is collective over ``group``: the pieces' descriptions are gathered (a few bytes per
+tensor), a piece held by several ranks (replicated) is written once, by the lowest of them,
+and every rank writes its file into one temporary directory which rank 0 renames after all
+have succeeded (fsync'ed, atomic: :mod:`common.checkpoint`). Loading is collective too: each
+file's checksum is verified by one rank and the verdict shared, so a damaged newest
+checkpoint makes every rank fall back to the same older one; then each rank reads only the
+parts of the files its own slabs need (memory-mapped; peak memory about its own shards).
+
+``python -m common.consolidate CKPT OUT.safetensors`` turns one into a single file, streaming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.checkpoint import CheckpointError, commit, fsync_dir, list_steps
+
+FORMAT = "sharded-1"
+_ALIGN = 64  # byte alignment of every piece in a shard file
+_CHUNK = 1 << 22  # elements per vectorised read (bounds the index arrays)
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Where a local tensor sits in a global one (module docstring).
+
+    Attributes:
+        shape: the global, unpadded shape (1-D or 2-D).
+        rows: block rows: ``(lo, hi)`` or an int64 array of global row ids (ids >= shape[0]
+            are padding rows).
+        cols: block columns ``(lo, hi)``; ``hi`` may exceed the width (padding).
+        flat: ``(lo, hi)``: the local tensor is these elements of the row-major flattened
+            block (zero beyond it); None: the local tensor is the block itself.
+    """
+
+    shape: tuple[int, ...]
+    rows: tuple[int, int] | np.ndarray
+    cols: tuple[int, int]
+    flat: tuple[int, int] | None = None
+
+    @staticmethod
+    def whole(shape: tuple[int, ...]) -> Slab:
+        """The whole tensor on one rank."""
+        r, c = _as_2d(shape)
+        return Slab(tuple(shape), (0, r), (0, c))
+
+    def row_ids(self) -> np.ndarray:
+        if isinstance(self.rows, np.ndarray):
+            return self.rows.astype(np.int64, copy=False)
+        return np.arange(self.rows[0], self.rows[1], dtype=np.int64)
+
+    @property
+    def width(self) -> int:
+        return self.cols[1] - self.cols[0]
+
+    def numel(self) -> int:
+        if self.flat is not None:
+            return self.flat[1] - self.flat[0]
+        n = self.rows.size if isinstance(self.rows, np.ndarray) else self.rows[1] - self.rows[0]
+        return n * self.width
+
+    def describe(self) -> dict[str, Any]:
+        """JSON form (explicit row ids are stored in the shard file, not here)."""
+        rows: Any = ({"ids": int(self.rows.size), "digest": _digest(self.rows)}
+                     if isinstance(self.rows, np.ndarray) else list(self.rows))
+        return {"shape": list(self.shape), "rows": rows, "cols": list(self.cols),
+                "flat": None if self.flat is None else list(self.flat)}
+
+
+def _as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 1:
+        return 1, shape[0]
+    if len(shape) == 2:
+        return shape[0], shape[1]
+    raise ValueError(f"sharded checkpoints hold 1-D or 2-D tensors, got shape {shape}")
+
+
+def _digest(ids: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------- collectives
+
+
+def _world(group: Any) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_gather_obj(obj: Any, group: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _bcast_obj(obj: Any, group: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
+                               group=group)
+    return box[0]
+
+
+# ------------------------------------------------------------------------------------ saving
+
+
+def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.Tensor, Slab]],
+         *, meta: Mapping[str, Any], files: Mapping[str, bytes] | None = None, keep: int = 3,
+         group: Any = None) -> Path:
+    """Write checkpoint ``step`` under ``root``: each rank its own pieces (collective).
+
+    Args:
+        root: checkpoint directory, shared by all ranks (created if missing).
+        step: names the checkpoint (``step-%08d``).
+        tensors: name -> (this rank's local tensor, its :class:`Slab`); the same names, in
+            any order, on every rank.
+        meta: JSON-serialisable description; rank 0's is stored.
+        files: small extra files, rank 0's are stored (others' are ignored).
+        keep: complete checkpoints to keep (older ones are deleted after the new one is in).
+        group: the process group (default: the world, or one process without
+            torch.distributed).
+
+    Returns:
+        The final checkpoint directory.
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed to write (nothing is committed).
+    """
+    rank, _ = _world(group)
+    root = Path(root)
+    names = sorted(tensors)
+    mine = {n: tensors[n][1].describe() | {"dtype": _dtype_name(tensors[n][0])} for n in names}
+    everyone = _all_gather_obj(mine, group)
+    if any(sorted(d) != names for d in everyone):
+        raise CheckpointError("ranks disagree on the tensors of the checkpoint (a bug)")
+    # a piece held by several ranks is written by the lowest of them
+    first_owner: dict[str, int] = {}
+    for r, descs in enumerate(everyone):
+        for n in names:
+            first_owner.setdefault(json.dumps([n, descs[n]], sort_keys=True), r)
+    writes = [n for n in names if first_owner[json.dumps([n, mine[n]], sort_keys=True)] == rank]
+    tmp = None
+    error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            error = f"cannot create the checkpoint under {root}: {e}"
+    tmp, error = _bcast_obj((tmp, error), group)
+    if error:
+        raise CheckpointError(error)
+    assert tmp is not None
+    record: dict[str, Any] = {}
+    try:
+        record = _write_rank_file(Path(tmp), rank, writes, tensors)
+        if rank == 0:
+            for name, data in (files or {}).items():
+                if "/" in name or name.startswith((".", "shard-")) or name == "manifest.json":
+                    raise ValueError(f"bad checkpoint file name {name!r}")
+                _write_bytes(Path(tmp) / name, data)
+                record.setdefault("extra", {})[name] = _file_entry(data)
+    except (OSError, ValueError) as e:
+        record = {"error": f"rank {rank}: {e}"}
+    records = _all_gather_obj(record, group)
+    errors = [r["error"] for r in records if "error" in r]
+    final = root / f"step-{step:08d}"
+    if rank == 0:
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            manifest = _manifest(step, meta, everyone, records)
+            _write_bytes(Path(tmp) / "manifest.json",
+                         json.dumps(manifest, indent=1, sort_keys=True).encode())
+            fsync_dir(Path(tmp))
+            commit(Path(tmp), final, keep=keep)
+    if errors:
+        raise CheckpointError("writing the checkpoint failed: " + "; ".join(errors))
+    if dist.is_initialized():
+        dist.barrier(group)  # nobody goes on (or exits) before the checkpoint is committed
+    return final
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_entry(data: bytes) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _write_rank_file(tmp: Path, rank: int, names: list[str],
+                     tensors: Mapping[str, tuple[torch.Tensor, Slab]]) -> dict[str, Any]:
+    """This rank's pieces into ``shard-RANK.bin`` (streamed, hashed as written)."""
+    if not names:
+        return {"pieces": {}}
+    fname = f"shard-{rank:05d}.bin"
+    sha, offset = hashlib.sha256(), 0
+    pieces: dict[str, dict[str, Any]] = {}
+    ids_at: dict[str, int] = {}  # explicit row ids shared by several tensors: stored once
+
+    def put(f: Any, arr: np.ndarray) -> int:
+        nonlocal offset
+        pad = -offset % _ALIGN
+        if pad:
+            f.write(b"\0" * pad)
+            sha.update(b"\0" * pad)
+            offset += pad
+        at = offset
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+        f.write(data)
+        sha.update(data)
+        offset += data.nbytes
+        return at
+
+    with open(tmp / fname, "wb") as f:
+        for name in names:
+            local, slab = tensors[name]
+            if local.numel() != slab.numel():
+                raise ValueError(f"{name}: local tensor has {local.numel()} elements, its slab "
+                                 f"{slab.numel()}")
+            piece = slab.describe()
+            if isinstance(slab.rows, np.ndarray):
+                key = piece["rows"]["digest"]
+                if key not in ids_at:
+                    ids_at[key] = put(f, slab.row_ids())
+                piece["rows"]["offset"] = ids_at[key]
+            arr = local.detach().to("cpu").contiguous()
+            piece["offset"] = put(f, arr.view(torch.uint8).numpy() if arr.numel() else
+                                  np.zeros(0, np.uint8))
+            piece["numel"] = local.numel()
+            piece["file"] = fname
+            pieces[name] = piece
+        f.flush()
+        os.fsync(f.fileno())
+    return {"pieces": pieces, "file": {fname: {"sha256": sha.hexdigest(), "bytes": offset}}}
+
+
+def _manifest(step: int, meta: Mapping[str, Any], descs: list[dict], records: list[dict]
+              ) -> dict[str, Any]:
+    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, Any] = {}
+    for rec in records:
+        files.update(rec.get("file", {}))
+        files.update(rec.get("extra", {}))
+        for name, piece in rec["pieces"].items():
+            entry = tensors.setdefault(name, {"shape": piece["shape"],
+                                              "dtype": descs[0][name]["dtype"], "pieces": []})
+            entry["pieces"].append({k: v for k, v in piece.items() if k != "shape"})
+    return {"format": FORMAT, "step": step, "meta": dict(meta), "tensors": tensors,
+            "files": files}
+
+
+# ----------------------------------------------------------------------------------- loading
+
+
+class ShardedCheckpoint:
+    """A verified sharded checkpoint: its manifest, small files and slab reads.
+
+    Attributes:
+        path: the ``step-*`` directory.
+        step, meta: as saved.
+        files: the small files (name -> bytes).
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path, self.manifest = path, manifest
+        self.step: int = manifest["step"]
+        self.meta: dict[str, Any] = manifest["meta"]
+        self.files = {n: (path / n).read_bytes() for n in manifest["files"]
+                      if not n.startswith("shard-")}
+        self._maps: dict[str, np.memmap] = {}
+
+    def names(self) -> list[str]:
+        return sorted(self.manifest["tensors"])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)["shape"])
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        try:
+            return self.manifest["tensors"][name]
+        except KeyError:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}") from None
+
+    def _map(self, fname: str) -> np.memmap:
+        if fname not in self._maps:
+            self._maps[fname] = np.memmap(self.path / fname, dtype=np.uint8, mode="r")
+        return self._maps[fname]
+
+    def read(self, name: str, slab: Slab) -> torch.Tensor:
+        """The local tensor of ``slab`` of tensor ``name``, read from the pieces it overlaps
+        (padding zero). Its global shape must be the checkpoint's."""
+        entry = self._entry(name)
+        if tuple(entry["shape"]) != tuple(slab.shape):
+            raise CheckpointError(f"checkpoint {self.path}: {name} has shape "
+                                  f"{tuple(entry['shape'])}, this model {tuple(slab.shape)}")
+        dtype = getattr(torch, entry["dtype"])
+        np_dtype = _storage_dtype(dtype)
+        out = _Target(slab, np_dtype)
+        for piece in entry["pieces"]:
+            raw = self._map(piece["file"])
+            data = raw[piece["offset"]:piece["offset"] + piece["numel"] * np_dtype.itemsize]
+            rows = piece["rows"]
+            if isinstance(rows, dict):
+                ids = raw[rows["offset"]:rows["offset"] + 8 * rows["ids"]].view(np.int64)
+            else:
+                ids = np.arange(rows[0], rows[1], dtype=np.int64)
+            out.fill(ids, tuple(piece["cols"]),
+                     None if piece["flat"] is None else tuple(piece["flat"]),
+                     data.view(np_dtype))
+        return torch.from_numpy(out.result()).view(dtype)
+
+
+def _storage_dtype(dtype: torch.dtype) -> np.dtype:
+    """A numpy dtype of ``dtype``'s size to move its bytes (numpy has no bfloat16)."""
+    if dtype == torch.bfloat16:
+        return np.dtype(np.uint16)
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+class _Target:
+    """The region of block rows a target slab covers, filled from source pieces."""
+
+    def __init__(self, slab: Slab, dtype: np.dtype) -> None:
+        self.slab = slab
+        ids = slab.row_ids()
+        w = slab.width
+        if slab.flat is None:
+            self.lo_row, self.hi_row = 0, ids.size
+        else:
+            self.lo_row = min(slab.flat[0] // max(w, 1), ids.size)
+            self.hi_row = min(-(-slab.flat[1] // max(w, 1)), ids.size)
+        self.ids = ids[self.lo_row:self.hi_row]
+        self.region = np.zeros((self.ids.size, w), dtype=dtype)
+        nrows, ncols = _as_2d(slab.shape)
+        self.valid_cols = (slab.cols[0], min(slab.cols[1], ncols))
+        real = np.flatnonzero(self.ids < nrows)
+        order = np.argsort(self.ids[real], kind="stable")
+        self.sorted_ids, self.sorted_pos = self.ids[real][order], real[order]
+
+    def fill(self, src_ids: np.ndarray, src_cols: tuple[int, int],
+             src_flat: tuple[int, int] | None, data: np.ndarray) -> None:
+        c_lo, c_hi = max(self.valid_cols[0], src_cols[0]), min(self.valid_cols[1], src_cols[1])
+        if c_hi <= c_lo or not self.sorted_ids.size:
+            return
+        w_src = src_cols[1] - src_cols[0]
+        f_lo, f_hi = src_flat if src_flat is not None else (0, src_ids.size * w_src)
+        # source block rows whose elements this piece holds, then those the target wants
+        first, last = f_lo // w_src, min(-(-f_hi // w_src), src_ids.size)
+        cand = np.arange(first, last, dtype=np.int64)
+        hit = np.searchsorted(self.sorted_ids, src_ids[first:last])
+        hit = np.minimum(hit, self.sorted_ids.size - 1)
+        found = self.sorted_ids[hit] == src_ids[first:last]
+        src_rows, dst_rows = cand[found], self.sorted_pos[hit[found]]
+        cols = np.arange(c_lo, c_hi, dtype=np.int64)
+        step = max(1, _CHUNK // cols.size)
+        for lo in range(0, src_rows.size, step):
+            sr, dr = src_rows[lo:lo + step], dst_rows[lo:lo + step]
+            flat = sr[:, None] * w_src + (cols - src_cols[0])[None, :]
+            mask = (flat >= f_lo) & (flat < f_hi)
+            vals = np.asarray(data[flat[mask] - f_lo])
+            self.region[np.broadcast_to(dr[:, None], mask.shape)[mask],
+                        np.broadcast_to((cols - self.slab.cols[0])[None, :], mask.shape)[mask]
+                        ] = vals
+
+    def result(self) -> np.ndarray:
+        slab = self.slab
+        if slab.flat is None:
+            return self.region if len(slab.shape) == 2 else self.region.reshape(-1)
+        start = slab.flat[0] - self.lo_row * slab.width
+        out = np.zeros(slab.flat[1] - slab.flat[0], dtype=self.region.dtype)
+        got = self.region.reshape(-1)[start:start + out.size]
+        out[:got.size] = got
+        return out
+
+
+def verify_files(path: Path, manifest: dict[str, Any], names: list[str]) -> list[str]:
+    """The files among ``names`` whose size or SHA-256 differs from the manifest (streamed)."""
+    bad = []
+    for name in names:
+        info = manifest["files"][name]
+        sha, size = hashlib.sha256(), 0
+        try:
+            with open(path / name, "rb") as f:
+                while block := f.read(1 << 24):
+                    sha.update(block)
+                    size += len(block)
+        except OSError:
+            bad.append(name)
+            continue
+        if size != info["bytes"] or sha.hexdigest() != info["sha256"]:
+            bad.append(name)
+    return bad
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (a ``step-*`` directory) holds a sharded checkpoint."""
+    try:
+        return json.loads((Path(path) / "manifest.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def load(path: str | os.PathLike, *, group: Any = None) -> ShardedCheckpoint:
+    """Open and verify one sharded checkpoint directory (collective: each file is hashed by
+    one rank). Raises CheckpointError on every rank if anything is missing or damaged."""
+    path = Path(path)
+    rank, world = _world(group)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        problem = None if manifest.get("format") == FORMAT else (
+            f"checkpoint {path} is not a sharded checkpoint (format "
+            f"{manifest.get('format')!r}); it was written by an older version: continue it "
+            "with that version, or train again")
+    except (OSError, ValueError) as e:
+        manifest, problem = {}, f"checkpoint {path}: manifest.json is missing or unreadable ({e})"
+    if problem is None:
+        names = sorted(manifest["files"])
+        bad = verify_files(path, manifest, names[rank::world])
+        problem = (f"checkpoint {path}: {', '.join(bad)} missing, truncated or corrupt "
+                   "(checksum mismatch)") if bad else None
+    problems = [p for p in _all_gather_obj(problem, group) if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    return ShardedCheckpoint(path, manifest)
+
+
+def load_latest(root: str | os.PathLike, *, group: Any = None) -> ShardedCheckpoint:
+    """The newest intact sharded checkpoint under ``root``, the same on every rank (a damaged
+    newer one is skipped with a warning from rank 0). Raises CheckpointError if none."""
+    root = Path(root)
+    rank, _ = _world(group)
+    problems = []
+    for step in reversed(list_steps(root)):
+        try:
+            return load(root / f"step-{step:08d}", group=group)
+        except CheckpointError as e:
+            problems.append(str(e))
+            if rank == 0:
+                print(f"warning: {e}; trying an older checkpoint", file=sys.stderr, flush=True)
+    detail = "; ".join(problems) if problems else "no step-* directories"
+    raise CheckpointError(f"no intact checkpoint under {root} ({detail})")
