@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -268,7 +269,27 @@ def resident_bytes() -> int:
 
 
 def peak_bytes() -> int:
-    """Peak resident set size of this process so far (``ru_maxrss``; KiB on Linux)."""
+    """Peak resident set size of this process since it started or since the last
+    :func:`reset_peak` (Linux ``VmHWM``; elsewhere ``ru_maxrss``, never reset)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def reset_peak() -> bool:
+    """Start a new peak for :func:`peak_bytes` at the current resident size (Linux: writes
+    5 to ``/proc/self/clear_refs``); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

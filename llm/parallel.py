@@ -355,6 +355,30 @@ class ParallelGPT(nn.Module):
         self.depth_weights.begin_forward()
         return self.model(idx)
 
+    @torch.no_grad()
+    def generate_greedy(self, idx: Tensor, max_new_tokens: int) -> Tensor:
+        """Append ``max_new_tokens`` greedy tokens, as :meth:`GPT.generate` with temperature
+        0 (no KV cache); collective, every rank passes the same ``idx`` and gets the result.
+
+        Each rank runs its rows of the batch; the vocabulary-split logits of the last position
+        are gathered over row (``[b, V_pad]``, a few KiB) and the rows over data and depth.
+
+        Shapes:
+            idx: int64 [B, T0] -> int64 [B, T0 + max_new_tokens]
+        """
+        g, vocab = self.groups, self.config.vocab_size
+        for _ in range(max_new_tokens):
+            local = batch_shard(idx[:, -self.config.max_seq_len:], g, 0)
+            logits = all_gather(self(local.to(self._device()))[:, -1, :].float(), g["row"],
+                                dim=-1)  # [b, V_pad]
+            nxt = logits[:, :vocab].argmax(dim=-1, keepdim=True).cpu()  # [b, 1]
+            nxt = all_gather(all_gather(nxt, g["depth"]), g["data"])[: idx.shape[0]]
+            idx = torch.cat((idx, nxt.to(idx.dtype)), dim=1)
+        return idx
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
+
     def shards(self) -> dict[str, nn.Parameter]:
         """This rank's parameters by their name in the serial GPT's state_dict."""
         return dict(self.model.named_parameters())

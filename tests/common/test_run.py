@@ -195,3 +195,17 @@ def test_start_from_the_flags():
     assert run("--device", "cpu", "--heartbeat-timeout", "2").stdout.split()[2] == "2.0"
     bad = run("--dist-timeout", "0")
     assert bad.returncode == 2 and "error: --dist-timeout must be > 0 seconds" in bad.stderr
+
+
+def test_peak_can_be_reset():
+    import numpy as np
+
+    from common.run import peak_bytes, reset_peak
+
+    block = np.ones(64 << 17)  # 64 MiB, touched
+    high = peak_bytes()
+    assert high >= 64 << 20
+    del block
+    if not reset_peak():
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    assert peak_bytes() < high - (32 << 20)

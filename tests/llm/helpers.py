@@ -43,7 +43,8 @@ def four_rank_checks(ctx) -> dict[str, Any]:
 
     return {"parallel": test_parallel.parallel_cases(ctx, test_parallel.CASES[4]),
             "overlap": test_trainer.overlap_runs(ctx),
-            "loss": test_loss.sharded_losses(ctx)}
+            "loss": test_loss.sharded_losses(ctx),
+            "generate": test_parallel.generate_case(ctx)}
 
 
 def eight_rank_checks(ctx, tmp: str) -> dict[str, Any]:

@@ -85,6 +85,24 @@ def parallel_cases(ctx, cases):
     return results
 
 
+GENERATE_GRID = "2x1x2x1"  # data 2 (3 prompts: padded), row 2 (the vocabulary gathered)
+
+
+def generate_case(ctx):
+    """Per rank: greedy tokens of the parallel model on GENERATE_GRID."""
+    groups = make_groups(ProcessGrid.parse(GENERATE_GRID, AXONN_AXES), ctx.rank, ctx.transport)
+    model = ParallelGPT(GPT(BASE, device="meta"), groups, seed=SEED)
+    prompt = torch.randint(BASE.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
+    return model.generate_greedy(prompt, 6)
+
+
+def test_parallel_greedy_generation_equals_serial(four_ranks):
+    prompt = torch.randint(BASE.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
+    want = GPT(BASE, seed=SEED).generate(prompt, 6)
+    for rank, result in enumerate(four_ranks):
+        assert torch.equal(result["generate"], want), rank
+
+
 def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 

@@ -1,0 +1,287 @@
+"""Peak resident memory per rank, step by step, next to the planner and the 1/G share.
+
+    python bench/memory.py plexus      # R-MAT (~100M edges), --learn-features, G = 1, 2, 4, 8:
+                                       # train 1 epoch, save, resume on another grid, 1 more
+    python bench/memory.py llm         # gpt1b: build on 8 ranks, save, load on 4, generate
+    python bench/memory.py plexus --scale 16 --edge-factor 16 --features 32   # a quick run
+
+Every step runs in fresh ranks under ``mpiexec`` (``python bench/memory.py --worker ...``).
+Each rank resets its peak (``common.run.reset_peak``: Linux's ``clear_refs``) before a step
+and reads it after (``VmHWM``), and rank 0 prints the maximum over ranks, so a step's figure is
+that step's own peak, including everything the process already held. Resident memory counts
+the pages of memory-mapped block files a rank has touched. Results are appended to
+bench/results/memory.jsonl.
+
+Checks (issue "Memory per rank at scale"):
+  plexus: features and optimizer state per rank fall as 1/G (within 10%); no step (save,
+          resume = load + one epoch) exceeds the training step's peak by more than 10%.
+  llm:    every step's peak per rank <= 1.5 x (parameter bytes / ranks) + 0.6 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "memory.jsonl"
+MIB, GIB = 2.0**20, 2.0**30
+PLEXUS_GRIDS = {1: ("1x1x1", "1x1x1"), 2: ("2x1x1", "1x2x1"), 4: ("2x2x1", "1x2x2"),
+                8: ("2x2x2", "4x2x1")}  # (train and save, resume on)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _phase_peaks():
+    """A recorder of per-step peaks: ``mark(name)`` closes the step since the last mark."""
+    from common.run import peak_bytes, reset_peak
+
+    peaks: dict[str, int] = {}
+
+    def mark(name: str | None) -> None:
+        if name is not None:
+            peaks[name] = peak_bytes()
+        reset_peak()
+
+    mark(None)
+    return peaks, mark
+
+
+def _report(ctx, values: dict[str, Any]) -> None:
+    """Rank 0 prints the maximum over ranks of every value as one JSON line."""
+    from common.dist import max_over_ranks
+
+    keys = sorted(values)
+    got = max_over_ranks([float(values[k]) for k in keys], ctx.device)
+    if ctx.is_main:
+        print("RESULT " + json.dumps(dict(zip(keys, got))), flush=True)
+
+
+def worker_plexus(args) -> None:
+    """One plexus step series on this rank: ``train`` (setup, one epoch, save) or ``resume``
+    (setup, load + one epoch)."""
+    import torch
+
+    from common.dist import init_distributed
+    from common.grid import ProcessGrid
+    from common.run import CheckpointConfig
+    from plexus.config import split_config
+    from plexus.data import PreparedGraph
+    from plexus.trainer import train_gcn
+
+    ctx = init_distributed(device="cpu")
+    peaks, mark = _phase_peaks()
+    source = PreparedGraph(args.data)
+    state = {}
+
+    def on_setup(_shard, model, _info):
+        mark("setup")
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        feats = model.features.numel() * model.features.element_size()
+        state.update(features_bytes=feats, optimizer_bytes=2 * params,  # Adam: 2 moments
+                     features_and_optimizer_bytes=feats + 2 * params)
+
+    resume = args.phase == "resume"
+    result = train_gcn(source, ProcessGrid.parse(args.grid), ctx.rank,
+                       **split_config(epochs=2 if resume else 1, hidden=args.hidden,
+                                      num_layers=3, learn_features=True, dropout=0.0),
+                       checkpoint=CheckpointConfig(dir=args.checkpoint, resume=resume),
+                       on_setup=on_setup, on_epoch=lambda row: mark(
+                           "load_and_epoch" if resume else "epoch"),
+                       transport=ctx.transport)
+    if not resume:
+        mark("save")
+    assert result.history, "no epoch ran"
+    _report(ctx, {**{f"peak_{k}": v for k, v in peaks.items()}, **state,
+                  "loss": result.history[-1]["loss"]})
+    del torch
+
+
+def worker_llm(args) -> None:
+    """gpt build + save (``build``) or build + load + generate (``load``) on this rank."""
+    import torch
+
+    from common.dist import init_distributed
+    from common.grid import AXONN_AXES, ProcessGrid
+    from llm import checkpoint
+    from llm.model import GPT, PRESETS
+    from llm.parallel import ParallelGPT, make_groups
+
+    ctx = init_distributed(device="cpu")
+    peaks, mark = _phase_peaks()
+    config = PRESETS[args.preset]()
+    groups = make_groups(ProcessGrid.parse(args.grid, AXONN_AXES), ctx.rank, ctx.transport)
+    model = ParallelGPT(GPT(config, device="meta"), groups, seed=0)
+    opt = torch.optim.AdamW(model.parameters())  # no step taken: no moments to save
+    mark("build")
+    values: dict[str, Any] = {"param_bytes_per_rank": sum(
+        p.numel() * p.element_size() for p in model.parameters())}
+    if args.phase == "build":
+        checkpoint.save(args.checkpoint, step=0, model=model, optimizer=opt,
+                        meta={"model_config": dataclasses.asdict(config), "configs": {}},
+                        state={"step": 0}, keep=1)
+        mark("save")
+    else:
+        checkpoint.load_into(checkpoint.open_checkpoint(args.checkpoint), model, opt)
+        mark("load")
+        out = model.generate_greedy(torch.tensor([[1, 2, 3, 4]]), args.tokens)
+        mark("generate")
+        values["tokens"] = float(out[0, -1])
+    _report(ctx, {**{f"peak_{k}": v for k, v in peaks.items()}, **values})
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _launch(ranks: int, worker_args: list[str]) -> dict[str, float]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args]
+    if ranks > 1:
+        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
+        cmd = [mpiexec, "-n", str(ranks), *cmd]
+    print("$ " + " ".join(cmd), flush=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    if r.returncode or not lines:
+        sys.exit(f"worker failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _record(case: str, rows: list[dict[str, Any]], ok: bool) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS, "a") as f:
+        f.write(json.dumps({"case": case, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                            "ok": ok, "rows": rows}) + "\n")
+
+
+def plexus_case(args) -> bool:
+    from common.perf.gcn import GCNWorkload, gcn_memory
+
+    data = Path(args.data or f"data/memory/rmat-{args.scale}-e{args.edge_factor}"
+                f"-f{args.features}")
+    if not (data / "manifest.json").is_file():
+        cmd = [sys.executable, "-m", "plexus.prepare", "--source", "rmat", "--scale",
+               str(args.scale), "--edge-factor", str(args.edge_factor), "--features",
+               str(args.features), "--blocks", "8", "--out", str(data), "--force"]
+        print("$ " + " ".join(cmd), flush=True)
+        if subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode:
+            sys.exit("preparation failed")
+    m = json.loads((data / "manifest.json").read_text())
+    work = GCNWorkload(name="rmat", num_nodes=m["num_nodes"], nnz=m["nnz"],
+                       num_features=m["num_features"], num_classes=m["num_classes"],
+                       num_layers=3, hidden=args.hidden, learn_features=True,
+                       cache_first_aggregation=False)
+    rows = []
+    for g in [int(x) for x in args.ranks.split(",")]:
+        train_grid, resume_grid = PLEXUS_GRIDS[g]
+        ck = data.parent / f"ck-{g}"
+        shutil.rmtree(ck, ignore_errors=True)
+        common = ["plexus", "--data", str(data), "--hidden", str(args.hidden),
+                  "--checkpoint", str(ck)]
+        a = _launch(g, [*common, "--phase", "train", "--grid", train_grid])
+        b = _launch(g, [*common, "--phase", "resume", "--grid", resume_grid])
+        shape = dict(zip("xyz", (int(v) for v in train_grid.split("x"))))
+        rows.append({"ranks": g, "grid": train_grid, "resume_grid": resume_grid,
+                     "planner_bytes": gcn_memory(work, shape), **a,
+                     **{f"resume_{k}": v for k, v in b.items()}})
+        shutil.rmtree(ck, ignore_errors=True)
+    base = rows[0]
+    print(f"\nplexus, {m['num_nodes']:,} nodes, {m['num_edges']:,} edges, {m['num_features']} "
+          f"learned features, hidden {args.hidden}, 3 layers; MiB per rank (max over ranks)")
+    print(f"{'G':>2} {'grid':>6} {'->':>6} {'feat+Adam':>10} {'x G=1':>6} {'1/G':>6} "
+          f"{'setup':>7} {'epoch':>7} {'save':>7} {'resume':>7} {'planner':>8} {'worst/epoch':>11}")
+    ok = True
+    for r in rows:
+        share = r["features_and_optimizer_bytes"] / base["features_and_optimizer_bytes"]
+        worst = max(r["peak_save"], r["resume_peak_load_and_epoch"]) / r["peak_epoch"]
+        fine = abs(share * r["ranks"] - 1) <= 0.10 and worst <= 1.10
+        ok &= fine
+        print(f"{r['ranks']:>2} {r['grid']:>6} {r['resume_grid']:>6} "
+              f"{r['features_and_optimizer_bytes'] / MIB:>10.1f} {share:>6.3f} "
+              f"{1 / r['ranks']:>6.3f} {r['peak_setup'] / MIB:>7.0f} "
+              f"{r['peak_epoch'] / MIB:>7.0f} {r['peak_save'] / MIB:>7.0f} "
+              f"{r['resume_peak_load_and_epoch'] / MIB:>7.0f} {r['planner_bytes'] / MIB:>8.0f} "
+              f"{worst:>11.3f}{'' if fine else '  NOT met'}")
+    print("checks: feat+Adam x G=1 within 10% of 1/G; save and resume peaks <= 1.10 x the "
+          f"epoch's: {'met' if ok else 'NOT met'}")
+    _record("plexus", rows, ok)
+    return ok
+
+
+def llm_case(args) -> bool:
+    ck = Path(args.checkpoint_dir)
+    shutil.rmtree(ck, ignore_errors=True)
+    a = _launch(8, ["llm", "--preset", args.preset, "--grid", "data=1,depth=2,row=2,col=2",
+                    "--phase", "build", "--checkpoint", str(ck)])
+    b = _launch(4, ["llm", "--preset", args.preset, "--grid", "data=1,depth=1,row=2,col=2",
+                    "--phase", "load", "--checkpoint", str(ck), "--tokens", str(args.tokens)])
+    shutil.rmtree(ck, ignore_errors=True)
+    rows, ok = [], True
+    print(f"\nllm {args.preset}: MiB per rank (max over ranks)")
+    print(f"{'ranks':>5} {'step':>9} {'peak':>8} {'params/rank':>12} {'bound':>8}")
+    for ranks, res, steps in ((8, a, ("build", "save")), (4, b, ("build", "load", "generate"))):
+        bound = 1.5 * res["param_bytes_per_rank"] + 0.6 * GIB
+        for step in steps:
+            peak = res[f"peak_{step}"]
+            ok &= peak <= bound
+            rows.append({"ranks": ranks, "step": step, "peak_bytes": peak, "bound": bound,
+                         "param_bytes_per_rank": res["param_bytes_per_rank"]})
+            print(f"{ranks:>5} {step:>9} {peak / MIB:>8.0f} "
+                  f"{res['param_bytes_per_rank'] / MIB:>12.0f} {bound / MIB:>8.0f}"
+                  f"{'' if peak <= bound else '  NOT met'}")
+    print(f"check: every peak <= 1.5 x parameter bytes per rank + 0.6 GiB: "
+          f"{'met' if ok else 'NOT met'}")
+    _record("llm", rows, ok)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--worker"]:
+        w = argparse.ArgumentParser()
+        w.add_argument("kind", choices=("plexus", "llm"))
+        w.add_argument("--phase", required=True)
+        w.add_argument("--grid", required=True)
+        w.add_argument("--checkpoint", required=True)
+        w.add_argument("--data")
+        w.add_argument("--hidden", type=int, default=64)
+        w.add_argument("--preset", default="gpt1b")
+        w.add_argument("--tokens", type=int, default=4)
+        wa = w.parse_args(argv[1:])
+        (worker_plexus if wa.kind == "plexus" else worker_llm)(wa)
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("case", choices=("plexus", "llm", "all"))
+    p.add_argument("--scale", type=int, default=21, help="plexus: R-MAT scale")
+    p.add_argument("--edge-factor", type=int, default=28,
+                   help="plexus: edges per node (21/28: about 100M stored edges)")
+    p.add_argument("--features", type=int, default=64, help="plexus: learned feature width")
+    p.add_argument("--hidden", type=int, default=64, help="plexus: hidden width")
+    p.add_argument("--data", default=None, help="plexus: a prepared dataset to use instead")
+    p.add_argument("--ranks", default="1,2,4,8", help="plexus: world sizes")
+    p.add_argument("--preset", default="gpt1b", help="llm: model preset")
+    p.add_argument("--tokens", type=int, default=4, help="llm: tokens to generate")
+    p.add_argument("--checkpoint-dir", default="data/memory/llm-ck", help="llm: checkpoint")
+    args = p.parse_args(argv)
+    ok = True
+    if args.case in ("plexus", "all"):
+        ok &= plexus_case(args)
+    if args.case in ("llm", "all"):
+        ok &= llm_case(args)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
