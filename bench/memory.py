@@ -2,6 +2,9 @@
 
     python bench/memory.py plexus      # R-MAT (~100M edges), --learn-features, G = 1, 2, 4, 8:
                                        # train 1 epoch, save, resume on another grid, 1 more
+    python bench/memory.py ogb         # --dataset ogbn-papers100M on OGB-format files of a
+                                       # generated graph (1M nodes, 8M edges, 128 features):
+                                       # 1 rank prepares, 1 rank reuses, 8 ranks (2x2x2)
     python bench/memory.py llm         # gpt1b: build on 8 ranks, save, load on 4, generate
     python bench/memory.py plexus --scale 16 --edge-factor 16 --features 32   # a quick run
 
@@ -15,6 +18,8 @@ bench/results/memory.jsonl.
 Checks (issue "Memory per rank at scale"):
   plexus: features and optimizer state per rank fall as 1/G (within 10%); no step (save,
           resume = load + one epoch) exceeds the training step's peak by more than 10%.
+  ogb:    1-rank peak <= 2.5 x the data; 8-rank peak per rank <= 0.5 x the 1-rank peak;
+          features and weights per rank fall as 1/G.
   llm:    every step's peak per rank <= 1.5 x (parameter bytes / ranks) + 0.6 GiB.
 """
 
@@ -218,6 +223,75 @@ def plexus_case(args) -> bool:
     return ok
 
 
+def _train_cli(ranks: int, cli: list[str], metrics: Path) -> tuple[dict[str, Any], float]:
+    """``plexus.train`` on ``ranks`` ranks: (its summary, the peak RSS of the largest child
+    process so far, which for one rank is that rank's own, preparation included)."""
+    import resource
+
+    cmd = [sys.executable, "-m", "plexus.train", *cli, "--metrics", str(metrics)]
+    if ranks > 1:
+        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
+        cmd = [mpiexec, "-n", str(ranks), *cmd]
+    print("$ " + " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"training failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    summary = [json.loads(x) for x in metrics.read_text().splitlines()][-1]["summary"]
+    return summary, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def ogb_case(args) -> bool:
+    """``--dataset ogbn-papers100M`` on OGB-format files of a generated graph: the first run
+    prepares the cache, the second reuses it; then 8 ranks (2x2x2)."""
+    root = Path(args.ogb_root)
+    raw = root / "ogbn_papers100M" / "raw" / "data.npz"
+    if not raw.is_file():
+        from tests.plexus.data.ogb_format import write_papers100m_like
+
+        print(f"writing OGB-format files of a {args.ogb_nodes:,}-node graph under {root}",
+              flush=True)
+        shutil.rmtree(root / "ogbn_papers100M", ignore_errors=True)
+        write_papers100m_like(root, num_nodes=args.ogb_nodes, num_features=args.ogb_features,
+                              avg_degree=2 * args.ogb_edges / args.ogb_nodes, num_classes=16)
+    shutil.rmtree(root / "prepared", ignore_errors=True)  # the first run must prepare
+    from plexus.data.sources import ogb_sizes
+
+    nodes, edges, feats = ogb_sizes(raw.parent)
+    data_bytes = nodes * feats * 4 + edges * 16
+    cli = ["--dataset", "ogbn-papers100M", "--root", str(root), "--epochs", "1", "--hidden",
+           "64", "--layers", "3"]
+    rows = []
+    for label, ranks, extra in (("1 rank, prepares", 1, []), ("1 rank, reuses", 1, []),
+                                ("8 ranks 2x2x2", 8, ["--grid", "2x2x2"])):
+        t = time.perf_counter()
+        summary, child_peak = _train_cli(ranks, [*cli, *extra], root / "metrics.jsonl")
+        mem = summary["memory_per_rank_max"]
+        rows.append({"run": label, "ranks": ranks, "wall_s": time.perf_counter() - t,
+                     "peak_bytes": mem["peak_bytes"] if ranks > 1 else child_peak,
+                     "features_weights_bytes": mem["features_weights_bytes"],
+                     "adjacency_bytes": mem["adjacency_bytes"],
+                     "storage": mem.get("adjacency_storage")})
+    one = max(rows[0]["peak_bytes"], rows[1]["peak_bytes"])
+    eight = rows[2]
+    ok = one <= 2.5 * data_bytes and eight["peak_bytes"] <= 0.5 * one
+    split = eight["features_weights_bytes"] / rows[1]["features_weights_bytes"]
+    ok &= split <= 1.1 / 8
+    print(f"\nogbn-papers100M format: {nodes:,} nodes, {edges:,} edges, {feats} features: "
+          f"{data_bytes / MIB:,.0f} MiB of data")
+    print(f"{'run':>18} {'peak MiB':>9} {'x data':>7} {'feat+W MiB':>11} {'adj MiB':>8} "
+          f"{'storage':>14} {'wall s':>7}")
+    for r in rows:
+        print(f"{r['run']:>18} {r['peak_bytes'] / MIB:>9.0f} {r['peak_bytes'] / data_bytes:>7.2f} "
+              f"{r['features_weights_bytes'] / MIB:>11.1f} {r['adjacency_bytes'] / MIB:>8.1f} "
+              f"{r['storage']!s:>14} {r['wall_s']:>7.1f}")
+    print(f"checks: 1-rank peak <= 2.5 x data ({one / data_bytes:.2f}); 8-rank peak <= 0.5 x "
+          f"1-rank ({eight['peak_bytes'] / one:.2f}); features and weights per rank at 8 ranks "
+          f"x{split:.3f} of 1 rank (1/8 = 0.125): {'met' if ok else 'NOT met'}")
+    _record("ogb", rows, ok)
+    return ok
+
+
 def llm_case(args) -> bool:
     ck = Path(args.checkpoint_dir)
     shutil.rmtree(ck, ignore_errors=True)
@@ -263,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("case", choices=("plexus", "llm", "all"))
+    p.add_argument("case", choices=("plexus", "ogb", "llm", "all"))
     p.add_argument("--scale", type=int, default=21, help="plexus: R-MAT scale")
     p.add_argument("--edge-factor", type=int, default=28,
                    help="plexus: edges per node (21/28: about 100M stored edges)")
@@ -271,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64, help="plexus: hidden width")
     p.add_argument("--data", default=None, help="plexus: a prepared dataset to use instead")
     p.add_argument("--ranks", default="1,2,4,8", help="plexus: world sizes")
+    p.add_argument("--ogb-root", default="data/memory/ogb", help="ogb: where the files go")
+    p.add_argument("--ogb-nodes", type=int, default=1_000_000, help="ogb: nodes")
+    p.add_argument("--ogb-edges", type=int, default=8_000_000, help="ogb: directed edges")
+    p.add_argument("--ogb-features", type=int, default=128, help="ogb: feature width")
     p.add_argument("--preset", default="gpt1b", help="llm: model preset")
     p.add_argument("--tokens", type=int, default=4, help="llm: tokens to generate")
     p.add_argument("--checkpoint-dir", default="data/memory/llm-ck", help="llm: checkpoint")
@@ -278,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if args.case in ("plexus", "all"):
         ok &= plexus_case(args)
+    if args.case in ("ogb", "all"):
+        ok &= ogb_case(args)
     if args.case in ("llm", "all"):
         ok &= llm_case(args)
     return 0 if ok else 1

@@ -20,6 +20,7 @@ import itertools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -106,6 +107,13 @@ class _GatheredMatmul(torch.autograd.Function):
 def _gather_flat(shard: torch.Tensor, group: AxisGroup, shape, stats) -> torch.Tensor:
     full = coll.all_gather(shard, group, stats=stats)
     return full[: math.prod(shape)].view(shape)
+
+
+def _chunk(order: np.ndarray, group: AxisGroup) -> torch.Tensor:
+    """This rank's chunk of a node order (a copy: the order may be a read-only memory map)."""
+    n = order.size // group.size
+    assert n * group.size == order.size, "the padded node count splits evenly over every axis"
+    return torch.from_numpy(np.array(order[group.rank * n:(group.rank + 1) * n], dtype=np.int64))
 
 
 def _slab(shape: tuple[int, ...], rows, cols: tuple[int, AxisGroup],
@@ -302,7 +310,7 @@ class PlexusGCN(nn.Module):
             o_ax, i_ax, _ = layout.roles(layer)
             g, sh = self.groups, self.shard
             order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[1]
-            rows = torch.from_numpy(order).chunk(g[o_ax].size)[g[o_ax].rank]
+            rows = _chunk(order, g[o_ax])
             width = sh.widths_padded[layer] // g[i_ax].size
             cols = torch.arange(width) + g[i_ax].rank * width
             self._ids[layer] = (rows, cols)
@@ -318,8 +326,7 @@ class PlexusGCN(nn.Module):
         _, _, p_ax = layout.roles(layer)
         g, sh = self.groups, self.shard
         order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[0]
-        rows = torch.from_numpy(order).chunk(g[p_ax].size)[g[p_ax].rank]
-        return rows < sh.num_nodes
+        return _chunk(order, g[p_ax]) < sh.num_nodes
 
     def _make_norm(self, layer: int) -> nn.Module:
         o_ax, _, p_ax = layout.roles(layer)
@@ -336,7 +343,7 @@ class PlexusGCN(nn.Module):
         """PyG's NormalizeFeatures on the features block [N/X, D_0/Y]: x - min over the whole
         graph, then each row over its row sum (all-reduced over y) clamped to >= 1."""
         g, sh = self.groups, self.shard
-        rows = torch.from_numpy(sh.pc).chunk(g["x"].size)[g["x"].rank] < sh.num_nodes
+        rows = _chunk(sh.pc, g["x"]) < sh.num_nodes
         width = block.shape[1]
         cols = torch.arange(width) + g["y"].rank * width < sh.widths[0]
         real = rows[:, None] & cols[None, :]
@@ -383,7 +390,7 @@ class PlexusGCN(nn.Module):
         g, sh = self.groups, self.shard
         padded = full.new_zeros(sh.num_nodes_padded, sh.widths_padded[0])
         padded[: full.shape[0], : full.shape[1]] = full
-        rows = torch.from_numpy(sh.pc).chunk(g["x"].size)[g["x"].rank]
+        rows = _chunk(sh.pc, g["x"])
         blk = padded[rows].chunk(g["y"].size, 1)[g["y"].rank]
         return flat_shard(blk, g["z"].size, g["z"].rank)
 
@@ -450,7 +457,7 @@ class PlexusGCN(nn.Module):
         (a sharded checkpoint's description of :meth:`shard_full`; pure)."""
         g, sh = self.groups, self.shard
         if kind == "features":
-            rows = torch.from_numpy(sh.pc).chunk(g["x"].size)[g["x"].rank].numpy()
+            rows = _chunk(sh.pc, g["x"]).numpy()
             return _slab((sh.num_nodes, sh.widths[0]), rows,
                          (sh.widths_padded[0], g["y"]), (self.features_shape, g["z"]))
         assert layer is not None

@@ -5,6 +5,8 @@
     python -m plexus.train --dataset Planetoid/Cora --root data --layers 2 --hidden 16 \
         --epochs 200 --normalize-features --runs 10      # PyG's GCN example, 10 seeds
     torchrun --standalone --nproc-per-node 4 -m plexus.train --grid 1x2x2
+    mpiexec -n 8 python -m plexus.train --dataset ogbn-papers100M --grid 2x2x2   # prepared
+        # once into data/prepared/ogbn-papers100M-k8-double-s0, then mapped (plexus.data.cache)
 
 This module parses arguments and prints; the loop is plexus.trainer, the data plexus.data.
 Rank 0 prints and writes ``--metrics``.
@@ -14,15 +16,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
+import uuid
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from common import run
 from common.checkpoint import CheckpointError
 from common.dist import max_over_ranks, preemption_flag
-from common.grid import ProcessGrid
+from common.grid import ProcessGrid, ceil_div
 from common.run import peak_bytes, resident_bytes
 from plexus import layout
 from plexus.config import (
@@ -35,6 +40,7 @@ from plexus.config import (
     aggregation_of,
 )
 from plexus.data import DatasetCorruptError, ShardSource, available_datasets, open_source
+from plexus.data.cache import PREPARE_MODES, PrepareFailedError
 from plexus.data.partition import PERMUTATIONS
 from plexus.data.schema import DEFAULT_ROOT
 from plexus.sparse import SPMM_KERNELS
@@ -85,6 +91,39 @@ def choose_grid(spec: str | None, source: ShardSource, model: ModelConfig, ctx) 
     return grid
 
 
+MIN_BLOCKS = 8  # k of an auto-prepared cache: at least this many blocks per side
+
+
+def default_blocks(spec: str | None, world_size: int) -> int:
+    """``--blocks`` default: the smallest multiple of lcm(X, Y, Z) >= 8 for the grid ``--grid``
+    names (or the default grid of ``world_size``), so every axis divides it; 8 for
+    ``auto`` (the chosen grid is then one whose axes divide 8)."""
+    if spec and spec.partition(":")[0] == "auto":
+        return MIN_BLOCKS
+    grid = ProcessGrid.parse(spec) if spec else default_grid(world_size)
+    step = math.lcm(*grid.shape.values())
+    return step * ceil_div(MIN_BLOCKS, step)
+
+
+def open_dataset(args: argparse.Namespace, ctx) -> ShardSource:
+    """``--dataset`` as a shard source; a big one is prepared once by rank 0 into
+    ``ROOT/prepared`` while the other ranks wait (plexus.data.cache)."""
+    blocks = args.blocks if args.blocks is not None else default_blocks(args.grid,
+                                                                         ctx.world_size)
+    if blocks < 1:
+        raise ValueError(f"--blocks must be >= 1, got {blocks}")
+    token = None
+    if args.prepare != "never" and ctx.world_size > 1:
+        box = [uuid.uuid4().hex if ctx.is_main else None]  # tells this job's failure marker
+        dist.broadcast_object_list(box, src=0)             # from an earlier job's (set-up)
+        token = box[0]
+    return open_source(args.dataset, root=args.root, permutation=args.permutation,
+                       seed=args.seed, symmetrize=args.symmetrize,
+                       aggregation=aggregation_of(args.model), prepare=args.prepare,
+                       blocks=blocks, is_writer=ctx.rank == 0, verbose=ctx.local_rank == 0,
+                       token=token)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m, o, r = ModelConfig(), OptimConfig(), RunConfig()
     p = argparse.ArgumentParser(
@@ -94,10 +133,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--dataset", default="planted",
-                   help=f"{', '.join(available_datasets())}, or a directory written by "
-                   "python -m plexus.prepare (each rank maps only its blocks)")
+                   help=f"{', '.join(available_datasets())}, a .npy edge file, or a directory "
+                   "written by python -m plexus.prepare (each rank maps only its blocks)")
     p.add_argument("--root", default=DEFAULT_ROOT,
-                   help="directory holding OGB datasets (and prepared ones, by name)")
+                   help="directory holding OGB datasets (and prepared ones, by name; the "
+                   "cache of --prepare in ROOT/prepared)")
+    p.add_argument("--prepare", choices=PREPARE_MODES, default="auto",
+                   help="prepare the dataset once into ROOT/prepared/NAME-kK-PERMUTATION-sSEED"
+                   "[-sym] (rank 0 writes, the other ranks wait; later runs reuse it) and "
+                   "memory-map it per rank. auto: for ogbn-papers100M, ogbn-products, .npy edge "
+                   "files and OGB datasets over 1 GiB (nodes*features*4 + edges*16 bytes, from "
+                   "the file headers), GraphSAGE excepted; always: every OGB dataset or edge "
+                   "file; never: load the whole graph on every rank")
+    p.add_argument("--blocks", type=int, default=None, metavar="K",
+                   help="k (k x k blocks) of a cache --prepare writes; every grid axis must "
+                   "divide it. Default: the smallest multiple of lcm(X, Y, Z) >= 8 of the grid "
+                   "(--grid XxYxZ or the default one); 8 with --grid auto")
     p.add_argument("--grid", default=None,
                    help="XxYxZ process grid (default: the most cubic one for the world size), "
                    "or auto[:PROFILE]: the grid the performance model predicts fastest on a "
@@ -188,15 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             run.check_writable(args.metrics, flag="--metrics")
         if ck.dir:
             run.check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
-        source = open_source(args.dataset, root=args.root, permutation=args.permutation,
-                             seed=args.seed, symmetrize=args.symmetrize,
-                             aggregation=aggregation_of(args.model))
+        source = open_dataset(args, ctx)
         grid = choose_grid(args.grid, source, configs["model"], ctx)
         grid.check(ctx.world_size, source.grid_problems)
         return source, grid, {**configs, "checkpoint": ck}
 
-    source, grid, configs = run.run_or_exit(ctx, prepare,
-                                          user_errors=(ValueError, OSError))
+    source, grid, configs = run.run_or_exit(ctx, prepare, user_errors=(
+        ValueError, OSError, PrepareFailedError))
     metrics = run.MetricsWriter(args.metrics, enabled=ctx.is_main, resume=args.resume)
 
     run_index = 0

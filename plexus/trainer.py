@@ -71,6 +71,8 @@ def setup(source: ShardSource, grid: ProcessGrid, rank: int, model: ModelConfig,
     net = PlexusGCN(shard, groups, model=model.model, learn_features=model.learn_features,
                     seed=seed, dropout=model.dropout, bias=model.bias, norm=model.norm,
                     normalize_features=model.normalize_features, residual=model.residual)
+    # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
+    shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))
     return shard, groups, net
 
 

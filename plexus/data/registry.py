@@ -3,6 +3,7 @@
     load_dataset("planted")                       # an in-memory Graph
     open_source("ogbn-arxiv", root="data")        # a ShardSource for the trainer
     open_source("data/rmat-24-k8")                # a prepared dataset: mapped per rank
+    open_source("ogbn-papers100M", root="data")   # prepared once into data/prepared/, mapped
 
     load_dataset("Planetoid/Cora", root="data")   # through torch_geometric.datasets.Planetoid
 
@@ -10,6 +11,8 @@ Names: ``planted`` (built-in, learnable), ``rmat`` (scale 12), ``rmat-<scale>``,
 datasets (read by the real ``ogb`` loaders from ``root``), the PyG node datasets
 (``Family/Name``, read by PyG's own dataset classes from ``root``: :mod:`plexus.data.pyg`), or
 a directory written by ``python -m plexus.prepare`` (as a path, or as a name under ``root``).
+Big datasets (ogbn-papers100M, ogbn-products, ``.npy`` edge files, OGB datasets over 1 GiB) are
+prepared once into ``root/prepared`` and memory-mapped (:mod:`plexus.data.cache`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 from pathlib import Path
 
+from plexus.data import cache
 from plexus.data.generators import planted_partition, rmat_graph
 from plexus.data.graph import Graph
 from plexus.data.memory import InMemorySource
@@ -82,9 +86,19 @@ def _load(name: str, root: str | os.PathLike, seed: int, download: bool) -> Grap
 def open_source(name: str, *, root: str | os.PathLike | None = None,
                 permutation: str | None = None, seed: int = 0,
                 pad_multiple: int = 1, symmetrize: bool = False,
-                aggregation: str = "gcn") -> ShardSource:
+                aggregation: str = "gcn", prepare: str = "auto", blocks: int = 8,
+                is_writer: bool = True, verbose: bool = False,
+                token: str | None = None) -> ShardSource:
     """The shard source of ``--dataset NAME``: a prepared directory (``NAME`` as a path, or
-    ``ROOT/NAME``) is memory-mapped per rank; any other name is loaded whole.
+    ``ROOT/NAME``) is memory-mapped per rank; a big dataset goes through the prepared cache
+    ``ROOT/prepared/<name>-k<blocks>-<permutation>-s<seed>[-sym]`` (written once, then
+    memory-mapped: :func:`plexus.data.cache.prepared_cache`); any other name is loaded whole.
+
+    ``prepare`` decides the cache: ``auto`` uses it for ogbn-papers100M, ogbn-products,
+    ``.npy`` edge files and OGB datasets whose estimated size (nodes * features * 4 + edges *
+    16 bytes, from the file headers) exceeds ``cache.IN_MEMORY_LIMIT_BYTES`` (1 GiB), except
+    for GraphSAGE (``mean``), which needs the graph in memory; ``always`` uses it for every
+    OGB name or edge file; ``never`` loads the graph whole.
 
     Args:
         name: a dataset name (:func:`load_dataset`) or a prepared directory.
@@ -98,11 +112,19 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
             dataset must have been prepared symmetric, it cannot be changed when mapped.
         aggregation: ``gcn`` (``Â``) or ``mean`` (GraphSAGE; in-memory graphs only, see
             :class:`~plexus.data.memory.InMemorySource`).
+        prepare: ``auto``, ``always`` or ``never`` (above).
+        blocks: k of a cache prepared now (every grid axis must divide it).
+        is_writer: this rank prepares the cache (one rank per job, global rank 0); the others
+            wait for it, polling the filesystem (``root`` must be shared by every node).
+        verbose: print the cache's progress (one rank per node, local rank 0).
+        token: the same on every rank, new per job (see ``prepared_cache``).
 
     Raises:
-        ValueError: unknown name, a permutation the prepared dataset was not made with, or
-            symmetrize for a prepared dataset holding a directed graph.
+        ValueError: unknown name, a permutation the prepared dataset was not made with,
+            symmetrize for a prepared dataset holding a directed graph, a cache that does not
+            match, or ``prepare`` impossible for the name or the aggregation.
         DatasetNotFoundError, DatasetCorruptError: missing or unreadable files.
+        PrepareFailedError: (waiting ranks) the writer failed to prepare the cache.
     """
     root = Path(DEFAULT_ROOT if root is None else root)
     for path in (Path(name), root / name):
@@ -120,6 +142,35 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
                     "plexus.prepare --source ... --out ... --symmetrize (the flag applies to "
                     ".npy edge-file sources), or train on it as it is")
             return source
+    if _use_cache(name, root, prepare, aggregation):
+        path = cache.prepared_cache(name, root, blocks=blocks, permutation=permutation or "double",
+                                    seed=seed, symmetrize=symmetrize, is_writer=is_writer,
+                                    token=token, verbose=verbose, quiet=not verbose)
+        return PreparedGraph(path)
     graph = load_dataset(name, root=root, seed=seed, symmetrize=symmetrize)
     return InMemorySource(graph, permutation=permutation or "double", seed=seed,
                           pad_multiple=pad_multiple, aggregation=aggregation)
+
+
+def _use_cache(name: str, root: Path, prepare: str, aggregation: str) -> bool:
+    """Whether ``name`` goes through the prepared cache (see :func:`open_source`)."""
+    if prepare not in cache.PREPARE_MODES:
+        raise ValueError(f"unknown prepare mode {prepare!r}; choose from {cache.PREPARE_MODES}")
+    edge_file = cache.is_edge_file(name)
+    if prepare == "never" or not cache.cacheable(name):
+        if edge_file:
+            raise ValueError(f"{name} is an edge file, which is read only through the prepared "
+                             "cache: use --prepare auto or always (or python -m plexus.prepare)")
+        if prepare == "always":
+            raise ValueError(f"--prepare always: {name!r} cannot be prepared automatically "
+                             "(only OGB datasets and .npy edge files can); prepare it with "
+                             f"python -m plexus.prepare --source {name} --out DIR and train on "
+                             "DIR, or use --prepare auto")
+        return False
+    if aggregation != "gcn" and (prepare == "always" or edge_file):
+        instead = "" if edge_file else "--prepare never (the graph in memory) or "
+        raise ValueError(
+            f"{name} through the prepared cache (--prepare {prepare}) cannot train aggregation "
+            f"{aggregation!r} (GraphSAGE): prepared datasets hold only the GCN's normalised "
+            f"adjacency; use {instead}--model gcn")
+    return prepare == "always" or (aggregation == "gcn" and cache.wants_cache(name, root))

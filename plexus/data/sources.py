@@ -178,17 +178,7 @@ def ogb_source(name: str, root: str | os.PathLike = DEFAULT_ROOT, *, chunk_edges
         raise DatasetNotFoundError(not_found_message(spec, Path(root), missing))
     raw = ddir / "raw"
     npz = (raw / "data.npz").is_file()
-    if npz:
-        with zipfile.ZipFile(raw / "data.npz") as zf:
-            num_nodes = int(_npz_read(zf, "num_nodes_list")[0])
-            n_edges = int(_npz_header(zf, "edge_index")[0][1])
-            num_features = int(_npz_header(zf, "node_feat")[0][1])
-    else:
-        import pandas as pd
-
-        num_nodes = int(pd.read_csv(raw / "num-node-list.csv.gz", header=None)[0].sum())
-        n_edges = int(pd.read_csv(raw / "num-edge-list.csv.gz", header=None)[0].sum())
-        num_features = pd.read_csv(raw / "node-feat.csv.gz", header=None, nrows=1).shape[1]
+    num_nodes, n_edges, num_features = ogb_sizes(raw)
     y = _ogb_labels(raw, npz, num_nodes)
     num_classes = max(_ogb_num_classes(name), int(y.max()) + 1)  # as the ogb loader says
 
@@ -227,6 +217,22 @@ def ogb_source(name: str, root: str | os.PathLike = DEFAULT_ROOT, *, chunk_edges
         chunks=chunks, num_edges=n_edges, symmetrize=name == "ogbn-products",
         undirected=False, dedupe=False, node_data=node_data,
         description={"kind": "ogb", "name": name, "root": str(Path(root).resolve())})
+
+
+def ogb_sizes(raw: str | os.PathLike) -> tuple[int, int, int]:
+    """(nodes, stored edges, feature width) of an OGB node dataset's ``raw`` folder, from the
+    npz headers (ogbn-papers100M) or the CSV count files, without reading the graph."""
+    raw = Path(raw)
+    if (raw / "data.npz").is_file():
+        with zipfile.ZipFile(raw / "data.npz") as zf:
+            return (int(_npz_read(zf, "num_nodes_list").sum()),
+                    int(_npz_header(zf, "edge_index")[0][1]),
+                    int(_npz_header(zf, "node_feat")[0][1]))
+    import pandas as pd
+
+    return (int(pd.read_csv(raw / "num-node-list.csv.gz", header=None)[0].sum()),
+            int(pd.read_csv(raw / "num-edge-list.csv.gz", header=None)[0].sum()),
+            pd.read_csv(raw / "node-feat.csv.gz", header=None, nrows=1).shape[1])
 
 
 def _ogb_num_classes(name: str) -> int:

@@ -1,0 +1,189 @@
+"""plexus.data.cache: big datasets prepared once under ROOT/prepared, then memory-mapped.
+
+The datasets are tiny graphs in the exact OGB on-disk format (tests/plexus/data/ogb_format.py),
+so the real streaming readers run; ogbn-papers100M goes through the cache by name whatever its
+size. Training on a prepared dataset equals the in-memory source: test_prepared.py.
+"""
+
+import json
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import plexus.data.prepare as prepare_module
+from plexus.data import DatasetCorruptError, InMemorySource, PreparedGraph, cache, open_source
+from plexus.data.cache import PrepareFailedError, prepared_cache
+from plexus.train import default_blocks
+from tests.distributed import needs_mpi
+from tests.plexus.data.ogb_format import write_arxiv_like, write_papers100m_like
+from tests.plexus.test_train import cli
+
+PAPERS = "ogbn-papers100M"
+KW = {"blocks": 2, "permutation": "double", "seed": 0, "symmetrize": False}
+
+
+def _cache_dir(root, **kw):
+    return cache.cache_dir(PAPERS, root, **{**KW, **kw})
+
+
+def _no_prepare(*args, **kwargs):
+    raise AssertionError("prepare() ran, but the cache should have been reused")
+
+
+def test_auto_prepares_papers100m_once_then_reuses_it(tmp_path, monkeypatch):
+    written = write_papers100m_like(tmp_path, num_nodes=400)
+    src = open_source(PAPERS, root=tmp_path, blocks=2)
+    out = tmp_path / "prepared" / "ogbn-papers100M-k2-double-s0"
+    assert isinstance(src, PreparedGraph) and src.path == out
+    assert (src.num_nodes, src.blocks, src.num_classes) == (400, 2, 172)
+    assert src.split_counts["train"] == written.train_idx.size
+    assert not src.symmetric and not list(tmp_path.glob("prepared/*.partial"))
+    mtime = (out / "manifest.json").stat().st_mtime_ns
+    monkeypatch.setattr(prepare_module, "prepare", _no_prepare)
+    again = open_source(PAPERS, root=tmp_path, blocks=2, is_writer=False)  # a waiter: no wait
+    assert again.path == out and (out / "manifest.json").stat().st_mtime_ns == mtime
+    # the name carries every setting: another seed or --symmetrize is another cache
+    assert _cache_dir(tmp_path, seed=3, symmetrize=True).name == (
+        "ogbn-papers100M-k2-double-s3-sym")
+    assert cache.cache_dir("ogbn-products", tmp_path, **{**KW, "symmetrize": True}).name == (
+        "ogbn-products-k2-double-s0")  # products is undirected already
+    (out.parent / "ogbn-papers100M-k2-double-s1").symlink_to(out)  # another seed's name
+    with pytest.raises(ValueError, match=r"does not match this run: seed 0 \(wanted 1\).*delete"):
+        open_source(PAPERS, root=tmp_path, blocks=2, seed=1)
+
+
+def test_the_size_rule_and_the_modes(tmp_path, monkeypatch):
+    write_arxiv_like(tmp_path, num_nodes=300, num_features=16)
+    write_papers100m_like(tmp_path, num_nodes=400)
+    est = cache.estimated_bytes("ogbn-arxiv", tmp_path)
+    num_edges = int(np.loadtxt(tmp_path / "ogbn_arxiv/raw/num-edge-list.csv.gz"))
+    assert est == 300 * 16 * 4 + num_edges * 16
+    assert cache.estimated_bytes("ogbn-arxiv", tmp_path / "nowhere") is None
+    assert not cache.wants_cache("ogbn-arxiv", tmp_path)  # small: in memory
+    assert cache.wants_cache("ogbn-arxiv", tmp_path, limit_bytes=est - 1)
+    assert cache.wants_cache(PAPERS, tmp_path) and cache.wants_cache("ogbn-products", "x")
+    assert isinstance(open_source("ogbn-arxiv", root=tmp_path), InMemorySource)
+    assert isinstance(open_source(PAPERS, root=tmp_path, prepare="never"), InMemorySource)
+    # GraphSAGE needs the graph in memory: auto keeps it there, always refuses and says why
+    assert isinstance(open_source(PAPERS, root=tmp_path, aggregation="mean"), InMemorySource)
+    with pytest.raises(ValueError, match=r"cannot train aggregation 'mean' \(GraphSAGE\)"):
+        open_source(PAPERS, root=tmp_path, aggregation="mean", prepare="always")
+    with pytest.raises(ValueError, match="'planted' cannot be prepared automatically"):
+        open_source("planted", prepare="always")
+    with pytest.raises(ValueError, match="unknown prepare mode"):
+        open_source(PAPERS, root=tmp_path, prepare="sometimes")
+    assert not (tmp_path / "prepared").exists()
+    monkeypatch.setattr(cache, "IN_MEMORY_LIMIT_BYTES", est - 1)  # now arxiv is "big"
+    src = open_source("ogbn-arxiv", root=tmp_path, blocks=2, symmetrize=True)
+    assert isinstance(src, PreparedGraph) and src.symmetric
+    assert src.path.name == "ogbn-arxiv-k2-double-s0-sym"
+
+
+def test_an_edge_file_goes_through_the_cache(tmp_path):
+    rng = np.random.default_rng(0)
+    edges = rng.integers(0, 100, (2, 600))
+    edges[:, 0] = 99  # the largest id: 100 nodes
+    np.save(tmp_path / "edges.npy", edges)
+    src = open_source(str(tmp_path / "edges.npy"), root=tmp_path, blocks=2, symmetrize=True)
+    assert isinstance(src, PreparedGraph) and src.num_nodes == 100 and src.symmetric
+    assert src.path == tmp_path / "prepared" / "edges-k2-double-s0-sym"
+    assert open_source("edges.npy", root=tmp_path, blocks=2, symmetrize=True).path == src.path
+    with pytest.raises(ValueError, match="edge file, which is read only through the prepared"):
+        open_source(str(tmp_path / "edges.npy"), prepare="never")
+    with pytest.raises(FileNotFoundError, match=r"edge file nope\.npy not found"):
+        open_source("nope.npy", root=tmp_path)
+
+
+def test_a_partial_directory_of_a_killed_writer_is_not_used(tmp_path):
+    write_papers100m_like(tmp_path, num_nodes=400)
+    out = _cache_dir(tmp_path)
+    partial = out.parent / f"{out.name}.partial"
+    partial.mkdir(parents=True)
+    (partial / "manifest.json").write_text("{}")  # looks done, but was never renamed
+    with pytest.raises(TimeoutError, match="waited"):  # a waiter does not take it
+        prepared_cache(PAPERS, tmp_path, **KW, is_writer=False, timeout_s=0.2, poll_s=0.05)
+    assert prepared_cache(PAPERS, tmp_path, **KW, is_writer=True) == out
+    assert PreparedGraph(out).num_nodes == 400 and not partial.exists()
+
+
+def test_a_failed_writer_stops_the_waiters_with_its_message(tmp_path, monkeypatch):
+    write_papers100m_like(tmp_path, num_nodes=400)
+    out = _cache_dir(tmp_path)
+    failed = out.parent / f"{out.name}.failed"
+
+    def broken(*args, **kwargs):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(prepare_module, "prepare", broken)
+    with pytest.raises(OSError, match="disk on fire"):
+        prepared_cache(PAPERS, tmp_path, **KW, is_writer=True, token="job-1")
+    assert json.loads(failed.read_text()) == {"token": "job-1", "error": "OSError: disk on fire"}
+    with pytest.raises(PrepareFailedError, match=re.escape(
+            f"rank 0 failed to prepare {out}: OSError: disk on fire")):
+        prepared_cache(PAPERS, tmp_path, **KW, is_writer=False, token="job-1", poll_s=0.05)
+    # a later job's waiters ignore this job's marker (their writer removes it)
+    with pytest.raises(TimeoutError):
+        prepared_cache(PAPERS, tmp_path, **KW, is_writer=False, token="job-2", timeout_s=0.2,
+                       poll_s=0.05)
+    monkeypatch.undo()
+    assert prepared_cache(PAPERS, tmp_path, **KW, is_writer=True, token="job-2") == out
+    assert not failed.exists()
+
+
+def test_waiters_poll_until_the_writer_is_done(tmp_path, capsys):
+    write_papers100m_like(tmp_path, num_nodes=400)
+
+    def writer():
+        time.sleep(0.5)
+        prepared_cache(PAPERS, tmp_path, **KW, is_writer=True)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        got = prepared_cache(PAPERS, tmp_path, **KW, is_writer=False, poll_s=0.05,
+                             report_every_s=0.2, verbose=True, timeout_s=120)
+    finally:
+        thread.join()
+    assert got == _cache_dir(tmp_path) and PreparedGraph(got).num_nodes == 400
+    assert f"waiting for rank 0 to prepare {got} (elapsed " in capsys.readouterr().out
+
+
+def test_a_damaged_cache_is_an_error_naming_the_file(tmp_path, monkeypatch):
+    write_papers100m_like(tmp_path, num_nodes=400)
+    out = prepared_cache(PAPERS, tmp_path, **KW, is_writer=True)
+    monkeypatch.setattr(prepare_module, "prepare", _no_prepare)  # never silently rewritten
+    victim = out / "features" / "1.npy"
+    victim.write_bytes(victim.read_bytes()[:-8])
+    with pytest.raises(DatasetCorruptError, match=rf"{re.escape(str(victim))} has \d+ bytes, "
+                       rf"the manifest says \d+ bytes; delete {re.escape(str(out))} .*--verify"):
+        open_source(PAPERS, root=tmp_path, blocks=2)
+    victim.unlink()
+    with pytest.raises(DatasetCorruptError, match=re.escape(f"{victim} is missing")):
+        prepared_cache(PAPERS, tmp_path, **KW, is_writer=False)
+    (out / "manifest.json").unlink()  # no manifest: not a cache, and not overwritten
+    with pytest.raises(ValueError, match=re.escape(f"{out} exists but is not a prepared dataset")):
+        prepared_cache(PAPERS, tmp_path, **KW, is_writer=True)
+
+
+def test_default_blocks_fit_the_grid():
+    assert default_blocks("2x2x2", 8) == 8 and default_blocks("4x1x2", 8) == 8
+    assert default_blocks("3x1x1", 3) == 9 and default_blocks("1x2x3", 6) == 12
+    assert default_blocks("16x1x1", 16) == 16
+    assert default_blocks("auto", 6) == default_blocks("auto:local-cpu", 6) == 8
+    assert default_blocks(None, 3) == 9 and default_blocks(None, 1) == 8
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_cli_two_ranks_prepare_once(tmp_path):
+    """Rank 0 prepares ogbn-papers100M (k = 8 for grid 1x1x2) while rank 1 waits; both map it."""
+    write_papers100m_like(tmp_path, num_nodes=400)
+    r = cli(["--dataset", PAPERS, "--root", str(tmp_path), "--epochs", "2", "--hidden", "16",
+             "--grid", "1x1x2"], 2, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "prepared" / "ogbn-papers100M-k8-double-s0"
+    assert r.stdout.count(f"preparing {PAPERS} into {out}") == 1 and PreparedGraph(out)
+    assert "(memory-mapped)" in r.stdout and "OGB Evaluator" in r.stdout
