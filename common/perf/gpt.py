@@ -27,9 +27,10 @@ of all gradients and the loss sums remain. Groups of one rank send nothing.
 
 Compute per rank: each Linear as three roofline GEMMs per micro-step (``y``, ``dX``, ``dW``),
 plus attention scores and values, ``12 num_layers (d/R) T`` flops per token, at the profile's
-low-precision rate when ``param_bytes == 2``. Memory per rank: parameter state
-(``bytes_per_param`` per element of this rank's shards), the largest gathered block twice (use
-and prefetch), one micro-step's activations and float32 logits with their gradient. The planner
+low-precision rate when ``param_bytes == 2``. Memory per rank (:func:`gpt_memory_terms`):
+parameter state (``bytes_per_param`` per element of this rank's shards), the largest gathered
+block twice (use and prefetch), the dW blocks in flight, one micro-step's activations as the
+trainer keeps them (measured coefficients), float32 logits, and a runtime allowance. The planner
 refuses grids with problems (:meth:`GPTWorkload.grid_problems`: row must divide the heads and
 the key/value heads, data x depth the batch, and tied embeddings need depth = row = col = 1).
 Pure Python.
@@ -56,6 +57,7 @@ from common.perf.model import (
 
 AXES = AXONN_AXES  # ("data", "depth", "row", "col")
 F32 = 4
+ORS_WINDOW = 2  # reduce-scatters of dW in flight at once (llm.tp.DepthGrads)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +76,10 @@ class GPTWorkload:
             ``global_batch / micro_batch`` is its ``--grad-accum``); None lets the planner
             pick, per grid, the largest that fits in memory.
         param_bytes, grad_bytes, activation_bytes: 2 for bf16, 4 for float32 (llm.train).
-        bytes_per_param: parameter + gradient + AdamW state per parameter (4 + 4 + 8 = 16).
+        bytes_per_param: parameter + gradient + AdamW state per parameter (4 + 4 + 8 = 16;
+            with bf16 the master weights, gradients and moments stay float32: still 16).
+        activation_checkpointing: each block's activations are recomputed in backward
+            (llm.train --activation-checkpointing): only block inputs are kept.
     """
 
     name: str = "gpt"
@@ -92,6 +97,7 @@ class GPTWorkload:
     grad_bytes: int = 4
     activation_bytes: int = 4
     bytes_per_param: int = 16
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:  # frozen: set through object.__setattr__
@@ -247,9 +253,30 @@ def gpt_compute(work: GPTWorkload, shape: Mapping[str, int], machine: MachinePro
     return {"gemm": gemm, "attention": attention}
 
 
-def gpt_memory(work: GPTWorkload, shape: Mapping[str, int]) -> float:
-    """Bytes per rank: parameter state of the shards, gathered weights, one micro-step's
-    activations and float32 logits with their gradient."""
+# Saved for backward per token and transformer block, in elements of the activation width,
+# as llm.parallel keeps them (measured with saved_tensors_hooks on four grids:
+# tests/llm/test_plan.py checks the sum against the trainer): tensors split over col (the
+# residual stream, the norms' inputs and outputs, the inputs of the normal Linears), over row
+# (q, k and v per query head, the attention output and o_proj's input) and d_ff / row (gate,
+# up, their product, down_proj's input).
+ACT_COL, ACT_ROW, ACT_FF, ACT_OTHER = 6, 4, 4, 4
+RUNTIME_BYTES = 1 << 30  # per rank outside the model's tensors (see gpt_memory_terms)
+
+
+def gpt_memory_terms(work: GPTWorkload, shape: Mapping[str, int]) -> dict[str, float]:
+    """Bytes per rank by what holds them, at the peak of a micro-step's backward:
+
+    - ``state``: the shards with gradients and AdamW moments (``bytes_per_param`` each);
+    - ``gathered``: the largest depth-gathered weight block twice (in use and prefetched);
+    - ``pending_grads``: full dW blocks whose depth reduce-scatter is in flight (ORS keeps
+      at most :data:`ORS_WINDOW` + 1; llm.tp.DepthGrads);
+    - ``activations``: what autograd keeps (the ACT_* coefficients per token and block;
+      with activation checkpointing, each block's input plus one block recomputed);
+    - ``logits``: float32 logits [m, V/R], their softmax and gradient;
+    - ``runtime``: memory outside the tensors, :data:`RUNTIME_BYTES` (on a GPU the CUDA
+      context and NCCL buffers, an assumption; a CPU rank's interpreter and libraries measure
+      about 0.3 GiB resident, bench/memory.py llm).
+    """
     z, r, c = shape["depth"], shape["row"], shape["col"]
     blocks = _blocks(work, shape)
     d_c = ceil_div(work.d_model, c)
@@ -260,11 +287,22 @@ def gpt_memory(work: GPTWorkload, shape: Mapping[str, int]) -> float:
     biggest = max(max(i * o for i, o, _, _ in blocks), work.vocab_size * d_c)
     micro = work.micro_batch or work.global_batch
     m = ceil_div(micro, shape["data"] * z) * work.seq_len
-    kv = work.kv_heads * (work.d_model // work.num_heads)
-    per_block = 4 * d_c + (2 * work.d_model + 2 * kv) / r + 3 * work.d_ff / r
-    acts = m * work.activation_bytes * per_block * work.num_layers
-    logits = m * ceil_div(work.vocab_size, r) * F32 * 2
-    return elements * work.bytes_per_param + 2 * biggest * work.param_bytes + acts + logits
+    per_block = (ACT_COL * d_c + ACT_ROW * ceil_div(work.d_model, r)
+                 + ACT_FF * ceil_div(work.d_ff, r) + ACT_OTHER)
+    kept = (work.num_layers * d_c + per_block) if work.activation_checkpointing \
+        else work.num_layers * per_block
+    pending = (ORS_WINDOW + 1) * biggest * work.grad_bytes if z > 1 else 0
+    return {"state": elements * work.bytes_per_param,
+            "gathered": 2 * biggest * work.param_bytes if z > 1 else 0,
+            "pending_grads": pending,
+            "activations": m * work.activation_bytes * (kept + 3 * d_c),
+            "logits": m * ceil_div(work.vocab_size, r) * F32 * 3,
+            "runtime": RUNTIME_BYTES}
+
+
+def gpt_memory(work: GPTWorkload, shape: Mapping[str, int]) -> float:
+    """Bytes per rank: the sum of :func:`gpt_memory_terms`."""
+    return float(sum(gpt_memory_terms(work, shape).values()))
 
 
 def predict_gpt(work: GPTWorkload, shape: Mapping[str, int] | Sequence[int],

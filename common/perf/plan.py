@@ -56,7 +56,8 @@ def gpt_sizes(args: argparse.Namespace) -> dict[str, Any]:
     width = 2 if args.bf16 else 4
     return {"global_batch": args.batch, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len, "param_bytes": width, "grad_bytes": width,
-            "activation_bytes": width}
+            "activation_bytes": width,
+            "activation_checkpointing": getattr(args, "activation_checkpointing", False)}
 
 
 def gpt_workload(args: argparse.Namespace) -> perf_gpt.GPTWorkload:
@@ -94,7 +95,11 @@ def add_gpt_size_args(parser: argparse.ArgumentParser) -> None:
                         help="global sequences per micro-step (default: the largest that fits)")
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--bf16", action="store_true",
-                        help="bf16 weights, gradients, activations")
+                        help="bf16 compute and communication (llm.train --precision bf16; "
+                        "master weights and AdamW state stay float32)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block in backward (llm.train "
+                        "--activation-checkpointing): only block inputs are kept")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
