@@ -7,10 +7,13 @@ The output is a safetensors file (https://huggingface.co/docs/safetensors: an 8-
 little-endian header length, a JSON header of dtype, shape and byte offsets per tensor, then
 the raw little-endian data), readable by ``safetensors.safe_open`` and by
 :func:`read_consolidated`. The checkpoint's meta is stored under ``__metadata__["meta"]``
-(JSON). Every tensor is written in row chunks of about ``--chunk-mib`` through a memory map of
-the output file, so peak memory is one chunk plus the index of one piece, not the model; the
-file is written as ``OUT.partial`` and renamed when complete. An existing OUT is not
-overwritten without ``--force``.
+(JSON). Every tensor is written in row chunks of about ``--chunk-mib`` by a
+:class:`SafetensorsWriter`, so peak memory is one chunk plus the index of one piece, not the
+model; the file is written as ``OUT.partial`` and renamed when complete. An existing OUT is
+not overwritten without ``--force``.
+
+:class:`SafetensorsWriter` and :func:`read_header` are the reusable parts (``llm.convert``
+writes Hugging Face checkpoints with them).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import json
 import os
 import struct
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -34,6 +39,203 @@ _DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF
            "bool": "BOOL"}
 _FROM_ST = {v: k for k, v in _DTYPES.items()}
 MOMENT_SUFFIXES = (".exp_avg", ".exp_avg_sq")
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    return _DTYPES[str(dtype).removeprefix("torch.")]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``)."""
+    try:
+        return getattr(torch, _FROM_ST[name])
+    except KeyError:
+        raise ValueError(f"unsupported safetensors dtype {name!r}") from None
+
+
+class SafetensorsWriter:
+    """A safetensors file written tensor by tensor, in chunks of rows, never whole in memory.
+
+    The header (every tensor's dtype, shape and byte range, in the given order) is written
+    first; :meth:`write` then puts each chunk's bytes at its place. The file is ``OUT.partial``
+    until :meth:`close` checks that every byte was written, syncs it and renames it to OUT;
+    leaving a ``with`` block by an exception removes it, so OUT is either complete or absent
+    (or the untouched old file).
+
+    Args:
+        out: the final path.
+        tensors: name -> (dtype, shape), in file order.
+        metadata: strings stored under ``__metadata__``.
+        force: replace an existing ``out`` (only once the new file is complete).
+
+    Raises:
+        FileExistsError: ``out`` exists and ``force`` is False.
+
+    Example::
+
+        with SafetensorsWriter(out, {"w": (torch.float32, (4, 3))}) as w:
+            w.write("w", torch.zeros(2, 3))           # rows 0-1
+            w.write("w", torch.ones(2, 3), start=2)   # rows 2-3
+    """
+
+    def __init__(self, out: str | os.PathLike, tensors: Mapping[str, tuple[torch.dtype,
+                 Sequence[int]]], *, metadata: Mapping[str, str] | None = None,
+                 force: bool = False) -> None:
+        self.out, self.tmp = Path(out), Path(f"{out}.partial")
+        if self.out.exists() and not force:
+            raise FileExistsError(f"{self.out} exists; choose another output or pass --force")
+        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+        offset = 0
+        for name, (dtype, shape) in tensors.items():
+            shape = tuple(int(s) for s in shape)
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            header[name] = {"dtype": st_dtype(dtype), "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._layout[name] = (dtype, shape, offset)
+            offset += nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+        self._start, self.size = 8 + len(head), 8 + len(head) + offset
+        self._written = dict.fromkeys(self._layout, 0)
+        self._file = open(self.tmp, "wb")  # closed by close() or abort()
+        try:
+            self._file.write(struct.pack("<Q", len(head)))
+            self._file.write(head)
+            self._file.truncate(self.size)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, name: str, rows: torch.Tensor, start: int = 0) -> None:
+        """Write ``rows`` as rows ``start, start + 1, ...`` of tensor ``name`` (of a 1-D
+        tensor: elements). Its dtype and trailing dimensions must be the declared ones.
+
+        Shapes:
+            rows: [n, *shape[1:]] (1-D tensor: [n])
+        """
+        dtype, shape, offset = self._layout[name]
+        if rows.dtype != dtype or tuple(rows.shape[1:]) != shape[1:] or rows.dim() != len(shape):
+            raise ValueError(f"{name}: got a {rows.dtype} chunk of shape {tuple(rows.shape)} "
+                             f"for a {dtype} tensor of shape {shape}")
+        n, total = (rows.shape[0], shape[0]) if shape else (1, 1)  # a scalar is one row
+        if start < 0 or start + n > total:
+            raise ValueError(f"{name}: rows {start}..{start + n} outside its {total} rows")
+        data = rows.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+        self._file.seek(self._start + offset + start * row_bytes)
+        self._file.write(data.data)  # the chunk's own buffer, no copy
+        self._written[name] += data.size
+
+    def close(self) -> Path:
+        """Check that every tensor was written whole, sync, rename to ``out``; returns it."""
+        if self._file.closed:
+            return self.out
+        try:
+            for name, (dtype, shape, _) in self._layout.items():
+                nbytes = int(np.prod(shape)) * dtype.itemsize
+                if self._written[name] != nbytes:
+                    raise ValueError(f"{name}: {self._written[name]} of its {nbytes} bytes "
+                                     "were written")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self.tmp, self.out)
+        except BaseException:
+            self.abort()
+            raise
+        return self.out
+
+    def abort(self) -> None:
+        """Close and remove the partial file (``out`` is left as it was)."""
+        self._file.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The tensor entries (name -> dtype, shape, data_offsets) and the ``__metadata__`` of a
+    safetensors file, reading only its header.
+
+    Raises:
+        ValueError: not a safetensors file.
+    """
+    header, metadata, _ = _read_header(path)
+    return header, metadata
+
+
+def _read_header(path: str | os.PathLike
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 << 20:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (ValueError, struct.error) as e:
+        raise ValueError(f"{path} is not a safetensors file ({e})") from e
+    metadata = header.pop("__metadata__", None) or {}
+    return header, metadata, 8 + size
+
+
+class SafetensorsReader:
+    """Rows of the tensors of a safetensors file, by plain reads at their offsets: no memory
+    map, so memory is the rows asked for (``safe_open`` maps the file, and the pages it
+    touches stay resident while it is open).
+
+    Attributes:
+        path: the file.
+        metadata: its ``__metadata__`` (strings).
+
+    Raises:
+        ValueError: not a safetensors file.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._entries, self.metadata, self._start = _read_header(self.path)
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch_dtype(self._entry(name)["dtype"])
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"{self.path} has no tensor {name!r}") from None
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of tensor ``name`` (of a 1-D tensor: elements).
+
+        Shapes:
+            returns: [hi - lo, *shape[1:]] (1-D tensor: [hi - lo])
+        """
+        shape, dtype = self.shape(name), self.dtype(name)
+        row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+        lo, hi = max(0, lo), min(hi, shape[0] if shape else 1)
+        with open(self.path, "rb") as f:
+            f.seek(self._start + self._entry(name)["data_offsets"][0] + lo * row_bytes)
+            data = bytearray(max(hi - lo, 0) * row_bytes)
+            if f.readinto(data) != len(data):
+                raise ValueError(f"{self.path} is truncated ({name})")
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(-1, *shape[1:]) \
+            if data else torch.empty(0, *shape[1:], dtype=dtype)
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, only_weights: bool = False,
@@ -52,52 +254,27 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, only_weights
     ck = (sharded.load(path) if (path / "manifest.json").is_file()
           else sharded.load_latest(path))
     names = [n for n in ck.names() if not (only_weights and n.endswith(MOMENT_SUFFIXES))]
-    header: dict[str, Any] = {"__metadata__": {"meta": json.dumps(ck.meta), "step": str(ck.step)}}
-    offset = 0
-    for name in names:
-        entry = ck.manifest["tensors"][name]
-        dtype = getattr(torch, entry["dtype"])
-        nbytes = int(np.prod(entry["shape"])) * dtype.itemsize
-        header[name] = {"dtype": _DTYPES[entry["dtype"]], "shape": entry["shape"],
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    tmp = Path(f"{out}.partial")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            f.truncate(8 + len(head) + offset)
-        start = 8 + len(head)
+    layout = {n: (getattr(torch, ck.manifest["tensors"][n]["dtype"]), ck.shape(n))
+              for n in names}
+    with SafetensorsWriter(out, layout, force=force,
+                           metadata={"meta": json.dumps(ck.meta), "step": str(ck.step)}) as w:
         for name in names:
-            _write_tensor(ck, name, tmp, start + header[name]["data_offsets"][0], chunk_bytes)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+            _write_tensor(ck, name, w, chunk_bytes)
     return out
 
 
-def _write_tensor(ck: sharded.ShardedCheckpoint, name: str, file: Path, at: int,
+def _write_tensor(ck: sharded.ShardedCheckpoint, name: str, w: SafetensorsWriter,
                   chunk_bytes: int) -> None:
     shape = tuple(ck.shape(name))
-    rows, cols = (1, shape[0]) if len(shape) == 1 else shape
-    dtype = getattr(torch, ck.manifest["tensors"][name]["dtype"])
-    if rows * cols == 0:
+    if len(shape) != 2:  # a 1-D tensor is one row
+        w.write(name, ck.read(name, sharded.Slab.whole(shape)))
         return
-    out = np.memmap(file, dtype=np.uint8, mode="r+", offset=at,
-                    shape=(rows * cols * dtype.itemsize,))
-    row_bytes = cols * dtype.itemsize
+    rows, cols = shape
+    row_bytes = cols * getattr(torch, ck.manifest["tensors"][name]["dtype"]).itemsize
     step = max(1, chunk_bytes // max(row_bytes, 1))
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        slab = sharded.Slab(shape, (lo, hi), (0, cols)) if len(shape) == 2 else \
-            sharded.Slab.whole(shape)
-        part = ck.read(name, slab).contiguous()
-        out[lo * row_bytes:hi * row_bytes] = part.view(torch.uint8).numpy().reshape(-1)
-    out.flush()
-    del out
+        w.write(name, ck.read(name, sharded.Slab(shape, (lo, hi), (0, cols))), start=lo)
 
 
 def read_consolidated(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -314,7 +314,6 @@ class ShardedCheckpoint:
         self.meta: dict[str, Any] = manifest["meta"]
         self.files = {n: (path / n).read_bytes() for n in manifest["files"]
                       if not n.startswith("shard-")}
-        self._maps: dict[str, np.memmap] = {}
 
     def names(self) -> list[str]:
         return sorted(self.manifest["tensors"])
@@ -328,11 +327,6 @@ class ShardedCheckpoint:
         except KeyError:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}") from None
 
-    def _map(self, fname: str) -> np.memmap:
-        if fname not in self._maps:
-            self._maps[fname] = np.memmap(self.path / fname, dtype=np.uint8, mode="r")
-        return self._maps[fname]
-
     def read(self, name: str, slab: Slab) -> torch.Tensor:
         """The local tensor of ``slab`` of tensor ``name``, read from the pieces it overlaps
         (padding zero). Its global shape must be the checkpoint's."""
@@ -344,7 +338,9 @@ class ShardedCheckpoint:
         np_dtype = _storage_dtype(dtype)
         out = _Target(slab, np_dtype)
         for piece in entry["pieces"]:
-            raw = self._map(piece["file"])
+            # mapped per piece and unmapped after: the pages read do not stay in this
+            # process's resident memory (a cached map would keep them counted)
+            raw = np.memmap(self.path / piece["file"], dtype=np.uint8, mode="r")
             data = raw[piece["offset"]:piece["offset"] + piece["numel"] * np_dtype.itemsize]
             rows = piece["rows"]
             if isinstance(rows, dict):
@@ -354,6 +350,7 @@ class ShardedCheckpoint:
             out.fill(ids, tuple(piece["cols"]),
                      None if piece["flat"] is None else tuple(piece["flat"]),
                      data.view(np_dtype))
+            del raw, data, ids
         return torch.from_numpy(out.result()).view(dtype)
 
 
