@@ -4,7 +4,8 @@ The LM head's logits block is ``[B, T, V_pad/R]`` (vocabulary chunk ``r``; ids >
 padding), replicated over col. The per-token loss ``logsumexp(z) - z[target]`` needs a max,
 a sum of exponentials and the target's logit over row; all three are all-reduced over row, so
 the per-token loss is replicated over row and col. On one row member with no padding this is
-plain ``cross_entropy``.
+plain ``cross_entropy``. Logits may come in bf16 (``--precision bf16``): they are upcast
+first, so the softmax, its all-reduces over row and the loss are float32.
 
 The trainer divides by the number of kept tokens in the GLOBAL batch (all micro-batches of
 the step, every rank), so the per-rank losses add up to the mean over the global batch and the

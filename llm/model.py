@@ -19,6 +19,14 @@ after parallelization. Tying is kept as a flag for small single-process models, 
 Initial weights are keyed by (seed, parameter name) (:mod:`llm.init`), so a grid can draw
 just its shards of them (:func:`llm.parallel.init_shards`) and hold this model exactly.
 
+Mixed precision (``compute_dtype=torch.bfloat16``): the parameters stay float32 (the master
+weights the optimizer updates); the embedding output is cast to the compute dtype and every
+layer follows the dtype of its input, casting its weight at use (autograd casts the
+gradient back to float32). RMSNorm statistics and the rotary rotation run in float32;
+logits come out in the compute dtype (the loss upcasts them). Activation checkpointing
+(``activation_checkpointing=True``) keeps only each block's input during a forward with
+gradients and reruns the block in backward (``torch.utils.checkpoint``, non-reentrant).
+
 Shapes legend:
     B: batch, T: sequence length, V: vocabulary, D: d_model, F: d_ff, Dh: head_dim,
     H: query heads, Hkv: key/value heads (both local to this process after sharding).
@@ -31,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn.functional import scaled_dot_product_attention, silu
+from torch.nn.functional import linear, scaled_dot_product_attention, silu
+from torch.utils.checkpoint import checkpoint
 
 from llm.init import fill_normal_
 
@@ -39,6 +48,7 @@ __all__ = [
     "GPT",
     "PRESETS",
     "GPTConfig",
+    "Linear",
     "apply_rope",
     "get_preset",
     "gpt1b",
@@ -217,8 +227,21 @@ def init_std(config: GPTConfig, name: str) -> float | None:
     return 0.02
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (no bias here) whose weight is cast to the input's dtype at use.
+
+    Shapes:
+        x: [..., in] -> returns [..., out]
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight.to(x.dtype), None if self.bias is None else
+                      self.bias.to(x.dtype))
+
+
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32.
+    """``x / sqrt(mean(x^2) + eps) * weight``, the statistics in float32, the output in the
+    dtype of ``x``.
 
     Shapes:
         x: [..., D] -> returns [..., D]
@@ -232,7 +255,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return normed.type_as(x) * self.weight.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -246,10 +269,10 @@ class Attention(nn.Module):
         super().__init__()
         d, kv = config.d_model, config.num_kv_heads * config.head_dim
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, kv, bias=False)
-        self.v_proj = nn.Linear(d, kv, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.q_proj = Linear(d, d, bias=False)
+        self.k_proj = Linear(d, kv, bias=False)
+        self.v_proj = Linear(d, kv, bias=False)
+        self.o_proj = Linear(d, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         batch, seq, _ = x.shape
@@ -274,9 +297,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.gate_proj = Linear(config.d_model, config.d_ff, bias=False)
+        self.up_proj = Linear(config.d_model, config.d_ff, bias=False)
+        self.down_proj = Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
@@ -306,22 +329,29 @@ class GPT(nn.Module):
             default generator.
         device: where the parameters live; ``"meta"``: shapes only, nothing allocated or
             initialised (for :class:`llm.parallel.ParallelGPT`, or :meth:`materialize`).
+        compute_dtype: dtype of the activations and GEMMs (module docstring); None: the
+            parameters' dtype. Also read by :class:`~llm.parallel.ParallelGPT`.
+        activation_checkpointing: recompute each block in backward instead of keeping its
+            activations.
 
     Shapes:
         idx: int64 [B, T] with T <= max_seq_len -> logits [B, T, V]
     """
 
     def __init__(self, config: GPTConfig, *, seed: int | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 compute_dtype: torch.dtype | None = None,
+                 activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.compute_dtype, self.activation_checkpointing = compute_dtype, activation_checkpointing
         with torch.device("meta"):  # no memory and no throw-away default init
             # _weight skips Embedding's normal_, whose meta kernel imports ~800 modules (1.5 s)
             self.tok_emb = nn.Embedding(config.vocab_size, config.d_model,
                                         _weight=torch.empty(config.vocab_size, config.d_model))
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.d_model, config.norm_eps)
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         device = torch.device("cpu" if device is None else device)
@@ -367,8 +397,13 @@ class GPT(nn.Module):
         c = self.config
         cos, sin = rope_cache(c.head_dim, seq, c.rope_theta, idx.device)  # [T, Dh/2] each
         x = self.tok_emb(idx)  # [B, T, D]
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)  # every later layer follows the dtype of its input
         for block in self.blocks:
-            x = block(x, cos, sin)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
         return self.lm_head(self.norm(x))  # [B, T, V]
 
     @torch.no_grad()

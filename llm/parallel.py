@@ -24,6 +24,11 @@ on a tensor-parallel grid). The batch is split over data and depth. After backwa
 gradients are all-reduced over data, and those of the replicated RMSNorm weights over data
 and depth. On a grid with depth = row = col = 1 the GPT's modules are kept as they are (the
 fast path: plain PyTorch, plus the data-parallel all-reduce when data > 1).
+
+The GPT's ``compute_dtype`` (bf16 mixed precision) and ``activation_checkpointing`` carry
+over: the sharded layers cast each float32 shard to the compute dtype before its depth
+all-gather and reduce-scatter dW in it (:mod:`llm.tp`); gradients stay float32 in ``.grad``,
+so the data-parallel all-reduce and the optimizer see float32.
 """
 
 from __future__ import annotations
@@ -303,10 +308,14 @@ class ParallelGPT(nn.Module):
         grid.check(grid.num_ranks, work.grid_problems)
         self.specs = param_specs(self.config, self.sizes)
         self.overlapped = OverlapCounts()
+        dtype = model.compute_dtype
         self.depth_weights = DepthWeights(groups["depth"], prefetch=overlap.oag, stats=stats,
-                                          counts=self.overlapped)
+                                          counts=self.overlapped, dtype=dtype)
+        # dW is reduce-scattered over depth in the compute dtype: summing Z bf16 partials adds
+        # a rounding or so to the one each bf16 GEMM output already has (on 1x2x2x1 an fp32
+        # reduce-scatter left the bf16 loss as far from serial's: 3.7e-4 vs 4.0e-4, 8 steps)
         self.depth_grads = DepthGrads(groups["depth"], defer=overlap.ors, stats=stats,
-                                      counts=self.overlapped)
+                                      counts=self.overlapped, dtype=dtype)
         device = torch.device("cpu" if device is None else device)
         if is_tensor_parallel(self.sizes):
             self._swap_modules(model, seed, device)
@@ -337,7 +346,7 @@ class ParallelGPT(nn.Module):
 
         model.tok_emb = ParallelEmbedding(shard("tok_emb.weight"),
                                           self.specs["tok_emb.weight"].block_shape(self.sizes),
-                                          g["depth"], stats)
+                                          g["depth"], stats, model.compute_dtype)
         for i, block in enumerate(model.blocks):  # Linears registered in forward order
             block.attn_norm = norm(f"blocks.{i}.attn_norm.weight")
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -384,8 +393,10 @@ class ParallelGPT(nn.Module):
         return dict(self.model.named_parameters())
 
     def finish_backward(self) -> None:
-        """Wait for the deferred depth reduce-scatters (ORS); call after each backward."""
+        """Wait for the deferred depth reduce-scatters (ORS) and drop any weights gathered for
+        the backward; call after each backward."""
         self.depth_grads.finish()
+        self.depth_weights.end_pass()
 
     def sync_gradients(self) -> None:
         """All-reduce gradients over data, and the replicated RMSNorm weights' over data+depth.

@@ -18,6 +18,11 @@ q, k, v, gate and up are normal (heads and d_ff split over row) and o_proj and d
 transposed, so attention and the MLP need no re-layout between their GEMMs. OAG prefetches the
 next Linear's depth all-gather (forward order in forward, reverse order in backward).
 
+Mixed precision (a compute ``dtype``, e.g. bf16; the parameters stay float32 master shards):
+each shard is cast before its depth all-gather, the GEMMs and the row/col all-reduces of
+activations run in the compute dtype, dW is reduce-scattered in the dtype :class:`DepthGrads`
+is given and lands in the float32 ``.grad``; RMSNorm statistics stay float32.
+
 Every overlap is a switch (:class:`Overlap`); the arithmetic is the same either way, so the
 results are bitwise identical with overlap on or off. :class:`OverlapCounts` counts the
 collectives that really overlapped (the evidence that a switch took effect).
@@ -44,6 +49,7 @@ from common.comm_stats import CommStats
 from common.grid import AxisGroup
 
 OVERLAPS = ("oar", "ors", "oag")
+ORS_WINDOW = 2  # deferred dW reduce-scatters in flight beyond the newest (DepthGrads)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,21 +108,34 @@ class OverlapCounts:
 class DepthWeights:
     """The depth all-gathers of every parallel Linear's weight, with the OAG prefetch.
 
-    Linears are registered in forward order. Each gathered block is used once per pass and
-    then dropped (only the prefetched next one is held). A prefetch is issued only for a
-    Linear not yet used in the current pass, so every prefetch is consumed in that pass and
-    all ranks of a depth group issue the same collectives in the same order.
+    Linears are registered in forward order. A pass is a forward (from :meth:`begin_forward`)
+    or a backward (from the first ``get(backward=True)``). Each gathered block is used once
+    per pass and then dropped (only the prefetched next one is held). A prefetch is issued
+    only for a Linear not yet used in the current pass, so every prefetch is consumed in that
+    pass and all ranks of a depth group issue the same collectives in the same order.
+
+    Activation checkpointing reruns each block's forward inside the backward pass: a ``get``
+    with ``backward=False`` during a backward pass is such a *recompute*. Its gathered blocks
+    are kept until the backward of the same Linear takes them (autograd finishes a block's
+    backward right after its recompute, so at most one transformer block's weights are
+    held), so checkpointing adds no depth all-gather. A recompute prefetches ``index + 1``
+    unless the backward already passed it (never across the block's end).
+
+    Args:
+        dtype: the compute dtype: shards are cast to it before they are gathered (bf16
+            moves half the bytes of fp32); None keeps the shards' dtype.
     """
 
     def __init__(self, depth: AxisGroup, *, prefetch: bool, stats: CommStats | None,
-                 counts: OverlapCounts | None = None) -> None:
-        self.depth, self.stats = depth, stats
+                 counts: OverlapCounts | None = None, dtype: torch.dtype | None = None) -> None:
+        self.depth, self.stats, self.dtype = depth, stats, dtype
         self.counts = OverlapCounts() if counts is None else counts
         self.prefetch = prefetch and depth.size > 1
         self.layers: list[ParallelLinear] = []
         self._pending: dict[int, CommHandle] = {}
-        self._used: set[int] = set()
-        self._backward = False
+        self._kept: dict[int, Tensor] = {}  # recomputed blocks, until their backward
+        self._used: set[int] = set()  # Linears used in this pass (recomputes not counted)
+        self._backward = self._recompute = False
 
     def register(self, layer: ParallelLinear) -> int:
         self.layers.append(layer)
@@ -128,50 +147,74 @@ class DepthWeights:
         if self.prefetch and self.layers:
             self._pending[0] = self._start(0)
 
+    def end_pass(self) -> None:
+        """Drop whatever the pass still holds (call when a backward pass ended)."""
+        self._new_pass(backward=False)
+
     def get(self, index: int, *, backward: bool) -> Tensor:
         """The full block ``[out_blk, in_blk]`` of Linear ``index``; prefetches the next one."""
-        if backward != self._backward:
-            self._new_pass(backward)
-        handle = self._pending.pop(index, None)
-        if handle is None:
-            handle = self._start(index)
-        else:
-            self.counts.oag += 1
-        self._used.add(index)
+        if backward:
+            if not self._backward:
+                self._new_pass(backward=True)
+            self._recompute = False
+        elif self._backward and not self._recompute:  # a checkpointed block's recompute
+            self._recompute, self._kept = True, {}
+        layer = self.layers[index]
+        weight = self._kept.pop(index, None) if backward else None
+        if weight is None:
+            handle = self._pending.pop(index, None)
+            if handle is None:
+                handle = self._start(index)
+            else:
+                self.counts.oag += 1
+            weight = handle.wait()[: math.prod(layer.block_shape)].view(layer.block_shape)
+            if self._recompute:
+                self._kept[index] = weight
+        if not self._recompute:
+            self._used.add(index)
         nxt = index - 1 if backward else index + 1
         if (self.prefetch and 0 <= nxt < len(self.layers) and nxt not in self._used
-                and nxt not in self._pending):
+                and nxt not in self._pending and nxt not in self._kept):
             self._pending[nxt] = self._start(nxt)
-        layer = self.layers[index]
-        return handle.wait()[: math.prod(layer.block_shape)].view(layer.block_shape)
+        return weight
 
     def _start(self, index: int) -> CommHandle:
         shard = self.layers[index].weight.detach()
+        if self.dtype is not None:
+            shard = shard.to(self.dtype)  # cast before the gather: it moves compute-dtype bytes
         return all_gather(shard, self.depth, stats=self.stats, async_op=True)
 
     def _new_pass(self, backward: bool) -> None:
         for handle in self._pending.values():  # never left over in practice; keeps ranks in step
             handle.wait()
-        self._pending, self._used, self._backward = {}, set(), backward
+        self._pending, self._kept, self._used = {}, {}, set()
+        self._backward, self._recompute = backward, False
 
 
 class DepthGrads:
     """Reduce-scatters each Linear's dW block over depth into its flat shard's ``.grad``.
 
-    With ``defer`` (ORS) the reduce-scatters are issued asynchronously and :meth:`finish`
-    waits for them; without, each is waited at once. Either way the same sums are accumulated
-    into ``.grad`` in the same order.
+    With ``defer`` (ORS) the reduce-scatters are issued asynchronously, at most
+    :data:`ORS_WINDOW` + 1 in flight: adding one more waits for the oldest, so the full dW
+    blocks held at once stay bounded (the planner counts them:
+    ``common.perf.gpt.ORS_WINDOW``); :meth:`finish` waits for the rest. Without ``defer``
+    each is waited at once. Either way the same sums are accumulated
+    into ``.grad`` in the same order. The sums arrive in the dtype of the dW block, or in
+    ``dtype`` if given, and are accumulated into ``.grad`` in the parameter's dtype (bf16
+    blocks into fp32 master shards).
     """
 
     def __init__(self, depth: AxisGroup, *, defer: bool, stats: CommStats | None,
-                 counts: OverlapCounts | None = None) -> None:
-        self.depth, self.defer, self.stats = depth, defer, stats
+                 counts: OverlapCounts | None = None, dtype: torch.dtype | None = None) -> None:
+        self.depth, self.defer, self.stats, self.dtype = depth, defer, stats, dtype
         self.counts = OverlapCounts() if counts is None else counts
         self._pending: list[tuple[nn.Parameter, CommHandle]] = []
 
     def add(self, param: nn.Parameter, grad_block: Tensor) -> None:
         """Shapes: grad_block [out_blk, in_blk] -> param.grad [ceil(out_blk*in_blk / Z)]."""
         flat = grad_block.reshape(-1)
+        if self.dtype is not None:
+            flat = flat.to(self.dtype)
         pad = param.numel() * self.depth.size - flat.numel()
         if pad:
             flat = torch.cat((flat, flat.new_zeros(pad)))
@@ -179,18 +222,25 @@ class DepthGrads:
         self._pending.append((param, handle))
         if not self.defer:
             self.finish()
-        elif self.depth.size > 1:
+            return
+        if self.depth.size > 1:
             self.counts.ors += 1
+        while len(self._pending) > ORS_WINDOW + 1:
+            self._accumulate(*self._pending.pop(0))  # oldest first: the same order of sums
 
     def finish(self) -> None:
         """Wait for every pending reduce-scatter and accumulate it into ``.grad``."""
         for param, handle in self._pending:
-            grad = handle.wait()
-            if param.grad is None:
-                param.grad = grad.view_as(param)  # a fresh tensor: safe to adopt
-            else:
-                param.grad += grad
+            self._accumulate(param, handle)
         self._pending = []
+
+    @staticmethod
+    def _accumulate(param: nn.Parameter, handle: CommHandle) -> None:
+        grad = handle.wait().to(param.dtype)
+        if param.grad is None:
+            param.grad = grad.view_as(param)  # a fresh tensor: safe to adopt
+        else:
+            param.grad += grad
 
 
 class _LinearFn(torch.autograd.Function):
@@ -254,6 +304,8 @@ class ParallelLinear(nn.Module):
         self.index = weights.register(self)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.weights.dtype is not None:
+            x = x.to(self.weights.dtype)  # a no-op on the compute-dtype residual stream
         return _LinearFn.apply(x, self.weight, self)
 
     def extra_repr(self) -> str:
@@ -266,21 +318,29 @@ class ParallelEmbedding(nn.Module):
 
     Forward: all-gather over depth, then a lookup; backward: reduce-scatter over depth
     (synchronous: it is the last collective of the backward pass). Replicated over row.
+    With a compute ``dtype`` the shard is cast before the gather and the output is in that
+    dtype, but the lookup runs on a float32 copy of the table: its backward sums the
+    gradients of every occurrence of a token, which bf16 would stall (10,000 x 0.01 sums to
+    4, not 100).
 
     Shapes:
         idx: int64 [B, T] -> [B, T, D/C]
     """
 
     def __init__(self, weight_shard: Tensor, block_shape: tuple[int, int], depth: AxisGroup,
-                 stats: CommStats | None) -> None:
+                 stats: CommStats | None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight_shard)
         self.block_shape, self.depth, self.stats = tuple(block_shape), depth, stats
+        self.dtype = dtype
 
     def forward(self, idx: Tensor) -> Tensor:
-        flat = all_gather_reduce_scatter(self.weight, self.depth, stats=self.stats)
+        shard = self.weight if self.dtype is None else self.weight.to(self.dtype)
+        flat = all_gather_reduce_scatter(shard, self.depth, stats=self.stats)
         table = flat[: math.prod(self.block_shape)].view(self.block_shape)  # [V, D/C]
-        return embedding(idx, table)
+        if self.dtype is None:
+            return embedding(idx, table)
+        return embedding(idx, table.float()).to(self.dtype)
 
 
 class ParallelRMSNorm(nn.Module):
@@ -288,7 +348,8 @@ class ParallelRMSNorm(nn.Module):
 
     The local sum of squares is all-reduced over col in forward, and its gradient in backward
     (every member's normalised chunk depends on the whole sum). Padded entries of the hidden
-    are zero, so dividing by the true ``dim`` gives the serial result.
+    are zero, so dividing by the true ``dim`` gives the serial result. The statistics are
+    float32 whatever the dtype of ``x``; the output has the dtype of ``x``.
 
     Shapes:
         x: [..., D/C] -> [..., D/C]; weight [D/C]
@@ -306,4 +367,4 @@ class ParallelRMSNorm(nn.Module):
         sum_sq = identity_all_reduce(all_reduce_identity(sum_sq, self.col, self.stats),
                                      self.col, self.stats)
         normed = xf * torch.rsqrt(sum_sq / self.dim + self.eps)
-        return normed.type_as(x) * self.weight
+        return normed.type_as(x) * self.weight.to(x.dtype)

@@ -5,6 +5,8 @@
     python -m llm.train --docs 32 --epochs 300 --batch-size 32 --goldfish-k 4 \\
         --checkpoint-dir runs/gf
     python -m llm.train --checkpoint-dir runs/gf --resume --epochs 400   # continue exactly
+    mpiexec -n 4 python -m llm.train --preset small --grid data=1,depth=2,row=2,col=1 \
+        --precision bf16 --activation-checkpointing       # bf16, blocks recomputed in backward
     python -m llm.memorization --checkpoint runs/gf --docs 32 --suffix-len 32
     python -m llm.sample --checkpoint runs/gf --prompt "The assert statement"
 
@@ -42,7 +44,16 @@ from common.run import (
 from llm.goldfish import STRATEGIES
 from llm.model import PRESETS, get_preset
 from llm.parallel import make_groups
-from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, RunConfig, Trainer, run
+from llm.precision import PRECISIONS
+from llm.trainer import (
+    DataConfig,
+    GoldfishConfig,
+    OptimConfig,
+    PrecisionConfig,
+    RunConfig,
+    Trainer,
+    run,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,6 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", default=r.overlap,
                    help="communication overlap: all, none, or a list of oar,ors,oag "
                    "(default: %(default)s)")
+    p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                   help="bf16: bf16 compute and communication with float32 master weights, "
+                   "optimizer state and loss (default: %(default)s)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each transformer block in backward instead of keeping its "
+                   "activations (less memory, about one more forward of compute)")
     add_launch_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank; 0 "
                    "(default): 1 for models with d_model <= 128 (their GEMMs lose more to "
@@ -151,12 +168,17 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[Trainer, ProcessG
     run_cfg = RunConfig(steps=args.steps, epochs=args.epochs, grad_accum=args.grad_accum,
                         eval_every=args.eval_every, log_every=args.log_every,
                         overlap=args.overlap)
+    width = 2 if args.precision == "bf16" else 4  # what --grid auto's memory model counts
     work = GPTWorkload.from_config(model_config, global_batch=args.batch_size * args.grad_accum,
-                                   micro_batch=args.batch_size, seq_len=args.seq_len)
+                                   micro_batch=args.batch_size, seq_len=args.seq_len,
+                                   param_bytes=width, grad_bytes=width, activation_bytes=width,
+                                   activation_checkpointing=args.activation_checkpointing)
     grid, note = choose_grid(args, work, ctx)
+    precision = PrecisionConfig(precision=args.precision,
+                                activation_checkpointing=args.activation_checkpointing)
     trainer = Trainer(model_config, data, optim, goldfish, run_cfg, make_groups(grid, ctx.rank,
                                                                            ctx.transport),
-                      seed=args.seed, device=ctx.device)
+                      seed=args.seed, device=ctx.device, precision=precision)
     return trainer, grid, note
 
 
@@ -227,7 +249,8 @@ def _header(trainer: Trainer, args: argparse.Namespace, grid: ProcessGrid, ctx: 
         start = ""
     return (f"GPT {args.preset}: {cfg.num_params():,} parameters ({cfg.num_layers} layers, "
             f"d_model {cfg.d_model}, {cfg.num_heads} heads); grid {grid} ({ctx.world_size} "
-            f"ranks, {ctx.launcher}, {ctx.comm_label}), overlap {trainer.run_cfg.overlap}\n"
+            f"ranks, {ctx.launcher}, {ctx.comm_label}), overlap {trainer.run_cfg.overlap}, "
+            f"precision {trainer.precision}\n"
             f"data: {source}, {text}; {fish}; {trainer.total_steps} steps of "
             f"{data.batch_size} x {data.seq_len} tokens x {trainer.run_cfg.grad_accum} "
             f"micro-batches{start}")

@@ -2,7 +2,8 @@
 
 Configs (one per component, keyword-only, validated on construction): the model's
 :class:`~llm.model.GPTConfig`, :class:`DataConfig`, :class:`OptimConfig` (AdamW with warmup +
-cosine), :class:`GoldfishConfig`, :class:`RunConfig` (length, cadence, overlap) and
+cosine), :class:`GoldfishConfig`, :class:`RunConfig` (length, cadence, overlap),
+:class:`PrecisionConfig` (bf16, activation checkpointing) and
 :class:`common.run.CheckpointConfig`. :class:`Trainer` holds one rank's shards, optimizer and
 data position; :func:`run` is the loop. The CLI on top is ``python -m llm.train``.
 
@@ -35,6 +36,7 @@ from llm.goldfish import STRATEGIES, goldfish_mask
 from llm.loss import goldfish_sums, token_losses
 from llm.model import GPT, GPTConfig
 from llm.parallel import ParallelGPT, batch_shard
+from llm.precision import PRECISIONS, compute_dtype
 from llm.tp import Overlap
 
 IGNORE = -100
@@ -152,6 +154,31 @@ class RunConfig:
         Overlap.parse(self.overlap)
 
 
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Numerics and memory of the forward and backward (:mod:`llm.precision`).
+
+    Attributes:
+        precision: ``fp32``, or ``bf16``: bf16 compute and communication, float32 master
+            weights, optimizer state, gradients and loss.
+        activation_checkpointing: keep only each transformer block's input and recompute the
+            block in backward (its collectives included); fp32 results are bit for bit those
+            without it.
+    """
+
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose one of "
+                             f"{', '.join(PRECISIONS)}")
+
+    def __str__(self) -> str:
+        return self.precision + (", activation checkpointing" if self.activation_checkpointing
+                                 else "")
+
+
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Learning rate of optimizer step ``step`` (1-based): linear warmup, then cosine."""
     if step <= cfg.warmup_steps:
@@ -189,23 +216,28 @@ class Trainer:
             weights, keyed by ``seed`` (the same model on every grid: ``GPT(config, seed=seed)``).
         groups: from :func:`llm.parallel.make_groups` (any grid, 1x1x1x1 included).
         device: where the shards and batches live.
+        precision: bf16 and activation checkpointing (default: fp32, none).
     """
 
     def __init__(self, model_config: GPTConfig, data: DataConfig, optim: OptimConfig,
                  goldfish: GoldfishConfig, run: RunConfig, groups: Mapping[str, AxisGroup],
-                 *, seed: int = 0, device: torch.device | str = "cpu") -> None:
+                 *, seed: int = 0, device: torch.device | str = "cpu",
+                 precision: PrecisionConfig | None = None) -> None:
         if data.seq_len > model_config.max_seq_len:
             raise ValueError(f"--seq-len {data.seq_len} exceeds the model's max_seq_len="
                              f"{model_config.max_seq_len}")
         self.model_config, self.data_cfg, self.optim_cfg = model_config, data, optim
         self.goldfish, self.run_cfg, self.groups, self.seed = goldfish, run, groups, seed
+        self.precision = PrecisionConfig() if precision is None else precision
         self.device = torch.device(device)
         self.stats = CommStats()
         torch.manual_seed(seed)
         # built on meta: each rank draws only its shards of the weights keyed by the seed
-        self.model = ParallelGPT(GPT(model_config, device="meta"), groups, seed=seed,
-                                 overlap=Overlap.parse(run.overlap), stats=self.stats,
-                                 device=self.device)
+        gpt = GPT(model_config, device="meta",
+                  compute_dtype=compute_dtype(self.precision.precision),
+                  activation_checkpointing=self.precision.activation_checkpointing)
+        self.model = ParallelGPT(gpt, groups, seed=seed, overlap=Overlap.parse(run.overlap),
+                                 stats=self.stats, device=self.device)
         decay = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) > 1]
         rest = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) <= 1]
         self.optimizer = torch.optim.AdamW(
@@ -280,7 +312,8 @@ class Trainer:
         """What a checkpoint records about the run besides tensors (JSON)."""
         return {"model_config": asdict(self.model_config),
                 "configs": {"data": asdict(self.data_cfg), "optim": asdict(self.optim_cfg),
-                            "goldfish": asdict(self.goldfish), "seed": self.seed}}
+                            "goldfish": asdict(self.goldfish),
+                            "precision": asdict(self.precision), "seed": self.seed}}
 
     def resume(self, directory: str) -> int | None:
         """Load the newest intact checkpoint under ``directory`` (written on any grid; each

@@ -39,12 +39,13 @@ def make_trainer(groups, steps=TRAIN_STEPS, overlap="all", device="cpu"):
 
 def four_rank_checks(ctx) -> dict[str, Any]:
     """Everything the 4-rank tests compare, computed on one rank of one launch."""
-    from tests.llm import test_loss, test_parallel, test_trainer
+    from tests.llm import test_loss, test_parallel, test_plan, test_trainer
 
     return {"parallel": test_parallel.parallel_cases(ctx, test_parallel.CASES[4]),
             "overlap": test_trainer.overlap_runs(ctx),
             "loss": test_loss.sharded_losses(ctx),
-            "generate": test_parallel.generate_case(ctx)}
+            "generate": test_parallel.generate_case(ctx),
+            "saved": test_plan.saved_activation_bytes(ctx)}
 
 
 def eight_rank_checks(ctx, tmp: str) -> dict[str, Any]:
