@@ -1,8 +1,10 @@
-"""Text for the GPT trainer: byte tokenizer, offline corpus, resumable batches.
+"""Text for the GPT trainer: tokens, offline corpus, resumable batches.
 
 Nothing here needs the internet. The built-in corpus is the standard library's
 ``pydoc_data.topics`` (79 documentation topics, about 465 KB of English prose), present on
-every machine with Python. Users bring UTF-8 text files.
+every machine with Python. Users bring UTF-8 text files or JSON lines; corpora too large for
+memory go through memory-mapped token files (:mod:`llm.streams`), which
+:class:`BatchIterator` reads window by window.
 
 Shapes legend:
     B: batch size, T: sequence length (targets per sample), L: tokens in one document,
@@ -13,49 +15,56 @@ Document splitting of user files (``load_documents``):
     one article per file).
     ``source="paragraphs"``: each file is split at blank lines (a line holding only whitespace);
     every non-empty paragraph, stripped of surrounding whitespace, is one document.
+    A ``.jsonl`` path holds one document per line, the string of its ``"text"`` field, with
+    either source.
 
-Tokens: UTF-8 bytes, vocabulary 256, no special tokens. In the stream mode documents are joined
-with :data:`DOC_SEPARATOR` (a blank line) so that the model sees where one ends.
+Tokens: every function that tokenizes takes a ``tokenizer`` (:mod:`llm.tokenizer`); the
+default is UTF-8 bytes, vocabulary 256, no special tokens. In the stream mode each document is
+followed by the tokenizer's end-of-text token, or without one (bytes) by :data:`DOC_SEPARATOR`
+(a blank line), so that the model sees where one ends
+(:meth:`~llm.tokenizer.Tokenizer.encode_document`).
 """
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from llm.tokenizer import DOC_SEPARATOR, ByteTokenizer, Tokenizer
+
 __all__ = ["DOC_SEPARATOR", "MODES", "SOURCES", "VOCAB_SIZE", "BatchIterator", "decode",
-           "encode", "encode_stream", "load_documents", "split_documents", "truncate_docs"]
+           "encode", "encode_stream", "iter_jsonl", "iter_paragraphs", "load_documents",
+           "split_documents", "truncate_docs"]
 
 VOCAB_SIZE = 256
-DOC_SEPARATOR = "\n\n"
+BYTES = ByteTokenizer()  # the default tokenizer (stateless)
 SOURCES = ("pydoc", "files", "paragraphs")
 MODES = ("stream", "documents")
 
 
-def encode(text: str) -> Tensor:
-    """UTF-8 bytes of ``text`` as token ids in [0, 256).
+def encode(text: str, tokenizer: Tokenizer = BYTES) -> Tensor:
+    """Token ids of ``text``; by default its UTF-8 bytes, ids in [0, 256).
 
     Shapes:
         returns: int64 [L]
     """
-    data = bytearray(text.encode("utf-8"))
-    if not data:  # frombuffer refuses an empty buffer
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.frombuffer(data, dtype=torch.uint8).to(torch.int64)
+    return tokenizer.encode(text)
 
 
-def decode(tokens: Tensor | Sequence[int]) -> str:
-    """Inverse of :func:`encode`; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD.
+def decode(tokens: Tensor | Sequence[int], tokenizer: Tokenizer = BYTES) -> str:
+    """Inverse of :func:`encode`; with bytes, invalid UTF-8 (a cut multi-byte character)
+    becomes U+FFFD.
 
     Shapes:
         tokens: int [L] -> returns str
     """
-    ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
-    return bytes(ids).decode("utf-8", errors="replace")
+    return tokenizer.decode(tokens)
 
 
 def load_documents(source: str = "pydoc", paths: Sequence[str | Path] | None = None) -> list[str]:
@@ -65,8 +74,8 @@ def load_documents(source: str = "pydoc", paths: Sequence[str | Path] | None = N
         source: ``"pydoc"`` (the topics of ``pydoc_data.topics`` in sorted key order),
             ``"files"`` (one document per file) or ``"paragraphs"`` (blank-line-separated
             paragraphs of each file, file by file).
-        paths: text files (UTF-8) for ``"files"`` and ``"paragraphs"``; must be None for
-            ``"pydoc"``.
+        paths: text files (UTF-8) or ``.jsonl`` files (one document per line, see
+            :func:`iter_jsonl`) for ``"files"`` and ``"paragraphs"``; None for ``"pydoc"``.
 
     Raises:
         ValueError: unknown source, paths given or missing for the source, or no text found.
@@ -86,37 +95,65 @@ def load_documents(source: str = "pydoc", paths: Sequence[str | Path] | None = N
     for path in map(Path, paths):
         if not path.is_file():
             raise FileNotFoundError(f"text file {str(path)!r} does not exist (source={source!r})")
+        if path.suffix == ".jsonl":
+            docs.extend(iter_jsonl(path))
+            continue
         text = path.read_text(encoding="utf-8")
         if source == "files":
             docs.append(text)
         else:
-            docs.extend(_paragraphs(text))
+            docs.extend(iter_paragraphs(text.splitlines()))
     docs = [doc for doc in docs if doc]
     if not docs:
         raise ValueError(f"no text found in {len(paths)} file(s) with source={source!r}")
     return docs
 
 
-def _paragraphs(text: str) -> list[str]:
-    paragraphs, current = [], []
-    for line in text.splitlines():
+def iter_paragraphs(lines: Iterable[str]) -> Iterator[str]:
+    """Blank-line-separated paragraphs of ``lines`` (with or without their ``"\\n"``), each
+    stripped of surrounding whitespace; one paragraph in memory at a time."""
+    current: list[str] = []
+    for line in lines:
+        line = line.rstrip("\n")
         if line.strip():
             current.append(line)
         elif current:
-            paragraphs.append("\n".join(current).strip())
+            yield "\n".join(current).strip()
             current = []
     if current:
-        paragraphs.append("\n".join(current).strip())
-    return paragraphs
+        yield "\n".join(current).strip()
 
 
-def truncate_docs(docs: Sequence[str], num_docs: int, seq_len: int) -> list[Tensor]:
+def iter_jsonl(path: str | Path, field: str = "text") -> Iterator[str]:
+    """The ``field`` string of each line of a JSON-lines file, read line by line (blank lines
+    are skipped).
+
+    Raises:
+        ValueError: a line is not a JSON object with a string ``field`` (file and line named).
+    """
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e})") from e
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise ValueError(f"{path}:{number}: expected a JSON object with a string "
+                                 f"{field!r} field")
+            yield record[field]
+
+
+def truncate_docs(docs: Sequence[str], num_docs: int, seq_len: int,
+                  tokenizer: Tokenizer = BYTES) -> list[Tensor]:
     """Token ids of the first ``num_docs`` documents, each cut to at most ``seq_len + 1`` tokens.
 
     ``seq_len + 1`` tokens give exactly ``seq_len`` (input, target) pairs: inputs are tokens
     ``[0, seq_len)`` and targets tokens ``[1, seq_len]``. Shorter documents are kept whole
     (L tokens give L - 1 targets; the batch iterator pads the rest with ignore_index).
-    Truncation counts bytes, so a multi-byte character may be cut in half.
+    Truncation counts tokens (bytes by default), so a multi-byte character may be cut in
+    half. No end-of-text token is added.
 
     Shapes:
         returns: num_docs tensors, int64 [min(L_i, seq_len + 1)]
@@ -128,7 +165,7 @@ def truncate_docs(docs: Sequence[str], num_docs: int, seq_len: int) -> list[Tens
         raise ValueError(f"num_docs must be in [1, {len(docs)}] (corpus size), got {num_docs}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    return [encode(doc)[: seq_len + 1] for doc in docs[:num_docs]]
+    return [tokenizer.encode(doc)[: seq_len + 1] for doc in docs[:num_docs]]
 
 
 def split_documents(
@@ -155,13 +192,25 @@ def split_documents(
     return train, val
 
 
-def encode_stream(docs: Sequence[str]) -> Tensor:
-    """All documents as one token stream, each followed by :data:`DOC_SEPARATOR`.
+def encode_stream(docs: Sequence[str], tokenizer: Tokenizer = BYTES) -> Tensor:
+    """All documents as one token stream, each ended as
+    :meth:`~llm.tokenizer.Tokenizer.encode_document` says (bytes: followed by
+    :data:`DOC_SEPARATOR`).
 
     Shapes:
         returns: int64 [S]
     """
-    return encode("".join(doc + DOC_SEPARATOR for doc in docs))
+    if isinstance(tokenizer, ByteTokenizer):  # one encode of the joined text, same result
+        return tokenizer.encode("".join(doc + DOC_SEPARATOR for doc in docs))
+    pieces = tokenizer.encode_documents(docs)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def _is_stream(data: object) -> bool:
+    if isinstance(data, Tensor):
+        return data.dim() == 1
+    return (isinstance(data, np.ndarray) and data.ndim == 1
+            and np.issubdtype(data.dtype, np.integer))
 
 
 def _derive_seed(*values: int) -> int:
@@ -181,9 +230,12 @@ class BatchIterator:
     uninterrupted run would have seen. ``position`` counts samples already drawn in ``epoch``.
 
     Modes:
-        ``"stream"`` (pretraining): ``data`` is one token stream (see :func:`encode_stream`).
-            Each sample is a window of ``seq_len + 1`` tokens at a uniformly random offset
-            drawn from a generator seeded by (seed, epoch, position). An epoch is
+        ``"stream"`` (pretraining): ``data`` is one token stream: a tensor (see
+            :func:`encode_stream`) or a 1-D integer numpy array, typically a memory-mapped
+            token file (:func:`llm.streams.open_tokens`) of which only the drawn windows are
+            read; both give the same batches for the same tokens. Each sample is a window
+            of ``seq_len + 1`` tokens at a uniformly random offset drawn from a generator
+            seeded by (seed, epoch, position). An epoch is
             ``(S - 1) // seq_len`` samples (as many as non-overlapping windows); every batch
             has ``batch_size`` rows.
         ``"documents"`` (memorization): ``data`` is a list of documents' tokens (see
@@ -194,7 +246,8 @@ class BatchIterator:
             the row is ``pad_id`` in inputs and ``ignore_index`` in targets.
 
     Args:
-        data: int64 [S] token stream, or a list of int64 [L_i] documents.
+        data: int64 [S] token stream (tensor or integer array), or a list of int64 [L_i]
+            documents.
         batch_size: samples per batch (B).
         seq_len: targets per sample (T).
         mode: ``"stream"`` or ``"documents"``.
@@ -210,7 +263,7 @@ class BatchIterator:
     """
 
     def __init__(
-        self, data: Tensor | Sequence[Tensor], *, batch_size: int, seq_len: int,
+        self, data: Tensor | np.ndarray | Sequence[Tensor], *, batch_size: int, seq_len: int,
         mode: str = "stream", seed: int = 0, ignore_index: int = -100, pad_id: int = 0,
     ) -> None:
         if mode not in MODES:
@@ -218,14 +271,15 @@ class BatchIterator:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
         if mode == "stream":
-            if not isinstance(data, Tensor) or data.dim() != 1:
-                raise ValueError("mode='stream' needs a 1-D token tensor (see encode_stream)")
-            if data.numel() < seq_len + 1:
-                raise ValueError(f"stream of {data.numel()} tokens is shorter than one sample "
+            if not _is_stream(data):
+                raise ValueError("mode='stream' needs a 1-D token tensor (see encode_stream) "
+                                 "or a 1-D integer array (see llm.streams.open_tokens)")
+            if len(data) < seq_len + 1:
+                raise ValueError(f"stream of {len(data)} tokens is shorter than one sample "
                                  f"of seq_len + 1 = {seq_len + 1} tokens")
-            self.num_samples = (data.numel() - 1) // seq_len
+            self.num_samples = (len(data) - 1) // seq_len
         else:
-            if isinstance(data, Tensor) or len(data) == 0:
+            if isinstance(data, (Tensor, np.ndarray)) or len(data) == 0:
                 raise ValueError("mode='documents' needs a non-empty list of 1-D token tensors")
             short = [i for i, doc in enumerate(data) if doc.dim() != 1 or doc.numel() < 2]
             if short:
@@ -277,10 +331,14 @@ class BatchIterator:
     def _stream_batch(self) -> tuple[Tensor, Tensor]:
         generator = torch.Generator().manual_seed(_derive_seed(self.seed, self.epoch,
                                                                self.position))
-        num_starts = self.data.numel() - self.seq_len  # last start leaves seq_len + 1 tokens
+        num_starts = len(self.data) - self.seq_len  # last start leaves seq_len + 1 tokens
         starts = torch.randint(num_starts, (self.batch_size,), generator=generator)  # [B]
-        offsets = torch.arange(self.seq_len + 1)  # [T + 1]
-        windows = self.data[starts[:, None] + offsets]  # [B, T + 1]
+        if isinstance(self.data, Tensor):
+            offsets = torch.arange(self.seq_len + 1)  # [T + 1]
+            windows = self.data[starts[:, None] + offsets]  # [B, T + 1]
+        else:  # one contiguous read per row: a memory map pages in only these windows
+            rows = [self.data[s : s + self.seq_len + 1] for s in starts.tolist()]
+            windows = torch.from_numpy(np.stack(rows).astype(np.int64))  # [B, T + 1]
         return windows[:, :-1].clone(), windows[:, 1:].clone()
 
     def _document_batch(self) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,7 @@
-"""Byte tokenizer, offline corpus, document handling and the resumable batch iterator."""
+"""Byte tokenizer, offline corpus, document handling, the resumable batch iterator and the
+streaming sources of llm.streams (token files, JSON lines)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,10 +11,12 @@ from llm.data import (
     decode,
     encode,
     encode_stream,
+    iter_jsonl,
     load_documents,
     split_documents,
     truncate_docs,
 )
+from llm.streams import iter_documents, open_stream, open_tokens, split_tokens, write_tokens
 
 
 @pytest.mark.parametrize("text", ["", "hello world\n", "naïve café — 日本語 🐟", "\x00\xff"])
@@ -174,3 +178,154 @@ def test_iterator_errors():
     other = BatchIterator(torch.arange(100), batch_size=4, seq_len=8)
     with pytest.raises(ValueError, match="batch_size"):
         other.load_state_dict(it.state_dict())
+
+
+def test_state_dict_format_is_unchanged():
+    it = stream_iterator()
+    next(it)
+    assert it.state_dict() == {"mode": "stream", "seed": 0, "epoch": 0, "position": 4,
+                               "batch_size": 4, "seq_len": 32,
+                               "num_samples": it.num_samples}
+
+
+def write_corpus(tmp_path, docs):
+    paths = []
+    for i, doc in enumerate(docs):
+        paths.append(tmp_path / f"doc{i}.txt")
+        paths[-1].write_text(doc, encoding="utf-8")
+    return paths
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".npy"])
+def test_token_file_gives_the_in_memory_batches(tmp_path, suffix):
+    docs = load_documents()[:3]
+    out = tmp_path / f"train{suffix}"
+    assert write_tokens(iter_documents(write_corpus(tmp_path, docs)), out) == (
+        len(encode_stream(docs)), 3)
+    tokens = open_tokens(out, vocab_size=VOCAB_SIZE)
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+    stream = encode_stream(docs)
+    assert np.array_equal(tokens, stream.numpy())
+    if suffix == ".npy":
+        assert np.array_equal(np.load(out), tokens)  # a standard .npy file
+
+    def make(data):
+        return BatchIterator(data, batch_size=3, seq_len=40, seed=5)
+
+    mapped, in_memory = make(tokens), make(stream)
+    assert mapped.num_samples == in_memory.num_samples
+    for _ in range(4):
+        for a, b in zip(next(mapped), next(in_memory)):
+            assert a.dtype == torch.int64 and torch.equal(a, b)
+    state = mapped.state_dict()
+    expected = [next(mapped) for _ in range(3)]
+    resumed = make(open_tokens(out))
+    resumed.load_state_dict(state)
+    for x, y in expected:
+        rx, ry = next(resumed)
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16])
+def test_npy_of_any_integer_dtype(tmp_path, dtype):
+    stream = encode_stream(load_documents()[:1])
+    np.save(tmp_path / "t.npy", stream.numpy().astype(dtype))
+    tokens = open_tokens(tmp_path / "t.npy", vocab_size=256)
+    assert tokens.dtype == dtype
+    a = BatchIterator(tokens, batch_size=2, seq_len=16, seed=2)
+    b = BatchIterator(stream, batch_size=2, seq_len=16, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(next(a), next(b)))
+
+
+def test_token_file_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"\.bin .* or \.npy"):
+        open_tokens(tmp_path / "t.txt")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_tokens(tmp_path / "missing.bin")
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    with pytest.raises(ValueError, match="3 bytes"):
+        open_tokens(tmp_path / "odd.bin")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="0 bytes"):
+        open_tokens(tmp_path / "empty.bin")
+    np.save(tmp_path / "grid.npy", np.zeros((2, 3), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"shape \(2, 3\)"):
+        open_tokens(tmp_path / "grid.npy")
+    np.save(tmp_path / "float.npy", np.zeros(5))
+    with pytest.raises(ValueError, match="integer"):
+        open_tokens(tmp_path / "float.npy")
+    (tmp_path / "junk.npy").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a readable"):
+        open_tokens(tmp_path / "junk.npy")
+    np.array([3, 300, 7], dtype=np.uint16).tofile(tmp_path / "big.bin")
+    with pytest.raises(ValueError, match=r"\[3, 300\].*vocab_size is 256"):
+        open_tokens(tmp_path / "big.bin", vocab_size=256)
+    with pytest.raises(ValueError, match="must end in"):
+        write_tokens(["x"], tmp_path / "t.txt")
+    with pytest.raises(ValueError, match="1-D integer array"):
+        BatchIterator(np.zeros(100), batch_size=2, seq_len=8)
+
+
+def test_split_tokens_keeps_the_map(tmp_path):
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    tokens = open_tokens(tmp_path / "t.bin")
+    train, val = split_tokens(tokens, 0.1)
+    assert isinstance(train, np.memmap) and isinstance(val, np.memmap)
+    assert (len(train), len(val)) == (900, 100) and val[0] == 900
+    assert len(split_tokens(tokens, 0.0)[1]) == 0
+    with pytest.raises(ValueError, match="val_fraction"):
+        split_tokens(tokens, 1.0)
+
+
+def test_streamed_documents_match_load_documents(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("one\ntwo\n\n \nthree\n\n\nfour", encoding="utf-8")
+    jsonl = tmp_path / "b.jsonl"
+    jsonl.write_text('{"text": "first"}\n\n{"text": ""}\n{"text": "x\\ny", "n": 2}\n')
+    for split in ("files", "paragraphs"):
+        assert list(iter_documents([text, jsonl], split)) == load_documents(split, [text, jsonl])
+    assert load_documents("files", [jsonl]) == ["first", "x\ny"]
+    with pytest.raises(ValueError, match="unknown text split"):
+        list(iter_documents([text], "lines"))
+    (tmp_path / "x.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="token file"):
+        list(iter_documents([tmp_path / "x.bin"]))
+
+
+def test_jsonl_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
+        list(iter_jsonl(bad))
+    bad.write_text('{"text": "ok"}\n["a"]\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object"):
+        load_documents("files", [bad])
+    bad.write_text('{"body": "ok"}\n')
+    with pytest.raises(ValueError, match="string 'text' field"):
+        list(iter_jsonl(bad))
+    assert list(iter_jsonl(bad, field="body")) == ["ok"]
+
+
+def test_open_stream_caches_text(tmp_path):
+    docs = load_documents()[:2]
+    paths = write_corpus(tmp_path, docs)
+    cache = tmp_path / "cache"
+    tokens = open_stream(paths, cache_dir=cache, vocab_size=256)
+    assert np.array_equal(tokens, encode_stream(docs).numpy())
+    assert open_stream(paths, cache_dir=cache).filename == tokens.filename  # reused
+    paragraphs = open_stream(paths, cache_dir=cache, split="paragraphs")
+    assert paragraphs.filename != tokens.filename  # another split, another file
+    assert np.array_equal(paragraphs, encode_stream(load_documents("paragraphs", paths)).numpy())
+    paths[0].write_text("edited", encoding="utf-8")
+    edited = open_stream(paths, cache_dir=cache)
+    assert edited.filename != tokens.filename and len(edited) < len(tokens)
+    bin_file = tmp_path / "t.bin"
+    write_tokens(docs, bin_file)
+    assert np.array_equal(open_stream([bin_file]), tokens)  # a token file is opened as is
+    with pytest.raises(ValueError, match="only input"):
+        open_stream([bin_file, paths[0]])
+    with pytest.raises(ValueError, match="cache_dir"):
+        open_stream(paths)
+    (tmp_path / "blank.txt").write_text("", encoding="utf-8")
+    with pytest.raises(ValueError, match="no text"):
+        open_stream([tmp_path / "blank.txt"], cache_dir=cache)
