@@ -247,6 +247,7 @@ def ogb_case(args) -> bool:
     root = Path(args.ogb_root)
     raw = root / "ogbn_papers100M" / "raw" / "data.npz"
     if not raw.is_file():
+        sys.path.insert(0, str(ROOT))  # the test suite's writer of OGB-format files
         from tests.plexus.data.ogb_format import write_papers100m_like
 
         print(f"writing OGB-format files of a {args.ogb_nodes:,}-node graph under {root}",

@@ -19,9 +19,11 @@ This module parses arguments, builds the configs and prints; the loop is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ from common.run import (
     start,
 )
 from llm.goldfish import STRATEGIES
-from llm.model import PRESETS, get_preset
+from llm.model import PRESETS, GPTConfig, get_preset
 from llm.parallel import make_groups
 from llm.precision import PRECISIONS
 from llm.trainer import (
@@ -55,6 +57,8 @@ from llm.trainer import (
     run,
 )
 
+DEFAULT_PRESET = "tiny"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d, o, r = DataConfig(), OptimConfig(), RunConfig()
@@ -62,8 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m llm.train",
         description="GPT training on a 4D grid (data x depth x row x col, AxoNN-style) with the "
         "goldfish loss, on CPU (gloo) or GPU (NCCL), under mpiexec, torchrun, srun or alone.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="model sizes (default: %(default)s; python -m llm.plan ranks grids)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help=f"model sizes (default: {DEFAULT_PRESET}; python -m llm.plan ranks "
+                   "grids)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="V",
+                   help="the preset with this vocabulary (a --tokenizer larger than 256 ids)")
+    p.add_argument("--init", default=None, metavar="HF_DIR",
+                   help="start from a Hugging Face Llama directory (config.json + safetensors): "
+                   "its sizes replace --preset, and each rank reads only its slices of the "
+                   "weights; its tokenizer.json is the default --tokenizer")
     p.add_argument("--grid", default=None, help="e.g. data=2,depth=1,row=2,col=2 or 2x1x2x2 "
                    "(data x depth x row x col), or auto[:PROFILE] (the performance model's "
                    "choice, see python -m llm.plan); default: data parallel over all ranks")
@@ -76,7 +87,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="UTF-8 text files instead of the built-in corpus (pydoc topics)")
     p.add_argument("--text-split", choices=("files", "paragraphs"), default="files",
                    help="one document per file, or per blank-line-separated paragraph "
-                   "(default: %(default)s)")
+                   "(default: %(default)s); .jsonl files: one document per line's text")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="a pre-tokenised stream (.bin uint16 or .npy, python -m llm.tokenize), "
+                   "memory-mapped, instead of --text")
+    p.add_argument("--token-cache", default=None, metavar="DIR",
+                   help="tokenize --text once into DIR and memory-map it (streams big corpora)")
+    p.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="bytes, or a Hugging Face tokenizer.json (file or model directory); "
+                   "default: --init's tokenizer.json if it has one, else bytes")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="global sequences per micro-batch, split over data x depth "
                    "(default: %(default)s)")
@@ -156,9 +175,13 @@ def choose_grid(args: argparse.Namespace, work: GPTWorkload,
 def build(args: argparse.Namespace, ctx: DistContext) -> tuple[Trainer, ProcessGrid, str | None]:
     """Configs from the command line, the grid, then the trainer (creating groups is
     collective)."""
-    model_config = get_preset(args.preset)
-    data = DataConfig(source=args.text_split if args.text else "pydoc",
-                      paths=tuple(args.text or ()), docs=args.docs, seq_len=args.seq_len,
+    init, model_config = model_of(args)
+    if args.token_file and args.text:
+        raise ValueError("give --text or --token-file, not both")
+    source = "tokens" if args.token_file else args.text_split if args.text else "pydoc"
+    data = DataConfig(source=source, paths=(args.token_file,) if args.token_file else
+                      tuple(args.text or ()), tokenizer=tokenizer_of(args),
+                      token_cache=args.token_cache, docs=args.docs, seq_len=args.seq_len,
                       batch_size=args.batch_size, val_fraction=args.val_fraction,
                       eval_batches=args.eval_batches, seed=args.seed)
     optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup,
@@ -179,13 +202,40 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[Trainer, ProcessG
     trainer = Trainer(model_config, data, optim, goldfish, run_cfg, make_groups(grid, ctx.rank,
                                                                            ctx.transport),
                       seed=args.seed, device=ctx.device, precision=precision)
+    if init is not None:
+        trainer.init_from(init)
     return trainer, grid, note
+
+
+def model_of(args: argparse.Namespace) -> tuple[Any, GPTConfig]:
+    """(the opened ``--init`` directory or None, the model's sizes)."""
+    if args.init is None:
+        config = get_preset(args.preset or DEFAULT_PRESET)
+        return None, (config if args.vocab_size is None
+                      else dataclasses.replace(config, vocab_size=args.vocab_size))
+    if args.preset is not None or args.vocab_size is not None:
+        raise ValueError("--init takes the model's sizes from its config.json: drop --preset "
+                         "and --vocab-size")
+    from llm.hf import HFCheckpoint
+
+    init = HFCheckpoint(args.init)
+    return init, init.config
+
+
+def tokenizer_of(args: argparse.Namespace) -> str:
+    """``--tokenizer``, else ``--init``'s tokenizer.json, else bytes."""
+    if args.tokenizer:
+        return args.tokenizer
+    if args.init and (Path(args.init) / "tokenizer.json").is_file():
+        return str(Path(args.init) / "tokenizer.json")
+    return "bytes"
 
 
 def _set_threads(args: argparse.Namespace) -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    elif "OMP_NUM_THREADS" not in os.environ and PRESETS[args.preset]().d_model <= 128:
+    elif "OMP_NUM_THREADS" not in os.environ and args.init is None and \
+            PRESETS[args.preset or DEFAULT_PRESET]().d_model <= 128:
         torch.set_num_threads(1)
 
 
@@ -238,8 +288,13 @@ def _header(trainer: Trainer, args: argparse.Namespace, grid: ProcessGrid, ctx: 
     cfg, data, g = trainer.model_config, trainer.data_cfg, trainer.goldfish
     text = (f"{data.docs} documents x {data.seq_len + 1} tokens" if data.docs is not None
             else "a stream of documents")
-    source = "built-in corpus (pydoc topics)" if data.source == "pydoc" else \
-        f"{len(data.paths)} text file(s)"
+    if data.source == "pydoc":
+        source = "built-in corpus (pydoc topics)"
+    elif data.source == "tokens":
+        source = f"token file {data.paths[0]}"
+    else:
+        source = f"{len(data.paths)} text file(s)"
+    source += f", tokenizer {data.tokenizer}"
     fish = (f"goldfish k={g.k} h={g.h} {g.strategy}" if g.k else "standard loss (no goldfish)")
     if resumed is not None:
         start = f", resumed at step {resumed}"
@@ -247,7 +302,8 @@ def _header(trainer: Trainer, args: argparse.Namespace, grid: ProcessGrid, ctx: 
         start = f", no checkpoint in {ck.dir} yet: starting at step 0"
     else:
         start = ""
-    return (f"GPT {args.preset}: {cfg.num_params():,} parameters ({cfg.num_layers} layers, "
+    name = f"from {args.init}" if args.init else args.preset or DEFAULT_PRESET
+    return (f"GPT {name}: {cfg.num_params():,} parameters ({cfg.num_layers} layers, "
             f"d_model {cfg.d_model}, {cfg.num_heads} heads); grid {grid} ({ctx.world_size} "
             f"ranks, {ctx.launcher}, {ctx.comm_label}), overlap {trainer.run_cfg.overlap}, "
             f"precision {trainer.precision}\n"

@@ -37,6 +37,8 @@ from llm.loss import goldfish_sums, token_losses
 from llm.model import GPT, GPTConfig
 from llm.parallel import ParallelGPT, batch_shard
 from llm.precision import PRECISIONS, compute_dtype
+from llm.streams import open_stream, split_tokens
+from llm.tokenizer import load_tokenizer
 from llm.tp import Overlap
 
 IGNORE = -100
@@ -48,8 +50,14 @@ class DataConfig:
     """Text and batches.
 
     Attributes:
-        source: ``pydoc`` (built in), ``files`` (one document per file) or ``paragraphs``.
-        paths: text files for ``files`` / ``paragraphs``.
+        source: ``pydoc`` (built in), ``files`` (one document per file; ``.jsonl`` files:
+            one per line's ``text``), ``paragraphs``, or ``tokens`` (one pre-tokenised
+            ``.bin``/``.npy`` file, memory-mapped: ``python -m llm.tokenize`` writes one).
+        paths: text files for ``files`` / ``paragraphs``; the token file for ``tokens``.
+        tokenizer: ``bytes`` or a Hugging Face ``tokenizer.json`` (a path or a model
+            directory holding one; :func:`llm.tokenizer.load_tokenizer`).
+        token_cache: stream mode: tokenize the text once into this directory and
+            memory-map it (:func:`llm.streams.open_stream`) instead of holding it in memory.
         docs: memorization setting: train on the first ``docs`` documents only, each cut to
             ``seq_len + 1`` tokens, one sample per document; held-out text is the rest.
             None: a stream of all training documents (a seeded 10% is held out).
@@ -62,6 +70,8 @@ class DataConfig:
 
     source: str = "pydoc"
     paths: tuple[str, ...] = ()
+    tokenizer: str = "bytes"
+    token_cache: str | None = None
     docs: int | None = None
     seq_len: int = 128
     batch_size: int = 16
@@ -76,6 +86,9 @@ class DataConfig:
                              f"{self.seq_len}, {self.batch_size}, {self.eval_batches}")
         if self.docs is not None and self.docs < 1:
             raise ValueError(f"--docs must be >= 1, got {self.docs}")
+        if self.source == "tokens" and (len(self.paths) != 1 or self.docs is not None):
+            raise ValueError("a token file is one stream: give exactly one file, and no --docs "
+                             "(it has no documents)")
 
 
 @dataclass(kw_only=True)
@@ -188,22 +201,36 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def make_data(cfg: DataConfig) -> tuple[BatchIterator, list[tuple[Tensor, Tensor]]]:
-    """The training iterator and the fixed held-out batches (see :class:`DataConfig`)."""
-    docs = load_documents(cfg.source, cfg.paths or None)
-    if cfg.docs is not None:
-        train = BatchIterator(truncate_docs(docs, cfg.docs, cfg.seq_len), mode="documents",
-                              batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
-                              ignore_index=IGNORE)
-        held_out = docs[cfg.docs :]
+def make_data(cfg: DataConfig, vocab_size: int | None = None
+              ) -> tuple[BatchIterator, list[tuple[Tensor, Tensor]]]:
+    """The training iterator and the fixed held-out batches (see :class:`DataConfig`);
+    ``vocab_size``: the model's, which the tokenizer and a token file must fit."""
+    tok = load_tokenizer(cfg.tokenizer, vocab_size=vocab_size)
+    held: Any
+    if cfg.source == "tokens" or (cfg.token_cache and cfg.docs is None):
+        stream = open_stream(cfg.paths or (), tok, cache_dir=cfg.token_cache,
+                             split="files" if cfg.source == "tokens" else cfg.source,
+                             vocab_size=vocab_size) if cfg.paths else None
+        if stream is None:
+            raise ValueError("--token-cache needs text files (--text)")
+        train_tokens, held = split_tokens(stream, cfg.val_fraction)
+        train = BatchIterator(train_tokens, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                              seed=cfg.seed)
     else:
-        train_docs, held_out = split_documents(docs, cfg.val_fraction, cfg.seed)
-        train = BatchIterator(encode_stream(train_docs), batch_size=cfg.batch_size,
-                              seq_len=cfg.seq_len, seed=cfg.seed)
-    stream = encode_stream(held_out)
-    if not cfg.eval_batches or stream.numel() <= cfg.seq_len:
+        docs = load_documents(cfg.source, cfg.paths or None)
+        if cfg.docs is not None:
+            train = BatchIterator(truncate_docs(docs, cfg.docs, cfg.seq_len, tok),
+                                  mode="documents", batch_size=cfg.batch_size,
+                                  seq_len=cfg.seq_len, seed=cfg.seed, ignore_index=IGNORE)
+            held_out = docs[cfg.docs :]
+        else:
+            train_docs, held_out = split_documents(docs, cfg.val_fraction, cfg.seed)
+            train = BatchIterator(encode_stream(train_docs, tok), batch_size=cfg.batch_size,
+                                  seq_len=cfg.seq_len, seed=cfg.seed)
+        held = encode_stream(held_out, tok)
+    if not cfg.eval_batches or len(held) <= cfg.seq_len:
         return train, []
-    val = BatchIterator(stream, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+    val = BatchIterator(held, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                         seed=cfg.seed + 1)
     return train, [next(val) for _ in range(cfg.eval_batches)]
 
@@ -243,7 +270,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": optim.weight_decay},
              {"params": rest, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
-        self.train_iter, self.val_batches = make_data(data)
+        self.train_iter, self.val_batches = make_data(data, model_config.vocab_size)
         per_epoch = self.train_iter.steps_per_epoch / run.grad_accum
         self.total_steps = (run.steps if run.steps is not None else
                             math.ceil(run.epochs * per_epoch) if run.epochs else DEFAULT_STEPS)
@@ -308,6 +335,21 @@ class Trainer:
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     # ----------------------------------------------------------------- checkpoints
+    @torch.no_grad()
+    def init_from(self, source: Any) -> None:
+        """Start from pretrained weights: ``source`` has ``config`` and ``read(name, slab)``
+        (an :class:`llm.hf.HFCheckpoint`, a :class:`common.sharded.ShardedCheckpoint`
+        adapter); each rank reads only its slices.
+
+        Raises:
+            ValueError: the weights belong to another model.
+        """
+        if source.config != self.model_config:
+            raise ValueError(f"the initial weights are of another model: {source.config} vs "
+                             f"this run's {self.model_config}")
+        for name, p in self.model.shards().items():
+            p.copy_(source.read(name, self.model.slab(name)).to(p.dtype))
+
     def meta(self) -> dict[str, Any]:
         """What a checkpoint records about the run besides tensors (JSON)."""
         return {"model_config": asdict(self.model_config),

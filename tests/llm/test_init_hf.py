@@ -1,0 +1,105 @@
+"""llm.train --init HF_DIR: a Hugging Face Llama with its own BPE tokenizer.json, each rank
+reading only its slices; the first step on 8 ranks (1x2x2x2) equals one rank's."""
+
+import json
+
+import pytest
+import torch
+
+from llm import hf
+from llm.train import main as train_main
+from tests.distributed import launch, needs_mpi
+from tests.llm.helpers import one_rank_groups
+from tests.llm.test_train import _errors
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+VOCAB = 320  # the BPE's vocabulary is the model's
+ARGS = ["--steps", "1", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "1",
+        "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A random LlamaForCausalLM (2 layers, hidden 64, 4 heads, 2 kv heads) saved with a
+    byte-level BPE tokenizer.json trained here on the built-in corpus."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from llm.data import load_documents
+
+    directory = tmp_path_factory.mktemp("hf")
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(load_documents("pydoc"), trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(directory / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def test_init_loads_the_weights_into_the_shards(hf_dir):
+    from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, RunConfig, Trainer
+
+    ck = hf.HFCheckpoint(hf_dir)
+    trainer = Trainer(ck.config, DataConfig(seq_len=16, batch_size=2, tokenizer=str(
+        hf_dir / "tokenizer.json")), OptimConfig(), GoldfishConfig(), RunConfig(steps=1),
+        one_rank_groups(), seed=3)
+    trainer.init_from(ck)
+    from safetensors.torch import load_file
+
+    want = load_file(str(hf_dir / "model.safetensors"))
+    for name, p in trainer.model.shards().items():
+        assert torch.equal(p, want[hf.to_hf_name(name)]), name
+
+
+def _loss(path):
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return next(r for r in rows if "loss" in r)["loss"]
+
+
+def test_init_trains_with_the_models_tokenizer(hf_dir, tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    assert train_main(["--init", str(hf_dir), *ARGS, "--metrics", str(metrics)]) == 0
+    out = capsys.readouterr().out
+    assert f"GPT from {hf_dir}" in out and f"tokenizer {hf_dir / 'tokenizer.json'}" in out
+    assert 0 < _loss(metrics) < 2 * torch.log(torch.tensor(float(VOCAB)))
+    assert "drop --preset" in _errors(["--init", str(hf_dir), "--preset", "tiny", *ARGS],
+                                      capsys)
+    # a tokenizer larger than the model's vocabulary is refused with both numbers
+    assert "vocabulary of 320" in _errors(["--tokenizer", str(hf_dir), *ARGS], capsys)
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_init_on_8_ranks_equals_1_rank(hf_dir, tmp_path):
+    one, eight = tmp_path / "1.jsonl", tmp_path / "8.jsonl"
+    assert train_main(["--init", str(hf_dir), *ARGS, "--metrics", str(one)]) == 0
+    r = launch(["-m", "llm.train", "--init", str(hf_dir), *ARGS, "--grid", "1x2x2x2",
+                "--metrics", str(eight)], ranks=8, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _loss(eight) == pytest.approx(_loss(one), rel=1e-5)
+
+
+def test_token_file_and_token_cache_feed_the_trainer(hf_dir, tmp_path, capsys):
+    from llm.tokenize import main as tokenize_main
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    tokens = tmp_path / "corpus.bin"
+    assert tokenize_main([str(text), "--tokenizer", str(hf_dir), "--out", str(tokens)]) == 0
+    assert train_main(["--init", str(hf_dir), *ARGS, "--token-file", str(tokens)]) == 0
+    assert f"token file {tokens}" in capsys.readouterr().out
+    cache = tmp_path / "cache"
+    assert train_main(["--init", str(hf_dir), *ARGS, "--text", str(text), "--token-cache",
+                       str(cache)]) == 0
+    assert list(cache.glob("*.npy"))  # tokenized once into the cache, then memory-mapped
+    assert "not both" in _errors(["--init", str(hf_dir), *ARGS, "--text", str(text),
+                                  "--token-file", str(tokens)], capsys)
