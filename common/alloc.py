@@ -5,8 +5,11 @@ and returns it with ``munmap`` when freed. A training step allocates and frees t
 [N, D] activations every step, so each step pays page faults and kernel zeroing for all of them
 again: about a third of a one-rank GCN epoch on the 200K-node bench graph (1.07 -> 0.71 s).
 Raising the mmap and trim thresholds makes such buffers come from, and go back to, the heap, so
-later steps reuse the same pages. The price: the process keeps its peak heap size, which a
-training loop reaches every step anyway.
+later steps reuse the same pages. The price: the process keeps its peak heap size, and the
+heap fragments: with every buffer up to 1 GiB retained, a one-rank epoch on a 1M-node graph
+(3 layers, hidden 64) peaked at 9.9 GiB resident instead of 5.9 (bench/memory.py ogb). So
+only buffers up to 64 MiB are retained (the 200K-node bench graph's activations, where the
+page faults cost the most relative to the work); larger ones go back to the OS when freed.
 
 Only glibc (Linux) has ``mallopt``; elsewhere :func:`retain_freed_memory` does nothing. The
 switch is the argument: the trainers pass their own flag down; nothing here reads the
@@ -22,7 +25,7 @@ import platform
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _GLIBC_DEFAULT = 128 * 1024  # both thresholds' documented defaults
-_RETAIN = 1 << 30  # buffers up to 1 GiB come from the heap
+_RETAIN = 64 << 20  # buffers up to 64 MiB come from the heap (see the module docstring)
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -37,24 +37,58 @@ def _mix32(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U32(16))
 
 
-def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
-                 cols: torch.Tensor) -> torch.Tensor:
-    """Scaled keep-mask ``keep / (1 - p)`` of dropout with rate ``p`` on the block of global
-    ``rows`` (node ids) x ``cols`` (column ids) of layer ``layer``'s input at ``step``.
+def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
+              cols: torch.Tensor) -> torch.Tensor:
+    """Keep-mask of dropout with rate ``p`` on the block of global ``rows`` (node ids) x
+    ``cols`` (column ids) of layer ``layer``'s input at ``step``.
 
     Entry (r, c) depends only on (seed, step, layer, r, c) (node ids modulo 2^32). Computed on
-    the CPU in numpy's wrapping uint32 arithmetic. Shapes: rows [a], cols [b] -> [a, b]
-    float32.
+    the CPU in numpy's wrapping uint32 arithmetic, in row chunks of about 2^22 entries so the
+    hash's temporaries stay small. Shapes: rows [a], cols [b] -> [a, b] bool.
     """
     key = np.array([seed, step, layer], dtype=np.int64).astype(np.uint32)
     k = _U32(0x5BD1E995)
+    threshold = _U32(min(int(p * 2.0**32), 2**32 - 1))
+    c = cols.numpy().astype(np.uint32)[None, :]
+    out = np.empty((rows.numel(), c.shape[1]), dtype=bool)
+    step_rows = max(1, (1 << 22) // max(c.shape[1], 1))
     with np.errstate(over="ignore"):
         for part in key:
             k = _mix32(np.array([k ^ part], dtype=np.uint32))[0]
-        r = _mix32(rows.numpy().astype(np.uint32) ^ k)
-        h = _mix32((r[:, None] ^ cols.numpy().astype(np.uint32)[None, :]) * _U32(0x9E3779B1) ^ k)
-    keep = torch.from_numpy(h >= _U32(min(int(p * 2.0**32), 2**32 - 1)))
-    return keep.to(torch.float32) / (1.0 - p)
+        r_all = rows.numpy().astype(np.uint32)
+        for lo in range(0, r_all.size, step_rows):
+            r = _mix32(r_all[lo:lo + step_rows] ^ k)
+            h = _mix32((r[:, None] ^ c) * _U32(0x9E3779B1) ^ k)
+            np.greater_equal(h, threshold, out=out[lo:lo + step_rows])
+    return torch.from_numpy(out)
+
+
+def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
+                 cols: torch.Tensor) -> torch.Tensor:
+    """Scaled keep-mask ``keep / (1 - p)`` (:func:`keep_mask`) as float32 [a, b]."""
+    return keep_mask(p, seed=seed, step=step, layer=layer, rows=rows,
+                     cols=cols).to(torch.float32) / (1.0 - p)
+
+
+class _Dropout(torch.autograd.Function):
+    """``x * keep / (1 - p)`` keeping only the bool mask for backward (1 byte per entry,
+    not a float mask's 4)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+        ctx.save_for_backward(keep)
+        ctx.scale = torch.ones((), dtype=x.dtype) / (1.0 - p)  # as keep.float() / (1 - p)
+        return x.mul(ctx.scale).masked_fill_(~keep, 0.0)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (keep,) = ctx.saved_tensors
+        return dy.mul(ctx.scale).masked_fill_(~keep, 0.0), None, None
+
+
+def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout of ``x`` with the keep-mask ``keep`` (same shape, bool) and rate ``p``."""
+    return _Dropout.apply(x, keep, p)
 
 
 def _sum_over(x: torch.Tensor, group: AxisGroup, stats: CommStats | None) -> torch.Tensor:

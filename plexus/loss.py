@@ -45,6 +45,11 @@ def sharded_cross_entropy(
     Returns:
         A scalar, the same on every rank.
     """
+    # only the masked rows enter (the same rows on every rank of group_o): the softmax's
+    # temporaries and what backward keeps are [rows, C/O], not [N/P, C/O]
+    rows = mask.nonzero()[:, 0]
+    logits, labels = logits.index_select(0, rows), labels.index_select(0, rows)
+    mask = torch.ones_like(labels, dtype=torch.bool)
     cls = _class_ids(logits, group_o)
     z = logits.masked_fill(cls >= num_classes, float("-inf"))
     with torch.no_grad():

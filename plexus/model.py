@@ -35,7 +35,7 @@ from plexus.config import MODELS, NORMS
 from plexus.data import partition
 from plexus.data.memory import root_blocks
 from plexus.data.shard import GraphShard
-from plexus.layers import ShardedBatchNorm, ShardedLayerNorm, dropout_mask
+from plexus.layers import ShardedBatchNorm, ShardedLayerNorm, apply_dropout, keep_mask
 from plexus.layout import flat_shard
 
 ROOT_SEED_OFFSET = 7919  # GraphSAGE's root weights R_l come from init_weights(seed + this)
@@ -244,7 +244,7 @@ class PlexusGCN(nn.Module):
                 if self._has_skip(layer):
                     skip = self._skip(layer, x, stats)
                 if drop:
-                    x = x * self._dropout_mask(layer, step, x.device)
+                    x = apply_dropout(x, self._keep_mask(layer, step, x.device), self.dropout)
                 h = self._spmm_o(self.shard.adj, layer, x, stats)
                 r = self._spmm_o(self.shard.root, layer, x, stats) if self.kind == "sage" else None
                 if cached:
@@ -316,9 +316,9 @@ class PlexusGCN(nn.Module):
             self._ids[layer] = (rows, cols)
         return self._ids[layer]
 
-    def _dropout_mask(self, layer: int, step: int, device) -> torch.Tensor:
+    def _keep_mask(self, layer: int, step: int, device) -> torch.Tensor:
         rows, cols = self._input_ids(layer)
-        return dropout_mask(self.dropout, seed=self.seed, step=step, layer=layer, rows=rows,
+        return keep_mask(self.dropout, seed=self.seed, step=step, layer=layer, rows=rows,
                             cols=cols).to(device)
 
     def _output_rows(self, layer: int) -> torch.Tensor:

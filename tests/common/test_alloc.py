@@ -1,9 +1,9 @@
 """common.alloc: the glibc allocator setting that keeps large freed buffers in the heap.
 
-Measured, not asserted: a fresh process mallocs, touches and frees a 64 MiB block six times and
+Measured, not asserted: a fresh process mallocs, touches and frees a 48 MiB block six times and
 counts its minor page faults (``getrusage``) per round. Retained, only the first round faults
 (later rounds reuse the heap pages); otherwise every round maps fresh pages and faults them all
-again (about 64 MiB / 4 KiB = 16384 faults).
+again (about 48 MiB / 4 KiB = 12288 faults).
 """
 
 import os
@@ -31,7 +31,7 @@ libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-size = 64 << 20  # above glibc's default mmap threshold (at most 32 MiB)
+size = 48 << 20  # above glibc's default mmap threshold (at most 32 MiB), below ours
 faults = []
 for _ in range(6):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
