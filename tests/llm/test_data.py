@@ -212,14 +212,20 @@ def test_token_file_gives_the_in_memory_batches(tmp_path, suffix):
     def make(data):
         return BatchIterator(data, batch_size=3, seq_len=40, seed=5)
 
+    assert make(tokens).num_samples == make(stream).num_samples
+    check_mapped_batches(make, tokens, stream, lambda: open_tokens(out))
+
+
+def check_mapped_batches(make, tokens, stream, reopen, steps=4):
+    """Batches drawn from the memory-mapped ``tokens`` equal those from the in-memory
+    ``stream``, and a fresh iterator over ``reopen()`` resumed from a state goes on alike."""
     mapped, in_memory = make(tokens), make(stream)
-    assert mapped.num_samples == in_memory.num_samples
-    for _ in range(4):
+    for _ in range(steps):
         for a, b in zip(next(mapped), next(in_memory)):
             assert a.dtype == torch.int64 and torch.equal(a, b)
     state = mapped.state_dict()
-    expected = [next(mapped) for _ in range(3)]
-    resumed = make(open_tokens(out))
+    expected = [next(mapped) for _ in range(steps)]
+    resumed = make(reopen())
     resumed.load_state_dict(state)
     for x, y in expected:
         rx, ry = next(resumed)

@@ -17,6 +17,7 @@ from llm.tokenizer import (
     load_tokenizer,
     spec_of_checkpoint,
 )
+from tests.llm.test_data import check_mapped_batches
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -163,18 +164,8 @@ def test_cli_writes_a_token_file(bpe, model_dir, tmp_path, capsys):
     def make(data):
         return BatchIterator(data, batch_size=4, seq_len=24, seed=3)
 
-    mapped, in_memory = make(tokens), make(stream)
-    assert mapped.data is tokens  # windows are read from the map, the file is not loaded
-    for _ in range(3):
-        for a, b in zip(next(mapped), next(in_memory)):
-            assert torch.equal(a, b)
-    state = mapped.state_dict()
-    expected = [next(mapped) for _ in range(4)]
-    resumed = make(open_tokens(out))
-    resumed.load_state_dict(state)
-    for x, y in expected:
-        rx, ry = next(resumed)
-        assert torch.equal(x, rx) and torch.equal(y, ry)
+    assert make(tokens).data is tokens  # windows are read from the map, the file is not loaded
+    check_mapped_batches(make, tokens, stream, lambda: open_tokens(out))
 
 
 def test_cli_npy_and_jsonl(bpe, model_dir, tmp_path):
