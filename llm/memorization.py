@@ -2,7 +2,8 @@
 
 For each of the first N training documents, cut exactly as in training (``--seq-len`` + 1
 tokens, :func:`llm.data.truncate_docs`): prefix = all but the last S tokens, suffix = the last
-S. The model decodes S tokens greedily after the prefix. Exact match = all S tokens identical;
+S. The model decodes S tokens greedily after the prefix (with the KV cache of
+:meth:`llm.model.GPT.generate`). Exact match = all S tokens identical;
 ROUGE-L (:mod:`llm.rouge`) is computed between the generated and the true suffix tokens.
 
     python -m llm.memorization --checkpoint runs/std --docs 32 --suffix-len 32 [--json]

@@ -27,6 +27,12 @@ logits come out in the compute dtype (the loss upcasts them). Activation checkpo
 (``activation_checkpointing=True``) keeps only each block's input during a forward with
 gradients and reruns the block in backward (``torch.utils.checkpoint``, non-reentrant).
 
+NEFTune (``neftune_alpha > 0``, :mod:`llm.noise`): in training, keyed uniform noise is added to
+the embedding output before anything else (before the cast to the compute dtype).
+
+Decoding (:meth:`GPT.generate`) keeps a :class:`KVCache`: the prompt is run once (prefill),
+then each step runs only the new token against the cached keys and values of every layer.
+
 Shapes legend:
     B: batch, T: sequence length, V: vocabulary, D: d_model, F: d_ff, Dh: head_dim,
     H: query heads, Hkv: key/value heads (both local to this process after sharding).
@@ -43,11 +49,14 @@ from torch.nn.functional import linear, scaled_dot_product_attention, silu
 from torch.utils.checkpoint import checkpoint
 
 from llm.init import fill_normal_
+from llm.kv_cache import KVCache, LayerCache
+from llm.noise import NEFTune
 
 __all__ = [
     "GPT",
     "PRESETS",
     "GPTConfig",
+    "KVCache",
     "Linear",
     "apply_rope",
     "get_preset",
@@ -261,6 +270,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention with RoPE; heads counted from the projections' output shapes.
 
+    With a ``cache``, ``x`` holds the positions after the cached ones (``cos``, ``sin`` are
+    theirs) and attends to the cached keys and values too.
+
     Shapes:
         x: [B, T, D], cos, sin: [T, Dh / 2] -> returns [B, T, D]
     """
@@ -274,17 +286,29 @@ class Attention(nn.Module):
         self.v_proj = Linear(d, kv, bias=False)
         self.o_proj = Linear(d, d, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                cache: LayerCache | None = None) -> Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, H, Dh]
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, Hkv, Dh]
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, Hkv, Dh]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H or Hkv, T, Dh]
+        start = 0
+        if cache is not None:  # the Hkv heads are cached, before the grouped expansion
+            start = cache.length
+            k, v = cache.update(k, v)  # [B, Hkv, start + T, Dh]
         groups = q.shape[1] // k.shape[1]
         if groups > 1:  # grouped-query attention: query head j reads kv head j // groups
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
+        if start == 0:
+            y = scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
+        elif seq == 1:  # one new token sees every cached position
+            y = scaled_dot_product_attention(q, k, v)
+        else:  # query i is position start + i: it sees keys 0 .. start + i
+            keys = torch.arange(start + seq, device=x.device)
+            mask = keys <= torch.arange(start, start + seq, device=x.device)[:, None]
+            y = scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask [T, start + T]
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))  # [B, T, D]
 
 
@@ -315,8 +339,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                cache: LayerCache | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -333,18 +358,21 @@ class GPT(nn.Module):
             parameters' dtype. Also read by :class:`~llm.parallel.ParallelGPT`.
         activation_checkpointing: recompute each block in backward instead of keeping its
             activations.
+        neftune_alpha: NEFTune noise scale on the embeddings in training (:mod:`llm.noise`;
+            key it each step with :meth:`set_noise`); 0: off.
 
     Shapes:
-        idx: int64 [B, T] with T <= max_seq_len -> logits [B, T, V]
+        idx: int64 [B, T] with T (plus the cached positions) <= max_seq_len -> logits [B, T, V]
     """
 
     def __init__(self, config: GPTConfig, *, seed: int | None = None,
                  device: torch.device | str | None = None,
                  compute_dtype: torch.dtype | None = None,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, neftune_alpha: float = 0.0) -> None:
         super().__init__()
         self.config = config
         self.compute_dtype, self.activation_checkpointing = compute_dtype, activation_checkpointing
+        self.neftune = NEFTune(neftune_alpha, config.d_model)  # no parameters
         with torch.device("meta"):  # no memory and no throw-away default init
             # _weight skips Embedding's normal_, whose meta kernel imports ~800 modules (1.5 s)
             self.tok_emb = nn.Embedding(config.vocab_size, config.d_model,
@@ -387,20 +415,30 @@ class GPT(nn.Module):
             else:
                 fill_normal_(p.view(-1), seed=seed, name=name, shape=p.shape, std=std)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        seq = idx.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len="
+    def set_noise(self, *, step: int, row_offset: int = 0, seed: int = 0) -> None:
+        """Key the NEFTune noise of the next training forwards (:meth:`NEFTune.set_noise`):
+        call before each micro-batch's forward when ``neftune_alpha > 0``."""
+        self.neftune.set_noise(step=step, row_offset=row_offset, seed=seed)
+
+    def forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Logits of every position of ``idx``; with a ``cache``, ``idx`` continues the cached
+        positions (which it attends to) and its keys and values are appended to the cache."""
+        seq, start = idx.shape[1], 0 if cache is None else cache.length
+        if start + seq > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start} cached + {seq} tokens exceeds max_seq_len="
                              f"{self.config.max_seq_len}")
         # recomputed each call (negligible next to the blocks) rather than kept as a buffer,
         # which model.to(bfloat16) would round
         c = self.config
-        cos, sin = rope_cache(c.head_dim, seq, c.rope_theta, idx.device)  # [T, Dh/2] each
-        x = self.tok_emb(idx)  # [B, T, D]
+        cos, sin = rope_cache(c.head_dim, start + seq, c.rope_theta, idx.device)
+        cos, sin = cos[start:], sin[start:]  # [T, Dh/2] each: the positions of idx
+        x = self.neftune(self.tok_emb(idx))  # [B, T, D]; NEFTune noise in training only
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)  # every later layer follows the dtype of its input
-        for block in self.blocks:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+        for i, block in enumerate(self.blocks):
+            if cache is not None:
+                x = block(x, cos, sin, cache.layers[i])
+            elif self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
@@ -409,20 +447,35 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(
         self, idx: Tensor, max_new_tokens: int, temperature: float = 0.0,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, *, use_cache: bool = True,
     ) -> Tensor:
         """Append ``max_new_tokens`` sampled tokens (greedy when temperature is 0).
 
-        No KV cache: each step reruns the last ``max_seq_len`` tokens, fine for the short
-        suffixes of the memorization test.
+        With ``use_cache`` (default) the prompt is run once into a :class:`KVCache`, then each
+        step runs only the newest token. The model sees at most ``max_seq_len`` tokens: once
+        the sequence is longer, each step reruns the last ``max_seq_len`` tokens without a
+        cache (the window slides, so every cached position would move), as ``use_cache=False``
+        does at every step. Both give the same tokens unless two logits are within rounding of
+        each other: the logits are not bitwise equal (a decode step computes one row alone, and
+        the no-cache loop's values of a position vary with the window's length in the CPU
+        attention kernel's last bits), and bf16 logits (8-bit mantissa) tie more often.
 
         Shapes:
             idx: int64 [B, T0] -> returns int64 [B, T0 + max_new_tokens]
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        window = self.config.max_seq_len
+        cache = None
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.max_seq_len :])[:, -1, :].float()  # [B, V]
+            if not use_cache or idx.shape[1] > window:
+                logits = self(idx[:, -window:])  # [B, T, V]
+            elif cache is None:  # prefill: the whole prompt
+                cache = KVCache(self.config.num_layers, window)
+                logits = self(idx, cache)
+            else:  # the newest token against the cache
+                logits = self(idx[:, -1:], cache)  # [B, 1, V]
+            logits = logits[:, -1, :].float()  # [B, V]
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
             else:

@@ -29,6 +29,10 @@ The GPT's ``compute_dtype`` (bf16 mixed precision) and ``activation_checkpointin
 over: the sharded layers cast each float32 shard to the compute dtype before its depth
 all-gather and reduce-scatter dW in it (:mod:`llm.tp`); gradients stay float32 in ``.grad``,
 so the data-parallel all-reduce and the optimizer see float32.
+
+NEFTune noise (``GPT(neftune_alpha=...)``, :mod:`llm.noise`) is keyed by the global row,
+position and channel: each rank is told where its rows (data, depth) and embedding channels
+(col) sit, so every grid adds the serial model's noise; :meth:`ParallelGPT.set_noise` keys it.
 """
 
 from __future__ import annotations
@@ -323,6 +327,10 @@ class ParallelGPT(nn.Module):
             model.materialize(device, seed)
         self.model = model
         assert not any(p.is_meta for p in self.parameters()), "a parameter left on meta"
+        # NEFTune: this rank's block of batch rows (batch_shard's order) and of d_model
+        model.neftune.shard_index = self.coords["data"] * self.sizes["depth"] + self.coords["depth"]
+        model.neftune.channel_offset = (self.coords["col"] *
+                                        self.specs["tok_emb.weight"].block_shape(self.sizes)[1])
 
     def _swap_modules(self, model: GPT, seed: int | None, device: torch.device) -> None:
         g, cfg, stats = self.groups, self.config, self.stats
@@ -360,6 +368,12 @@ class ParallelGPT(nn.Module):
         model.lm_head = linear("lm_head.weight", False)
 
     # ----------------------------------------------------------------- training
+    def set_noise(self, *, step: int, row_offset: int = 0, seed: int = 0) -> None:
+        """Key the NEFTune noise of the next forwards (:meth:`llm.noise.NEFTune.set_noise`);
+        ``row_offset`` is the global row of the global micro-batch's first row, the same on
+        every rank (this rank's own offset is added)."""
+        self.model.set_noise(step=step, row_offset=row_offset, seed=seed)
+
     def forward(self, idx: Tensor) -> Tensor:
         self.depth_weights.begin_forward()
         return self.model(idx)

@@ -1,6 +1,9 @@
 """Sample text from a checkpoint (one process reads the full weights from the shards).
 
     python -m llm.sample --checkpoint runs/tiny --prompt "The assert statement" --tokens 200
+
+Decoding keeps a KV cache (:meth:`llm.model.GPT.generate`); ``--no-cache`` reruns the whole
+window at every step instead (the reference loop, same tokens, slower).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="no KV cache: rerun the window "
+                   "every step")
     args = p.parse_args(argv)
     try:
         if args.tokens < 0 or args.temperature < 0:
@@ -33,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         if prompt.numel() == 0:
             raise ValueError("--prompt is empty; give at least one character")
         out = model.generate(prompt[None], args.tokens, temperature=args.temperature,
-                             generator=torch.Generator().manual_seed(args.seed))
+                             generator=torch.Generator().manual_seed(args.seed),
+                             use_cache=not args.no_cache)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

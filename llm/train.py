@@ -111,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="linear warmup steps (default: %(default)s)")
     p.add_argument("--weight-decay", type=float, default=o.weight_decay,
                    help="AdamW weight decay of the matrices (default: %(default)s)")
+    p.add_argument("--neftune-alpha", type=float, default=o.neftune_alpha, metavar="A",
+                   help="NEFTune: uniform noise scaled by A / sqrt(seq_len * d_model) on the "
+                   "token embeddings in training (the paper uses 5); 0: off")
     p.add_argument("--grad-clip", type=float, default=o.grad_clip,
                    help="global gradient-norm clip; 0: none (default: %(default)s)")
     p.add_argument("--goldfish-k", type=int, default=0,
@@ -185,7 +188,8 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[Trainer, ProcessG
                       batch_size=args.batch_size, val_fraction=args.val_fraction,
                       eval_batches=args.eval_batches, seed=args.seed)
     optim = OptimConfig(lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup,
-                        weight_decay=args.weight_decay, grad_clip=args.grad_clip)
+                        weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                        neftune_alpha=args.neftune_alpha)
     goldfish = GoldfishConfig(k=args.goldfish_k, h=args.goldfish_h,
                               strategy=args.goldfish_strategy)
     run_cfg = RunConfig(steps=args.steps, epochs=args.epochs, grad_accum=args.grad_accum,

@@ -96,6 +96,8 @@ class OptimConfig:
     """AdamW with linear warmup and cosine decay to ``min_lr_ratio * lr``; global-norm clip.
 
     Weight decay applies to matrices (Linears, embedding), not to RMSNorm weights.
+    ``neftune_alpha > 0``: NEFTune (Jain et al. 2023), uniform noise scaled by
+    ``alpha / sqrt(T d)`` on the token embeddings in training, the same on every grid.
     """
 
     lr: float = 3e-3
@@ -104,11 +106,14 @@ class OptimConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
+    neftune_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
             raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0; got "
                              f"{self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
+        if self.neftune_alpha < 0:
+            raise ValueError(f"--neftune-alpha must be >= 0, got {self.neftune_alpha}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got "
                              f"{self.weight_decay}, {self.grad_clip}")
@@ -262,7 +267,8 @@ class Trainer:
         # built on meta: each rank draws only its shards of the weights keyed by the seed
         gpt = GPT(model_config, device="meta",
                   compute_dtype=compute_dtype(self.precision.precision),
-                  activation_checkpointing=self.precision.activation_checkpointing)
+                  activation_checkpointing=self.precision.activation_checkpointing,
+                  neftune_alpha=optim.neftune_alpha)
         self.model = ParallelGPT(gpt, groups, seed=seed, overlap=Overlap.parse(run.overlap),
                                  stats=self.stats, device=self.device)
         decay = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) > 1]
@@ -290,7 +296,10 @@ class Trainer:
         num_dropped = sum(int(((y != IGNORE) & m).sum()) for (_, y), m in zip(micro, masks))
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(2, device=self.device)  # kept, dropped loss sums on this rank
-        for (x, y), m in zip(micro, masks):
+        for i, ((x, y), m) in enumerate(zip(micro, masks)):
+            # NEFTune's noise keyed by (seed, step, global row): the same on every grid
+            self.model.set_noise(step=self.step, row_offset=i * self.data_cfg.batch_size,
+                                 seed=self.seed)
             out = goldfish_sums(self.model(self._local(x, 0)), self._local(y, IGNORE),
                                 self._local(m, True), num_kept=num_kept,
                                 vocab_size=self.model_config.vocab_size, row=self.groups["row"],

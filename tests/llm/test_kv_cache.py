@@ -1,0 +1,130 @@
+"""KV-cache decoding (:meth:`llm.model.GPT.generate`) against the no-cache loop.
+
+Bitwise equal logits are not to be had: the no-cache loop itself computes position p a little
+differently depending on how many positions follow it (the CPU attention kernel's tails), and
+a one-row GEMM rounds differently from a many-row one. So the logits are compared with a
+tolerance (teacher forcing through the decode path), and the greedy tokens exactly: they can
+only differ where two logits are within rounding of each other. In bf16 (8-bit mantissa logits)
+such near-ties happen: small's width with 6 query / 2 key-value heads, 3 prompts, 40 tokens
+flips one token in bf16 on our CPU (fp32 is exact there), so the bf16 token checks use the tiny
+configs and the bf16 logits check bounds the difference instead.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from llm.model import GPT, GPTConfig, KVCache, small, tiny
+
+GQA = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_ff=48,
+                max_seq_len=16)  # tests/llm/helpers.py's SMALL: 16-token window
+
+
+def prompt(batch, length, seed=1):
+    return torch.randint(256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("config", "batch", "length", "new"), [
+    (tiny(), 1, 8, 40),
+    (tiny(), 3, 5, 30),
+    (small(), 2, 16, 16),
+    (dataclasses.replace(small(), num_heads=6, num_kv_heads=2), 2, 8, 16),  # GQA at width 384
+    (GQA, 3, 5, 30),  # GQA; outgrows the 16-token window after 11 tokens
+    (GQA, 2, 20, 4),  # the prompt alone is longer than the window
+], ids=["tiny-b1", "tiny-b3", "small-b2", "small-gqa-b2", "gqa-window", "gqa-long-prompt"])
+def test_greedy_tokens_equal_the_no_cache_loop(config, batch, length, new):
+    model = GPT(config, seed=0).eval()
+    idx = prompt(batch, length)
+    want = model.generate(idx, new, use_cache=False)
+    got = model.generate(idx, new)
+    assert got.shape == (batch, length + new)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("config", [tiny(), GQA], ids=["tiny", "gqa"])
+def test_bf16_greedy_tokens_equal_the_bf16_no_cache_loop(config):
+    model = GPT(config, seed=0, compute_dtype=torch.bfloat16).eval()
+    idx = prompt(3, 6)
+    assert torch.equal(model.generate(idx, 24), model.generate(idx, 24, use_cache=False))
+
+
+def decode_logits(model, tokens, prefill):
+    """Logits of positions prefill-1 .. T-1 through the cache: a prefill, then one token at a
+    time (teacher forcing), and the no-cache logits of the same positions."""
+    cache = KVCache(model.config.num_layers, model.config.max_seq_len)
+    with torch.no_grad():
+        rows = [model(tokens[:, :prefill], cache)[:, -1]]
+        rows += [model(tokens[:, t : t + 1], cache)[:, -1] for t in range(prefill,
+                                                                          tokens.shape[1])]
+        full = [model(tokens[:, : t + 1])[:, -1] for t in range(prefill - 1, tokens.shape[1])]
+    return torch.stack(rows, 1).float(), torch.stack(full, 1).float()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(None, 1e-5), (torch.bfloat16, 0.02)])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_decode_logits_match_the_full_forward(num_kv_heads, dtype, tol):
+    """fp32: within ~4e-7 of the largest logit; bf16: ~6e-3 (1.5 bf16 roundings)."""
+    config = dataclasses.replace(tiny(), num_kv_heads=num_kv_heads)
+    model = GPT(config, seed=0, compute_dtype=dtype).eval()
+    cached, full = decode_logits(model, prompt(2, 40), prefill=7)  # [2, 34, V] each
+    scale = full.abs().max()
+    assert (cached - full).abs().max() <= tol * scale
+
+
+def test_prefill_equals_the_plain_forward_and_caches_the_kv_heads():
+    model = GPT(GQA, seed=0).eval()
+    idx = prompt(3, 9)
+    cache = KVCache(GQA.num_layers, GQA.max_seq_len)
+    with torch.no_grad():
+        assert torch.equal(model(idx, cache), model(idx))  # the same kernels, bitwise
+    assert cache.length == 9
+    for layer in cache.layers:  # [B, Hkv, max_len, Dh]: not expanded to the query heads
+        assert layer.keys.shape == layer.values.shape == (3, 2, 16, GQA.head_dim)
+
+
+def test_a_chunk_after_the_cache_sees_the_cached_positions():
+    model = GPT(dataclasses.replace(tiny(), num_kv_heads=2), seed=0).eval()
+    idx = prompt(2, 20)
+    cache = KVCache(2, 128)
+    with torch.no_grad():
+        first = model(idx[:, :12], cache)
+        rest = model(idx[:, 12:], cache)  # 8 queries at positions 12..19: the masked path
+        full = model(idx)
+    torch.testing.assert_close(torch.cat((first, rest), 1), full, rtol=0, atol=1e-5)
+
+
+def test_the_cache_never_exceeds_the_window():
+    model = GPT(GQA, seed=0).eval()
+    cache = KVCache(GQA.num_layers, GQA.max_seq_len)
+    with torch.no_grad():
+        model(prompt(1, 12), cache)
+        with pytest.raises(ValueError, match="12 cached \\+ 5 tokens exceeds max_seq_len=16"):
+            model(prompt(1, 5), cache)
+
+
+def test_sampling_with_a_seeded_generator_matches_the_no_cache_loop():
+    model = GPT(tiny(), seed=0).eval()
+    idx = prompt(2, 4)
+
+    def sample(use_cache):
+        return model.generate(idx, 20, temperature=1.0, use_cache=use_cache,
+                              generator=torch.Generator().manual_seed(7))
+
+    assert torch.equal(sample(True), sample(False))
+
+
+def test_llm_sample_prints_the_same_text_with_and_without_the_cache(tmp_path, capsys):
+    from llm.sample import main
+    from tests.llm.helpers import make_trainer, one_rank_groups
+
+    trainer = make_trainer(one_rank_groups(), steps=1)
+    trainer.train_step()
+    trainer.save(str(tmp_path), keep=1, is_main=True)
+    for temperature in ("0", "1.0"):
+        args = ["--checkpoint", str(tmp_path), "--prompt", "The ", "--tokens", "30",
+                "--temperature", temperature, "--seed", "3"]
+        assert main(args) == 0
+        cached = capsys.readouterr().out
+        assert main([*args, "--no-cache"]) == 0  # 4 + 30 bytes: past the 16-byte window
+        assert capsys.readouterr().out == cached
