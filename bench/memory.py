@@ -16,8 +16,9 @@ the pages of memory-mapped block files a rank has touched. Results are appended 
 bench/results/memory.jsonl.
 
 Checks (issue "Memory per rank at scale"):
-  plexus: features and optimizer state per rank fall as 1/G (within 10%); no step (save,
-          resume = load + one epoch) exceeds the training step's peak by more than 10%.
+  plexus: features and optimizer state per rank fall as 1/G (within 10%); neither the save
+          nor the resume's set-up + load exceeds the epoch's peak on the same grid by more
+          than 10%.
   ogb:    1-rank peak <= 2.5 x the data; 8-rank peak per rank <= 0.5 x the 1-rank peak;
           features and weights per rank fall as 1/G.
   llm:    every step's peak per rank <= 1.5 x (parameter bytes / ranks) + 0.6 GiB.
@@ -87,21 +88,20 @@ def worker_plexus(args) -> None:
     peaks, mark = _phase_peaks()
     source = PreparedGraph(args.data)
     state = {}
+    resume = args.phase == "resume"
 
-    def on_setup(_shard, model, _info):
-        mark("setup")
+    def on_setup(_shard, model, _info):  # after set-up and, resuming, the checkpoint load
+        mark("setup_and_load" if resume else "setup")
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         feats = model.features.numel() * model.features.element_size()
         state.update(features_bytes=feats, optimizer_bytes=2 * params,  # Adam: 2 moments
                      features_and_optimizer_bytes=feats + 2 * params)
 
-    resume = args.phase == "resume"
     result = train_gcn(source, ProcessGrid.parse(args.grid), ctx.rank,
                        **split_config(epochs=2 if resume else 1, hidden=args.hidden,
                                       num_layers=3, learn_features=True, dropout=0.0),
                        checkpoint=CheckpointConfig(dir=args.checkpoint, resume=resume),
-                       on_setup=on_setup, on_epoch=lambda row: mark(
-                           "load_and_epoch" if resume else "epoch"),
+                       on_setup=on_setup, on_epoch=lambda row: mark("epoch"),
                        transport=ctx.transport)
     if not resume:
         mark("save")
@@ -204,21 +204,26 @@ def plexus_case(args) -> bool:
     print(f"\nplexus, {m['num_nodes']:,} nodes, {m['num_edges']:,} edges, {m['num_features']} "
           f"learned features, hidden {args.hidden}, 3 layers; MiB per rank (max over ranks)")
     print(f"{'G':>2} {'grid':>6} {'->':>6} {'feat+Adam':>10} {'x G=1':>6} {'1/G':>6} "
-          f"{'setup':>7} {'epoch':>7} {'save':>7} {'resume':>7} {'planner':>8} {'worst/epoch':>11}")
+          f"{'setup':>7} {'epoch':>7} {'save':>7} {'planner':>8} | {'load':>7} {'epoch':>7} "
+          f"{'save/ep':>8} {'load/ep':>8}")
     ok = True
     for r in rows:
         share = r["features_and_optimizer_bytes"] / base["features_and_optimizer_bytes"]
-        worst = max(r["peak_save"], r["resume_peak_load_and_epoch"]) / r["peak_epoch"]
-        fine = abs(share * r["ranks"] - 1) <= 0.10 and worst <= 1.10
+        save = r["peak_save"] / r["peak_epoch"]  # on the training grid
+        load = r["resume_peak_setup_and_load"] / r["resume_peak_epoch"]  # on the resume grid
+        fine = abs(share * r["ranks"] - 1) <= 0.10 and max(save, load) <= 1.10
         ok &= fine
         print(f"{r['ranks']:>2} {r['grid']:>6} {r['resume_grid']:>6} "
               f"{r['features_and_optimizer_bytes'] / MIB:>10.1f} {share:>6.3f} "
               f"{1 / r['ranks']:>6.3f} {r['peak_setup'] / MIB:>7.0f} "
               f"{r['peak_epoch'] / MIB:>7.0f} {r['peak_save'] / MIB:>7.0f} "
-              f"{r['resume_peak_load_and_epoch'] / MIB:>7.0f} {r['planner_bytes'] / MIB:>8.0f} "
-              f"{worst:>11.3f}{'' if fine else '  NOT met'}")
-    print("checks: feat+Adam x G=1 within 10% of 1/G; save and resume peaks <= 1.10 x the "
-          f"epoch's: {'met' if ok else 'NOT met'}")
+              f"{r['planner_bytes'] / MIB:>8.0f} | {r['resume_peak_setup_and_load'] / MIB:>7.0f} "
+              f"{r['resume_peak_epoch'] / MIB:>7.0f} {save:>8.3f} {load:>8.3f}"
+              f"{'' if fine else '  NOT met'}")
+    print("left of |: the training grid (set-up, one epoch, save); right: the resume grid "
+          "(set-up + checkpoint load, one epoch)")
+    print("checks: feat+Adam x G=1 within 10% of 1/G; save and load peaks <= 1.10 x the "
+          f"epoch's on the same grid: {'met' if ok else 'NOT met'}")
     _record("plexus", rows, ok)
     return ok
 

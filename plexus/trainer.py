@@ -142,8 +142,6 @@ def train_gcn(
     config = {"model": asdict(model), "optim": asdict(optim), "run": asdict(run),
               "permutation": source.permutation}
     info = {"setup_s": time.perf_counter() - t0, "config": config, "grid": str(grid)}
-    if on_setup is not None:
-        on_setup(shard, net, info)
     o_ax, _, p_ax = layout.roles(model.num_layers - 1)
     g_o, g_p = groups[o_ax], groups[p_ax]
     labels = shard.labels.to(device)
@@ -154,6 +152,8 @@ def train_gcn(
     if ck.resume and list_steps(ck.dir):
         done, history = ckpt.load(ck.dir, net, opt, meta=meta)
         first, info["resumed_from"] = done + 1, done
+    if on_setup is not None:  # set up, and resumed if asked
+        on_setup(shard, net, info)
     info["preempted"] = False
     best: dict[str, Any] | None = None
     for row in history:  # a resumed run's earlier epochs (their model shards are not kept)
