@@ -45,22 +45,29 @@ def sharded_cross_entropy(
     Returns:
         A scalar, the same on every rank.
     """
-    # only the masked rows enter (the same rows on every rank of group_o): the softmax's
-    # temporaries and what backward keeps are [rows, C/O], not [N/P, C/O]
+    # the softmax runs on the masked rows only (the same rows on every rank of group_o), so
+    # its temporaries and what backward keeps are [rows, C/O], not [N/P, C/O]; the per-row
+    # all-reduces keep their [N/P] size (common.perf.gcn counts them so)
     rows = mask.nonzero()[:, 0]
-    logits, labels = logits.index_select(0, rows), labels.index_select(0, rows)
-    mask = torch.ones_like(labels, dtype=torch.bool)
-    cls = _class_ids(logits, group_o)
-    z = logits.masked_fill(cls >= num_classes, float("-inf"))
+    n = logits.shape[0]
+
+    def full(v: torch.Tensor, fill: float) -> torch.Tensor:  # [rows] -> [N/P]
+        return v.new_full((n,), fill).index_put((rows,), v)
+
+    sel, lab = logits.index_select(0, rows), labels.index_select(0, rows)
+    cls = _class_ids(sel, group_o)
+    z = sel.masked_fill(cls >= num_classes, float("-inf"))
     with torch.no_grad():
-        m = coll.all_reduce(z.max(dim=1).values, group_o, op=coll.ReduceOp.MAX, stats=stats)
-    sum_exp = autograd.all_reduce_identity(torch.exp(z - m[:, None]).sum(dim=1), group_o, stats)
-    local = labels - cls[0]
-    own = mask & (local >= 0) & (local < logits.shape[1])
-    picked = torch.where(own, z.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0],
+        m = coll.all_reduce(full(z.max(dim=1).values, float("-inf")), group_o,
+                            op=coll.ReduceOp.MAX, stats=stats)[rows]
+    sum_exp = autograd.all_reduce_identity(full(torch.exp(z - m[:, None]).sum(dim=1), 0.0),
+                                           group_o, stats)[rows]
+    local = lab - cls[0]
+    own = (local >= 0) & (local < sel.shape[1])
+    picked = torch.where(own, z.gather(1, local.clamp(0, sel.shape[1] - 1)[:, None])[:, 0],
                          torch.zeros((), dtype=z.dtype, device=z.device))
-    target = autograd.all_reduce_identity(picked, group_o, stats)
-    per_row = torch.where(mask, m + torch.log(sum_exp) - target, torch.zeros_like(target))
+    target = autograd.all_reduce_identity(full(picked, 0.0), group_o, stats)[rows]
+    per_row = m + torch.log(sum_exp) - target
     return autograd.all_reduce_identity(per_row.sum(), group_p, stats) / max(count, 1)
 
 
