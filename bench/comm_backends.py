@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -49,9 +48,10 @@ def run_job(job: str, comm: str, args: argparse.Namespace, tmp: Path, ranks: int
             ) -> dict:
     """Launch one job; return its median time, median comm share and losses."""
     metrics = tmp / f"{job}-{comm}-{ranks}.jsonl"
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
+    from common.launch import ranks_command
+
     job_cmd = [sys.executable, *job_args(job, args, ranks), "--metrics", str(metrics)]
-    cmd = job_cmd if ranks == 1 else [mpiexec, "-n", str(ranks), *job_cmd, "--comm", comm]
+    cmd = job_cmd if ranks == 1 else ranks_command(ranks, [*job_cmd, "--comm", comm])
     print(f"  {job} on {ranks} rank(s), --comm {comm}: {' '.join(job_cmd[1:])}", flush=True)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
                        stdin=subprocess.DEVNULL)

@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +49,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from common.dist import init_distributed, max_over_ranks
     from common.grid import AXONN_AXES, ProcessGrid
+    from common.launch import print_result
     from common.run import peak_bytes, reset_peak
     from llm.model import get_preset
     from llm.parallel import make_groups
@@ -87,28 +85,19 @@ def worker(args: argparse.Namespace) -> None:
                   "tp_bytes_per_step": tp_bytes}
         got = dict(zip(values, max_over_ranks([float(v) for v in values.values()], ctx.device)))
         if ctx.is_main:
-            print("RESULT " + json.dumps({"loss": rows[-1]["loss"], "first_loss": rows[0]["loss"],
-                                          **got}), flush=True)
+            print_result({"loss": rows[-1]["loss"], "first_loss": rows[0]["loss"], **got})
 
 
 # ----------------------------------------------------------------------------- driver
 
 
 def _launch(ranks: int, worker_args: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args]
-    if ranks > 1:
-        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-        cmd = [mpiexec, "-n", str(ranks), *cmd]
-    print("$ " + " ".join(cmd), flush=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    from common.launch import run_worker
+
     start = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                       text=True)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    if r.returncode or not lines:
-        sys.exit(f"worker failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-    return {**json.loads(lines[-1].removeprefix("RESULT ")),
-            "wall_s": time.perf_counter() - start}
+    result = run_worker(Path(__file__).resolve(), ranks, worker_args, cwd=ROOT,
+                        env={"OMP_NUM_THREADS": "1"})
+    return {**result, "wall_s": time.perf_counter() - start}
 
 
 def _ranks(grid: str) -> int:

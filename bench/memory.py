@@ -65,11 +65,12 @@ def _phase_peaks():
 def _report(ctx, values: dict[str, Any]) -> None:
     """Rank 0 prints the maximum over ranks of every value as one JSON line."""
     from common.dist import max_over_ranks
+    from common.launch import print_result
 
     keys = sorted(values)
     got = max_over_ranks([float(values[k]) for k in keys], ctx.device)
     if ctx.is_main:
-        print("RESULT " + json.dumps(dict(zip(keys, got))), flush=True)
+        print_result(dict(zip(keys, got)))
 
 
 def worker_plexus(args) -> None:
@@ -147,19 +148,10 @@ def worker_llm(args) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def _launch(ranks: int, worker_args: list[str]) -> dict[str, float]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args]
-    if ranks > 1:
-        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-        cmd = [mpiexec, "-n", str(ranks), *cmd]
-    print("$ " + " ".join(cmd), flush=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                       text=True)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    if r.returncode or not lines:
-        sys.exit(f"worker failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+def _launch(ranks: int, worker_args: list[str]) -> dict[str, Any]:
+    from common.launch import run_worker
+
+    return run_worker(Path(__file__).resolve(), ranks, worker_args, cwd=ROOT)
 
 
 def _record(case: str, rows: list[dict[str, Any]], ok: bool) -> None:
@@ -185,7 +177,7 @@ def plexus_case(args) -> bool:
     work = GCNWorkload(name="rmat", num_nodes=m["num_nodes"], nnz=m["nnz"],
                        num_features=m["num_features"], num_classes=m["num_classes"],
                        num_layers=3, hidden=args.hidden, learn_features=True,
-                       cache_first_aggregation=False)
+                       cache_first_aggregation=False)  # the runs: dropout 0
     rows = []
     for g in [int(x) for x in args.ranks.split(",")]:
         train_grid, resume_grid = PLEXUS_GRIDS[g]
@@ -233,10 +225,10 @@ def _train_cli(ranks: int, cli: list[str], metrics: Path) -> tuple[dict[str, Any
     process so far, which for one rank is that rank's own, preparation included)."""
     import resource
 
-    cmd = [sys.executable, "-m", "plexus.train", *cli, "--metrics", str(metrics)]
-    if ranks > 1:
-        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-        cmd = [mpiexec, "-n", str(ranks), *cmd]
+    from common.launch import ranks_command
+
+    cmd = ranks_command(ranks, [sys.executable, "-m", "plexus.train", *cli, "--metrics",
+                                str(metrics)])
     print("$ " + " ".join(cmd), flush=True)
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                        stdin=subprocess.DEVNULL, capture_output=True, text=True)

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -85,9 +84,9 @@ def _train(data: str, ranks: int, grid: str | None, epochs: int, hidden: int,
            "--metrics", str(metrics), *(extra or [])]
     if grid:
         cmd += ["--grid", grid]
-    if ranks > 1:
-        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-        cmd = [mpiexec, "-n", str(ranks), *cmd]
+    from common.launch import ranks_command
+
+    cmd = ranks_command(ranks, cmd)
     print("$ " + " ".join(cmd), flush=True)
     r, wall, peak = _run(cmd)
     if r.returncode:

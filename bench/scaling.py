@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.launch import ranks_command  # noqa: E402
 from common.perf.gcn import GCNWorkload, predict_gcn  # noqa: E402
 from common.perf.machine import load_profile  # noqa: E402
 from common.perf.model import factorizations, spearman  # noqa: E402
@@ -58,13 +58,12 @@ def graph_workload(dataset: str, layers: int, hidden: int) -> GCNWorkload:
 
 def run_grid(grid: str, ranks: int, args: argparse.Namespace, tmp: Path) -> dict:
     """Launch plexus.train on one grid; return median epoch/comm seconds and counted bytes."""
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
     metrics = tmp / f"{grid}.jsonl"
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "plexus.train",
+    cmd = ranks_command(ranks, [sys.executable, "-m", "plexus.train",
            "--dataset", args.dataset, "--grid", grid, "--epochs", str(args.epochs),
            "--layers", str(args.layers), "--hidden", str(args.hidden),
            "--dropout", "0", "--no-bias",  # the paper's bare GCN, which common.perf models
-           "--log-every", "100000", "--metrics", str(metrics)]
+           "--log-every", "100000", "--metrics", str(metrics)])
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     epochs = [r for r in rows if "epoch" in r][1:]  # epoch 1 excluded

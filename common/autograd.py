@@ -33,12 +33,14 @@ from common.grid import AxisGroup
 
 class _AllReduceIdentity(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, group, stats):
-        return coll.all_reduce(x, group, stats=stats)
+    def forward(ctx: Any, x, group, stats, inplace):
+        if inplace:
+            ctx.mark_dirty(x)
+        return coll.all_reduce(x, group, stats=stats, inplace=inplace)
 
     @staticmethod
     def backward(ctx: Any, dy):
-        return dy, None, None
+        return dy, None, None, None
 
 
 class _IdentityAllReduce(torch.autograd.Function):
@@ -97,13 +99,15 @@ class _AllGatherSplit(torch.autograd.Function):
 
 
 def all_reduce_identity(
-    x: torch.Tensor, group: AxisGroup, stats: CommStats | None = None
+    x: torch.Tensor, group: AxisGroup, stats: CommStats | None = None, *, inplace: bool = False
 ) -> torch.Tensor:
     """Forward: all-reduce (sum) over ``group``; backward: identity.
 
-    Turns per-rank partial sums into a replicated tensor (Megatron's ``g``).
+    Turns per-rank partial sums into a replicated tensor (Megatron's ``g``). ``inplace``:
+    reduce into ``x`` itself, saving a buffer of its size; for a fresh contiguous tensor that
+    nothing else reads (autograd refuses the backward if something saved it).
     """
-    return x if group.size == 1 else _AllReduceIdentity.apply(x, group, stats)
+    return x if group.size == 1 else _AllReduceIdentity.apply(x, group, stats, inplace)
 
 
 def identity_all_reduce(

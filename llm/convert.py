@@ -11,7 +11,9 @@ widen exactly), and under ``__metadata__["meta"]`` the meta (engine "llm",
 :func:`llm.checkpoint.load_model` reads it. ``export`` writes a checkpoint of ours (sharded
 directory or consolidated file) as a HF directory that ``LlamaForCausalLM.from_pretrained``
 loads (``config.json``, ``model.safetensors`` or shards plus index). Tokenizers are not
-converted either way (``llm.train`` and ``llm.sample`` read bytes). Names and configs:
+converted either way: the HF directory's tokenizer.json is used as it is (``llm.train --init``,
+and ``llm.sample`` / ``llm.memorization`` on the imported file, through the source directory
+its meta records). Names and configs:
 :mod:`llm.hf`; what GPT cannot represent is refused before any output is written.
 
 Streaming: each tensor is copied in row chunks of about ``--chunk-mib``, read with
@@ -216,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         "nothing is written.",
         epilog="examples:\n  python -m llm.convert import ~/hf/TinyLlama-1.1B tiny.safetensors"
         "\n  python -m llm.convert export runs/gpt runs/gpt-hf --dtype bfloat16 "
-        "--max-shard-size 5GB\n\nTokenizers are not converted: llm.train and llm.sample read "
-        "bytes, so a HF model's own tokenizer is needed to use its token ids.",
+        "--max-shard-size 5GB\n\nTokenizers are not converted: llm.sample and llm.memorization "
+        "on an imported file use the tokenizer.json of the directory it came from.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="{import,export}")
     imp = sub.add_parser("import", help="HF Llama directory -> one consolidated .safetensors "

@@ -1,15 +1,23 @@
 """Memorization test (llm-4d-goldfish.md section 5): can the model recite a document's end?
 
-For each of the first N training documents, cut exactly as in training (``--seq-len`` + 1
-tokens, :func:`llm.data.truncate_docs`): prefix = all but the last S tokens, suffix = the last
-S. The model decodes S tokens greedily after the prefix (with the KV cache of
-:meth:`llm.model.GPT.generate`). Exact match = all S tokens identical;
-ROUGE-L (:mod:`llm.rouge`) is computed between the generated and the true suffix tokens.
+For each of the first N training documents, tokenised and cut exactly as in training (the
+checkpoint's tokenizer, ``--seq-len`` + 1 tokens, no end-of-text token:
+:func:`llm.data.truncate_docs`, as :func:`llm.trainer.make_data` does with ``--docs``):
+prefix = all but the last S tokens, suffix = the last S. The model decodes S tokens greedily
+after the prefix (with the KV cache of :meth:`llm.model.GPT.generate`). Exact match = all S
+tokens identical; ROUGE-L (:mod:`llm.rouge`) is computed between the generated and the true
+suffix tokens.
 
     python -m llm.memorization --checkpoint runs/std --docs 32 --suffix-len 32 [--json]
+    python -m llm.memorization --checkpoint llama.safetensors --text a.txt b.txt --docs 2 \\
+        --seq-len 256
 
 The checkpoint's full weights are loaded into a single-process GPT (any training grid); the
-documents default to the checkpoint's corpus, ``--docs`` and ``--seq-len``.
+documents default to the checkpoint's corpus, ``--docs`` and ``--seq-len``, the tokenizer to
+the checkpoint's (:func:`llm.tokenizer.spec_of_checkpoint`; ``--tokenizer`` overrides it). A
+checkpoint without training configs (``python -m llm.convert import`` of a Hugging Face model)
+needs ``--text``, ``--docs`` and ``--seq-len``; its tokenizer is the ``tokenizer.json`` of the
+directory it was imported from.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from torch import Tensor
 from llm import checkpoint
 from llm.data import load_documents, truncate_docs
 from llm.rouge import rouge_l
+from llm.tokenizer import Tokenizer, load_tokenizer, spec_of_checkpoint
 
 
 def split_document(tokens: Tensor, suffix_len: int) -> tuple[Tensor, Tensor]:
@@ -81,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="checkpoint directory (its newest intact DIR/step-N/ is read), one "
-                   "step-N directory, or a .safetensors file from python -m common.consolidate")
+                   "step-N directory, or a .safetensors file from python -m common.consolidate "
+                   "or python -m llm.convert import")
     p.add_argument("--docs", type=int, default=None, help="first N documents (default: the "
                    "checkpoint's --docs)")
     p.add_argument("--suffix-len", type=int, default=50, help="S tokens to recite")
@@ -90,35 +100,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
                    help="text files (default: the checkpoint's corpus)")
     p.add_argument("--text-split", choices=("files", "paragraphs"), default="files")
+    p.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="bytes, or a Hugging Face tokenizer.json (file or model directory); "
+                   "default: the checkpoint's")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
+
+
+def documents(args: argparse.Namespace, meta: dict[str, Any], tokenizer: Tokenizer
+              ) -> tuple[list[Tensor], int]:
+    """The documents to recite, tokenised and cut as training saw them, and the seq_len.
+
+    Flags win over the checkpoint's data config; a checkpoint without one needs them all.
+
+    Raises:
+        ValueError: a needed flag is missing (each one named), or the run had no documents.
+    """
+    data = (meta.get("configs") or {}).get("data")
+    if data is None:
+        missing = [flag for flag, value in (("--text", args.text), ("--docs", args.docs),
+                                            ("--seq-len", args.seq_len)) if value is None]
+        if missing:
+            raise ValueError(f"checkpoint {args.checkpoint} has no training configs (imported "
+                             f"with python -m llm.convert?), so give the documents: missing "
+                             f"{', '.join(missing)} (--text FILE... --docs N --seq-len T)")
+        data = {}
+    num_docs = args.docs if args.docs is not None else data["docs"]
+    if num_docs is None:
+        raise ValueError("the checkpoint was trained on a stream; pass --docs N")
+    seq_len = args.seq_len if args.seq_len is not None else data["seq_len"]
+    if args.text:
+        source, paths = args.text_split, args.text
+    elif data["source"] == "tokens":
+        raise ValueError("the checkpoint was trained on a token file, which has no documents; "
+                         "pass --text FILE...")
+    else:
+        source, paths = data["source"], data["paths"] or None
+    return truncate_docs(load_documents(source, paths), num_docs, seq_len, tokenizer), seq_len
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         model, state = checkpoint.load_model(args.checkpoint)
-        data = state["configs"]["data"]
-        num_docs = args.docs if args.docs is not None else data["docs"]
-        if num_docs is None:
-            raise ValueError("the checkpoint was trained on a stream; pass --docs N")
-        seq_len = args.seq_len or data["seq_len"]
-        source, paths = ((args.text_split, args.text) if args.text else
-                         (data["source"], data["paths"] or None))
-        docs = truncate_docs(load_documents(source, paths), num_docs, seq_len)
+        spec = args.tokenizer or spec_of_checkpoint(state)
+        tokenizer = load_tokenizer(spec, vocab_size=model.config.vocab_size)
+        docs, seq_len = documents(args, state, tokenizer)
         result = memorization(model, docs, args.suffix_len)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # FileNotFoundError is an OSError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result.update(checkpoint=str(args.checkpoint),
-                  step=state["step"], seq_len=seq_len, goldfish=state["configs"]["goldfish"])
+    result.update(checkpoint=str(args.checkpoint), step=state["step"], seq_len=seq_len,
+                  tokenizer=spec, goldfish=(state.get("configs") or {}).get("goldfish"))
     if args.json:
         print(json.dumps(result))
     else:
         hits = sum(result["exact"])
         print(f"{result['num_docs']} documents, {args.suffix_len}-token suffixes "
-              f"(checkpoint step {state['step']}): exact match {hits}/{result['num_docs']} = "
-              f"{100 * result['exact_match']:.1f}%, ROUGE-L {result['rouge_l']:.3f}")
+              f"(checkpoint step {state['step']}, tokenizer {spec}): exact match "
+              f"{hits}/{result['num_docs']} = {100 * result['exact_match']:.1f}%, "
+              f"ROUGE-L {result['rouge_l']:.3f}")
     return 0
 
 

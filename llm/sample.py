@@ -1,6 +1,13 @@
 """Sample text from a checkpoint (one process reads the full weights from the shards).
 
     python -m llm.sample --checkpoint runs/tiny --prompt "The assert statement" --tokens 200
+    python -m llm.sample --checkpoint llama.safetensors --prompt "Once" --temperature 0
+
+The prompt is encoded and the output decoded with the checkpoint's tokenizer: the one it was
+trained with (``--tokenizer`` of ``llm.train``), the ``tokenizer.json`` of the Hugging Face
+directory it was imported from (``python -m llm.convert import``), else UTF-8 bytes;
+``--tokenizer SPEC`` overrides it (:func:`llm.tokenizer.load_tokenizer`). No special token is
+added to the prompt; special tokens in the output are written out.
 
 Decoding keeps a KV cache (:meth:`llm.model.GPT.generate`); ``--no-cache`` reruns the whole
 window at every step instead (the reference loop, same tokens, slower).
@@ -14,7 +21,7 @@ import sys
 import torch
 
 from llm import checkpoint
-from llm.data import decode, encode
+from llm.tokenizer import load_tokenizer, spec_of_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,8 +29,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="checkpoint directory (its newest intact DIR/step-N/ is read), one "
-                   "step-N directory, or a .safetensors file from python -m common.consolidate")
-    p.add_argument("--prompt", default="\n", help="text to continue (byte tokens)")
+                   "step-N directory, or a .safetensors file from python -m common.consolidate "
+                   "or python -m llm.convert import")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="bytes, or a Hugging Face tokenizer.json (file or model directory); "
+                   "default: the checkpoint's (see above)")
     p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
@@ -33,17 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.tokens < 0 or args.temperature < 0:
             raise ValueError("--tokens and --temperature must be >= 0")
-        model, _ = checkpoint.load_model(args.checkpoint)
-        prompt = encode(args.prompt)
+        model, meta = checkpoint.load_model(args.checkpoint)
+        tokenizer = load_tokenizer(args.tokenizer or spec_of_checkpoint(meta),
+                                   vocab_size=model.config.vocab_size)
+        prompt = tokenizer.encode(args.prompt)  # [T0]
         if prompt.numel() == 0:
             raise ValueError("--prompt is empty; give at least one character")
         out = model.generate(prompt[None], args.tokens, temperature=args.temperature,
                              generator=torch.Generator().manual_seed(args.seed),
-                             use_cache=not args.no_cache)
-    except (ValueError, FileNotFoundError, OSError) as e:
+                             use_cache=not args.no_cache)  # [1, T0 + tokens]
+    except (ValueError, OSError, ImportError) as e:  # FileNotFoundError is an OSError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(decode(out[0]))
+    print(tokenizer.decode(out[0]))
     return 0
 
 

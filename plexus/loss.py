@@ -56,11 +56,12 @@ def sharded_cross_entropy(
 
     sel, lab = logits.index_select(0, rows), labels.index_select(0, rows)
     cls = _class_ids(sel, group_o)
-    z = sel.masked_fill(cls >= num_classes, float("-inf"))
+    padded = cls >= num_classes
+    z = sel.masked_fill(padded, float("-inf")) if bool(padded.any()) else sel
     with torch.no_grad():
         m = coll.all_reduce(full(z.max(dim=1).values, float("-inf")), group_o,
                             op=coll.ReduceOp.MAX, stats=stats)[rows]
-    sum_exp = autograd.all_reduce_identity(full(torch.exp(z - m[:, None]).sum(dim=1), 0.0),
+    sum_exp = autograd.all_reduce_identity(full((z - m[:, None]).exp_().sum(dim=1), 0.0),
                                            group_o, stats)[rows]
     local = lab - cls[0]
     own = (local >= 0) & (local < sel.shape[1])
@@ -78,7 +79,8 @@ def sharded_argmax(
 ) -> torch.Tensor:
     """Predicted class of every local row: int64 [N/P]; ties go to the lowest class id."""
     cls = _class_ids(logits, group_o)
-    z = logits.masked_fill(cls >= num_classes, float("-inf"))
+    padded = cls >= num_classes
+    z = logits.masked_fill(padded, float("-inf")) if bool(padded.any()) else logits
     val, idx = z.max(dim=1).values, z.argmax(dim=1)  # argmax: first maximum on ties
     if group_o.size == 1:
         return idx

@@ -77,6 +77,24 @@ class _SpMM(torch.autograd.Function):
         return None, None, ctx.a_t.matmul(dh) if ctx.needs_input_grad[2] else None
 
 
+class _ReLU(torch.autograd.Function):
+    """In-place ``relu`` of a fresh tensor that keeps only the bool mask ``out > 0`` for
+    backward (1 byte per entry, not the float output's 4: the output is the next layer's input,
+    which is spent once its aggregation has run). Same values as ``torch.relu_`` both ways."""
+
+    @staticmethod
+    def forward(ctx: Any, q):
+        ctx.mark_dirty(q)
+        out = torch.relu_(q)
+        ctx.save_for_backward(out > 0)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy):
+        (keep,) = ctx.saved_tensors
+        return dy.masked_fill(~keep, 0.0)
+
+
 class _GatheredMatmul(torch.autograd.Function):
     """``H @ W`` with ``W`` all-gathered over P from its flat shard, in both passes.
 
@@ -222,9 +240,11 @@ class PlexusGCN(nn.Module):
         else:
             self.register_buffer("features", feat)
         self.features_shape = tuple(block.shape)
-        # With fixed input features, H_0 = A_0 F_0 is the same in every pass without dropout:
-        # compute it (with collectives 1 and 2) once and reuse it, saving one SpMM per epoch.
-        self.cache_first_aggregation = not learn_features
+        # With fixed input features and no dropout, H_0 = A_0 F_0 is the same in every pass:
+        # compute it (with collectives 1 and 2) once and reuse it, saving one SpMM per pass.
+        # With dropout only the evaluation pass could reuse it; there it is not worth holding
+        # a second [N/P, D_0/I] block (common.perf.gcn counts the cache the same way).
+        self.cache_first_aggregation = not learn_features and dropout == 0
         self._h0: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -241,26 +261,30 @@ class PlexusGCN(nn.Module):
                 h, r = self._h0
             else:
                 x = self._layer_input(layer, f, stats)
+                f = None  # references are dropped as soon as they are spent: peak memory
                 if self._has_skip(layer):
                     skip = self._skip(layer, x, stats)
                 if drop:
                     x = apply_dropout(x, self._keep_mask(layer, step, x.device), self.dropout)
                 h = self._spmm_o(self.shard.adj, layer, x, stats)
                 r = self._spmm_o(self.shard.root, layer, x, stats) if self.kind == "sage" else None
+                x = None
                 if cached:
                     self._h0 = (h.detach(), None if r is None else r.detach())
             q = _GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
                                       self.block_shapes[layer], stats)
+            h = None
             if r is not None:
                 q = q + _GatheredMatmul.apply(r, self.root_weights[layer], g[p_ax],
                                               self.block_shapes[layer], stats)
-            q = autograd.all_reduce_identity(q, g[i_ax], stats)
-            if len(self.biases):
-                q = q + autograd.identity_all_reduce(self.biases[layer], g[p_ax], stats)
+                r = None
+            q = autograd.all_reduce_identity(q, g[i_ax], stats, inplace=True)  # q is fresh
+            if len(self.biases):  # in place: the logits block is the largest activation
+                q = q.add_(autograd.identity_all_reduce(self.biases[layer], g[p_ax], stats))
             if layer < self.num_layers - 1:
                 if len(self.norms):
                     q = self.norms[layer](q, stats)
-                q = torch.relu_(q)  # q is a fresh tensor no backward needs
+                q = _ReLU.apply(q)  # q is a fresh tensor: rectified in place
                 if skip is not None:
                     q = q + skip
             f = q
@@ -281,7 +305,7 @@ class PlexusGCN(nn.Module):
         o_group = self.groups[layout.roles(layer)[0]]
         blk = blocks[layer % 6]
         h = _SpMM.apply(blk.a, blk.a_t, x)
-        h = autograd.all_reduce_identity(h, o_group, stats)
+        h = autograd.all_reduce_identity(h, o_group, stats, inplace=True)  # h is fresh
         return autograd.identity_all_reduce(h, o_group, stats)
 
     def _has_skip(self, layer: int) -> bool:

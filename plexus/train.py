@@ -79,6 +79,7 @@ def choose_grid(spec: str | None, source: ShardSource, model: ModelConfig, ctx) 
 
     work = GCNWorkload(name=source.name, model=model.model, num_nodes=source.num_nodes,
                        nnz=source.nnz, cache_first_aggregation=model.dropout == 0,
+                       dropout=model.dropout,
                        num_features=source.num_features, num_classes=source.num_classes,
                        num_layers=model.num_layers, hidden=model.hidden,
                        learn_features=model.learn_features)
@@ -105,18 +106,25 @@ def default_blocks(spec: str | None, world_size: int) -> int:
     return step * ceil_div(MIN_BLOCKS, step)
 
 
-def open_dataset(args: argparse.Namespace, ctx) -> ShardSource:
+def job_token(args: argparse.Namespace, ctx) -> str | None:
+    """One id for this job, the same on every rank (collective): it tells this job's failure
+    marker of a preparation from an earlier job's (plexus.data.cache). Called before any check
+    that may fail on some ranks only, so no rank can be left waiting in it."""
+    if args.prepare == "never" or ctx.world_size == 1:
+        return None
+    box = [uuid.uuid4().hex if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def open_dataset(args: argparse.Namespace, ctx, token: str | None = None) -> ShardSource:
     """``--dataset`` as a shard source; a big one is prepared once by rank 0 into
-    ``ROOT/prepared`` while the other ranks wait (plexus.data.cache)."""
+    ``ROOT/prepared`` while the other ranks wait (plexus.data.cache). ``token``:
+    :func:`job_token`."""
     blocks = args.blocks if args.blocks is not None else default_blocks(args.grid,
                                                                          ctx.world_size)
     if blocks < 1:
         raise ValueError(f"--blocks must be >= 1, got {blocks}")
-    token = None
-    if args.prepare != "never" and ctx.world_size > 1:
-        box = [uuid.uuid4().hex if ctx.is_main else None]  # tells this job's failure marker
-        dist.broadcast_object_list(box, src=0)             # from an earlier job's (set-up)
-        token = box[0]
     return open_source(args.dataset, root=args.root, permutation=args.permutation,
                        seed=args.seed, symmetrize=args.symmetrize,
                        aggregation=aggregation_of(args.model), prepare=args.prepare,
@@ -217,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = run.start(args)
 
     def prepare() -> tuple[ShardSource, ProcessGrid, dict[str, Any]]:
+        token = job_token(args, ctx)
         configs = {
             "model": ModelConfig(model=args.model, num_layers=args.layers, hidden=args.hidden,
                                  learn_features=args.learn_features, dropout=args.dropout,
@@ -235,11 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.runs > 1 and ck.dir:
             raise ValueError("--runs > 1 trains several models; checkpoints hold one: drop "
                              "--checkpoint-dir or use --runs 1")
-        if args.metrics and ctx.is_main:
+        if args.metrics:  # every rank checks, so every rank fails alike
             run.check_writable(args.metrics, flag="--metrics")
         if ck.dir:
             run.check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
-        source = open_dataset(args, ctx)
+        source = open_dataset(args, ctx, token)
         grid = choose_grid(args.grid, source, configs["model"], ctx)
         grid.check(ctx.world_size, source.grid_problems)
         return source, grid, {**configs, "checkpoint": ck}

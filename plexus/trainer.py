@@ -170,9 +170,11 @@ def train_gcn(
                                      num_classes=shard.num_classes,
                                      count=shard.split_counts["train"],
                                      group_o=g_o, group_p=g_p, stats=stats)
+        del logits  # the evaluation pass below must not find last pass's logits still alive
         loss.backward()
         opt.step()
         loss_value = loss.item()
+        del loss
         epoch_s = time.perf_counter() - start
         if not torch.isfinite(torch.tensor(loss_value)):
             raise FloatingPointError(

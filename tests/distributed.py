@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import shutil
 import subprocess
 import sys
 import traceback
@@ -32,16 +31,10 @@ from typing import Any
 
 import pytest
 
+from common.launch import find_mpiexec
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("mpiexec", "torchrun", "single")
-
-
-def find_mpiexec() -> str | None:
-    """The ``mpiexec`` beside ``sys.executable`` (the mpich wheel's), else the one on PATH."""
-    return (shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-            or shutil.which("mpiexec"))
-
-
 MPIEXEC = find_mpiexec()
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside sys.executable or "
                                "on PATH (pip install mpich)")

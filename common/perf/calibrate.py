@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.launch import find_mpiexec
 from common.perf.gcn import gemm_seconds, spmm_bytes
 from common.perf.machine import OPS, CollectiveFit, Compute, Link, MachineProfile, ring_factor
 from common.perf.machine import ring_steps as _steps
@@ -239,8 +239,7 @@ def _report(res: dict) -> str:
 
 
 def _launcher(n: int) -> list[str]:
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
-        shutil.which("mpiexec")
+    mpiexec = find_mpiexec()
     if mpiexec:
         return [mpiexec, "-n", str(n), sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -79,7 +79,9 @@ class GCNWorkload:
         num_layers, hidden: L and the hidden width.
         learn_features: trainable input features (every collective runs every epoch).
         cache_first_aggregation: reuse ``H_0`` across epochs when features are fixed (our
-            trainer does; the paper's code recomputes it, so its check sets this False).
+            trainer does without dropout; the paper's code recomputes it, so its check sets
+            this False).
+        dropout: the dropout rate (memory only: its keep-masks are kept for backward).
         imbalance: max/mean nonzeros per adjacency block (about 1 with the double
             permutation); scales the SpMM time of the slowest rank.
         index_bytes: CSR index width; None picks int32 when it fits, as plexus.shard does.
@@ -95,6 +97,7 @@ class GCNWorkload:
     hidden: int = 128
     learn_features: bool = False
     cache_first_aggregation: bool = True
+    dropout: float = 0.0
     imbalance: float = 1.0
     index_bytes: int | None = None
 
@@ -275,7 +278,11 @@ def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
         o, i, p = roles(layer)
         a, b, rows = w[layer] // shape[i], w[layer + 1] // shape[o], n // shape[p]
         total += k * 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 Adam moments
-        total += (k * rows * a + rows * b) * F32  # H_l (R_l) and F_l+1 = relu(Q_l) kept
+        total += k * rows * a * F32  # H_l (and R_l) kept for dW
+        last = layer == work.num_layers - 1  # logits kept; hidden layers keep relu's bool mask
+        total += rows * b * (F32 if last else 1)
+        if work.dropout > 0:  # the dropout's bool keep-mask of F_l [N/O, D_l/I]
+            total += (n // shape[o]) * a
         transient = max(transient, a * b * F32 * 2, 2 * rows * max(a, b) * F32)
     if not work.learn_features and work.cache_first_aggregation:
         total += k * (n // shape["z"]) * (w[0] // shape["y"]) * F32  # cached H_0 (R_0)

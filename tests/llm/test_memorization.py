@@ -1,11 +1,15 @@
-"""The memorization protocol with oracle models, and a tiny model that memorizes 4 documents
-through the trainer and a checkpoint."""
+"""The memorization protocol with oracle models, a tiny model that memorizes 4 documents
+through the trainer and a checkpoint, and the CLI on a Hugging Face model imported with
+llm.convert (documents from flags, the model's own tokenizer)."""
+
+import json
 
 import pytest
 import torch
 
 from llm import checkpoint
 from llm.memorization import memorization, split_document
+from tests.llm import test_init_hf
 
 
 class Oracle:
@@ -59,3 +63,76 @@ def test_tiny_model_memorizes_four_documents(tmp_path):
     model, _ = checkpoint.load_model(tmp_path)
     docs = truncate_docs(load_documents(), 4, 32)
     assert memorization(model, docs, suffix_len=8)["exact_match"] == 1.0
+
+
+def test_documents_follow_the_checkpoint_unless_flags_say_otherwise(tmp_path):
+    from llm.data import load_documents, truncate_docs
+    from llm.memorization import documents, parse_args
+    from llm.tokenizer import ByteTokenizer
+
+    data = {"source": "pydoc", "paths": [], "docs": 3, "seq_len": 16, "tokenizer": "bytes"}
+
+    def docs_of(data, *flags):
+        args = parse_args(["--checkpoint", "c", *flags])
+        return documents(args, {"step": 1, "configs": {"data": data}}, ByteTokenizer())
+
+    docs, seq_len = docs_of(data)
+    assert seq_len == 16
+    want = truncate_docs(load_documents(), 3, 16)
+    assert [d.tolist() for d in docs] == [d.tolist() for d in want]
+    text = tmp_path / "a.txt"
+    text.write_text("one\n\ntwo words\n")
+    docs, seq_len = docs_of(data, "--text", str(text), "--text-split", "paragraphs", "--docs",
+                            "2", "--seq-len", "4")
+    assert (seq_len, [d.tolist() for d in docs]) == (4, [list(b"one"), list(b"two w")])
+    with pytest.raises(ValueError, match="trained on a stream; pass --docs"):
+        docs_of({**data, "docs": None})
+    with pytest.raises(ValueError, match=r"token file.*pass --text"):
+        docs_of({**data, "docs": None, "source": "tokens"}, "--docs", "2")
+
+
+# ------------------------------------------------- a Hugging Face model imported with llm.convert
+
+hf_dir = test_init_hf.hf_dir  # the fixture: a random HF Llama with a BPE tokenizer.json
+
+
+@pytest.fixture(scope="module")
+def imported(hf_dir, tmp_path_factory):
+    """``hf_dir`` through ``python -m llm.convert import``: a meta without training configs."""
+    from llm.convert import main as convert_main
+
+    out = tmp_path_factory.mktemp("imported") / "llama.safetensors"
+    assert convert_main(["import", str(hf_dir), str(out)]) == 0
+    return out
+
+
+def test_imported_checkpoint_needs_the_documents_and_uses_its_tokenizer(imported, hf_dir,
+                                                                       tmp_path, capsys):
+    from llm.data import load_documents, truncate_docs
+    from llm.memorization import main
+    from llm.tokenizer import load_tokenizer
+
+    texts = [doc[:2000] for doc in load_documents()[:2]]
+    files = []
+    for i, text in enumerate(texts):
+        files.append(str(tmp_path / f"doc{i}.txt"))
+        (tmp_path / f"doc{i}.txt").write_text(text, encoding="utf-8")
+    base = ["--checkpoint", str(imported), "--suffix-len", "8"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "has no training configs" in err and "missing --text, --docs, --seq-len" in err
+    assert main([*base, "--text", *files, "--docs", "2"]) == 2
+    assert "missing --seq-len" in capsys.readouterr().err
+    assert main([*base, "--text", *files, "--docs", "2", "--seq-len", "24", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokenizer"] == str(hf_dir.resolve())  # the directory it was imported from
+    assert (result["num_docs"], result["seq_len"], result["step"]) == (2, 24, 0)
+    assert result["goldfish"] is None
+    # the documents were cut from the BPE's tokens, not the bytes
+    model, _ = checkpoint.load_model(imported)
+    docs = truncate_docs(texts, 2, 24, load_tokenizer(hf_dir))
+    want = memorization(model, docs, suffix_len=8)
+    assert (result["exact"], result["rouge"]) == (want["exact"], want["rouge"])
+    assert main([*base, "--text", *files, "--docs", "2", "--seq-len", "24",
+                 "--tokenizer", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err

@@ -1,9 +1,17 @@
-"""python -m llm.sample: continues a prompt from a checkpoint, seeded, with clear errors."""
+"""python -m llm.sample: continues a prompt from a checkpoint, seeded, with clear errors; the
+checkpoint's tokenizer encodes the prompt and decodes the output (bytes for a model trained on
+them, the tokenizer.json of a Hugging Face model imported with llm.convert)."""
 
 import pytest
 
+from llm import checkpoint
 from llm.sample import main
+from llm.tokenizer import load_tokenizer
+from tests.llm import test_init_hf, test_memorization
 from tests.llm.helpers import make_trainer, one_rank_groups
+
+hf_dir = test_init_hf.hf_dir  # fixtures: a random HF Llama with a BPE tokenizer.json,
+imported = test_memorization.imported  # and that model through python -m llm.convert import
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +42,27 @@ def test_continues_the_prompt_and_is_seeded(ckpt_dir, capsys):
 def test_errors(ckpt_dir, capsys, argv, message):
     assert main(["--checkpoint", ckpt_dir, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_tokenizer_flag(ckpt_dir, hf_dir, tmp_path, capsys):
+    assert main(["--checkpoint", ckpt_dir, "--prompt", "x", "--tokens", "0",
+                 "--tokenizer", "bytes"]) == 0
+    assert capsys.readouterr().out == "x\n"
+    # 320 BPE ids do not fit this model's 256-row embedding
+    assert main(["--checkpoint", ckpt_dir, "--tokenizer", str(hf_dir)]) == 2
+    assert "vocabulary of 320 token ids" in capsys.readouterr().err
+    assert main(["--checkpoint", ckpt_dir, "--tokenizer", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+
+
+def test_imported_checkpoint_samples_with_its_tokenizer(imported, hf_dir, capsys):
+    prompt = "The assert statement"
+    assert main(["--checkpoint", str(imported), "--prompt", prompt, "--tokens", "12",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    tokenizer = load_tokenizer(hf_dir)
+    model, _ = checkpoint.load_model(imported)
+    ids = tokenizer.encode(prompt)
+    want = model.generate(ids[None], 12)[0]
+    assert len(ids) < len(prompt)  # BPE tokens, not bytes
+    assert out == tokenizer.decode(want) + "\n" and out.startswith(prompt)

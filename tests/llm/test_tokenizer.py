@@ -224,3 +224,32 @@ def test_large_vocabularies_need_npy(tmp_path):
     assert tokens.dtype == np.uint32
     assert tokens.tolist() == [base + 97, base + 98, base + 99, 69_999, base + 100, base + 101,
                                69_999]
+
+
+def test_train_memorize_and_sample_with_a_bpe(bpe, model_dir, tmp_path, capsys):
+    """llm.train --tokenizer PATH; llm.memorization and llm.sample take the tokenizer from the
+    checkpoint's meta: 4 documents of 33 BPE tokens are recited, the prompt continues them."""
+    from llm.memorization import main as memorization_main
+    from llm.sample import main as sample_main
+    from llm.train import main as train_main
+
+    spec, ckpt = str(model_dir / "tokenizer.json"), str(tmp_path / "ckpt")
+    assert train_main(["--tokenizer", spec, "--vocab-size", str(VOCAB), "--docs", "4",
+                       "--seq-len", "32", "--batch-size", "4", "--epochs", "120", "--lr", "1e-2",
+                       "--warmup", "10", "--weight-decay", "0", "--eval-batches", "0",
+                       "--log-every", "0", "--checkpoint-dir", ckpt]) == 0
+    assert f"tokenizer {spec}" in capsys.readouterr().out
+    assert memorization_main(["--checkpoint", ckpt, "--suffix-len", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokenizer"] == spec and result["num_docs"] == 4 and result["seq_len"] == 32
+    assert result["exact_match"] == 1.0
+    # the same weights read through bytes see other sequences and recite none of them
+    assert memorization_main(["--checkpoint", ckpt, "--suffix-len", "8", "--json",
+                              "--tokenizer", "bytes"]) == 0
+    assert json.loads(capsys.readouterr().out)["exact_match"] == 0.0
+    doc = truncate_docs(load_documents(), 1, 32, bpe)[0]  # [33], as training saw it
+    prompt = bpe.decode(doc[:16])
+    assert torch.equal(bpe.encode(prompt), doc[:16])
+    assert sample_main(["--checkpoint", ckpt, "--prompt", prompt, "--tokens", "16",
+                        "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == bpe.decode(doc[:32]) + "\n"

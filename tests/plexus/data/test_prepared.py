@@ -16,7 +16,7 @@ from plexus.data.prepare import prepare
 from plexus.data.sources import graph_source
 from plexus.trainer import train_gcn
 from tests.distributed import launch, needs_mpi, run_ranks
-from tests.plexus.data.shards import assert_same_shard, directed_graph, memory_shard, widths
+from tests.plexus.data.shards import assert_same_shard, directed_graph, widths
 
 GRIDS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x1", "1x2x4", "4x1x2", "2x2x2"]
 
@@ -33,15 +33,13 @@ def test_every_rank_maps_the_blocks_the_in_memory_path_builds(tmp_path, kind, pe
     assert m["multi_edges"] == (kind == "directed")
     assert (tmp_path / "p" / "odd").is_dir() == (kind == "directed")
     pg = PreparedGraph(tmp_path / "p")
+    oracle = InMemorySource(graph, permutation=permutation, seed=4, pad_multiple=k)
+    w = widths(graph, 6, 6)  # 6 layers: every (roles, parity) layout (3 layers use 0-2)
     for spec in GRIDS:
         grid = ProcessGrid.parse(spec)
         for rank in range(grid.num_ranks):
             coords = grid.coords(rank)
-            for layers in (3, 6):  # 6: every (roles, parity) layout
-                mem = memory_shard(graph, grid.shape, coords, layers, 6,
-                                   permutation=permutation, seed=4, pad_multiple=k)
-                got = pg.shard(grid.shape, coords, widths(graph, layers, 6))
-                assert_same_shard(got, mem)
+            assert_same_shard(pg.shard(grid.shape, coords, w), oracle.shard(grid.shape, coords, w))
 
 
 
