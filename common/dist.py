@@ -252,6 +252,7 @@ def init_distributed(
     comm: str = "auto",
     two_level: bool = False,
     ranks_per_node: int | None = None,
+    mpi_polite: str | None = None,
 ) -> DistContext:
     """Start ``torch.distributed`` for this process and return its :class:`DistContext`.
 
@@ -277,6 +278,9 @@ def init_distributed(
             span nodes.
         ranks_per_node: with MPI, treat every ``ranks_per_node`` consecutive ranks as one
             node (simulates a multi-node layout); None: the real nodes.
+        mpi_polite: with MPI, which collectives wait by testing and sleeping instead of
+            spinning: ``"none"``, ``"async"``, ``"all"``; None: by ranks per core
+            (:class:`common.mpi.MPITransport`).
 
     Raises:
         ValueError: an unknown device, launcher, comm, or a bad timeout; ``comm="mpi"`` in
@@ -320,8 +324,8 @@ def init_distributed(
         default_store = _default_store()
         if default_store is not None:
             dog = Watchdog(default_store, rank, world, timeout_s=heartbeat_timeout_s)
-    transport = (MPITransport(two_level=two_level, ranks_per_node=ranks_per_node)
-                 if use_mpi else None)
+    transport = (MPITransport(two_level=two_level, ranks_per_node=ranks_per_node,
+                              polite=mpi_polite) if use_mpi else None)
     ctx = DistContext(rank, world, local_rank, local_world, dev, backend, launcher,
                       heartbeat_timeout_s=heartbeat_timeout_s, watchdog=dog, transport=transport)
     atexit.register(ctx._at_exit)
