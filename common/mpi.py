@@ -368,8 +368,8 @@ class MPITransport:
         ranks_per_node: consecutive world ranks per node (simulates a node layout); None: the
             real nodes (``MPI_COMM_TYPE_SHARED``).
         polite: ``"none"``, ``"async"`` or ``"all"`` (see :class:`MPIGroup`); None: from the
-            busiest node of the job (agreed by all ranks): ``"async"`` below two cores per
-            rank, ``"all"`` from two ranks per core.
+            busiest node of the job (agreed by all ranks): ``"none"`` with two cores or more
+            per rank, ``"async"`` up to two ranks per core, ``"all"`` above.
     """
 
     def __init__(self, *, two_level: bool = False, ranks_per_node: int | None = None,
