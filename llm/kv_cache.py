@@ -6,14 +6,35 @@ earlier position, kept here instead of recomputed. Keys are stored after the rot
 key/value heads only, before grouped-query attention expands them to the H query heads, so
 the cache holds ``2 * num_layers * B * Hkv * max_len * Dh`` numbers.
 
-Shapes legend: B batch, Hkv key/value heads, Dh head_dim, T new positions.
+A cache may carry a decode-time attention ``method`` (:class:`DecodeAttention`, e.g. the sparse
+methods of :mod:`llm.sparse_attention`): single-token decode steps then call it instead of full
+attention, with the query and the cached keys and values of every position.
+
+Shapes legend: B batch, H query heads, Hkv key/value heads, Dh head_dim, T new positions,
+S cached positions (including the new one).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from torch import Tensor
 
-__all__ = ["KVCache", "LayerCache"]
+__all__ = ["DecodeAttention", "KVCache", "LayerCache"]
+
+
+class DecodeAttention(Protocol):
+    """Attention of one new token against the cache, replacing full attention in decode steps.
+
+    Called as ``method(layer, q, k, v)`` for the layer with that index; ``k`` and ``v`` hold the
+    Hkv key/value heads (before grouped-query expansion: query head j reads kv head
+    ``j // (H // Hkv)``), keys after RoPE.
+
+    Shapes:
+        q: [B, H, 1, Dh], k, v: [B, Hkv, S, Dh] -> returns [B, H, 1, Dh]
+    """
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
 class LayerCache:
@@ -26,8 +47,9 @@ class LayerCache:
         keys, values: [B, Hkv, max_len, Dh]
     """
 
-    def __init__(self, max_len: int) -> None:
-        self.max_len, self.length = max_len, 0
+    def __init__(self, max_len: int, index: int = 0, method: DecodeAttention | None = None
+                 ) -> None:
+        self.max_len, self.length, self.index, self.method = max_len, 0, index, method
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
 
@@ -47,6 +69,12 @@ class LayerCache:
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on (speculative decoding's rejected drafts)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
 
 class KVCache:
     """Keys and values of every layer for the positions run so far (one sequence batch).
@@ -55,10 +83,17 @@ class KVCache:
     length + T - 1`` (RoPE rotates them there) and attend to every cached position.
     """
 
-    def __init__(self, num_layers: int, max_len: int) -> None:
-        self.layers = [LayerCache(max_len) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, max_len: int, method: DecodeAttention | None = None
+                 ) -> None:
+        self.layers = [LayerCache(max_len, i, method) for i in range(num_layers)]
+        self.method = method
 
     @property
     def length(self) -> int:
         """Positions cached (the position of the next token)."""
         return self.layers[0].length
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on, in every layer."""
+        for layer in self.layers:
+            layer.truncate(length)

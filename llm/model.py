@@ -49,7 +49,7 @@ from torch.nn.functional import linear, scaled_dot_product_attention, silu
 from torch.utils.checkpoint import checkpoint
 
 from llm.init import fill_normal_
-from llm.kv_cache import KVCache, LayerCache
+from llm.kv_cache import DecodeAttention, KVCache, LayerCache
 from llm.noise import NEFTune
 
 __all__ = [
@@ -298,6 +298,9 @@ class Attention(nn.Module):
         if cache is not None:  # the Hkv heads are cached, before the grouped expansion
             start = cache.length
             k, v = cache.update(k, v)  # [B, Hkv, start + T, Dh]
+            if seq == 1 and start > 0 and cache.method is not None:  # decode-time method
+                y = cache.method(cache.index, q, k, v)  # [B, H, 1, Dh]
+                return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
         groups = q.shape[1] // k.shape[1]
         if groups > 1:  # grouped-query attention: query head j reads kv head j // groups
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -448,6 +451,7 @@ class GPT(nn.Module):
     def generate(
         self, idx: Tensor, max_new_tokens: int, temperature: float = 0.0,
         generator: torch.Generator | None = None, *, use_cache: bool = True,
+        method: DecodeAttention | None = None,
     ) -> Tensor:
         """Append ``max_new_tokens`` sampled tokens (greedy when temperature is 0).
 
@@ -460,6 +464,10 @@ class GPT(nn.Module):
         the no-cache loop's values of a position vary with the window's length in the CPU
         attention kernel's last bits), and bf16 logits (8-bit mantissa) tie more often.
 
+        A decode-time attention ``method`` (:class:`llm.kv_cache.DecodeAttention`) replaces
+        full attention in the cached single-token steps; the prefill and window-sliding steps
+        stay exact.
+
         Shapes:
             idx: int64 [B, T0] -> returns int64 [B, T0 + max_new_tokens]
         """
@@ -471,7 +479,7 @@ class GPT(nn.Module):
             if not use_cache or idx.shape[1] > window:
                 logits = self(idx[:, -window:])  # [B, T, V]
             elif cache is None:  # prefill: the whole prompt
-                cache = KVCache(self.config.num_layers, window)
+                cache = KVCache(self.config.num_layers, window, method)
                 logits = self(idx, cache)
             else:  # the newest token against the cache
                 logits = self(idx[:, -1:], cache)  # [B, 1, V]
