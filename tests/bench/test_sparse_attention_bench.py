@@ -1,0 +1,45 @@
+"""Smoke test of bench/sparse_attention.py --quick: a toy GPT trained by python -m llm.train
+--init (a 64-token context), then every method at every budget, QuantSpec, the plot or CSV and
+the checks. The Loki threshold needs the full run's model, so only its presence and the exit
+status's agreement with the checks are asserted here."""
+
+import importlib.util
+import json
+import sys
+
+from tests.distributed import ROOT
+
+SCRIPT = ROOT / "bench" / "sparse_attention.py"
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("sparse_attention_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_prints_every_row(tmp_path, capsys):
+    code = _bench_module().main(["--quick", "--out", str(tmp_path / "run"),
+                                 "--results", str(tmp_path / "results"), "--json"])
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    checks = result["checks"]
+    assert code == (0 if all(checks.values()) else 1)
+    assert sorted(checks) == ["Loki at 25% budget and 25% rank within 5% of full-attention "
+                              "perplexity", "QuantSpec tokens equal greedy decoding"]
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("attention"))
+    table = [line.split() for line in lines[header + 1 : header + 11]]
+    assert [(r[0], r[1]) for r in table] == [("full", "-")] + [
+        (m, b) for b in ("50%", "25%", "12.5%") for m in ("topk", "loki", "sift")]
+    rows = result["rows"]
+    assert rows[0]["bytes_ratio"] == 1.0 and rows[0]["token_agreement"] == 1.0
+    assert all(0 < r["bytes_ratio"] <= 1 for r in rows)
+    assert [r["rank"] for r in rows if r["name"] == "loki"] == [0.25] * 3
+    q = result["quantspec"]
+    assert q["num_prompts"] == 2 and q["generated"] == 2 * 12 and 0 <= q["acceptance_rate"] <= 1
+    assert "QuantSpec (gamma 4" in out and "python -m llm.train --init" in out
+    assert (tmp_path / "results" / "sparse_attention.csv").is_file()
+    assert (tmp_path / "run" / "checkpoint" / "step-00000004" / "loki_basis.safetensors").is_file()

@@ -1,0 +1,202 @@
+"""python -m llm.evaluate: perplexity teacher-forced through the decode path equals the plain
+forward's (with the model's own attention and with an exact full-attention method), greedy
+agreement, the held-out split, and the CLI on a tiny checkpoint (both rows, JSON, the Loki
+basis stored with the checkpoint, errors)."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch.nn.functional import cross_entropy
+
+from llm.data import load_documents, split_documents
+from llm.evaluate import (
+    agreement,
+    decode_nll,
+    held_out_split,
+    main,
+    parse_budget,
+    perplexity,
+    prompts_from,
+)
+from llm.model import GPT
+from tests.llm.helpers import SMALL, make_trainer, one_rank_groups
+
+
+class ExactFull:
+    """Exact softmax attention over every cached position, GQA expanded; counts resets."""
+
+    def __init__(self):
+        self.resets = self.calls = 0
+
+    def reset(self):
+        self.resets += 1
+
+    def __call__(self, layer, q, k, v):
+        self.calls += 1
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+        return probs @ v  # [B, H, 1, Dh]
+
+
+def forward_perplexity(model, tokens):
+    """The reference: each window of max_seq_len + 1 tokens through one no-cache forward."""
+    window, nll, count = model.config.max_seq_len, 0.0, 0
+    for start in range(0, len(tokens) - 1, window):
+        x = tokens[start : start + window + 1]
+        with torch.no_grad():
+            logits = model(x[None, :-1])[0].float()  # [L, V]
+        nll += float(cross_entropy(logits, x[1:], reduction="sum"))
+        count += len(x) - 1
+    return math.exp(nll / count), count
+
+
+@pytest.fixture(scope="module")
+def model():
+    return GPT(SMALL, seed=0).eval()  # GQA 4 / 2 heads, 16-token window
+
+
+@pytest.mark.parametrize("length", [2, 17, 40, 49])  # one target; one window; ragged; 3 full
+def test_decode_path_perplexity_equals_the_plain_forward(model, length):
+    tokens = torch.randint(256, (length,), generator=torch.Generator().manual_seed(length))
+    want, count = forward_perplexity(model, tokens)
+    assert decode_nll(model, tokens)["targets"] == count == length - 1
+    assert perplexity(model, tokens) == pytest.approx(want, rel=1e-5)
+    exact = ExactFull()
+    assert perplexity(model, tokens, exact, batch_size=2) == pytest.approx(want, rel=1e-5)
+    lengths = [min(17, length - s) for s in range(0, length - 1, 16)]  # windows' tokens
+    batches = {n: math.ceil(lengths.count(n) / 2) for n in set(lengths)}  # 2 windows a batch
+    # each batch of n-token windows: a prefill, then n - 2 decode steps through every layer
+    assert exact.calls == SMALL.num_layers * sum(b * (n - 2) for n, b in batches.items())
+    assert exact.resets == sum(batches.values())  # a new sequence with each batch
+
+
+def test_perplexity_needs_two_tokens(model):
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        perplexity(model, torch.tensor([3]))
+
+
+def test_agreement_of_exact_attention_is_total(model):
+    prompts = prompts_from(torch.arange(100) % 50, 3, 8)  # [3, 8]
+    assert prompts[:, 0].tolist() == [0, 46, 42]  # offsets 0, 46, 92 of 100 - 8 = 92
+    full = agreement(model, prompts, 6, ExactFull())
+    assert full["token_agreement"] == 1.0 and full["exact"] == 3
+    assert full["decode_steps"] == 3 * 5 and full["tokens"].shape == (3, 14)
+    assert agreement(model, prompts, 6, None, reference=full["tokens"])["exact"] == 3
+
+
+def test_agreement_counts_positions():
+    class Fixed:  # generates a stored continuation; "method" picks which
+        def __init__(self, outs):
+            self.outs = outs
+
+        def generate(self, prompts, new_tokens, method=None):
+            return self.outs[method is not None]
+
+    ref = torch.tensor([[9, 1, 2, 3, 4], [9, 5, 6, 7, 8]])
+    other = torch.tensor([[9, 1, 2, 0, 4], [9, 5, 6, 7, 8]])
+    result = agreement(Fixed({False: ref, True: other}), ref[:, :1], 4, ExactFull())
+    assert result["token_agreement"] == 7 / 8 and result["exact"] == 1
+
+
+@pytest.mark.parametrize("text, want", [("0.25", 0.25), ("25%", 0.25), ("1", 1), ("64", 64),
+                                        ("1.0", 1.0)])
+def test_parse_budget(text, want):
+    got = parse_budget(text)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("text", ["0", "1.5", "-0.1", "abc", "0%", "nan"])
+def test_parse_budget_refuses(text):
+    with pytest.raises(ValueError, match="--budget"):
+        parse_budget(text)
+
+
+def test_held_out_split_follows_the_run(tmp_path):
+    docs = load_documents()
+    data = {"source": "pydoc", "paths": [], "docs": None, "val_fraction": 0.1, "seed": 3}
+    held, train, where = held_out_split({"configs": {"data": data}})
+    assert (train, held) == split_documents(docs, 0.1, 3) and "seed 3" in where
+    held, train, _ = held_out_split({"configs": {"data": {**data, "docs": 70}}})
+    assert held == docs[70:] and train == docs[:70]
+    held, train, where = held_out_split({})  # no data config: llm.train's default split
+    assert (train, held) == split_documents(docs, 0.1, 0) and "no text data config" in where
+    (tmp_path / "a.txt").write_text("held out")
+    held, train, where = held_out_split({}, [str(tmp_path / "a.txt")])
+    assert held == ["held out"] and train == split_documents(docs, 0.1, 0)[0]
+    with pytest.raises(ValueError, match="held out no documents"):
+        held_out_split({"configs": {"data": {**data, "docs": len(docs)}}})
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    trainer = make_trainer(one_rank_groups(), steps=1)  # SMALL on pydoc, 16-byte windows
+    trainer.train_step()
+    root = tmp_path_factory.mktemp("evaluate")
+    trainer.save(str(root), keep=1, is_main=True)
+    return root
+
+
+FAST = ["--tokens", "96", "--prompts", "2", "--new-tokens", "6"]
+
+
+def test_cli_prints_both_rows_and_stores_the_loki_basis(ckpt_dir, capsys):
+    args = ["--checkpoint", str(ckpt_dir), "--attention", "loki", "--budget", "0.5", *FAST]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    full, loki = result["rows"]
+    assert (full["name"], loki["name"]) == ("full", "loki")
+    assert full["increase"] == 0 and full["token_agreement"] == 1.0 and full["exact"] == 2
+    assert full["bytes_ratio"] == 1.0 and full["kv_bytes_per_token"] > 0
+    assert loki["perplexity"] > 0 and loki["increase"] == pytest.approx(
+        100 * (loki["perplexity"] / full["perplexity"] - 1))
+    assert 0 < loki["bytes_ratio"] < 1 and 0 <= loki["token_agreement"] <= 1
+    assert loki["budget"] == 0.5 and loki["rank"] == 0.25
+    assert result["tokens"] == 96 and result["prompt_len"] == 16 - 6
+    basis = result["loki_basis"]
+    assert basis["calibrated"] and basis["rank"] == 2 and basis["head_dim"] == 8
+    assert basis["path"] == str(ckpt_dir / "step-00000001" / "loki_basis.safetensors")
+    assert 0 < basis["explained_variance"] <= 1
+    assert main([*args, "--speculative", "quantspec", "--gamma", "2"]) == 0  # basis reused
+    out = capsys.readouterr().out
+    assert "Loki basis read from" in out and "held-out split (0.1 of the documents" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("attention"))
+    assert lines[header + 1].startswith("full") and lines[header + 2].startswith("loki")
+    assert "QuantSpec (gamma 2" in out and "tokens equal to greedy: 2/2" in out
+
+
+def test_cli_full_and_text(ckpt_dir, tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("The assert statement checks a condition. " * 3)
+    assert main(["--checkpoint", str(ckpt_dir), "--attention", "topk", "--budget", "3",
+                 "--text", str(tmp_path / "t.txt"), "--json", *FAST]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in result["rows"]] == ["full", "topk"]
+    assert result["rows"][1]["budget"] == 3 and "1 text file(s)" in result["held_out"]
+    assert main(["--checkpoint", str(ckpt_dir), *FAST]) == 0  # --attention full: one row
+    assert "full " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "0"], "--budget"),
+    (["--budget", "2.5"], "--budget"),
+    (["--attention", "sift", "--budget", "8"], "fraction"),
+    (["--rank-fraction", "0"], "--rank-fraction"),
+    (["--new-tokens", "1"], "--new-tokens"),
+    (["--prompt-len", "12"], "exceeds max_seq_len"),
+    (["--prompt-len", "0"], "prompt length >= 1"),
+    (["--prompts", "0"], "--prompts >= 1"),
+    (["--tokens", "1"], "at least 2"),
+    (["--text", "EMPTY"], "no text found"),
+    (["--text", "MISSING"], "does not exist"),
+    (["--attention", "loki", "--loki-basis", "MISSING"], "does not exist"),
+    (["--checkpoint", "MISSING"], "no checkpoint"),
+])
+def test_cli_errors(ckpt_dir, tmp_path, capsys, flags, message):
+    (tmp_path / "EMPTY").write_text("")
+    flags = [str(tmp_path / f) if f in ("EMPTY", "MISSING") else f for f in flags]
+    assert main(["--checkpoint", str(ckpt_dir), *FAST, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
