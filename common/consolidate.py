@@ -38,7 +38,6 @@ _DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF
            "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
            "bool": "BOOL"}
 _FROM_ST = {v: k for k, v in _DTYPES.items()}
-MOMENT_SUFFIXES = (".exp_avg", ".exp_avg_sq")
 
 
 def st_dtype(dtype: torch.dtype) -> str:
@@ -253,7 +252,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *, only_weights
         raise FileExistsError(f"{out} exists; choose another output or pass --force")
     ck = (sharded.load(path) if (path / "manifest.json").is_file()
           else sharded.load_latest(path))
-    names = [n for n in ck.names() if not (only_weights and n.endswith(MOMENT_SUFFIXES))]
+    names = [n for n in ck.names() if not (only_weights and n.endswith(sharded.MOMENT_SUFFIXES))]
     layout = {n: (getattr(torch, ck.manifest["tensors"][n]["dtype"]), ck.shape(n))
               for n in names}
     with SafetensorsWriter(out, layout, force=force,

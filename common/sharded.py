@@ -47,6 +47,9 @@ import torch.distributed as dist
 from common.checkpoint import CheckpointError, commit, fsync_dir, list_steps
 
 FORMAT = "sharded-1"
+# AdamW's per-parameter state, saved as "<parameter name>.<moment>" beside each parameter
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENT_SUFFIXES = tuple(f".{m}" for m in ADAM_MOMENTS)  # str.endswith: is this a moment?
 _ALIGN = 64  # byte alignment of every piece in a shard file
 _CHUNK = 1 << 22  # elements per vectorised read (bounds the index arrays)
 

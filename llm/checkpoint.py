@@ -31,7 +31,6 @@ from common import sharded
 from llm.model import GPT, GPTConfig
 
 FORMAT = 3  # meta["format"]; bump when the layout changes
-MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_FILE = "state.pt"
 
 
@@ -58,7 +57,7 @@ def save(directory: str | os.PathLike, *, step: int, model: Any, optimizer: torc
         st = optimizer.state.get(p)
         if st:
             steps[name] = float(st["step"])
-            for key in MOMENTS:
+            for key in sharded.ADAM_MOMENTS:
                 tensors[f"{name}.{key}"] = (st[key], slab)
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -117,7 +116,8 @@ def load_into(ck: sharded.ShardedCheckpoint, model: Any, optimizer: torch.optim.
             if name in steps:
                 optimizer.state[p] = {
                     "step": torch.tensor(steps[name], dtype=torch.float32),
-                    **{key: ck.read(f"{name}.{key}", slab).to(p.device) for key in MOMENTS}}
+                    **{key: ck.read(f"{name}.{key}", slab).to(p.device)
+                       for key in sharded.ADAM_MOMENTS}}
     return torch.load(io.BytesIO(ck.files[STATE_FILE]), weights_only=True)
 
 
@@ -130,12 +130,12 @@ def load_model(path: str | os.PathLike) -> tuple[GPT, dict[str, Any]]:
 
         weights, meta = read_consolidated(path)
         check(meta, path)
-        tensors = {n: t for n, t in weights.items() if not n.endswith(MOMENTS)}
+        tensors = {n: t for n, t in weights.items() if not n.endswith(sharded.MOMENT_SUFFIXES)}
     else:
         ck = open_checkpoint(path, group=None)
         meta = ck.meta
         tensors = {n: ck.read(n, sharded.Slab.whole(ck.shape(n))) for n in ck.names()
-                   if not n.endswith(MOMENTS)}
+                   if not n.endswith(sharded.MOMENT_SUFFIXES)}
     model = GPT(GPTConfig(**meta["model_config"]))
     if model.config.tie_embeddings:  # saved once, under the embedding's name
         tensors.setdefault("lm_head.weight", tensors["tok_emb.weight"])

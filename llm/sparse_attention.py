@@ -7,6 +7,15 @@ methods select positions per query head and run exact softmax attention over the
 (design: ../shared/design/llm-inference.md). They simulate the selection densely with a mask, to
 measure quality and memory traffic; they are not fast kernels.
 
+* :class:`TopK` keeps the k highest scores.
+* :class:`Loki` ranks positions by scores in the first d directions of a PCA basis of the keys
+  (the basis and its calibration: :mod:`llm.loki`; re-exported here).
+* :class:`Sift` keeps the probabilities above a threshold predicted by a power law a * n^b in
+  the decode step n = 1, 2, 3, ... of the sequence (counted from the first step after the
+  prompt, not the context length S: after a long prompt the warm-up's S values are too close
+  together in log space to fit a slope), fitted in log-log space to quantiles measured exactly
+  at a few warm-up steps and periodically afterwards.
+
 Bytes read per call: numbers per kv head of the cache (it stores Hkv heads) as below, summed
 over the B rows and Hkv heads, times ``k.element_size()``; U = |union over the G query heads of
 the kv head of their kept positions| (the design's per-head formulas, a group sharing one read):
@@ -26,21 +35,21 @@ S cached positions (including the new one), Dh head_dim, d Loki's reduced rank, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
-from llm.model import GPT, apply_rope, rope_cache
+from llm.loki import LokiBasis, calibrate_loki
+from llm.model import apply_rope, rope_cache
 
-__all__ = ["METHODS", "FullAttention", "Loki", "LokiBasis", "Sift", "TopK", "budget_count",
-           "calibrate_loki", "fit_power_law", "make_method"]
+__all__ = ["METHODS", "SIFT_REFIT_EVERY", "SIFT_WARMUP", "FullAttention", "Loki", "LokiBasis",
+           "Sift", "TopK", "budget_count", "calibrate_loki", "fit_power_law", "make_method"]
 
 METHODS = ("full", "topk", "loki", "sift")
+SIFT_WARMUP = 8  # Sift's default full-attention decode steps before the first fit
+SIFT_REFIT_EVERY = 16  # and its default steps between later measurements
 
 
 def _check_budget(budget: float) -> None:
@@ -51,6 +60,10 @@ def _check_budget(budget: float) -> None:
             raise ValueError(f"budget count must be >= 1 position, got {budget}")
     elif not 0 < budget <= 1:
         raise ValueError(f"budget fraction must be in (0, 1], got {budget} (an int is a count)")
+
+
+def _is_count(value: object, least: int) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool) and value >= least
 
 
 def budget_count(budget: float, length: int) -> int:
@@ -157,130 +170,6 @@ class TopK(_Accounted):
         return _attend(scores, v, keep, q.dtype)
 
 
-@dataclass(frozen=True, kw_only=True)
-class LokiBasis:
-    """Per-layer, per-kv-head PCA bases of the keys (:func:`calibrate_loki`).
-
-    Attributes:
-        bases: [L, Hkv, Dh, Dh]; column i of ``bases[l, h]`` is principal direction i
-            (orthonormal, by decreasing explained variance).
-        explained: [L, Hkv, Dh], the explained-variance ratios (each row sums to 1).
-        post_rope: the keys were taken after the rotary rotation (else before it).
-        rope_theta: the model's RoPE base (a pre-RoPE basis undoes the rotation with it).
-    """
-
-    bases: Tensor
-    explained: Tensor
-    post_rope: bool = True
-    rope_theta: float = 10000.0
-
-    def __post_init__(self) -> None:
-        shape = tuple(self.bases.shape)
-        if len(shape) != 4 or shape[2] != shape[3] or tuple(self.explained.shape) != shape[:3]:
-            raise ValueError(f"bases must be [L, Hkv, Dh, Dh] and explained [L, Hkv, Dh], got "
-                             f"{shape} and {tuple(self.explained.shape)}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.bases.shape[-1]
-
-    def rank(self, rank_fraction: float) -> int:
-        """d = ``max(1, round(rank_fraction * Dh))`` for ``rank_fraction`` in (0, 1]."""
-        if isinstance(rank_fraction, bool) or not 0 < rank_fraction <= 1:
-            raise ValueError(f"rank_fraction must be in (0, 1], got {rank_fraction}")
-        return max(1, round(rank_fraction * self.head_dim))
-
-    def explained_variance(self, rank_fraction: float) -> float:
-        """Mean over layers and kv heads of the variance fraction in the first d directions."""
-        return self.explained[..., : self.rank(rank_fraction)].sum(-1).mean().item()
-
-    def save(self, path: str) -> None:
-        """Write a safetensors file; post_rope, rope_theta and the sizes go in its metadata."""
-        num_layers, num_kv_heads, head_dim, _ = self.bases.shape
-        meta = {"post_rope": str(self.post_rope), "rope_theta": repr(self.rope_theta),
-                "num_layers": str(num_layers), "num_kv_heads": str(num_kv_heads),
-                "head_dim": str(head_dim)}
-        save_file({"bases": self.bases.contiguous(), "explained": self.explained.contiguous()},
-                  path, metadata=meta)
-
-    @classmethod
-    def load(cls, path: str) -> LokiBasis:
-        """Read a file written by :meth:`save`."""
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            bases, explained = f.get_tensor("bases"), f.get_tensor("explained")
-        sizes = tuple(int(meta[key]) for key in ("num_layers", "num_kv_heads", "head_dim"))
-        if sizes != tuple(bases.shape[:3]):
-            raise ValueError(f"{path}: metadata says [L, Hkv, Dh] = {list(sizes)}, but the bases "
-                             f"are {list(bases.shape)}")
-        return cls(bases=bases, explained=explained, post_rope=meta["post_rope"] == "True",
-                   rope_theta=float(meta["rope_theta"]))
-
-
-@torch.no_grad()
-def calibrate_loki(model: GPT, tokens: Tensor | Iterable[Tensor], *,
-                   post_rope: bool = True) -> LokiBasis:
-    """PCA of every layer's keys, per kv head, over calibration text (Loki's offline step).
-
-    Runs the model without a cache over each int64 [B, T] batch of ``tokens``, capturing the
-    keys with forward hooks on each block's ``attn.k_proj`` (and rotating them with
-    :func:`llm.model.apply_rope` at positions 0..T-1 when ``post_rope``). The PCA is centred,
-    as in the Loki code (sklearn's PCA, means kept apart): the eigenvectors of the keys'
-    covariance, by decreasing eigenvalue. Centring is the right criterion for selection:
-    ``q . k_n = q . mu + q . (k_n - mu)`` and ``q . mu`` is the same for every position, so only
-    the spread around the mean ranks positions. At decode the basis is applied to the keys as
-    they are (not centred), like the Loki code; at full rank this is exact either way.
-
-    Shapes:
-        tokens: int64 [B, T] (or an iterable of them) -> bases [L, Hkv, Dh, Dh]
-    """
-    c, dh = model.config, model.config.head_dim
-    batches = [tokens] if isinstance(tokens, Tensor) else list(tokens)
-    for batch in batches:
-        if batch.dtype != torch.int64 or batch.dim() != 2:
-            raise ValueError(f"calibration tokens must be int64 [B, T], got {batch.dtype} "
-                             f"{list(batch.shape)}")
-    shape = (c.num_layers, c.num_kv_heads or c.num_heads, dh)  # resolved by GPTConfig
-    device = next(model.parameters()).device
-    sums = torch.zeros(shape, dtype=torch.float64, device=device)  # [L, Hkv, Dh]
-    outers = torch.zeros(*shape, dh, dtype=torch.float64, device=device)  # [L, Hkv, Dh, Dh]
-    counts = [0] * c.num_layers
-
-    def hook(layer: int) -> Callable[[torch.nn.Module, tuple[Tensor, ...], Tensor], None]:
-        def capture(module: torch.nn.Module, inputs: tuple[Tensor, ...], out: Tensor) -> None:
-            b, t, _ = out.shape
-            keys = out.float().view(b, t, -1, dh)  # [B, T, Hkv, Dh]
-            if post_rope:
-                keys = apply_rope(keys, *rope_cache(dh, t, c.rope_theta, out.device))
-            x = keys.double().permute(2, 0, 1, 3).reshape(keys.shape[2], b * t, dh)
-            sums[layer] += x.sum(1)
-            outers[layer] += x.transpose(1, 2) @ x
-            counts[layer] += b * t
-        return capture
-
-    handles = [model.get_submodule(f"blocks.{i}.attn.k_proj").register_forward_hook(hook(i))
-               for i in range(c.num_layers)]
-    was_training = model.training
-    try:
-        model.eval()
-        for batch in batches:
-            model(batch)
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
-    if counts[0] < 2:
-        raise ValueError(f"PCA needs at least 2 keys per head, got {counts[0]} tokens")
-    n = torch.tensor(counts, dtype=torch.float64, device=device)[:, None, None]
-    mean = sums / n  # [L, Hkv, Dh]
-    cov = outers / n[..., None] - mean[..., :, None] * mean[..., None, :]  # [L, Hkv, Dh, Dh]
-    values, vectors = torch.linalg.eigh(cov)  # ascending
-    values = values.flip(-1).clamp_min(0)
-    ratios = values / values.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    return LokiBasis(bases=vectors.flip(-1).float().cpu(), explained=ratios.float().cpu(),
-                     post_rope=post_rope, rope_theta=c.rope_theta)
-
-
 class Loki(_Accounted):
     """Loki (Singhania et al., NeurIPS 2024, https://arxiv.org/abs/2406.02542).
 
@@ -344,17 +233,25 @@ class Loki(_Accounted):
         return _attend(_scores(q, k), v, keep, q.dtype)
 
 
+def _fit_log(log_n: Tensor, log_y: Tensor) -> tuple[Tensor, Tensor]:
+    """(log a, b) of the least-squares line ``log y = log a + b log n``, in float64. The slope
+    comes from centred sums (``sum dx dy / sum dx^2``, no normal equations), so the fit is as
+    well conditioned as the spread of log n allows. Shapes: log_n [M], log_y [M, ...]."""
+    x = log_n.to(torch.float64).view(-1, *[1] * (log_y.dim() - 1))  # [M, 1, ...]
+    ly = log_y.to(torch.float64)
+    dx, dy = x - x.mean(0), ly - ly.mean(0)
+    b = (dx * dy).sum(0) / (dx * dx).sum(0).clamp_min(1e-300)
+    return ly.mean(0) - b * x.mean(0), b
+
+
 def fit_power_law(n: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     """Least squares in log-log: ``log y = log a + b log n``; returns (a, b).
 
     Shapes:
         n: [M] (M >= 2 distinct, > 0), y: [M, ...] (> 0) -> a, b: [...]
     """
-    x = n.to(torch.float64).log().view(-1, *[1] * (y.dim() - 1))  # [M, 1, ...]
-    ly = y.to(torch.float64).log()
-    dx, dy = x - x.mean(0), ly - ly.mean(0)
-    b = (dx * dy).sum(0) / (dx * dx).sum(0).clamp_min(1e-300)
-    return (ly.mean(0) - b * x.mean(0)).exp(), b
+    log_a, b = _fit_log(n.to(torch.float64).log(), y.to(torch.float64).log())
+    return log_a.exp(), b
 
 
 @dataclass
@@ -363,10 +260,10 @@ class _SiftState:
 
     length: int  # S of the last call
     shape: tuple[int, int]  # (B, H)
-    steps: int = 0  # decode calls so far
-    ns: list[int] = field(default_factory=list)  # n = S of each measured step
-    quantiles: list[Tensor] = field(default_factory=list)  # the exact quantiles measured
-    a: Tensor | None = None
+    steps: int = 0  # decode calls so far: the current call is step n = steps
+    log_ns: list[float] = field(default_factory=list)  # log n of each measured step
+    log_levels: list[Tensor] = field(default_factory=list)  # log(S * quantile) measured
+    log_a: Tensor | None = None  # the fit, float64
     b: Tensor | None = None
 
 
@@ -376,17 +273,32 @@ class Sift(_Accounted):
     Keep position j when its attention probability ``p_j = softmax(q K^T / sqrt(Dh))_j`` is at
     least a threshold t, t estimating the ``1 - budget`` quantile of this step's probabilities;
     then softmax over the kept scores (renormalised) times their values. As in the paper the
-    quantile is of the softmax probabilities (positive, so a power law fits them; roughly
-    ``1/S`` for spread-out attention). t = ``a * n^b`` with n = S the step's context length
-    (the paper's step index S, whose keys are ``K_{:S}``), fitted by :func:`fit_power_law`
-    per (layer, batch row, query head) over the exact quantiles of earlier steps of the same
-    sequence. The first ``warmup`` (>= 2) decode steps run full attention and measure the
-    quantile (the paper's warm-up); afterwards every ``refit_every``-th step measures it again,
-    sifts with that exact value and refits. At least one position (the largest) is always kept;
-    ``budget = 1`` keeps everything (t = 0).
+    quantile is of the softmax probabilities.
 
-    A layer starts a new sequence when a call's S is not its previous call's S + 1 (or B, H
-    change); :meth:`new_sequence` forces it, :meth:`reset` also zeroes the counters.
+    The threshold follows the paper's power law over generation steps: ``t = a * n^b / S``,
+    where n = 1, 2, 3, ... counts the decode steps of the sequence (n = S - P after a P-token
+    prefill) and ``S * t``, the quantile in units of uniform attention's 1/S, is the power law.
+    Without a prompt (the paper's notation: step S reads ``K_{:S}``) n = S and this is the
+    paper's ``a * S^(b - 1)``. Why not a power law in S: after a long prompt the warm-up spans
+    S = P+1 .. P+w, a log range of about w / P (0.016 for w = 8, P = 448), so the fitted slope
+    is mostly noise (we saw b = -33), and extrapolated it sent heads' kept fractions to 98% or
+    to the argmax alone at a 25% budget. The warm-up's log n spans log 1 .. log w whatever P
+    is. Why the 1/S: the quantile of spread-out attention falls like 1/(P + n), no power law in
+    n while P and n are comparable; fitted raw, a power law in n kept ~2% of an untrained
+    model's positions at a 25% budget. The fit is least squares in log-log (the centred form of
+    :func:`fit_power_law`), per (layer, batch row, query head), over the exact quantiles
+    measured at earlier steps of the same sequence, and stays in log space: ``log t = log a +
+    b log n - log S``, clamped to (0, 1] after exp (``a * S^b`` in linear space overflowed to
+    inf * 0 = NaN, which keeps only the argmax).
+
+    The first ``warmup`` (>= 2) decode steps run full attention and measure the quantile (the
+    paper's warm-up); afterwards every ``refit_every``-th step measures it again, sifts with
+    that exact value and refits. At least one position (the largest) is always kept; ``budget
+    = 1`` keeps everything (t = 0), exactly full attention.
+
+    A layer starts a new sequence (n = 1 again) when a call's S is not its previous call's S + 1
+    (or B, H change): a new prompt's first decode step, or a teacher-forced window's after its
+    prefill. :meth:`new_sequence` forces it, :meth:`reset` also zeroes the counters.
 
     Args:
         budget: the fraction of positions to keep, in (0, 1].
@@ -397,17 +309,18 @@ class Sift(_Accounted):
         q: [B, H, 1, Dh], k, v: [B, Hkv, S, Dh] -> returns [B, H, 1, Dh]
     """
 
-    def __init__(self, budget: float, *, warmup: int = 8, refit_every: int | None = 16) -> None:
+    def __init__(self, budget: float, *, warmup: int = SIFT_WARMUP,
+                 refit_every: int | None = SIFT_REFIT_EVERY) -> None:
         if isinstance(budget, Integral) or not isinstance(budget, Real):
             raise ValueError(f"Sift's budget is a fraction in (0, 1] of the context, got "
                              f"{budget!r}")
         _check_budget(budget)
-        if warmup < 2 or (refit_every is not None and refit_every < 1):
+        if not _is_count(warmup, 2) or not (refit_every is None or _is_count(refit_every, 1)):
             raise ValueError(f"Sift needs warmup >= 2 steps to fit a power law and refit_every "
                              f">= 1 (or None), got warmup={warmup}, refit_every={refit_every}")
         self.budget: float = budget
-        self.warmup: int = warmup
-        self.refit_every: int | None = refit_every
+        self.warmup: int = int(warmup)
+        self.refit_every: int | None = None if refit_every is None else int(refit_every)
         self._states: dict[int, _SiftState] = {}
         super().__init__()
 
@@ -427,42 +340,59 @@ class Sift(_Accounted):
         state.length = length
         return state
 
-    def _measure(self, state: _SiftState, probs: Tensor) -> Tensor:
-        """Record this step's exact quantile [B, H] and refit a, b."""
+    def _measure(self, state: _SiftState, n: int, probs: Tensor) -> Tensor:
+        """Record step n's exact quantile [B, H] and refit log a, b."""
         quantile = torch.quantile(probs, 1 - self.budget, dim=-1)  # [B, H]
-        state.ns.append(probs.shape[-1])
-        state.quantiles.append(quantile.clamp_min(torch.finfo(probs.dtype).tiny))
-        if len(state.ns) >= 2:
-            state.a, state.b = fit_power_law(torch.tensor(state.ns), torch.stack(state.quantiles))
+        tiny = torch.finfo(probs.dtype).tiny
+        state.log_ns.append(math.log(n))
+        state.log_levels.append(quantile.clamp_min(tiny).log() + math.log(probs.shape[-1]))
+        if len(state.log_ns) >= 2:
+            state.log_a, state.b = _fit_log(torch.tensor(state.log_ns),
+                                            torch.stack(state.log_levels))
         return quantile
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        scores = _scores(q, k)
+    def _keep(self, layer: int, scores: Tensor) -> Tensor:
+        """One decode step of the layer's sequence: scores [B, H, S] -> kept, bool [B, H, S]."""
         probs = torch.softmax(scores, dim=-1)  # [B, H, S]
         b, h, s = probs.shape
         state = self._state(layer, s, (b, h))
-        step, state.steps = state.steps, state.steps + 1
-        refit = (self.refit_every is not None and step >= self.warmup
-                 and (step - self.warmup + 1) % self.refit_every == 0)
+        state.steps += 1
+        n = state.steps  # 1 at the first decode step of the sequence
+        refit = (self.refit_every is not None and n > self.warmup
+                 and (n - self.warmup) % self.refit_every == 0)
         if self.budget >= 1:
             threshold = probs.new_zeros(b, h)
-        elif step < self.warmup:
-            self._measure(state, probs)
+        elif n <= self.warmup:
+            self._measure(state, n, probs)
             threshold = probs.new_zeros(b, h)  # warm-up: full attention
         elif refit:
-            threshold = self._measure(state, probs)
+            threshold = self._measure(state, n, probs)
         else:
-            assert state.a is not None and state.b is not None, "fitted during the warm-up"
-            threshold = (state.a * float(s) ** state.b).to(probs.dtype)
+            assert state.log_a is not None and state.b is not None, "fitted during the warm-up"
+            log_t = (state.log_a + state.b * math.log(n) - math.log(s)).clamp(max=0.0)  # t <= 1
+            threshold = log_t.exp().to(probs.dtype).clamp_min(torch.finfo(probs.dtype).tiny)
         keep = probs >= threshold[..., None]
-        keep |= _top_mask(scores, 1)  # at least the largest
+        return keep | _top_mask(scores, 1)  # at least the largest
+
+    def select(self, layer: int, q: Tensor, k: Tensor) -> Tensor:
+        """The kept positions, bool [B, H, S]; like a call, this is a decode step of the
+        layer's sequence (it measures or predicts the threshold and advances n)."""
+        return self._keep(layer, _scores(q, k))
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        scores = _scores(q, k)
+        keep = self._keep(layer, scores)
         self._account(k, keep, k.shape[3], k.shape[3])
         return _attend(scores, v, keep, q.dtype)
 
 
 def make_method(name: str, *, budget: float = 0.25, rank_fraction: float = 0.25,
-                basis: LokiBasis | None = None) -> FullAttention | TopK | Loki | Sift:
-    """The method called ``name`` (one of :data:`METHODS`) at this budget."""
+                basis: LokiBasis | None = None, warmup: int = SIFT_WARMUP,
+                refit_every: int | None = SIFT_REFIT_EVERY
+                ) -> FullAttention | TopK | Loki | Sift:
+    """The method called ``name`` (one of :data:`METHODS`) at this budget; ``rank_fraction``
+    and ``basis`` are Loki's, ``warmup`` and ``refit_every`` Sift's (the defaults are
+    :class:`Sift`'s)."""
     if name == "full":
         return FullAttention()
     if name == "topk":
@@ -473,5 +403,5 @@ def make_method(name: str, *, budget: float = 0.25, rank_fraction: float = 0.25,
                              "LokiBasis.load(path) of one saved with LokiBasis.save)")
         return Loki(basis, budget, rank_fraction)
     if name == "sift":
-        return Sift(budget)
+        return Sift(budget, warmup=warmup, refit_every=refit_every)
     raise ValueError(f"unknown method {name!r}; choose one of {list(METHODS)}")

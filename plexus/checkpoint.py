@@ -19,8 +19,6 @@ from common import checkpoint as ckpt
 from common import sharded
 from plexus.model import PlexusGCN
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
 # what must agree between the checkpoint and the run that loads it
 IDENTITY = ("dataset", "num_nodes", "widths", "learn_features", "model", "bias", "norm",
             "residual")
@@ -44,7 +42,7 @@ def save(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, epoch: int,
         slab = model.slab(kind, layer)
         tensors[name] = (p.detach(), slab)
         state = opt.state.get(p, {})
-        for key in MOMENTS:
+        for key in sharded.ADAM_MOMENTS:
             if key in state:
                 tensors[f"{name}.{key}"] = (state[key], slab)
         if "step" in state:
@@ -84,5 +82,5 @@ def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[
             if name in steps:
                 opt.state[p] = {"step": torch.tensor(steps[name]),
                                 **{key: ck.read(f"{name}.{key}", slab).to(device)
-                                   for key in MOMENTS}}
+                                   for key in sharded.ADAM_MOMENTS}}
     return ck.step, json.loads(ck.files["history.json"])

@@ -10,15 +10,15 @@ Layer ``l`` with roles (O, I, P) on rank (o, i, p)::
 
 Backward: re-gather W over P (5), reduce-scatter dW over P (6), all-reduce dH over O (7),
 dF = A_l^T dH: reduce-scatter over P at layer 0 (only with trainable features), all-reduce
-over P for layers >= 1 (8). The adjacency never moves. Parallel equals serial: the same seed
-gives the same full weights on every grid (:func:`init_weights`), and each rank keeps its slice.
+over P for layers >= 1 (8); plexus.ops has the operators with both passes written out. The
+adjacency never moves. Parallel equals serial: the same seed gives the same full weights on
+every grid (:func:`init_weights`), and each rank keeps its slice.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 from common.sharded import Slab
-from plexus import layout
+from plexus import layout, ops
 from plexus.config import MODELS, NORMS
 from plexus.data import partition
 from plexus.data.memory import root_blocks
@@ -61,70 +61,6 @@ def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
         bound = math.sqrt(6.0 / (d_in + d_out))
         out.append((torch.rand(d_in, d_out, generator=gen) * 2 - 1) * bound)
     return out
-
-
-class _SpMM(torch.autograd.Function):
-    """``A @ F`` for a :class:`~plexus.sparse.BlockSparse` ``A``; backward ``A^T @ dH`` with
-    the precomputed transpose."""
-
-    @staticmethod
-    def forward(ctx: Any, a, a_t, f):
-        ctx.a_t = a_t
-        return a.matmul(f)
-
-    @staticmethod
-    def backward(ctx: Any, dh):
-        return None, None, ctx.a_t.matmul(dh) if ctx.needs_input_grad[2] else None
-
-
-class _ReLU(torch.autograd.Function):
-    """In-place ``relu`` of a fresh tensor that keeps only the bool mask ``out > 0`` for
-    backward (1 byte per entry, not the float output's 4: the output is the next layer's input,
-    which is spent once its aggregation has run). Same values as ``torch.relu_`` both ways."""
-
-    @staticmethod
-    def forward(ctx: Any, q):
-        ctx.mark_dirty(q)
-        out = torch.relu_(q)
-        ctx.save_for_backward(out > 0)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dy):
-        (keep,) = ctx.saved_tensors
-        return dy.masked_fill(~keep, 0.0)
-
-
-class _GatheredMatmul(torch.autograd.Function):
-    """``H @ W`` with ``W`` all-gathered over P from its flat shard, in both passes.
-
-    The gathered ``W`` is not kept for backward: it is gathered again (collective 5), and
-    ``dW`` is reduce-scattered back to flat shards (collective 6).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats):
-        ctx.group, ctx.shape, ctx.stats = group, shape, stats
-        ctx.save_for_backward(h, w_shard)
-        return h @ _gather_flat(w_shard, group, shape, stats)
-
-    @staticmethod
-    def backward(ctx: Any, dq):
-        h, w_shard = ctx.saved_tensors
-        group, shape, stats = ctx.group, ctx.shape, ctx.stats
-        dh = None
-        if ctx.needs_input_grad[0]:
-            dh = dq @ _gather_flat(w_shard, group, shape, stats).t()
-        dw = (h.t() @ dq).reshape(-1)
-        pad = w_shard.numel() * group.size - dw.numel()
-        if pad:
-            dw = torch.cat([dw, dw.new_zeros(pad)])
-        return dh, coll.reduce_scatter(dw, group, stats=stats), None, None, None
-
-
-def _gather_flat(shard: torch.Tensor, group: AxisGroup, shape, stats) -> torch.Tensor:
-    full = coll.all_gather(shard, group, stats=stats)
-    return full[: math.prod(shape)].view(shape)
 
 
 def _chunk(order: np.ndarray, group: AxisGroup) -> torch.Tensor:
@@ -271,11 +207,11 @@ class PlexusGCN(nn.Module):
                 x = None
                 if cached:
                     self._h0 = (h.detach(), None if r is None else r.detach())
-            q = _GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
+            q = ops.GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
                                       self.block_shapes[layer], stats)
             h = None
             if r is not None:
-                q = q + _GatheredMatmul.apply(r, self.root_weights[layer], g[p_ax],
+                q = q + ops.GatheredMatmul.apply(r, self.root_weights[layer], g[p_ax],
                                               self.block_shapes[layer], stats)
                 r = None
             q = autograd.all_reduce_identity(q, g[i_ax], stats, inplace=True)  # q is fresh
@@ -284,7 +220,7 @@ class PlexusGCN(nn.Module):
             if layer < self.num_layers - 1:
                 if len(self.norms):
                     q = self.norms[layer](q, stats)
-                q = _ReLU.apply(q)  # q is a fresh tensor: rectified in place
+                q = ops.ReLU.apply(q)  # q is a fresh tensor: rectified in place
                 if skip is not None:
                     q = q + skip
             f = q
@@ -304,7 +240,7 @@ class PlexusGCN(nn.Module):
         all-reduced over O (collective 2; backward 7)."""
         o_group = self.groups[layout.roles(layer)[0]]
         blk = blocks[layer % 6]
-        h = _SpMM.apply(blk.a, blk.a_t, x)
+        h = ops.SpMM.apply(blk.a, blk.a_t, x)
         h = autograd.all_reduce_identity(h, o_group, stats, inplace=True)  # h is fresh
         return autograd.identity_all_reduce(h, o_group, stats)
 
@@ -404,7 +340,7 @@ class PlexusGCN(nn.Module):
     def gather_weight(self, local: torch.Tensor, layer: int) -> torch.Tensor:
         """Inverse of :meth:`shard_weight`: the full unpadded [D_l, D_l+1] on every rank."""
         o_ax, i_ax, p_ax = layout.roles(layer)
-        blk = _gather_flat(local, self.groups[p_ax], self.block_shapes[layer], None)
+        blk = ops.gather_flat(local, self.groups[p_ax], self.block_shapes[layer], None)
         full = coll.all_gather(coll.all_gather(blk, self.groups[i_ax], dim=0),
                             self.groups[o_ax], dim=1)
         return full[: self.shard.widths[layer], : self.shard.widths[layer + 1]]
@@ -421,7 +357,7 @@ class PlexusGCN(nn.Module):
     @torch.no_grad()
     def gather_features(self, local: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`shard_features`: full [N, D_0] in original order, every rank."""
-        blk = _gather_flat(local, self.groups["z"], self.features_shape, None)
+        blk = ops.gather_flat(local, self.groups["z"], self.features_shape, None)
         full_perm = coll.all_gather(coll.all_gather(blk, self.groups["y"], dim=1),
                                  self.groups["x"], dim=0)
         out = torch.empty_like(full_perm)
