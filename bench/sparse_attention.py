@@ -17,7 +17,8 @@ prints for one method): perplexity teacher-forced through the decode path over `
 tokens, greedy agreement of ``--prompts`` continuations of ``--new-tokens`` tokens after
 prompts of ``seq_len - new_tokens`` tokens, and KV bytes read per generated token, for full
 attention and for top-k, Loki (rank ``--rank-fraction``, basis calibrated on training text
-and stored with the checkpoint) and Sift at each of ``--budgets``; then QuantSpec's acceptance
+and stored with the checkpoint) and Sift (``--sift-warmup`` full-attention decode steps, then
+re-measured every ``--sift-refit-every``) at each of ``--budgets``; then QuantSpec's acceptance
 rate, tokens per target pass and bytes per accepted token on the same prompts. Printed as a
 table; quality against bytes read is plotted to ``--results``/sparse_attention.png
 (matplotlib) and the rows written to sparse_attention.csv.
@@ -46,8 +47,9 @@ import torch
 from llm import checkpoint, hf
 from llm import evaluate as ev
 from llm.data import encode_stream
+from llm.loki import basis_path, calibration_batch, load_or_calibrate
 from llm.model import GPT, GPTConfig
-from llm.sparse_attention import make_method
+from llm.sparse_attention import SIFT_REFIT_EVERY, SIFT_WARMUP, make_method
 from llm.tokenizer import load_tokenizer, spec_of_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,19 +121,23 @@ def evaluate(args: argparse.Namespace, ckpt: Path) -> dict[str, Any]:
           f"through the decode path; agreement: {args.prompts} prompts of {prompt_len} tokens +"
           f" {args.new_tokens} greedy tokens", flush=True)
     start = time.perf_counter()
-    calib = ev.calibration_batch(train_docs, tokenizer, c.max_seq_len, args.calibration_tokens)
-    path = ev.basis_path(ckpt, meta["step"])
-    basis, fresh = ev.load_or_calibrate(model, path, calib)
+    calib = calibration_batch(train_docs, tokenizer, c.max_seq_len, args.calibration_tokens)
+    path = basis_path(ckpt, meta["step"])
+    basis, fresh = load_or_calibrate(model, path, calib)
     how = f"calibrated on {calib.numel():,} training tokens, saved to" if fresh else "read from"
     print(f"Loki basis {how} {path}: explained variance at rank "
           f"{basis.rank(args.rank_fraction)}/{c.head_dim}: "
-          f"{100 * basis.explained_variance(args.rank_fraction):.1f}%\n", flush=True)
+          f"{100 * basis.explained_variance(args.rank_fraction):.1f}%", flush=True)
+    sift = {"warmup": args.sift_warmup, "refit_every": args.sift_refit_every or None}
+    every = f"every {args.sift_refit_every} steps" if sift["refit_every"] else "never"
+    print(f"Sift: {args.sift_warmup} full-attention warm-up decode steps, then the quantile "
+          f"re-measured {every}\n", flush=True)
     reference = model.generate(prompts, args.new_tokens)  # exact attention's greedy tokens
     print(ev.format_table([]), flush=True)
     rows: list[dict[str, Any]] = []
     for name, budget in [("full", None)] + [(m, b) for b in args.budgets for m in METHODS]:
         method = make_method(name, budget=budget or 1.0, rank_fraction=args.rank_fraction,
-                             basis=basis)
+                             basis=basis, **sift)
         row = ev.evaluate_method(model, method, tokens, prompts, args.new_tokens, reference,
                                  batch_size=args.batch_size)
         row.update(name=name, budget=budget, rank=args.rank_fraction if name == "loki" else None,
@@ -142,7 +148,7 @@ def evaluate(args: argparse.Namespace, ckpt: Path) -> dict[str, Any]:
     quantspec = ev.quantspec_run(model, prompts, args.new_tokens, reference, gamma=args.gamma,
                                  fp_buffer=args.fp_buffer)
     return {"rows": rows, "quantspec": quantspec, "held_out": where, "step": meta["step"],
-            "explained_variance": basis.explained_variance(args.rank_fraction),
+            "sift": sift, "explained_variance": basis.explained_variance(args.rank_fraction),
             "eval_s": time.perf_counter() - start}
 
 
@@ -204,6 +210,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rank-fraction", type=float, default=0.25, help="Loki's d / Dh")
     p.add_argument("--calibration-tokens", type=int, default=8192,
                    help="training tokens for Loki's PCA (default: %(default)s)")
+    p.add_argument("--sift-warmup", type=int, default=SIFT_WARMUP,
+                   help="Sift's full-attention decode steps before the first power-law fit "
+                   "(default: %(default)s)")
+    p.add_argument("--sift-refit-every", type=int, default=SIFT_REFIT_EVERY,
+                   help="Sift's decode steps between later measurements, 0: never "
+                   "(default: %(default)s)")
     p.add_argument("--gamma", type=int, default=4, help="QuantSpec drafts per target pass")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="evaluate this checkpoint instead of training one")
@@ -221,6 +233,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--budgets are fractions in (0, 1], got {args.budgets}")
     if not 2 <= args.new_tokens < args.seq_len:
         p.error(f"--new-tokens must be in [2, --seq-len={args.seq_len})")
+    if args.sift_warmup < 2 or args.sift_refit_every < 0:
+        p.error(f"need --sift-warmup >= 2 and --sift-refit-every >= 0, got {args.sift_warmup} "
+                f"and {args.sift_refit_every}")
     return args
 
 

@@ -2,6 +2,8 @@
 
     python -m llm.evaluate --checkpoint runs/long --attention loki --budget 0.25
     python -m llm.evaluate --checkpoint runs/long --attention sift --budget 0.125 --json
+    python -m llm.evaluate --checkpoint runs/long --attention sift --sift-warmup 16 \\
+        --sift-refit-every 8
     python -m llm.evaluate --checkpoint runs/long --attention topk --budget 64 \\
         --speculative quantspec --gamma 4 --text notes.txt
 
@@ -13,7 +15,7 @@ Each decode-time method (:mod:`llm.sparse_attention`; design:
   target once); in each window the first token is prefilled, then every further token is fed
   alone into a KV cache carrying the method, and the cross-entropy of the next token is summed
   at every position. The method is reset before each batch of windows (Sift keeps
-  per-sequence state).
+  per-sequence state; its decode steps count from 1 after each window's prefill).
 * agreement: K prompts of P held-out tokens (evenly spaced over the held-out stream; P
   defaults to max_seq_len - M, the longest context without a sliding window) are continued by
   M greedy tokens with the model's own attention and with the method; printed: the fraction of
@@ -30,13 +32,15 @@ token file, or imported with ``python -m llm.convert``) falls back to the built-
 (pydoc topics) split as ``python -m llm.train`` splits it by default (10%, seed 0). The
 documents are joined into one token stream as in training.
 
-Loki needs a PCA basis of the keys: ``--loki-basis FILE``, else ``loki_basis.safetensors``
-stored with the checkpoint's weights (in the step directory read, or next to a
-``.safetensors`` file as ``NAME.loki_basis.safetensors``), else it is calibrated
-(:func:`llm.sparse_attention.calibrate_loki`, keys after RoPE) on ``--calibration-tokens``
-tokens of the training documents, which never overlap the default held-out text, and stored
-there. ``--speculative quantspec`` also decodes the prompts with QuantSpec
-(:mod:`llm.quantspec`, one prompt at a time) and checks its tokens equal plain greedy.
+Loki needs a PCA basis of the keys (:mod:`llm.loki`): ``--loki-basis FILE``, else
+``loki_basis.safetensors`` stored with the checkpoint's weights (in the step directory read, or
+next to a ``.safetensors`` file as ``NAME.loki_basis.safetensors``), else it is calibrated
+(:func:`llm.loki.calibrate_loki`, keys after RoPE) on ``--calibration-tokens`` tokens of the
+training documents, which never overlap the default held-out text, and stored there. Sift's
+power law is measured over ``--sift-warmup`` full-attention decode steps and re-measured every
+``--sift-refit-every`` steps (:class:`llm.sparse_attention.Sift`). ``--speculative quantspec``
+also decodes the prompts with QuantSpec (:mod:`llm.quantspec`, one prompt at a time) and checks
+its tokens equal plain greedy.
 """
 
 from __future__ import annotations
@@ -56,15 +60,14 @@ from torch.nn.functional import cross_entropy
 from llm import checkpoint
 from llm.data import SOURCES, encode_stream, load_documents, split_documents
 from llm.kv_cache import DecodeAttention, KVCache
+from llm.loki import basis_path, calibration_batch, load_or_calibrate
 from llm.model import GPT
-from llm.sparse_attention import METHODS, LokiBasis, calibrate_loki, make_method
-from llm.tokenizer import Tokenizer, load_tokenizer, spec_of_checkpoint
+from llm.sparse_attention import METHODS, SIFT_REFIT_EVERY, SIFT_WARMUP, make_method
+from llm.tokenizer import load_tokenizer, spec_of_checkpoint
 
-__all__ = ["BASIS_FILE", "agreement", "basis_path", "calibration_batch", "decode_nll",
-           "evaluate_method", "format_table", "held_out_split", "load_or_calibrate",
+__all__ = ["agreement", "decode_nll", "evaluate_method", "format_table", "held_out_split",
            "parse_budget", "perplexity", "prompts_from", "quantspec_run"]
 
-BASIS_FILE = "loki_basis.safetensors"
 DEFAULT_SPLIT = (0.1, 0)  # python -m llm.train's default val_fraction and seed
 
 
@@ -264,50 +267,6 @@ def prompts_from(stream: Tensor, num_prompts: int, prompt_len: int) -> Tensor:
     return torch.stack([stream[s : s + prompt_len] for s in starts])
 
 
-def basis_path(checkpoint_path: str | Path, step: int) -> Path:
-    """Where the Loki basis of a checkpoint lives: in the step directory whose weights are
-    read (``DIR/step-N/`` of a root), or ``NAME.loki_basis.safetensors`` next to a file."""
-    path = Path(checkpoint_path)
-    if path.is_file():
-        return path.with_name(f"{path.stem}.{BASIS_FILE}")
-    if (path / "manifest.json").is_file():
-        return path / BASIS_FILE
-    return path / f"step-{step:08d}" / BASIS_FILE
-
-
-def calibration_batch(docs: list[str], tokenizer: Tokenizer, window: int, num_tokens: int
-                      ) -> Tensor:
-    """The first ``num_tokens`` tokens of ``docs`` joined as in training, in rows of
-    ``window`` (one shorter row if that is all there is); [B, T] for
-    :func:`llm.sparse_attention.calibrate_loki`."""
-    stream = encode_stream(docs, tokenizer)[:num_tokens]
-    width = max(1, min(window, stream.numel()))
-    return stream[: stream.numel() // width * width].view(-1, width)  # [B, T]
-
-
-def load_or_calibrate(model: GPT, path: Path, calibration: Tensor | None
-                      ) -> tuple[LokiBasis, bool]:
-    """The basis at ``path``, else calibrated on ``calibration`` ([B, T]) and saved there;
-    (basis, whether it was calibrated now).
-
-    Raises:
-        ValueError: the basis does not fit the model (another checkpoint's).
-    """
-    c = model.config
-    if path.is_file():
-        basis = LokiBasis.load(str(path))
-        want = (c.num_layers, c.num_kv_heads, c.head_dim)
-        if tuple(basis.bases.shape[:3]) != want:
-            raise ValueError(f"Loki basis {path} is for [layers, kv heads, head_dim] = "
-                             f"{list(basis.bases.shape[:3])}, but the model has {list(want)}")
-        return basis, False
-    if calibration is None:
-        raise ValueError(f"no Loki basis at {path}")
-    basis = calibrate_loki(model, calibration)
-    basis.save(str(path))
-    return basis, True
-
-
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows (``name``, ``budget``, ``rank``, and :func:`evaluate_method`'s keys, with
     ``increase`` over full attention's perplexity) as a text table."""
@@ -344,6 +303,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "calibrated and stored if missing)")
     p.add_argument("--calibration-tokens", type=int, default=8192, metavar="N",
                    help="Loki: training tokens for a new basis (default: %(default)s)")
+    p.add_argument("--sift-warmup", type=int, default=SIFT_WARMUP, metavar="W",
+                   help="Sift: full-attention decode steps before the first power-law fit "
+                   "(default: %(default)s)")
+    p.add_argument("--sift-refit-every", type=int, default=SIFT_REFIT_EVERY, metavar="R",
+                   help="Sift: decode steps between later measurements, 0: never "
+                   "(default: %(default)s)")
     p.add_argument("--speculative", choices=("quantspec",), default=None,
                    help="also decode the prompts with QuantSpec self-speculation")
     p.add_argument("--gamma", type=int, default=4, help="QuantSpec: drafts per target pass")
@@ -374,6 +339,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--rank-fraction must be in (0, 1], got {args.rank_fraction}")
     if args.gamma < 1 or args.batch_size < 1 or args.calibration_tokens < 2:
         raise ValueError("need --gamma >= 1, --batch-size >= 1 and --calibration-tokens >= 2")
+    if args.sift_warmup < 2 or args.sift_refit_every < 0:
+        raise ValueError(f"need --sift-warmup >= 2 (a power law needs two points) and "
+                         f"--sift-refit-every >= 0, got {args.sift_warmup} and "
+                         f"{args.sift_refit_every}")
+    sift = {"warmup": args.sift_warmup, "refit_every": args.sift_refit_every or None}
     model, meta = checkpoint.load_model(args.checkpoint)
     c = model.config
     spec = args.tokenizer or spec_of_checkpoint(meta)
@@ -397,6 +367,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint": str(args.checkpoint), "step": meta.get("step"), "tokenizer": spec,
         "max_seq_len": c.max_seq_len, "held_out": where, "tokens": tokens.numel(),
         "prompts": args.prompts, "prompt_len": prompt_len, "new_tokens": args.new_tokens}
+    if args.attention == "sift":
+        result["sift"] = sift
     basis = None
     if args.attention == "loki":
         path = Path(args.loki_basis) if args.loki_basis else basis_path(args.checkpoint,
@@ -415,7 +387,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["rows"] = []
     for name in names:
         method = make_method(name, budget=budget, rank_fraction=args.rank_fraction,
-                             basis=basis)
+                             basis=basis, **sift)
         row = evaluate_method(model, method, tokens, prompts, args.new_tokens, reference,
                               batch_size=args.batch_size)
         row.update(name=name, budget=None if name == "full" else budget,
@@ -440,6 +412,10 @@ def _print_text(r: dict[str, Any]) -> None:
                if b["calibrated"] else "read from")
         print(f"Loki basis {how} {b['path']}: explained variance at rank {b['rank']}/"
               f"{b['head_dim']}: {100 * b['explained_variance']:.1f}%")
+    if "sift" in r:
+        every = r["sift"]["refit_every"]
+        print(f"Sift: {r['sift']['warmup']} full-attention warm-up decode steps, then the "
+              f"quantile re-measured {f'every {every} steps' if every else 'never'}")
     print(format_table(r["rows"]))
     q = r.get("quantspec")
     if q:

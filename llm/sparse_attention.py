@@ -10,11 +10,11 @@ measure quality and memory traffic; they are not fast kernels.
 * :class:`TopK` keeps the k highest scores.
 * :class:`Loki` ranks positions by scores in the first d directions of a PCA basis of the keys
   (the basis and its calibration: :mod:`llm.loki`; re-exported here).
-* :class:`Sift` keeps the probabilities above a threshold predicted by a power law a * n^b in
-  the decode step n = 1, 2, 3, ... of the sequence (counted from the first step after the
-  prompt, not the context length S: after a long prompt the warm-up's S values are too close
-  together in log space to fit a slope), fitted in log-log space to quantiles measured exactly
-  at a few warm-up steps and periodically afterwards.
+* :class:`Sift` keeps the probabilities above a threshold a * n^b / S: a power law in the
+  decode step n = 1, 2, 3, ... of the sequence (not in the context length S: after a long
+  prompt the warm-up's S are too close in log space to fit a slope), over uniform attention's
+  1/S, fitted in log-log space to quantiles measured exactly at the warm-up steps and
+  periodically afterwards (the class docstring says why).
 
 Bytes read per call: numbers per kv head of the cache (it stores Hkv heads) as below, summed
 over the B rows and Hkv heads, times ``k.element_size()``; U = |union over the G query heads of
@@ -63,7 +63,7 @@ def _check_budget(budget: float) -> None:
 
 
 def _is_count(value: object, least: int) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool) and value >= least
+    return isinstance(value, Integral) and not isinstance(value, bool) and int(value) >= least
 
 
 def budget_count(budget: float, length: int) -> int:
@@ -235,8 +235,9 @@ class Loki(_Accounted):
 
 def _fit_log(log_n: Tensor, log_y: Tensor) -> tuple[Tensor, Tensor]:
     """(log a, b) of the least-squares line ``log y = log a + b log n``, in float64. The slope
-    comes from centred sums (``sum dx dy / sum dx^2``, no normal equations), so the fit is as
-    well conditioned as the spread of log n allows. Shapes: log_n [M], log_y [M, ...]."""
+    comes from centred sums (``sum dx dy / sum dx^2``), not the raw normal equations in
+    ``[1, log n]``, which lose digits when log n is far from 0 against its spread; then the fit
+    is as well conditioned as that spread allows. Shapes: log_n [M], log_y [M, ...]."""
     x = log_n.to(torch.float64).view(-1, *[1] * (log_y.dim() - 1))  # [M, 1, ...]
     ly = log_y.to(torch.float64)
     dx, dy = x - x.mean(0), ly - ly.mean(0)

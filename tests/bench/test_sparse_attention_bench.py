@@ -1,11 +1,14 @@
 """Smoke test of bench/sparse_attention.py --quick: a toy GPT trained by python -m llm.train
---init (a 64-token context), then every method at every budget, QuantSpec, the plot or CSV and
-the checks. The Loki threshold needs the full run's model, so only its presence and the exit
-status's agreement with the checks are asserted here."""
+--init (a 64-token context), then every method at every budget (Sift with the warm-up and
+refit interval given), QuantSpec, the plot or CSV and the checks. The Loki threshold needs the
+full run's model, so only its presence and the exit status's agreement with the checks are
+asserted here."""
 
 import importlib.util
 import json
 import sys
+
+import pytest
 
 from tests.distributed import ROOT
 
@@ -22,7 +25,8 @@ def _bench_module():
 
 def test_quick_run_prints_every_row(tmp_path, capsys):
     code = _bench_module().main(["--quick", "--out", str(tmp_path / "run"),
-                                 "--results", str(tmp_path / "results"), "--json"])
+                                 "--results", str(tmp_path / "results"), "--json",
+                                 "--sift-warmup", "3", "--sift-refit-every", "4"])
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     checks = result["checks"]
@@ -41,5 +45,15 @@ def test_quick_run_prints_every_row(tmp_path, capsys):
     q = result["quantspec"]
     assert q["num_prompts"] == 2 and q["generated"] == 2 * 12 and 0 <= q["acceptance_rate"] <= 1
     assert "QuantSpec (gamma 4" in out and "python -m llm.train --init" in out
+    assert result["sift"] == {"warmup": 3, "refit_every": 4}
+    assert "Sift: 3 full-attention warm-up decode steps, then the quantile re-measured every 4 " \
+        "steps" in out
     assert (tmp_path / "results" / "sparse_attention.csv").is_file()
     assert (tmp_path / "run" / "checkpoint" / "step-00000004" / "loki_basis.safetensors").is_file()
+
+
+@pytest.mark.parametrize("flags", [["--sift-warmup", "1"], ["--sift-refit-every", "-2"]])
+def test_bad_sift_flags_are_refused(flags, capsys):
+    with pytest.raises(SystemExit):
+        _bench_module().parse_args(flags)
+    assert "--sift-warmup >= 2 and --sift-refit-every >= 0" in capsys.readouterr().err

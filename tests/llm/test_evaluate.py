@@ -179,10 +179,30 @@ def test_cli_full_and_text(ckpt_dir, tmp_path, capsys):
     assert "full " in capsys.readouterr().out
 
 
+def test_cli_passes_sift_warmup_and_refit_every(ckpt_dir, capsys):
+    """A warm-up longer than every sequence's decode steps (15 per perplexity window, 5 per
+    prompt) leaves Sift exactly full attention: the flags reach the method."""
+    args = ["--checkpoint", str(ckpt_dir), "--attention", "sift", "--budget", "0.25", *FAST]
+    assert main([*args, "--sift-warmup", "16", "--sift-refit-every", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sift"] == {"warmup": 16, "refit_every": None}
+    full, sift = result["rows"]
+    assert sift["kept_fraction"] == 1.0 and sift["token_agreement"] == 1.0
+    assert sift["perplexity"] == pytest.approx(full["perplexity"], rel=1e-6)
+    assert main([*args, "--sift-warmup", "2"]) == 0  # sifts from the third decode step
+    out = capsys.readouterr().out
+    assert "Sift: 2 full-attention warm-up decode steps, then the quantile re-measured every " \
+        "16 steps" in out
+    row = next(line for line in out.splitlines() if line.startswith("sift"))
+    assert float(row.split()[-3].rstrip("%")) < 100  # kept
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--budget", "0"], "--budget"),
     (["--budget", "2.5"], "--budget"),
     (["--attention", "sift", "--budget", "8"], "fraction"),
+    (["--attention", "sift", "--sift-warmup", "1"], "--sift-warmup >= 2"),
+    (["--sift-refit-every", "-1"], "--sift-refit-every >= 0"),
     (["--rank-fraction", "0"], "--rank-fraction"),
     (["--new-tokens", "1"], "--new-tokens"),
     (["--prompt-len", "12"], "exceeds max_seq_len"),

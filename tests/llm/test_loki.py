@@ -1,0 +1,118 @@
+"""Loki's offline step (:mod:`llm.loki`): the bases are PCA bases of the right keys (after or
+before RoPE) and round-trip through a file; where a checkpoint's basis lives, the calibration
+batch, and calibrating once then reading the stored basis."""
+
+import pytest
+import torch
+
+from llm import sparse_attention
+from llm.data import BYTES, encode_stream
+from llm.loki import (
+    BASIS_FILE,
+    LokiBasis,
+    basis_path,
+    calibrate_loki,
+    calibration_batch,
+    load_or_calibrate,
+)
+from llm.model import GPT, GPTConfig, apply_rope, rope_cache, tiny
+
+GQA = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_ff=48,
+                max_seq_len=64)
+CONFIGS = {"tiny": tiny(), "gqa": GQA}
+
+
+def tokens(batch, length, seed=1):
+    return torch.randint(256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def captured_keys(model, text, post_rope):
+    """Every layer's keys on ``text`` by a hook of the test's own: [L, Hkv, B * T, Dh]."""
+    dh, out = model.config.head_dim, []
+    handles = [block.attn.k_proj.register_forward_hook(lambda m, i, o: out.append(o))
+               for block in model.blocks]
+    with torch.no_grad():
+        model(text)
+    for handle in handles:
+        handle.remove()
+    keys = [o.view(*text.shape, -1, dh) for o in out]  # [B, T, Hkv, Dh]
+    if post_rope:
+        keys = [apply_rope(x, *rope_cache(dh, text.shape[1])) for x in keys]
+    return torch.stack([x.permute(2, 0, 1, 3).flatten(1, 2) for x in keys]).double()
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("post_rope", [True, False], ids=["post-rope", "pre-rope"])
+def test_the_loki_basis_is_the_keys_pca_and_round_trips(config, post_rope, tmp_path):
+    model = GPT(CONFIGS[config], seed=0).eval()
+    text = tokens(4, 48, seed=2)
+    basis = calibrate_loki(model, text, post_rope=post_rope)
+    p = basis.bases.double()  # [L, Hkv, Dh, Dh]
+    eye = torch.eye(basis.head_dim, dtype=torch.float64)
+    torch.testing.assert_close(p.transpose(-1, -2) @ p, eye.expand_as(p), rtol=0, atol=1e-5)
+    assert (basis.explained.diff(dim=-1) <= 0).all()
+    torch.testing.assert_close(basis.explained.sum(-1), torch.ones(basis.explained.shape[:2]))
+    # P^T C P is diagonal, with the explained-variance ratios times the total variance
+    keys = captured_keys(model, text, post_rope)
+    centred = keys - keys.mean(2, keepdim=True)
+    cov = centred.transpose(-1, -2) @ centred / keys.shape[2]  # [L, Hkv, Dh, Dh]
+    rotated = p.transpose(-1, -2) @ cov @ p
+    total = cov.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)
+    torch.testing.assert_close(rotated / total[..., None], torch.diag_embed(
+        basis.explained.double()), rtol=0, atol=1e-5)
+    assert basis.explained_variance(0.25) < basis.explained_variance(0.5) < 1.0
+    assert basis.explained_variance(1.0) == pytest.approx(1.0)
+    basis.save(str(tmp_path / "loki.safetensors"))
+    loaded = LokiBasis.load(str(tmp_path / "loki.safetensors"))
+    assert torch.equal(loaded.bases, basis.bases) and torch.equal(loaded.explained,
+                                                                  basis.explained)
+    assert (loaded.post_rope, loaded.rope_theta) == (post_rope, model.config.rope_theta)
+
+
+def test_the_basis_is_also_importable_from_sparse_attention():
+    assert sparse_attention.LokiBasis is LokiBasis
+    assert sparse_attention.calibrate_loki is calibrate_loki
+
+
+def test_basis_path_lives_with_the_weights_read(tmp_path):
+    assert basis_path(tmp_path, 7) == tmp_path / "step-00000007" / BASIS_FILE  # a root
+    (tmp_path / "manifest.json").write_text("{}")
+    assert basis_path(tmp_path, 7) == tmp_path / BASIS_FILE  # one step directory
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert basis_path(tmp_path / "model.safetensors", 7) == (
+        tmp_path / "model.loki_basis.safetensors")
+
+
+def test_calibration_batch_rows_of_the_window():
+    docs = ["abcdefghij", "klmnopqrstuvwxyz"]
+    stream = encode_stream(docs, BYTES)
+    batch = calibration_batch(docs, BYTES, 8, 20)
+    assert batch.shape == (2, 8) and torch.equal(batch.flatten(), stream[:16])
+    assert calibration_batch(docs, BYTES, 64, 20).shape == (1, 20)  # one shorter row
+
+
+def test_load_or_calibrate_calibrates_once_then_reads(tmp_path):
+    model = GPT(GQA, seed=0).eval()
+    path = tmp_path / BASIS_FILE
+    with pytest.raises(ValueError, match="no Loki basis at"):
+        load_or_calibrate(model, path, None)
+    basis, fresh = load_or_calibrate(model, path, tokens(2, 24))
+    assert fresh and path.is_file()
+    again, fresh = load_or_calibrate(model, path, None)
+    assert not fresh and torch.equal(again.bases, basis.bases)
+    other = GPT(CONFIGS["tiny"], seed=0).eval()
+    with pytest.raises(ValueError, match="is for \\[layers, kv heads, head_dim\\] = \\[2, 2, 8\\]"):
+        load_or_calibrate(other, path, None)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: calibrate_loki(GPT(GQA, seed=0), torch.zeros(2, 4)), "int64 \\[B, T\\]"),
+    (lambda: calibrate_loki(GPT(GQA, seed=0), tokens(1, 1)), "at least 2 keys"),
+    (lambda: LokiBasis(bases=torch.zeros(1, 2, 8, 4), explained=torch.zeros(1, 2, 8)),
+     "\\[L, Hkv, Dh, Dh\\]"),
+    (lambda: LokiBasis(bases=torch.zeros(1, 1, 8, 8), explained=torch.zeros(1, 1, 8)).rank(0),
+     "rank_fraction must be in \\(0, 1\\], got 0"),
+])
+def test_bad_inputs_raise_with_the_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
