@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
           f"acceptance {100 * q['acceptance_rate']:.1f}%, {q['tokens_per_target_pass']:.2f} "
           f"tokens per target pass, {q['bytes_per_accepted_token']:,.0f} bytes read per "
           f"accepted token, weights included (plain greedy: {q['baseline_bytes_per_token']:,.0f}"
-          f"), tokens equal to greedy: {q['equal_to_greedy']}/{q['num_prompts']}")
+          f"), tokens equal to greedy: {q['equal_to_greedy']}/{q['num_prompts']}; "
+          f"{q['ms_per_token']:.2f} ms per token (the full row's ms/token is plain greedy's)")
     print(f"saved {save_results(rows, Path(args.results))}")
     budget, rank, limit = LOKI_CHECK
     loki = [r for r in rows if r["name"] == "loki" and r["budget"] == budget]

@@ -50,6 +50,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -182,14 +183,20 @@ def evaluate_method(model: GPT, method: DecodeAttention, tokens: Tensor, prompts
     """One row of the table: perplexity (:func:`perplexity`), agreement and bytes
     (:func:`agreement`) of ``method``. Shapes: tokens [N], prompts [K, P]."""
     ppl = perplexity(model, tokens, method, batch_size=batch_size)
+    start = time.perf_counter()
     agree = agreement(model, prompts, new_tokens, method, reference)
+    seconds = time.perf_counter() - start
     steps = agree["decode_steps"]
     return {"perplexity": ppl, "token_agreement": agree["token_agreement"],
             "exact": agree["exact"], "num_prompts": agree["num_prompts"],
             "kept_fraction": agree["kept_fraction"],
             "kv_bytes_per_token": agree["bytes_read"] / steps,
             "full_kv_bytes_per_token": agree["bytes_full"] / steps,
-            "bytes_ratio": agree["bytes_read"] / max(1, agree["bytes_full"])}
+            "bytes_ratio": agree["bytes_read"] / max(1, agree["bytes_full"]),
+            # wall time of the greedy continuations on this machine, per generated token; the
+            # methods select densely (a mask, not a gather), so this shows their overhead on
+            # a CPU, not the speed-up of a sparse kernel
+            "ms_per_token": 1e3 * seconds / (agree["num_prompts"] * new_tokens)}
 
 
 def quantspec_run(model: GPT, prompts: Tensor, new_tokens: int, reference: Tensor, *,
@@ -204,6 +211,7 @@ def quantspec_run(model: GPT, prompts: Tensor, new_tokens: int, reference: Tenso
 
     total = QuantSpecStats(gamma=gamma)
     equal = 0
+    start = time.perf_counter()
     for prompt, want in zip(prompts, reference):
         out, stats = quantspec_generate(model, prompt[None], new_tokens, gamma=gamma,
                                         fp_buffer=fp_buffer)
@@ -211,8 +219,9 @@ def quantspec_run(model: GPT, prompts: Tensor, new_tokens: int, reference: Tenso
         for f in dataclasses.fields(stats):
             if f.name != "gamma":
                 setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+    seconds = time.perf_counter() - start
     return {**total.summary(), "equal_to_greedy": equal, "num_prompts": len(prompts),
-            "fp_buffer": fp_buffer}
+            "fp_buffer": fp_buffer, "ms_per_token": 1e3 * seconds / (len(prompts) * new_tokens)}
 
 
 def held_out_split(meta: dict[str, Any], text: list[str] | None = None
@@ -271,7 +280,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows (``name``, ``budget``, ``rank``, and :func:`evaluate_method`'s keys, with
     ``increase`` over full attention's perplexity) as a text table."""
     lines = [f"{'attention':<10}{'budget':>7}{'rank':>6}{'perplexity':>12}{'increase':>10}"
-             f"{'agreement':>11}{'exact':>7}{'kept':>8}{'KV bytes/token':>16}{'vs full':>9}"]
+             f"{'agreement':>11}{'exact':>7}{'kept':>8}{'KV bytes/token':>16}{'vs full':>9}"
+             f"{'ms/token':>10}"]
     for r in rows:
         budget = r["budget"]
         budget = "-" if budget is None else f"{budget}" if isinstance(budget, int) else \
@@ -281,7 +291,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['name']:<10}{budget:>7}{rank:>6}{r['perplexity']:>12.4f}"
             f"{r['increase']:>+9.2f}%{100 * r['token_agreement']:>10.1f}%"
             f"{r['exact']:>4}/{r['num_prompts']:<2}{100 * r['kept_fraction']:>7.1f}%"
-            f"{r['kv_bytes_per_token']:>16,.0f}{r['bytes_ratio']:>9.3f}")
+            f"{r['kv_bytes_per_token']:>16,.0f}{r['bytes_ratio']:>9.3f}"
+            f"{r['ms_per_token']:>10.2f}")
     return "\n".join(lines)
 
 
@@ -423,7 +434,8 @@ def _print_text(r: dict[str, Any]) -> None:
               f"{100 * q['acceptance_rate']:.1f}%, {q['tokens_per_target_pass']:.2f} tokens per "
               f"target pass, {q['bytes_per_accepted_token']:,.0f} bytes per accepted token "
               f"(plain greedy {q['baseline_bytes_per_token']:,.0f}, weights included); tokens "
-              f"equal to greedy: {q['equal_to_greedy']}/{q['num_prompts']}")
+              f"equal to greedy: {q['equal_to_greedy']}/{q['num_prompts']}; "
+              f"{q['ms_per_token']:.2f} ms per token")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -194,7 +194,7 @@ def test_cli_passes_sift_warmup_and_refit_every(ckpt_dir, capsys):
     assert "Sift: 2 full-attention warm-up decode steps, then the quantile re-measured every " \
         "16 steps" in out
     row = next(line for line in out.splitlines() if line.startswith("sift"))
-    assert float(row.split()[-3].rstrip("%")) < 100  # kept
+    assert float(row.split()[-4].rstrip("%")) < 100  # kept
 
 
 @pytest.mark.parametrize("flags, message", [

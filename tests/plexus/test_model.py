@@ -175,7 +175,9 @@ def _cases(grids):
     (2, ["2x1x1", "1x2x1", "1x1x2"], "torch"),
     (4, ["2x2x1", "1x2x2"], "torch"),
     (8, ["1x2x4", "4x1x2", "2x2x2"], "torch"),
-    pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], "mpi", marks=needs_mpi),
+    # the MPI transport on the lopsided grid (tests/common/test_mpi.py checks it equals gloo
+    # collective by collective)
+    pytest.param(8, ["4x1x2"], "mpi", marks=needs_mpi),
 ])
 @pytest.mark.slow
 def test_plexus_equals_serial(world, grids, comm):

@@ -8,6 +8,7 @@ no partial output behind.
 import hashlib
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -186,10 +187,16 @@ def test_bad_inputs_fail_clearly_and_lose_nothing(tmp_path):
         ("checkpoint of another model", ["--hidden", "32", "--checkpoint-dir", ck, "--resume"],
          "different model"),
     ]
-    for name, args, fragment in cases:
+    def attempt(case):
+        name, args, _ = case
         metrics = tmp_path / f"{name.replace(' ', '_')}.jsonl"
         extra = [] if "--metrics" in args else ["--metrics", str(metrics)]
-        r = cli(["--epochs", "2", *args, *extra], timeout=120)
+        return metrics, cli(["--epochs", "2", *args, *extra], timeout=120)
+
+    # two single-process jobs at a time: each is mostly one core's start-up (imports)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outcomes = list(pool.map(attempt, cases))
+    for (name, _, fragment), (metrics, r) in zip(cases, outcomes, strict=True):
         assert r.returncode != 0, f"{name}: exit 0\n{r.stdout}"
         assert fragment in r.stderr, f"{name}: message lacks {fragment!r}:\n{r.stderr[-1500:]}"
         assert "Traceback" not in r.stderr, f"{name}: a traceback instead of a message"
