@@ -18,6 +18,16 @@ from llm.model import GPTConfig
 SMALL = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32,
                   d_ff=48, max_seq_len=16)
 TRAIN_STEPS = 20
+# The same shape with a 64-token window: the decoding tests (KV cache methods, QuantSpec).
+GQA64 = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32,
+                  d_ff=48, max_seq_len=64)
+
+
+def random_tokens(batch: int, length: int, seed: int = 1) -> Any:
+    """Seeded random byte ids, int64 [batch, length]."""
+    import torch
+
+    return torch.randint(256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def one_rank_groups() -> dict[str, Any]:

@@ -15,15 +15,14 @@ from llm.loki import (
     calibration_batch,
     load_or_calibrate,
 )
-from llm.model import GPT, GPTConfig, apply_rope, rope_cache, tiny
+from llm.model import GPT, apply_rope, rope_cache, tiny
+from tests.llm.helpers import GQA64, random_tokens
 
-GQA = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_ff=48,
-                max_seq_len=64)
+GQA = GQA64
 CONFIGS = {"tiny": tiny(), "gqa": GQA}
 
 
-def tokens(batch, length, seed=1):
-    return torch.randint(256, (batch, length), generator=torch.Generator().manual_seed(seed))
+tokens = random_tokens
 
 
 def captured_keys(model, text, post_rope):

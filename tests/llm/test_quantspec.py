@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from llm.kv_cache import KVCache
-from llm.model import GPT, GPTConfig, tiny
+from llm.model import GPT, tiny
 from llm.quantspec import (
     SCALE_BYTES,
     HierarchicalKVStore,
@@ -14,9 +14,9 @@ from llm.quantspec import (
     quantize_int4,
     quantspec_generate,
 )
+from tests.llm.helpers import GQA64
 
-GQA = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_ff=48,
-                max_seq_len=64)
+GQA = GQA64
 
 
 def prompt(length, seed):

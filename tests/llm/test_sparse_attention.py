@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llm.loki import LokiBasis, calibrate_loki
-from llm.model import GPT, GPTConfig, KVCache, apply_rope, rope_cache, tiny
+from llm.model import GPT, KVCache, apply_rope, rope_cache, tiny
 from llm.sparse_attention import (
     SIFT_REFIT_EVERY,
     SIFT_WARMUP,
@@ -21,14 +21,13 @@ from llm.sparse_attention import (
     fit_power_law,
     make_method,
 )
+from tests.llm.helpers import GQA64, random_tokens
 
-GQA = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_ff=48,
-                max_seq_len=64)
+GQA = GQA64
 CONFIGS = {"tiny": tiny(), "gqa": GQA}
 
 
-def tokens(batch, length, seed=1):
-    return torch.randint(256, (batch, length), generator=torch.Generator().manual_seed(seed))
+tokens = random_tokens
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
