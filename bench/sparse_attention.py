@@ -1,16 +1,16 @@
 """Long-context decoding: top-k, Loki and SiftAttention against full attention; QuantSpec.
 
-    nice -n 19 python bench/sparse_attention.py          # about 10 min on a 2-core CPU
+    nice -n 19 python bench/sparse_attention.py          # about 20 min on a 2-core CPU
     python bench/sparse_attention.py --quick              # smoke sizes, under a minute
     python bench/sparse_attention.py --checkpoint runs/long   # skip training, evaluate that
 
-A GPT with a 512-token context (``--seq-len``; narrower than the ``small`` preset, whose
-6 x 384 layers train too slowly on 2 cores for 10 minutes: 4 layers, d_model 128, 2 heads of
-Dh 64 by default) is trained on the built-in corpus (pydoc topics, stream mode, 10% of the
-documents held out) by ``python -m llm.train`` in a subprocess. The presets cap the context
-at 256 (``small``) and ``llm.train`` has no flag for it, so the sizes go in the supported way
-for any other shape: a Hugging Face Llama directory (``config.json`` with
-``max_position_embeddings``, and the GPT's seeded initial weights) passed as ``--init``.
+A GPT of the ``small`` preset's shape (6 layers, d_model 384, 6 heads of Dh 64, d_ff 1536:
+14.4M parameters) with a 512-token context (``--seq-len``) is trained on the built-in
+corpus (pydoc topics, stream mode, 10% of the documents held out) by ``python -m llm.train``
+in a subprocess. The presets cap the context at 256 (``small``) and ``llm.train`` has no flag
+for it, so the sizes go in the supported way for any other shape: a Hugging Face Llama
+directory (``config.json`` with ``max_position_embeddings``, and the GPT's seeded initial
+weights) passed as ``--init``.
 
 Then, on the run's held-out documents (:mod:`llm.evaluate`, what ``python -m llm.evaluate``
 prints for one method): perplexity teacher-forced through the decode path over ``--tokens``
@@ -53,8 +53,8 @@ from llm.sparse_attention import SIFT_REFIT_EVERY, SIFT_WARMUP, make_method
 from llm.tokenizer import load_tokenizer, spec_of_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULTS = {"layers": 4, "d_model": 128, "heads": 2, "d_ff": 384, "seq_len": 512,
-            "steps": 450, "batch_size": 8, "warmup": 20, "eval_batches": 4, "tokens": 2048,
+DEFAULTS = {"layers": 6, "d_model": 384, "heads": 6, "d_ff": 1536, "seq_len": 512,
+            "steps": 450, "batch_size": 4, "warmup": 20, "eval_batches": 4, "tokens": 2048,
             "prompts": 4, "new_tokens": 64, "fp_buffer": 128}
 QUICK = {"layers": 2, "d_model": 32, "heads": 2, "d_ff": 64, "seq_len": 64, "steps": 4,
          "batch_size": 4, "warmup": 1, "eval_batches": 1, "tokens": 192, "prompts": 2,
@@ -203,8 +203,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help=f"{HELP[key]} (default {value}; --quick: {QUICK[key]})")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads, training and "
-                   "evaluation (default 1: 2 threads lose on a busy 2-core machine)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads, training and "
+                   "evaluation (default 2, this machine's cores; use 1 on a busy machine)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125],
                    help="kept fractions of the context (default: %(default)s)")
     p.add_argument("--rank-fraction", type=float, default=0.25, help="Loki's d / Dh")
