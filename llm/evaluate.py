@@ -312,6 +312,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loki-basis", default=None, metavar="FILE",
                    help="Loki: a basis saved by LokiBasis.save (default: the checkpoint's, "
                    "calibrated and stored if missing)")
+    p.add_argument("--loki-pre-rope", action="store_true",
+                   help="Loki: a PCA basis of the keys before the rotary rotation (the query "
+                   "is rotated back per position; default: after it)")
     p.add_argument("--calibration-tokens", type=int, default=8192, metavar="N",
                    help="Loki: training tokens for a new basis (default: %(default)s)")
     p.add_argument("--sift-warmup", type=int, default=SIFT_WARMUP, metavar="W",
@@ -382,13 +385,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["sift"] = sift
     basis = None
     if args.attention == "loki":
-        path = Path(args.loki_basis) if args.loki_basis else basis_path(args.checkpoint,
-                                                                        meta["step"])
+        post_rope = not args.loki_pre_rope
+        path = Path(args.loki_basis) if args.loki_basis else basis_path(
+            args.checkpoint, meta["step"], post_rope=post_rope)
         if args.loki_basis and not path.is_file():
             raise FileNotFoundError(f"--loki-basis {path} does not exist")
         calib = calibration_batch(train, tokenizer, c.max_seq_len, args.calibration_tokens)
-        basis, fresh = load_or_calibrate(model, path, calib)
-        result["loki_basis"] = {"path": str(path), "calibrated": fresh,
+        basis, fresh = load_or_calibrate(model, path, calib, post_rope=post_rope)
+        result["loki_basis"] = {"path": str(path), "calibrated": fresh, "post_rope": post_rope,
                                 "calibration_tokens": calib.numel() if fresh else None,
                                 "explained_variance": basis.explained_variance(
                                     args.rank_fraction), "rank": basis.rank(args.rank_fraction),

@@ -155,15 +155,17 @@ def calibrate_loki(model: GPT, tokens: Tensor | Iterable[Tensor], *,
                      post_rope=post_rope, rope_theta=c.rope_theta)
 
 
-def basis_path(checkpoint_path: str | Path, step: int) -> Path:
+def basis_path(checkpoint_path: str | Path, step: int, *, post_rope: bool = True) -> Path:
     """Where the Loki basis of a checkpoint lives: in the step directory whose weights are
-    read (``DIR/step-N/`` of a root), or ``NAME.loki_basis.safetensors`` next to a file."""
+    read (``DIR/step-N/`` of a root), or ``NAME.loki_basis.safetensors`` next to a file; a
+    basis of the keys before RoPE is ``loki_basis_pre_rope.safetensors`` beside it."""
     path = Path(checkpoint_path)
+    name = BASIS_FILE if post_rope else BASIS_FILE.replace(".safetensors", "_pre_rope.safetensors")
     if path.is_file():
-        return path.with_name(f"{path.stem}.{BASIS_FILE}")
+        return path.with_name(f"{path.stem}.{name}")
     if (path / "manifest.json").is_file():
-        return path / BASIS_FILE
-    return path / f"step-{step:08d}" / BASIS_FILE
+        return path / name
+    return path / f"step-{step:08d}" / name
 
 
 def calibration_batch(docs: list[str], tokenizer: Tokenizer, window: int, num_tokens: int
@@ -175,14 +177,14 @@ def calibration_batch(docs: list[str], tokenizer: Tokenizer, window: int, num_to
     return stream[: stream.numel() // width * width].view(-1, width)  # [B, T]
 
 
-def load_or_calibrate(model: GPT, path: Path, calibration: Tensor | None
-                      ) -> tuple[LokiBasis, bool]:
+def load_or_calibrate(model: GPT, path: Path, calibration: Tensor | None, *,
+                      post_rope: bool = True) -> tuple[LokiBasis, bool]:
     """The basis at ``path``, else calibrated on ``calibration`` ([B, T]) and saved there;
-    (basis, whether it was calibrated now).
+    (basis, whether it was calibrated now). ``post_rope``: keys after RoPE (else before).
 
     Raises:
-        ValueError: the basis does not fit the model (another checkpoint's), or there is none
-            and no ``calibration``.
+        ValueError: the basis does not fit the model (another checkpoint's) or was taken on
+            the other side of RoPE, or there is none and no ``calibration``.
     """
     c = model.config
     if path.is_file():
@@ -191,9 +193,13 @@ def load_or_calibrate(model: GPT, path: Path, calibration: Tensor | None
         if tuple(basis.bases.shape[:3]) != want:
             raise ValueError(f"Loki basis {path} is for [layers, kv heads, head_dim] = "
                              f"{list(basis.bases.shape[:3])}, but the model has {list(want)}")
+        if basis.post_rope != post_rope:
+            side = ("after", "before") if basis.post_rope else ("before", "after")
+            raise ValueError(f"Loki basis {path} holds keys {side[0]} RoPE, but keys "
+                             f"{side[1]} RoPE were asked for")
         return basis, False
     if calibration is None:
         raise ValueError(f"no Loki basis at {path}")
-    basis = calibrate_loki(model, calibration)
+    basis = calibrate_loki(model, calibration, post_rope=post_rope)
     basis.save(str(path))
     return basis, True

@@ -168,6 +168,24 @@ def test_cli_prints_both_rows_and_stores_the_loki_basis(ckpt_dir, capsys):
     assert "QuantSpec (gamma 2" in out and "tokens equal to greedy: 2/2" in out
 
 
+def test_cli_loki_pre_rope_basis_is_stored_apart_and_exact_at_full_rank(ckpt_dir, capsys):
+    args = ["--checkpoint", str(ckpt_dir), "--attention", "loki", "--budget", "1.0",
+            "--rank-fraction", "1.0", "--loki-pre-rope", "--json", *FAST]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    full, loki = result["rows"]
+    assert loki["perplexity"] == pytest.approx(full["perplexity"], rel=1e-6)
+    assert loki["token_agreement"] == 1.0
+    basis = result["loki_basis"]
+    assert basis["post_rope"] is False and basis["calibrated"]
+    assert basis["path"] == str(ckpt_dir / "step-00000001" / "loki_basis_pre_rope.safetensors")
+    # the pre-RoPE file given where a post-RoPE basis is asked for is refused by name
+    bad = ["--checkpoint", str(ckpt_dir), "--attention", "loki", "--loki-basis", basis["path"],
+           *FAST]
+    assert main(bad) == 2
+    assert "holds keys before RoPE, but keys after RoPE" in capsys.readouterr().err
+
+
 def test_cli_full_and_text(ckpt_dir, tmp_path, capsys):
     (tmp_path / "t.txt").write_text("The assert statement checks a condition. " * 3)
     assert main(["--checkpoint", str(ckpt_dir), "--attention", "topk", "--budget", "3",
