@@ -114,7 +114,8 @@ _PRELOAD = ["torch", "torch.distributed", "numpy", "common.dist", "common.collec
 
 def _rank_context() -> Any:
     """Processes forked from a fork server that has imported :data:`_PRELOAD` (no threads run
-    there, so forking is safe): fresh interpreters like spawn's, without spawn's imports."""
+    there, so forking is safe): like spawn's, they inherit nothing of the test process (its
+    threads, process groups or state), but start with the imports done."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
