@@ -65,11 +65,13 @@ from llm.loki import basis_path, calibration_batch, load_or_calibrate
 from llm.model import GPT
 from llm.sparse_attention import METHODS, SIFT_REFIT_EVERY, SIFT_WARMUP, make_method
 from llm.tokenizer import load_tokenizer, spec_of_checkpoint
+from llm.trainer import DataConfig
 
 __all__ = ["agreement", "decode_nll", "evaluate_method", "format_table", "held_out_split",
            "parse_budget", "perplexity", "prompts_from", "quantspec_run"]
 
-DEFAULT_SPLIT = (0.1, 0)  # python -m llm.train's default val_fraction and seed
+_TRAIN_DATA = DataConfig()  # python -m llm.train's defaults: its val_fraction and seed
+DEFAULT_SPLIT = (_TRAIN_DATA.val_fraction, _TRAIN_DATA.seed)
 
 
 def parse_budget(text: str) -> float | int:
