@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from llm import checkpoint, hf
+from llm import checkpoint, heldout, hf
 from llm import evaluate as ev
 from llm.data import encode_stream
 from llm.loki import basis_path, calibration_batch, load_or_calibrate
@@ -112,11 +112,11 @@ def evaluate(args: argparse.Namespace, ckpt: Path) -> dict[str, Any]:
     model, meta = checkpoint.load_model(ckpt)
     c = model.config
     tokenizer = load_tokenizer(spec_of_checkpoint(meta), vocab_size=c.vocab_size)
-    held, train_docs, where = ev.held_out_split(meta)
+    held, train_docs, where = heldout.held_out_split(meta)
     stream = encode_stream(held, tokenizer)  # [S]
     tokens = stream[: args.tokens]
     prompt_len = c.max_seq_len - args.new_tokens
-    prompts = ev.prompts_from(stream, args.prompts, prompt_len)  # [K, P]
+    prompts = heldout.prompts_from(stream, args.prompts, prompt_len)  # [K, P]
     print(f"\nheld-out text: {where}; perplexity over {tokens.numel():,} tokens teacher-forced "
           f"through the decode path; agreement: {args.prompts} prompts of {prompt_len} tokens +"
           f" {args.new_tokens} greedy tokens", flush=True)

@@ -1,8 +1,8 @@
 """GPT training with the goldfish loss on a 4D (data x depth x row x col) grid.
 
-Maths (no communication): ``model`` (the GPT and its presets), ``goldfish`` (which targets
-the goldfish loss drops), ``data`` (byte tokenizer, offline corpus, resumable batches),
-``rouge`` (ROUGE-L).
+Maths (no communication): ``config`` (GPTConfig and the presets), ``model`` (the GPT),
+``goldfish`` (which targets the goldfish loss drops), ``data`` (byte tokenizer, offline corpus,
+resumable batches), ``rouge`` (ROUGE-L).
 
 Parallelism: ``tp`` (the 3D tensor-parallel Linear, embedding and RMSNorm, with the OAR / ORS /
 OAG overlaps), ``parallel`` (``ParallelGPT``: draws only this rank's shards of a meta-device
