@@ -48,6 +48,7 @@ from common.watchdog import DEFAULT_HEARTBEAT_TIMEOUT_S, Watchdog
 # environment variables are read by init_distributed when it runs, never at import.
 ENV_TIMEOUT, DEFAULT_TIMEOUT_S = "HPC_DIST_TIMEOUT", 300.0
 ENV_HEARTBEAT_TIMEOUT = "HPC_HEARTBEAT_TIMEOUT"  # default: watchdog.DEFAULT_HEARTBEAT_TIMEOUT_S
+ENV_MPI_POLITE = "HPC_MPI_POLITE"  # none / async / all: mpi_polite when the caller gives None
 COMMS = ("auto", "mpi", "torch")
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|Socket Timeout|"
                         r"Connection refused|NCCL (error|communicator was aborted)")
@@ -279,14 +280,18 @@ def init_distributed(
         ranks_per_node: with MPI, treat every ``ranks_per_node`` consecutive ranks as one
             node (simulates a multi-node layout); None: the real nodes.
         mpi_polite: with MPI, which collectives wait by testing and sleeping instead of
-            spinning: ``"none"``, ``"async"``, ``"all"``; None: by ranks per core
-            (:class:`common.mpi.MPITransport`).
+            spinning: ``"none"``, ``"async"``, ``"all"``; None: ``HPC_MPI_POLITE`` if set,
+            else by ranks per core (:class:`common.mpi.MPITransport`).
 
     Raises:
         ValueError: an unknown device, launcher, comm, or a bad timeout; ``comm="mpi"`` in
             a job MPI did not start.
     """
     timeout_s, heartbeat_timeout_s = resolve_timeouts(timeout_s, heartbeat_timeout_s)
+    if mpi_polite is None and os.environ.get(ENV_MPI_POLITE):
+        mpi_polite = os.environ[ENV_MPI_POLITE]
+        if mpi_polite not in ("none", "async", "all"):
+            raise ValueError(f"{ENV_MPI_POLITE}={mpi_polite!r}: use none, async or all")
     launcher = launcher or detect_launcher()
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda")

@@ -32,7 +32,9 @@ from typing import Any
 
 import pytest
 
+from common.dist import ENV_MPI_POLITE
 from common.launch import find_mpiexec
+from common.mpi import cores_available
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("mpiexec", "torchrun", "single")
@@ -82,7 +84,15 @@ def launch(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec",
            ) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` on ``ranks`` processes under ``launcher`` (``"mpiexec"``,
     ``"torchrun"`` or ``"single"``) and wait; skips the test when mpiexec is asked for and
-    missing. stdout and stderr are captured as text; stdin is closed (mpiexec forwards it)."""
+    missing. stdout and stderr are captured as text; stdin is closed (mpiexec forwards it).
+
+    Under mpiexec with two or more ranks per core, every MPI wait sleeps
+    (``HPC_MPI_POLITE=all``, unless ``env`` sets it), as in :mod:`tests.mpi_worker`: with
+    spinning waits a rank can starve the one it waits for, and the 17 s ogbn-arxiv-like job
+    of tests/plexus/test_train.py took 80-300 s in full-suite runs."""
+    env = dict(env or {})
+    if launcher == "mpiexec" and ranks >= 2 * cores_available():
+        env.setdefault(ENV_MPI_POLITE, "all")
     return subprocess.run(launch_command(args, ranks=ranks, launcher=launcher), cwd=cwd,
                           env=launch_env(env, pythonpath=pythonpath), capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -83,6 +83,17 @@ def test_timeouts_are_read_at_call_time(monkeypatch):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
 
 
+def test_a_bad_mpi_polite_setting_is_refused_before_anything_starts(monkeypatch):
+    import torch.distributed as dist
+
+    from common.dist import init_distributed
+
+    monkeypatch.setenv("HPC_MPI_POLITE", "sometimes")
+    with pytest.raises(ValueError, match="HPC_MPI_POLITE='sometimes': use none, async or all"):
+        init_distributed(device="cpu", launcher="single")
+    assert not dist.is_initialized()
+
+
 def test_no_module_level_mutable_state():
     """No module of common/ keeps process state in a global (the watchdog belongs to the
     DistContext): no `global` statement, no module-level list or set."""
