@@ -7,7 +7,9 @@ The prompt is encoded and the output decoded with the checkpoint's tokenizer: th
 trained with (``--tokenizer`` of ``llm.train``), the ``tokenizer.json`` of the Hugging Face
 directory it was imported from (``python -m llm.convert import``), else UTF-8 bytes;
 ``--tokenizer SPEC`` overrides it (:func:`llm.tokenizer.load_tokenizer`). No special token is
-added to the prompt; special tokens in the output are written out.
+added to the prompt unless ``--bos`` asks for the tokenizer's begin-of-text token first (Llama
+models were trained with it, and Hugging Face's tokenizers add it by default); it is not
+printed. Special tokens in the generated text are written out.
 
 Decoding keeps a KV cache (:meth:`llm.model.GPT.generate`); ``--no-cache`` reruns the whole
 window at every step instead (the reference loop, same tokens, slower).
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="no KV cache: rerun the window "
                    "every step")
+    p.add_argument("--bos", action="store_true", help="put the tokenizer's begin-of-text "
+                   "token (e.g. <s>) before the prompt, as Llama models expect")
     args = p.parse_args(argv)
     try:
         if args.tokens < 0 or args.temperature < 0:
@@ -50,13 +54,20 @@ def main(argv: list[str] | None = None) -> int:
         prompt = tokenizer.encode(args.prompt)  # [T0]
         if prompt.numel() == 0:
             raise ValueError("--prompt is empty; give at least one character")
+        bos = tokenizer.bos_id
+        if args.bos and bos is None:
+            raise ValueError(f"--bos: the tokenizer ({tokenizer.name}) has no begin-of-text "
+                             "token; drop --bos, or give a tokenizer.json whose "
+                             "tokenizer_config.json names a bos_token")
+        if args.bos:
+            prompt = torch.cat([prompt.new_tensor([bos]), prompt])
         out = model.generate(prompt[None], args.tokens, temperature=args.temperature,
                              generator=torch.Generator().manual_seed(args.seed),
                              use_cache=not args.no_cache)  # [1, T0 + tokens]
     except (ValueError, OSError, ImportError) as e:  # FileNotFoundError is an OSError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(tokenizer.decode(out[0]))
+    print(tokenizer.decode(out[0, 1:] if args.bos else out[0]))
     return 0
 
 

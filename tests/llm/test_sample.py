@@ -66,3 +66,32 @@ def test_imported_checkpoint_samples_with_its_tokenizer(imported, hf_dir, capsys
     want = model.generate(ids[None], 12)[0]
     assert len(ids) < len(prompt)  # BPE tokens, not bytes
     assert out == tokenizer.decode(want) + "\n" and out.startswith(prompt)
+
+
+def test_bos_goes_before_the_prompt_and_is_not_printed(imported, hf_dir, tmp_path, capsys):
+    """--bos: the begin-of-text token named by tokenizer_config.json is the first token the
+    model sees; the printed text is the prompt and its continuation. A tokenizer without one
+    is refused by name."""
+    import json
+    import shutil
+
+    import torch
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copy(hf_dir / "tokenizer.json", tok_dir / "tokenizer.json")
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>"}))
+    prompt = "The assert statement"
+    assert main(["--checkpoint", str(imported), "--tokenizer", str(tok_dir), "--prompt", prompt,
+                 "--tokens", "8", "--temperature", "0", "--bos"]) == 0
+    out = capsys.readouterr().out
+    tokenizer = load_tokenizer(tok_dir)
+    assert tokenizer.bos_id is not None
+    model, _ = checkpoint.load_model(imported)
+    ids = torch.cat([torch.tensor([tokenizer.bos_id]), tokenizer.encode(prompt)])
+    want = model.generate(ids[None], 8)[0]
+    assert out == tokenizer.decode(want[1:]) + "\n" and out.startswith(prompt)
+    plain = model.generate(tokenizer.encode(prompt)[None], 8)[0]
+    assert not torch.equal(want[1:], plain)  # the token changed what the model saw
+    assert main(["--checkpoint", str(imported), "--tokenizer", "bytes", "--bos"]) == 2
+    assert "--bos: the tokenizer (bytes) has no begin-of-text token" in capsys.readouterr().err
