@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.grid import ProcessGrid
-from llm.model import GPTConfig
+from llm.model import GPTConfig, tiny
 
 # A 2-layer GPT on bytes with grouped-query attention (4 / 2 heads), 16-token windows.
 SMALL = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32,
@@ -21,6 +21,8 @@ TRAIN_STEPS = 20
 # The same shape with a 64-token window: the decoding tests (KV cache methods, QuantSpec).
 GQA64 = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32,
                   d_ff=48, max_seq_len=64)
+# the two shapes every decode-time method is checked on: MHA (tiny) and GQA
+DECODE_CONFIGS = {"tiny": tiny(), "gqa": GQA64}
 
 
 def random_tokens(batch: int, length: int, seed: int = 1) -> Any:

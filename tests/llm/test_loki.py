@@ -15,14 +15,10 @@ from llm.loki import (
     calibration_batch,
     load_or_calibrate,
 )
-from llm.model import GPT, apply_rope, rope_cache, tiny
-from tests.llm.helpers import GQA64, random_tokens
-
-GQA = GQA64
-CONFIGS = {"tiny": tiny(), "gqa": GQA}
-
-
-tokens = random_tokens
+from llm.model import GPT, apply_rope, rope_cache
+from tests.llm.helpers import DECODE_CONFIGS as CONFIGS
+from tests.llm.helpers import GQA64 as GQA
+from tests.llm.helpers import random_tokens as tokens
 
 
 def captured_keys(model, text, post_rope):

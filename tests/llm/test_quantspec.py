@@ -14,9 +14,7 @@ from llm.quantspec import (
     quantize_int4,
     quantspec_generate,
 )
-from tests.llm.helpers import GQA64
-
-GQA = GQA64
+from tests.llm.helpers import GQA64 as GQA
 
 
 def prompt(length, seed):

@@ -21,13 +21,9 @@ from llm.sparse_attention import (
     fit_power_law,
     make_method,
 )
-from tests.llm.helpers import GQA64, random_tokens
-
-GQA = GQA64
-CONFIGS = {"tiny": tiny(), "gqa": GQA}
-
-
-tokens = random_tokens
+from tests.llm.helpers import DECODE_CONFIGS as CONFIGS
+from tests.llm.helpers import GQA64 as GQA
+from tests.llm.helpers import random_tokens as tokens
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
