@@ -66,6 +66,7 @@ from llm.tokenizer import load_tokenizer, spec_of_checkpoint
 __all__ = ["agreement", "decode_nll", "evaluate_method", "format_table", "parse_budget",
            "perplexity", "quantspec_run"]
 
+
 def parse_budget(text: str) -> float | int:
     """``--budget``: a fraction in (0, 1] (``0.25`` or ``25%``) or a count >= 1 (``64``).
 
