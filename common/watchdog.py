@@ -42,21 +42,24 @@ class Watchdog:
     def _die(self, message: str, lost: int | None = None) -> None:
         if self.stopped.wait(2 * self.interval_s):  # a clean shutdown raced us: stay quiet
             return
-        self._wait_for_peers(lost)
+        self._wait_for_peers(lost, "told")
         print(f"[rank {self.rank}] error: {message}; exiting", file=sys.stderr, flush=True)
+        self._wait_for_peers(lost, "said")
         os._exit(1)
 
-    def _wait_for_peers(self, lost: int | None) -> None:
-        """Wait (at most ``2 * interval_s``) until every other surviving rank is about to report
-        the abort too, so that all report at once. Launchers end the whole job as soon as one
-        rank exits (torchrun) or, for mpiexec's Hydra, writes output after a rank died; a
-        rank that had not polled by then would die without a word."""
+    def _wait_for_peers(self, lost: int | None, stage: str) -> None:
+        """Wait (at most ``2 * interval_s``) until every other surviving rank has reached
+        ``stage`` too: ``"told"`` (about to report the abort, so that all report at once) and
+        ``"said"`` (reported it, so that none exits before the others have spoken). Launchers
+        end the whole job as soon as one rank exits (torchrun, mpiexec's Hydra with
+        ``-disable-auto-cleanup``) or, for Hydra, writes output after a rank died; a rank that
+        had not reported by then would die without a word."""
         if lost is None:  # the store is gone: nothing to coordinate through
             return
-        others = [f"hpc/told/{r}" for r in range(self.world) if r not in (self.rank, lost)]
+        others = [f"hpc/{stage}/{r}" for r in range(self.world) if r not in (self.rank, lost)]
         deadline = time.monotonic() + 2 * self.interval_s
         try:
-            self.store.set(f"hpc/told/{self.rank}", "1")
+            self.store.set(f"hpc/{stage}/{self.rank}", "1")
             while others and time.monotonic() < deadline:
                 others = [k for k in others if not self.store.check([k])]
                 time.sleep(0.05)

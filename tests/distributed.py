@@ -180,16 +180,29 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
 
 def kill_one_rank_and_collect(args: list[str], world: int, victim: int, ready: str,
-                              heartbeat_s: int = 8, timeout: float = 60) -> dict[int, tuple]:
+                              heartbeat_s: int = 8, timeout: float = 60,
+                              launcher: str = "torchrun") -> dict[int, tuple]:
     """Fault injection shared by the trainers' tests: start ``python -m <args>`` on ``world``
-    ranks with torchrun's environment (no launcher that would kill the job for us), wait until
-    rank 0 prints a line starting with ``ready``, SIGKILL rank ``victim``, and return
-    ``{rank: (returncode, stderr, seconds after the kill)}`` for every other rank."""
+    ranks, wait until rank 0 prints a line starting with ``ready``, take rank ``victim`` away
+    and return ``{rank: (returncode, stderr, seconds after that)}`` for every other rank.
+
+    ``launcher="torchrun"``: torchrun's environment with no launcher that would end the job
+    for us (gloo); the victim is SIGKILLed. ``"mpiexec"`` (the MPI transport): the victim is
+    SIGSTOPped, a hung rank. A SIGKILLed one is not left to the watchdog under MPICH: Hydra
+    kills the survivors at once, and even with ``-disable-auto-cleanup`` MPICH aborts the job
+    when a shared-memory copy from the dead process fails (tests/common/test_mpi.py checks
+    that such a job ends). The ranks share mpiexec's stderr and return code; ranks prefix
+    their messages with ``[rank N]``."""
+    import tempfile
     import time
 
+    if launcher == "mpiexec":
+        with tempfile.TemporaryDirectory(prefix="stop_one_") as tmp:
+            return _stop_one_mpi_rank(args, world, victim, ready, heartbeat_s, timeout,
+                                      Path(tmp))
+    assert launcher == "torchrun", launcher
     import torch.distributed as dist
 
-    root = ROOT
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     procs = []
     for r in range(world):
@@ -197,8 +210,8 @@ def kill_one_rank_and_collect(args: list[str], world: int, victim: int, ready: s
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "OMP_NUM_THREADS": "1", "HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s),
-               "PYTHONPATH": str(root)}
-        procs.append(subprocess.Popen([sys.executable, "-m", *args], cwd=root, env=env,
+               "PYTHONPATH": str(ROOT)}
+        procs.append(subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = {}
     try:
@@ -217,6 +230,45 @@ def kill_one_rank_and_collect(args: list[str], world: int, victim: int, ready: s
                 p.kill()
         del store
     return out
+
+
+def _stop_one_mpi_rank(args: list[str], world: int, victim: int, ready: str, heartbeat_s: int,
+                       timeout: float, tmp: Path) -> dict[int, tuple]:
+    import shlex
+    import signal
+    import time
+
+    command = " ".join(shlex.quote(a) for a in (sys.executable, "-m", *args))
+    rank_cmd = f"echo $$ >{tmp}/pid.$PMI_RANK; exec {command}"  # exec keeps the shell's PID
+    out_path, err_path = tmp / "stdout", tmp / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen([require_mpiexec(), "-n", str(world), "sh", "-c", rank_cmd],
+                                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                env=launch_env({"HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s)}))
+    pid = None
+    try:
+        deadline = time.monotonic() + 120
+        while not any(x.startswith(ready) for x in out_path.read_text().splitlines()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"rank 0 never printed {ready!r}: "
+                                     f"{err_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+        pid = int((tmp / f"pid.{victim}").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        code = proc.wait(timeout=timeout)
+        seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pid is not None:  # mpiexec normally kills it once the others have exited
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    break
+    text = err_path.read_text()
+    return {r: (code, text, seconds) for r in range(world) if r != victim}
 
 
 def _run_ranks_mpi(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...],

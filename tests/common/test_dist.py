@@ -176,9 +176,11 @@ def test_watchdog_names_a_lost_rank_but_not_a_finished_one(how):
         assert "[rank 0] error: rank 1 was lost (no heartbeat for 1 s)" in r.stderr, r.stderr
 
 
-def test_watchdog_survivors_report_together_within_a_bound():
-    """A survivor waits for the other survivors to be ready to report (not for the lost rank),
-    at most 2 intervals."""
+@pytest.mark.parametrize("stage", ["told", "said"])
+def test_watchdog_survivors_report_together_within_a_bound(stage):
+    """A survivor waits for the other survivors to be ready to report ("told") and, after
+    reporting, for them to have reported ("said") before it exits; never for the lost rank,
+    and at most 2 intervals."""
     import time
 
     import torch.distributed as dist
@@ -191,16 +193,16 @@ def test_watchdog_survivors_report_together_within_a_bound():
         return w
 
     store = dist.HashStore()
-    store.set("hpc/told/3", "1")
+    store.set(f"hpc/{stage}/3", "1")
     start = time.monotonic()
-    survivor(store, 0)._wait_for_peers(lost=2)  # rank 1 never gets ready: the bound ends it
+    survivor(store, 0)._wait_for_peers(2, stage)  # rank 1 never gets there: the bound ends it
     waited = time.monotonic() - start
     assert 0.9 < waited < 3, waited
-    store.set("hpc/told/1", "1")
+    store.set(f"hpc/{stage}/1", "1")
     start = time.monotonic()
-    survivor(store, 0)._wait_for_peers(lost=2)  # 1 and 3 ready, 2 is the lost one
+    survivor(store, 0)._wait_for_peers(2, stage)  # 1 and 3 there, 2 is the lost one
     assert time.monotonic() - start < 0.5
-    assert store.check(["hpc/told/0"])
+    assert store.check([f"hpc/{stage}/0"])
 
 
 def test_dist_context_fields():
