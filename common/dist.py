@@ -431,18 +431,25 @@ def exit_on_comm_failure(error: BaseException, ctx: DistContext | None) -> NoRet
     os._exit(1)
 
 
-def max_over_ranks(values: Sequence[float], device: torch.device | str = "cpu") -> list[float]:
+def max_over_ranks(values: Sequence[float], device: torch.device | str = "cpu",
+                   transport: MPITransport | None = None) -> list[float]:
     """The elementwise maximum of ``values`` over all ranks, on every rank (one all-reduce of
-    float64; collective). Without a process group, ``values`` themselves."""
+    float64; collective). Without a process group, ``values`` themselves. ``transport``
+    (``DistContext.transport``): through MPI when ``device`` is the CPU (microseconds where
+    gloo takes milliseconds); every rank must pass one or none alike."""
+    if transport is not None and torch.device(device).type == "cpu":
+        return transport.max_over_ranks(values)
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce; collective)."""
-    return max_over_ranks([1.0 if flag else 0.0], device)[0] > 0
+def any_rank(flag: bool, device: torch.device | str = "cpu",
+             transport: MPITransport | None = None) -> bool:
+    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce; collective;
+    ``transport`` as in :func:`max_over_ranks`)."""
+    return max_over_ranks([1.0 if flag else 0.0], device, transport)[0] > 0
 
 
 def shutdown(ctx: DistContext | None = None) -> None:

@@ -407,6 +407,15 @@ class MPITransport:
         self.progress = ProgressThread()
         self._comms: list[Any] = []
 
+    def max_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """The elementwise maximum of ``values`` over ``COMM_WORLD``, on every rank
+        (collective; it waits as the transport's synchronous collectives do)."""
+        mpi = _mpi()
+        buf = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        msg = [mpi.buffer.fromaddress(buf.data_ptr(), buf.nbytes), mpi.DOUBLE]
+        _allreduce(self.world, mpi.IN_PLACE, msg, mpi.MAX, self.polite == "all")
+        return buf.tolist()
+
     def split(self, groups: Sequence[Sequence[int]]) -> MPIGroup | None:
         """The :class:`MPIGroup` of this rank among ``groups`` (a partition of the world's
         ranks, each in group order); collective over ``COMM_WORLD``. None for a group of 1."""

@@ -275,8 +275,8 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
                 print(_format_row(row, trainer), flush=True)
 
         history = run(trainer, checkpoint=ck, is_main=ctx.is_main, on_row=on_row,
-                      should_stop=preemption_flag())
-        peak = int(max_over_ranks([peak_bytes()], ctx.device)[0])  # collective
+                      should_stop=preemption_flag(), transport=ctx.transport)
+        peak = int(max_over_ranks([peak_bytes()], ctx.device, ctx.transport)[0])  # collective
         summary = _summary(history, time.perf_counter() - start_s, trainer, peak)
         metrics.write({"summary": {k: v for k, v in summary.items() if k != "text"}})
     if ctx.is_main:

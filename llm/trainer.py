@@ -29,6 +29,7 @@ from common.collectives import all_reduce
 from common.comm_stats import CommStats
 from common.dist import any_rank
 from common.grid import AxisGroup
+from common.mpi import MPITransport
 from common.run import CheckpointConfig
 from llm import checkpoint as ckpt
 from llm.data import BatchIterator, encode_stream, load_documents, split_documents, truncate_docs
@@ -395,18 +396,20 @@ class Trainer:
 
 def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None, is_main: bool = True,
         on_row: Callable[[dict[str, Any]], None] | None = None,
-        should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+        should_stop: Callable[[], bool] | None = None,
+        transport: MPITransport | None = None) -> list[dict[str, Any]]:
     """The training loop: step, evaluate, checkpoint, report; returns the logged rows.
 
     Every rank calls it, after :meth:`Trainer.resume` when resuming. ``should_stop`` (a
     preemption flag) is agreed over all ranks after every step; when it fires, the loop
     checkpoints (if ``checkpoint.dir``) and returns early, the last row marked ``"preempted"``.
+    ``transport`` (``DistContext.transport``) carries that agreement over MPI.
     """
     ck, eval_every = checkpoint or CheckpointConfig(), trainer.run_cfg.eval_every
     history = []
     while trainer.step < trainer.total_steps:
         row = trainer.train_step()
-        stop = should_stop is not None and any_rank(should_stop(), trainer.device)
+        stop = should_stop is not None and any_rank(should_stop(), trainer.device, transport)
         last = stop or trainer.step == trainer.total_steps
         if last or (eval_every and trainer.step % eval_every == 0):
             row.update(trainer.evaluate())

@@ -335,7 +335,8 @@ def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, gri
     """
     other = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     adj, feats, res, peak = max_over_ranks(
-        [shard.adjacency_bytes(), other, resident_bytes(), peak_bytes()], ctx.device)
+        [shard.adjacency_bytes(), other, resident_bytes(), peak_bytes()], ctx.device,
+        ctx.transport)
     info["memory_per_rank_max"] = {
         "adjacency_bytes": int(adj), "adjacency_storage": source.storage,
         "features_weights_bytes": int(feats), "resident_bytes_after_setup": int(res),
@@ -372,8 +373,8 @@ def _summary(result: TrainResult, source: ShardSource, grid, ctx) -> dict[str, A
         "comm_share": comm_s / epoch_s if epoch_s else 0.0,
         "comm_bytes_per_epoch": hist[-1]["comm_bytes"] if hist else 0,
         "memory_per_rank_max": {**result.info.get("memory_per_rank_max", {}),
-                                "peak_bytes": int(max_over_ranks([peak_bytes()],
-                                                                  ctx.device)[0])},
+                                "peak_bytes": int(max_over_ranks([peak_bytes()], ctx.device,
+                                                                  ctx.transport)[0])},
         "final": {k: hist[-1][k] for k in ("loss", "train_acc", "val_acc", "test_acc")}
         if hist else {},
         "best_val": {"epoch": best.get("epoch"), "val_acc": best.get("val_acc"),

@@ -65,7 +65,7 @@ def setup(source: ShardSource, grid: ProcessGrid, rank: int, model: ModelConfig,
         shard = source.shard(grid.shape, grid.coords(rank), widths)
     except (ValueError, OSError) as e:
         error = e
-    if any_rank(error is not None, device):
+    if any_rank(error is not None, device, transport):
         raise error or DatasetCorruptError(f"another rank could not read its shard of "
                                            f"{source.name} (its error is above)")
     net = PlexusGCN(shard, groups, model=model.model, learn_features=model.learn_features,
@@ -197,7 +197,7 @@ def train_gcn(
         history.append(row)
         if on_epoch is not None:
             on_epoch(row)
-        stop = should_stop is not None and any_rank(should_stop(), device)
+        stop = should_stop is not None and any_rank(should_stop(), device, transport)
         if ck.dir and (stop or epoch == run.epochs or (ck.every and epoch % ck.every == 0)):
             ckpt.save(ck.dir, net, opt, epoch=epoch, history=history, meta=meta, keep=ck.keep)
         if stop:

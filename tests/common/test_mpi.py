@@ -10,6 +10,7 @@ import torch
 
 from common import collectives as coll
 from common.comm_stats import CommStats
+from common.dist import any_rank, max_over_ranks
 from common.grid import AXONN_AXES, PLEXUS_AXES, ProcessGrid
 from common.mpi import MPITransport, ProgressThread
 from tests.distributed import launch, needs_mpi, run_ranks
@@ -88,7 +89,14 @@ def _progress(ctx):
                 not m.supports(torch.zeros(2, dtype=torch.bool)),  # gathers move any bytes
                 m.supports(torch.zeros(2, dtype=torch.bool), coll.ReduceOp.SUM),
                 m.supports(torch.zeros(2), coll.ReduceOp.AVG)]
-    return progressed, bool((h.wait() == total).all()), stats.total_bytes, declines
+    # the job-wide agreements, over MPI and over gloo
+    vals, top = [float(ctx.rank), -float(ctx.rank), 1.5], float(ctx.world_size - 1)
+    agree = [ctx.transport is not None,
+             max_over_ranks(vals, transport=ctx.transport) == max_over_ranks(vals)
+             == [top, 0.0, 1.5],
+             any_rank(ctx.rank == 1, transport=ctx.transport),
+             not any_rank(False, transport=ctx.transport)]
+    return progressed, bool((h.wait() == total).all()), stats.total_bytes, declines, agree
 
 
 @needs_mpi
@@ -105,10 +113,11 @@ def test_mpi_transport_equals_gloo_and_two_level_equals_flat():
 @needs_mpi
 @pytest.mark.slow
 def test_async_collectives_progress_without_wait():
-    for progressed, correct, nbytes, declines in run_ranks(_progress, 2, comm="mpi"):
+    for progressed, correct, nbytes, declines, agree in run_ranks(_progress, 2, comm="mpi"):
         assert progressed and correct
         assert nbytes == 4 << 20  # ring all-reduce over 2 ranks: 2 (g-1)/g * 4 MiB
         assert not any(declines), declines
+        assert all(agree), agree  # max_over_ranks / any_rank over MPI == over gloo
 
 
 def test_progress_thread_runs_jobs_in_order_and_hands_back_errors():
