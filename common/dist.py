@@ -10,6 +10,8 @@ watchdog and destroys the process group when the interpreter exits (a process th
 a live gloo group can die with "terminate called without an active exception"); use
 ``with init_distributed() as ctx:`` or ``ctx.close()`` to close it earlier. Nothing here is
 module state, and the timeouts' environment variables are read by the call, not at import.
+What ranks do together when something fails (and the small agreements such as
+:func:`any_rank`) lives in :mod:`common.failure`; every name of it is re-exported here.
 
 Launchers, detected in this order (override with ``launcher=``):
 
@@ -28,21 +30,33 @@ import atexit
 import datetime
 import os
 import re
-import signal
 import socket
 import sys
-import threading
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from common.failure import (
+    any_rank,
+    exit_on_comm_failure,
+    fail_all_ranks,
+    is_comm_failure,
+    max_over_ranks,
+    preemption_flag,
+)
 from common.grid import AxisGroup, ProcessGrid
 from common.mpi import MPITransport, cores_available, mpi_world_size
 from common.watchdog import DEFAULT_HEARTBEAT_TIMEOUT_S, Watchdog
+
+__all__ = ["COMMS", "DEFAULT_TIMEOUT_S", "ENV_HEARTBEAT_TIMEOUT", "ENV_MPI_POLITE", "ENV_TIMEOUT",
+           "DistContext", "any_rank", "default_backend", "detect_launcher",
+           "exit_on_comm_failure", "fail_all_ranks", "first_slurm_host", "init_distributed",
+           "is_comm_failure", "max_over_ranks", "preemption_flag", "resolve_timeouts",
+           "shutdown", "split_threads"]
 
 # Defaults of the two timeouts when neither the argument nor the environment sets them. The
 # environment variables are read by init_distributed when it runs, never at import.
@@ -50,8 +64,6 @@ ENV_TIMEOUT, DEFAULT_TIMEOUT_S = "HPC_DIST_TIMEOUT", 300.0
 ENV_HEARTBEAT_TIMEOUT = "HPC_HEARTBEAT_TIMEOUT"  # default: watchdog.DEFAULT_HEARTBEAT_TIMEOUT_S
 ENV_MPI_POLITE = "HPC_MPI_POLITE"  # none / async / all: mpi_polite when the caller gives None
 COMMS = ("auto", "mpi", "torch")
-_PEER_LOST = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|Socket Timeout|"
-                        r"Connection refused|NCCL (error|communicator was aborted)")
 _MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
@@ -388,70 +400,6 @@ def _default_store() -> Any:
         return None
 
 
-def preemption_flag(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
-                    ) -> Callable[[], bool]:
-    """Install handlers for the scheduler's preemption signals; return ``requested()``.
-
-    Slurm sends SIGTERM (or ``--signal=USR1@T``) before killing a job: the trainers check the
-    flag once per epoch/step (agreed across ranks), write a checkpoint and exit cleanly.
-    """
-    hit = threading.Event()
-    for sig in signals:
-        signal.signal(sig, lambda *_: hit.set())
-    return hit.is_set
-
-
-def is_comm_failure(error: BaseException) -> bool:
-    """Whether ``error`` is a collective failing because a peer is gone (not a bug of ours).
-
-    Gloo raises a plain RuntimeError ("Connection closed by peer ..."); newer torch raises
-    ``torch.distributed.DistError`` subclasses.
-    """
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(error, dist_error):
-        return True
-    return isinstance(error, (RuntimeError, ConnectionError)) and bool(
-        _PEER_LOST.search(str(error)))
-
-
-def exit_on_comm_failure(error: BaseException, ctx: DistContext | None) -> NoReturn:
-    """A collective failed (a peer vanished): let the watchdog name the lost rank, then exit.
-
-    Gloo and NCCL report a dead peer as a generic connection error on the survivors; the
-    context's watchdog (if running) identifies which rank stopped heart-beating within
-    ``ctx.heartbeat_timeout_s`` and exits the process with that message. Without a watchdog,
-    or if it finds nothing, exit 1 with the original error.
-    """
-    rank = f"[rank {ctx.rank}] " if ctx else ""
-    print(f"{rank}error: communication failed ({type(error).__name__}: {error}); "
-          "identifying the lost rank...", file=sys.stderr, flush=True)
-    if ctx is not None and ctx.watchdog is not None:
-        # the watchdog's thread ends the process (os._exit) before this wait runs out
-        ctx.watchdog.thread.join(ctx.heartbeat_timeout_s + 10)
-    os._exit(1)
-
-
-def max_over_ranks(values: Sequence[float], device: torch.device | str = "cpu",
-                   transport: MPITransport | None = None) -> list[float]:
-    """The elementwise maximum of ``values`` over all ranks, on every rank (one all-reduce of
-    float64; collective). Without a process group, ``values`` themselves. ``transport``
-    (``DistContext.transport``): through MPI when ``device`` is the CPU (microseconds where
-    gloo takes milliseconds); every rank must pass one or none alike."""
-    if transport is not None and torch.device(device).type == "cpu":
-        return transport.max_over_ranks(values)
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def any_rank(flag: bool, device: torch.device | str = "cpu",
-             transport: MPITransport | None = None) -> bool:
-    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce; collective;
-    ``transport`` as in :func:`max_over_ranks`)."""
-    return max_over_ranks([1.0 if flag else 0.0], device, transport)[0] > 0
-
-
 def shutdown(ctx: DistContext | None = None) -> None:
     """Stop ``ctx``'s watchdog (if given) and tear down the process group.
 
@@ -464,24 +412,3 @@ def shutdown(ctx: DistContext | None = None) -> None:
         ctx.transport.close()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> NoReturn:
-    """Report a user error on this rank and exit non-zero.
-
-    For errors every rank detects identically (a bad grid, a bad flag): each rank prints the
-    message, ranks meet at a barrier so no launcher kills a peer before it has printed, then
-    all exit with ``code``.
-    """
-    prefix = f"[rank {ctx.rank}] " if ctx and ctx.world_size > 1 else ""
-    print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
-    if ctx is not None and dist.is_initialized() and ctx.world_size > 1:
-        try:
-            dist.barrier()
-        except Exception:  # we are exiting with an error anyway
-            pass
-    if ctx is not None:
-        ctx.close()
-    else:
-        shutdown()
-    sys.exit(code)
