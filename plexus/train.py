@@ -2,7 +2,7 @@
 
     python -m plexus.train                                   # built-in graph, one process
     mpiexec -n 8 python -m plexus.train --grid 2x2x2 --dataset ogbn-arxiv --root data
-    python -m plexus.train --dataset Planetoid/Cora --root data --layers 2 --hidden 16 \
+    python -m plexus.train --dataset Planetoid/Cora --root data --layers 2 --hidden 16 \\
         --epochs 200 --normalize-features --runs 10      # PyG's GCN example, 10 seeds
     torchrun --standalone --nproc-per-node 4 -m plexus.train --grid 1x2x2
     mpiexec -n 8 python -m plexus.train --dataset ogbn-papers100M --grid 2x2x2   # prepared

@@ -5,7 +5,7 @@
         --ranks 8
     python -m common.perf.plan gpt --vocab 32000 --layers 32 --heads 32 --d-model 4096 \\
         --d-ff 11008 --batch 1024 --seq-len 2048 --ranks 64 --machine perlmutter-a100 --bf16
-    python -m common.perf.plan gcn --dataset ogbn-papers100M --learn-features --ranks 2048 \
+    python -m common.perf.plan gcn --dataset ogbn-papers100M --learn-features --ranks 2048 \\
         --machine frontier-mi250x --collectives both --top 5
     python -m common.perf.plan profiles
 
