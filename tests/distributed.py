@@ -241,11 +241,13 @@ def _stop_one_mpi_rank(args: list[str], world: int, victim: int, ready: str, hea
     command = " ".join(shlex.quote(a) for a in (sys.executable, "-m", *args))
     rank_cmd = f"echo $$ >{tmp}/pid.$PMI_RANK; exec {command}"  # exec keeps the shell's PID
     out_path, err_path = tmp / "stdout", tmp / "stderr"
+    env = {"HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s)}
+    if world >= 2 * cores_available():  # as launch() does
+        env[ENV_MPI_POLITE] = "all"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen([require_mpiexec(), "-n", str(world), "sh", "-c", rank_cmd],
                                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                env=launch_env({"HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s)}))
-    pid = None
+                                env=launch_env(env))
     try:
         deadline = time.monotonic() + 120
         while not any(x.startswith(ready) for x in out_path.read_text().splitlines()):
@@ -253,19 +255,19 @@ def _stop_one_mpi_rank(args: list[str], world: int, victim: int, ready: str, hea
                 raise AssertionError(f"rank 0 never printed {ready!r}: "
                                      f"{err_path.read_text()[-2000:]}")
             time.sleep(0.2)
-        pid = int((tmp / f"pid.{victim}").read_text())
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(int((tmp / f"pid.{victim}").read_text()), signal.SIGSTOP)
         start = time.monotonic()
         code = proc.wait(timeout=timeout)
         seconds = time.monotonic() - start
     finally:
         if proc.poll() is None:
             proc.kill()
-        if pid is not None:  # mpiexec normally kills it once the others have exited
+        # mpiexec normally ends every rank; after a failure here none may outlive the test
+        for path in tmp.glob("pid.*"):
             for sig in (signal.SIGKILL, signal.SIGCONT):
                 try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
+                    os.kill(int(path.read_text()), sig)
+                except (ProcessLookupError, ValueError):
                     break
     text = err_path.read_text()
     return {r: (code, text, seconds) for r in range(world) if r != victim}
