@@ -105,7 +105,8 @@ def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> NoRe
 
     For errors every rank detects identically (a bad grid, a bad flag): each rank prints the
     message, ranks meet at a barrier so no launcher kills a peer before it has printed, then
-    all exit with ``code``.
+    all exit with ``code``. The barrier is torch.distributed's even under the MPI transport:
+    its timeout ends the wait should a rank not get here after all.
     """
     prefix = f"[rank {ctx.rank}] " if ctx and ctx.world_size > 1 else ""
     print(f"{prefix}error: {message}", file=sys.stderr, flush=True)

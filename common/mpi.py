@@ -36,7 +36,9 @@ layout on one machine.
 
 from __future__ import annotations
 
+import itertools
 import os
+import pickle
 import queue
 import threading
 import time
@@ -333,6 +335,13 @@ def _allgather(comm: Any, send: Any, recv: Any, nb: bool) -> None:
         comm.Allgather(send, recv)
 
 
+def _bcast(comm: Any, buf: Any, root: int, nb: bool) -> None:
+    if nb:
+        _poll(comm.Ibcast(buf, root=root))
+    else:
+        comm.Bcast(buf, root=root)
+
+
 def _reduce_scatter(comm: Any, send: Any, recv: Any, op: Any, nb: bool) -> None:
     if nb:
         _poll(comm.Ireduce_scatter_block(send, recv, op=op))
@@ -415,6 +424,42 @@ class MPITransport:
         msg = [mpi.buffer.fromaddress(buf.data_ptr(), buf.nbytes), mpi.DOUBLE]
         _allreduce(self.world, mpi.IN_PLACE, msg, mpi.MAX, self.polite == "all")
         return buf.tolist()
+
+    # Small job-wide exchanges of Python objects (checkpoints, start-up): pickled, over
+    # COMM_WORLD, waiting as the transport's synchronous collectives do.
+    def barrier(self) -> None:
+        """Every rank of the job waits here for the others (collective)."""
+        if self.polite == "all":
+            _poll(self.world.Ibarrier())
+        else:
+            self.world.Barrier()
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Rank ``root``'s ``obj`` on every rank (collective)."""
+        mpi, nb = _mpi(), self.polite == "all"
+        data = pickle.dumps(obj) if self.rank == root else b""
+        size = bytearray(len(data).to_bytes(8, "little"))
+        _bcast(self.world, [size, mpi.BYTE], root, nb)
+        buf = bytearray(data) if self.rank == root else bytearray(int.from_bytes(size, "little"))
+        _bcast(self.world, [buf, mpi.BYTE], root, nb)
+        return obj if self.rank == root else pickle.loads(buf)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (collective)."""
+        mpi, nb = _mpi(), self.polite == "all"
+        data = pickle.dumps(obj)
+        sizes = bytearray(8 * self.size)
+        _allgather(self.world, [len(data).to_bytes(8, "little"), mpi.BYTE], [sizes, mpi.BYTE],
+                   nb)
+        counts = [int.from_bytes(sizes[8 * r: 8 * r + 8], "little") for r in range(self.size)]
+        displs = [0, *itertools.accumulate(counts[:-1])]
+        buf = bytearray(sum(counts))
+        recv = [buf, (counts, displs), mpi.BYTE]
+        if nb:
+            _poll(self.world.Iallgatherv([data, mpi.BYTE], recv))
+        else:
+            self.world.Allgatherv([data, mpi.BYTE], recv)
+        return [pickle.loads(buf[d: d + c]) for d, c in zip(displs, counts)]
 
     def split(self, groups: Sequence[Sequence[int]]) -> MPIGroup | None:
         """The :class:`MPIGroup` of this rank among ``groups`` (a partition of the world's

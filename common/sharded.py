@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import CheckpointError, commit, fsync_dir, list_steps
+from common.mpi import MPITransport
 from common.slab import Slab, SlabFiller, storage_dtype
 
 __all__ = ["ADAM_MOMENTS", "FORMAT", "MOMENT_SUFFIXES", "ShardedCheckpoint", "Slab",
@@ -51,13 +52,20 @@ _ALIGN = 64  # byte alignment of every piece in a shard file
 # ------------------------------------------------------------------------------- collectives
 
 
+# ``group`` below: a torch.distributed group, the job's MPITransport (the whole job, over MPI:
+# what the trainers pass when mpiexec started them) or None (the world over torch.distributed,
+# or one process without it).
 def _world(group: Any) -> tuple[int, int]:
+    if isinstance(group, MPITransport):
+        return group.rank, group.size
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _all_gather_obj(obj: Any, group: Any) -> list[Any]:
+    if isinstance(group, MPITransport):
+        return group.allgather_object(obj)
     if not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
@@ -66,12 +74,21 @@ def _all_gather_obj(obj: Any, group: Any) -> list[Any]:
 
 
 def _bcast_obj(obj: Any, group: Any) -> Any:
+    if isinstance(group, MPITransport):
+        return group.bcast_object(obj)
     if not dist.is_initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
                                group=group)
     return box[0]
+
+
+def _barrier(group: Any) -> None:
+    if isinstance(group, MPITransport):
+        group.barrier()
+    elif dist.is_initialized():
+        dist.barrier(group)
 
 
 # ------------------------------------------------------------------------------------ saving
@@ -91,7 +108,8 @@ def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.T
         files: small extra files, rank 0's are stored (others' are ignored).
         keep: complete checkpoints to keep (older ones are deleted after the new one is in).
         group: the process group (default: the world, or one process without
-            torch.distributed).
+            torch.distributed); the job's :class:`~common.mpi.MPITransport` coordinates the
+            whole job over MPI instead.
 
     Returns:
         The final checkpoint directory.
@@ -152,8 +170,7 @@ def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.T
             commit(Path(tmp), final, keep=keep)
     if errors:
         raise CheckpointError("writing the checkpoint failed: " + "; ".join(errors))
-    if dist.is_initialized():
-        dist.barrier(group)  # nobody goes on (or exits) before the checkpoint is committed
+    _barrier(group)  # nobody goes on (or exits) before the checkpoint is committed
     return final
 
 

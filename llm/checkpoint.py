@@ -41,13 +41,14 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def save(directory: str | os.PathLike, *, step: int, model: Any, optimizer: torch.optim.Optimizer,
-         meta: dict[str, Any], state: dict[str, Any], keep: int = 3) -> Path:
+         meta: dict[str, Any], state: dict[str, Any], keep: int = 3, group: Any = None) -> Path:
     """Write checkpoint ``step`` of a :class:`~llm.parallel.ParallelGPT` and its AdamW under
     ``directory``, keeping the newest ``keep``; collective. Returns the step directory.
 
     Args:
         meta: JSON-serialisable run description (model_config, configs); rank 0's is kept.
         state: small torch-serialisable state (data position, RNG); rank 0's is kept.
+        group: whom to coordinate with (:func:`common.sharded.save`).
     """
     tensors: dict[str, tuple[torch.Tensor, sharded.Slab]] = {}
     steps: dict[str, float] = {}
@@ -61,7 +62,8 @@ def save(directory: str | os.PathLike, *, step: int, model: Any, optimizer: torc
                 tensors[f"{name}.{key}"] = (st[key], slab)
     buf = io.BytesIO()
     torch.save(state, buf)
-    return sharded.save(directory, step, tensors, keep=keep, files={STATE_FILE: buf.getvalue()},
+    return sharded.save(directory, step, tensors, keep=keep, group=group,
+                        files={STATE_FILE: buf.getvalue()},
                         meta={**meta, "engine": "llm", "format": FORMAT, "step": step,
                               "adam_steps": steps})
 

@@ -205,7 +205,8 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[Trainer, ProcessG
                                 activation_checkpointing=args.activation_checkpointing)
     trainer = Trainer(model_config, data, optim, goldfish, run_cfg, make_groups(grid, ctx.rank,
                                                                            ctx.transport),
-                      seed=args.seed, device=ctx.device, precision=precision)
+                      seed=args.seed, device=ctx.device, precision=precision,
+                      transport=ctx.transport)
     if init is not None:
         trainer.init_from(init)
     return trainer, grid, note
@@ -275,7 +276,7 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
                 print(_format_row(row, trainer), flush=True)
 
         history = run(trainer, checkpoint=ck, is_main=ctx.is_main, on_row=on_row,
-                      should_stop=preemption_flag(), transport=ctx.transport)
+                      should_stop=preemption_flag())
         peak = int(max_over_ranks([peak_bytes()], ctx.device, ctx.transport)[0])  # collective
         summary = _summary(history, time.perf_counter() - start_s, trainer, peak)
         metrics.write({"summary": {k: v for k, v in summary.items() if k != "text"}})

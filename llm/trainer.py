@@ -255,13 +255,15 @@ class Trainer:
     def __init__(self, model_config: GPTConfig, data: DataConfig, optim: OptimConfig,
                  goldfish: GoldfishConfig, run: RunConfig, groups: Mapping[str, AxisGroup],
                  *, seed: int = 0, device: torch.device | str = "cpu",
-                 precision: PrecisionConfig | None = None) -> None:
+                 precision: PrecisionConfig | None = None,
+                 transport: MPITransport | None = None) -> None:
         if data.seq_len > model_config.max_seq_len:
             raise ValueError(f"--seq-len {data.seq_len} exceeds the model's max_seq_len="
                              f"{model_config.max_seq_len}")
         self.model_config, self.data_cfg, self.optim_cfg = model_config, data, optim
         self.goldfish, self.run_cfg, self.groups, self.seed = goldfish, run, groups, seed
         self.precision = PrecisionConfig() if precision is None else precision
+        self.transport = transport  # job-wide agreements and checkpoints go over MPI with it
         self.device = torch.device(device)
         self.stats = CommStats()
         torch.manual_seed(seed)
@@ -377,7 +379,8 @@ class Trainer:
         """
         if not ckpt.has_checkpoint(directory):
             return None
-        state = ckpt.load_into(ckpt.open_checkpoint(directory), self.model, self.optimizer)
+        state = ckpt.load_into(ckpt.open_checkpoint(directory, group=self.transport), self.model,
+                              self.optimizer)
         self.train_iter.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
@@ -390,26 +393,25 @@ class Trainer:
         state = {"step": self.step, "data": self.train_iter.state_dict(),
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         path = ckpt.save(directory, step=self.step, model=self.model, optimizer=self.optimizer,
-                         meta=self.meta(), state=state, keep=keep)
+                         meta=self.meta(), state=state, keep=keep, group=self.transport)
         return str(path) if is_main else None
 
 
 def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None, is_main: bool = True,
         on_row: Callable[[dict[str, Any]], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        transport: MPITransport | None = None) -> list[dict[str, Any]]:
+        should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
     """The training loop: step, evaluate, checkpoint, report; returns the logged rows.
 
     Every rank calls it, after :meth:`Trainer.resume` when resuming. ``should_stop`` (a
     preemption flag) is agreed over all ranks after every step; when it fires, the loop
     checkpoints (if ``checkpoint.dir``) and returns early, the last row marked ``"preempted"``.
-    ``transport`` (``DistContext.transport``) carries that agreement over MPI.
     """
     ck, eval_every = checkpoint or CheckpointConfig(), trainer.run_cfg.eval_every
     history = []
     while trainer.step < trainer.total_steps:
         row = trainer.train_step()
-        stop = should_stop is not None and any_rank(should_stop(), trainer.device, transport)
+        stop = should_stop is not None and any_rank(should_stop(), trainer.device,
+                                                    trainer.transport)
         last = stop or trainer.step == trainer.total_steps
         if last or (eval_every and trainer.step % eval_every == 0):
             row.update(trainer.evaluate())

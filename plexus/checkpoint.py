@@ -34,8 +34,10 @@ def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
 
 
 def save(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, epoch: int,
-         history: list[dict[str, Any]], meta: dict[str, Any], keep: int = 3) -> None:
-    """Collective: every rank writes its shards as checkpoint ``epoch`` under ``root``."""
+         history: list[dict[str, Any]], meta: dict[str, Any], keep: int = 3,
+         group: Any = None) -> None:
+    """Collective: every rank writes its shards as checkpoint ``epoch`` under ``root``
+    (``group``: whom to coordinate with, :func:`common.sharded.save`)."""
     tensors: dict[str, tuple[torch.Tensor, sharded.Slab]] = {}
     steps: dict[str, float] = {}
     for name, p, kind, layer in model.sharded_state():
@@ -47,15 +49,15 @@ def save(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, epoch: int,
                 tensors[f"{name}.{key}"] = (state[key], slab)
         if "step" in state:
             steps[name] = float(state["step"])
-    sharded.save(root, epoch, tensors, keep=keep,
+    sharded.save(root, epoch, tensors, keep=keep, group=group,
                  meta={**meta, "epoch": epoch, "engine": "plexus", "adam_steps": steps},
                  files={"history.json": json.dumps(history).encode()})
 
 
-def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[str, Any]
-         ) -> tuple[int, list[dict[str, Any]]]:
+def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[str, Any],
+         group: Any = None) -> tuple[int, list[dict[str, Any]]]:
     """Restore the newest intact checkpoint under ``root`` into this rank's shards
-    (collective), reading only this rank's slices.
+    (collective over ``group``, as :func:`save`), reading only this rank's slices.
 
     Returns:
         (epoch of the checkpoint, metrics history up to it).
@@ -63,7 +65,7 @@ def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[
     Raises:
         common.checkpoint.CheckpointError: none found, corrupt, or from a different model.
     """
-    ck = sharded.load_latest(root)
+    ck = sharded.load_latest(root, group=group)
     saved = ck.meta
     if saved.get("engine") != "plexus":
         raise ckpt.CheckpointError(f"checkpoint {ck.path} was written by "

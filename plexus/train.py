@@ -112,7 +112,10 @@ def job_token(args: argparse.Namespace, ctx) -> str | None:
     that may fail on some ranks only, so no rank can be left waiting in it."""
     if args.prepare == "never" or ctx.world_size == 1:
         return None
-    box = [uuid.uuid4().hex if ctx.is_main else None]
+    token = uuid.uuid4().hex if ctx.is_main else None
+    if ctx.transport is not None:
+        return ctx.transport.bcast_object(token)
+    box = [token]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

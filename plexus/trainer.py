@@ -150,7 +150,7 @@ def train_gcn(
     stats, history, first = CommStats(), [], 1
     meta = {**ckpt.identity(net, source.name), "config": config, "grid": str(grid)}
     if ck.resume and list_steps(ck.dir):
-        done, history = ckpt.load(ck.dir, net, opt, meta=meta)
+        done, history = ckpt.load(ck.dir, net, opt, meta=meta, group=transport)
         first, info["resumed_from"] = done + 1, done
     if on_setup is not None:  # set up, and resumed if asked
         on_setup(shard, net, info)
@@ -199,7 +199,8 @@ def train_gcn(
             on_epoch(row)
         stop = should_stop is not None and any_rank(should_stop(), device, transport)
         if ck.dir and (stop or epoch == run.epochs or (ck.every and epoch % ck.every == 0)):
-            ckpt.save(ck.dir, net, opt, epoch=epoch, history=history, meta=meta, keep=ck.keep)
+            ckpt.save(ck.dir, net, opt, epoch=epoch, history=history, meta=meta, keep=ck.keep,
+                      group=transport)
         if stop:
             info["preempted"] = True
             break

@@ -96,6 +96,17 @@ def _progress(ctx):
              == [top, 0.0, 1.5],
              any_rank(ctx.rank == 1, transport=ctx.transport),
              not any_rank(False, transport=ctx.transport)]
+    # pickled objects (checkpoints, start-up), blocking and polite
+    for polite in ("none", "all"):
+        t = MPITransport(polite=polite)
+        try:
+            t.barrier()
+            got = t.bcast_object({"from": ctx.rank, "x": [1.5]} if ctx.rank == 0 else None)
+            agree.append(got == {"from": 0, "x": [1.5]})
+            agree.append(t.allgather_object(("r", ctx.rank, "y" * 1000 * ctx.rank))
+                         == [("r", r, "y" * 1000 * r) for r in range(ctx.world_size)])
+        finally:
+            t.close()
     return progressed, bool((h.wait() == total).all()), stats.total_bytes, declines, agree
 
 
@@ -117,7 +128,7 @@ def test_async_collectives_progress_without_wait():
         assert progressed and correct
         assert nbytes == 4 << 20  # ring all-reduce over 2 ranks: 2 (g-1)/g * 4 MiB
         assert not any(declines), declines
-        assert all(agree), agree  # max_over_ranks / any_rank over MPI == over gloo
+        assert all(agree), agree  # max_over_ranks / any_rank as gloo's; objects
 
 
 def test_progress_thread_runs_jobs_in_order_and_hands_back_errors():
