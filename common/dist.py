@@ -41,22 +41,26 @@ import torch
 import torch.distributed as dist
 
 from common.failure import (
+    all_gather_object,
     any_rank,
+    barrier,
+    broadcast_object,
     exit_on_comm_failure,
     fail_all_ranks,
     is_comm_failure,
     max_over_ranks,
     preemption_flag,
+    rank_and_size,
 )
 from common.grid import AxisGroup, ProcessGrid
 from common.mpi import MPITransport, cores_available, mpi_world_size
 from common.watchdog import DEFAULT_HEARTBEAT_TIMEOUT_S, Watchdog
 
 __all__ = ["COMMS", "DEFAULT_TIMEOUT_S", "ENV_HEARTBEAT_TIMEOUT", "ENV_MPI_POLITE", "ENV_TIMEOUT",
-           "DistContext", "any_rank", "default_backend", "detect_launcher",
-           "exit_on_comm_failure", "fail_all_ranks", "first_slurm_host", "init_distributed",
-           "is_comm_failure", "max_over_ranks", "preemption_flag", "resolve_timeouts",
-           "shutdown", "split_threads"]
+           "DistContext", "all_gather_object", "any_rank", "barrier", "broadcast_object",
+           "default_backend", "detect_launcher", "exit_on_comm_failure", "fail_all_ranks",
+           "first_slurm_host", "init_distributed", "is_comm_failure", "max_over_ranks",
+           "preemption_flag", "rank_and_size", "resolve_timeouts", "shutdown", "split_threads"]
 
 # Defaults of the two timeouts when neither the argument nor the environment sets them. The
 # environment variables are read by init_distributed when it runs, never at import.

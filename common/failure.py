@@ -8,6 +8,11 @@ something goes wrong, or must be decided alike.
 * :func:`is_comm_failure` / :func:`exit_on_comm_failure`: a collective failed because a peer is
   gone; the context's heartbeat watchdog (:mod:`common.watchdog`) names it.
 * :func:`preemption_flag`: the scheduler's preemption signals as a flag the trainers agree on.
+* :func:`broadcast_object` / :func:`all_gather_object` / :func:`barrier` /
+  :func:`rank_and_size`: small exchanges of Python objects (checkpoints, start-up) over a
+  ``group``: a torch.distributed group, the job's :class:`~common.mpi.MPITransport` (the whole
+  job, over MPI: what the trainers pass when mpiexec started them) or None (the world over
+  torch.distributed, or one process without it).
 
 :mod:`common.dist` re-exports every name here.
 """
@@ -20,17 +25,19 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from common.mpi import MPITransport
+
 if TYPE_CHECKING:
     from common.dist import DistContext
-    from common.mpi import MPITransport
 
-__all__ = ["any_rank", "exit_on_comm_failure", "fail_all_ranks", "is_comm_failure",
-           "max_over_ranks", "preemption_flag"]
+__all__ = ["all_gather_object", "any_rank", "barrier", "broadcast_object", "exit_on_comm_failure",
+           "fail_all_ranks", "is_comm_failure", "max_over_ranks", "preemption_flag",
+           "rank_and_size"]
 
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|[Bb]roken pipe|Socket Timeout|"
                         r"Connection refused|NCCL (error|communicator was aborted)")
@@ -122,3 +129,43 @@ def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> NoRe
 
         shutdown()
     sys.exit(code)
+
+
+def rank_and_size(group: Any = None) -> tuple[int, int]:
+    """This rank's index in ``group`` and the group's size ((0, 1) without torch.distributed)."""
+    if isinstance(group, MPITransport):
+        return group.rank, group.size
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in group order, on every rank of ``group`` (collective)."""
+    if isinstance(group, MPITransport):
+        return group.allgather_object(obj)
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, group: Any = None) -> Any:
+    """The ``obj`` of ``group``'s first rank, on every rank of it (collective)."""
+    if isinstance(group, MPITransport):
+        return group.bcast_object(obj)
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
+                               group=group)
+    return box[0]
+
+
+def barrier(group: Any = None) -> None:
+    """Every rank of ``group`` waits here for the others (collective)."""
+    if isinstance(group, MPITransport):
+        group.barrier()
+    elif dist.is_initialized():
+        dist.barrier(group)

@@ -33,10 +33,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from common.checkpoint import CheckpointError, commit, fsync_dir, list_steps
-from common.mpi import MPITransport
+from common.failure import all_gather_object, barrier, broadcast_object, rank_and_size
 from common.slab import Slab, SlabFiller, storage_dtype
 
 __all__ = ["ADAM_MOMENTS", "FORMAT", "MOMENT_SUFFIXES", "ShardedCheckpoint", "Slab",
@@ -47,48 +46,6 @@ FORMAT = "sharded-1"
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_SUFFIXES = tuple(f".{m}" for m in ADAM_MOMENTS)  # str.endswith: is this a moment?
 _ALIGN = 64  # byte alignment of every piece in a shard file
-
-
-# ------------------------------------------------------------------------------- collectives
-
-
-# ``group`` below: a torch.distributed group, the job's MPITransport (the whole job, over MPI:
-# what the trainers pass when mpiexec started them) or None (the world over torch.distributed,
-# or one process without it).
-def _world(group: Any) -> tuple[int, int]:
-    if isinstance(group, MPITransport):
-        return group.rank, group.size
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _all_gather_obj(obj: Any, group: Any) -> list[Any]:
-    if isinstance(group, MPITransport):
-        return group.allgather_object(obj)
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _bcast_obj(obj: Any, group: Any) -> Any:
-    if isinstance(group, MPITransport):
-        return group.bcast_object(obj)
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
-                               group=group)
-    return box[0]
-
-
-def _barrier(group: Any) -> None:
-    if isinstance(group, MPITransport):
-        group.barrier()
-    elif dist.is_initialized():
-        dist.barrier(group)
 
 
 # ------------------------------------------------------------------------------------ saving
@@ -107,9 +64,9 @@ def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.T
         meta: JSON-serialisable description; rank 0's is stored.
         files: small extra files, rank 0's are stored (others' are ignored).
         keep: complete checkpoints to keep (older ones are deleted after the new one is in).
-        group: the process group (default: the world, or one process without
-            torch.distributed); the job's :class:`~common.mpi.MPITransport` coordinates the
-            whole job over MPI instead.
+        group: whom to coordinate with (:mod:`common.failure`): a torch.distributed group,
+            the job's :class:`~common.mpi.MPITransport` (the whole job over MPI), or None
+            (the world, or one process without torch.distributed).
 
     Returns:
         The final checkpoint directory.
@@ -117,11 +74,11 @@ def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.T
     Raises:
         CheckpointError: on every rank, if any rank failed to write (nothing is committed).
     """
-    rank, _ = _world(group)
+    rank, _ = rank_and_size(group)
     root = Path(root)
     names = sorted(tensors)
     mine = {n: tensors[n][1].describe() | {"dtype": _dtype_name(tensors[n][0])} for n in names}
-    everyone = _all_gather_obj(mine, group)
+    everyone = all_gather_object(mine, group)
     if any(sorted(d) != names for d in everyone):
         raise CheckpointError("ranks disagree on the tensors of the checkpoint (a bug)")
     # a piece held by several ranks is written by the lowest of them
@@ -141,7 +98,7 @@ def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.T
             tmp.mkdir()
         except OSError as e:
             error = f"cannot create the checkpoint under {root}: {e}"
-    tmp, error = _bcast_obj((tmp, error), group)
+    tmp, error = broadcast_object((tmp, error), group)
     if error:
         raise CheckpointError(error)
     assert tmp is not None
@@ -156,7 +113,7 @@ def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.T
                 record.setdefault("extra", {})[name] = _file_entry(data)
     except (OSError, ValueError) as e:
         record = {"error": f"rank {rank}: {e}"}
-    records = _all_gather_obj(record, group)
+    records = all_gather_object(record, group)
     errors = [r["error"] for r in records if "error" in r]
     final = root / f"step-{step:08d}"
     if rank == 0:
@@ -170,7 +127,7 @@ def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.T
             commit(Path(tmp), final, keep=keep)
     if errors:
         raise CheckpointError("writing the checkpoint failed: " + "; ".join(errors))
-    _barrier(group)  # nobody goes on (or exits) before the checkpoint is committed
+    barrier(group)  # nobody goes on (or exits) before the checkpoint is committed
     return final
 
 
@@ -340,7 +297,7 @@ def load(path: str | os.PathLike, *, group: Any = None) -> ShardedCheckpoint:
     """Open and verify one sharded checkpoint directory (collective: each file is hashed by
     one rank). Raises CheckpointError on every rank if anything is missing or damaged."""
     path = Path(path)
-    rank, world = _world(group)
+    rank, world = rank_and_size(group)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
         problem = None if manifest.get("format") == FORMAT else (
@@ -354,7 +311,7 @@ def load(path: str | os.PathLike, *, group: Any = None) -> ShardedCheckpoint:
         bad = verify_files(path, manifest, names[rank::world])
         problem = (f"checkpoint {path}: {', '.join(bad)} missing, truncated or corrupt "
                    "(checksum mismatch)") if bad else None
-    problems = [p for p in _all_gather_obj(problem, group) if p]
+    problems = [p for p in all_gather_object(problem, group) if p]
     if problems:
         raise CheckpointError(problems[0])
     return ShardedCheckpoint(path, manifest)
@@ -364,7 +321,7 @@ def load_latest(root: str | os.PathLike, *, group: Any = None) -> ShardedCheckpo
     """The newest intact sharded checkpoint under ``root``, the same on every rank (a damaged
     newer one is skipped with a warning from rank 0). Raises CheckpointError if none."""
     root = Path(root)
-    rank, _ = _world(group)
+    rank, _ = rank_and_size(group)
     problems = []
     for step in reversed(list_steps(root)):
         try:

@@ -22,11 +22,10 @@ import uuid
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 
 from common import run
 from common.checkpoint import CheckpointError
-from common.dist import max_over_ranks, preemption_flag
+from common.dist import broadcast_object, max_over_ranks, preemption_flag
 from common.grid import ProcessGrid, ceil_div
 from common.run import peak_bytes, resident_bytes
 from plexus import layout
@@ -112,12 +111,7 @@ def job_token(args: argparse.Namespace, ctx) -> str | None:
     that may fail on some ranks only, so no rank can be left waiting in it."""
     if args.prepare == "never" or ctx.world_size == 1:
         return None
-    token = uuid.uuid4().hex if ctx.is_main else None
-    if ctx.transport is not None:
-        return ctx.transport.bcast_object(token)
-    box = [token]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(uuid.uuid4().hex if ctx.is_main else None, ctx.transport)
 
 
 def open_dataset(args: argparse.Namespace, ctx, token: str | None = None) -> ShardSource:

@@ -78,6 +78,15 @@ def launch_command(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpie
     raise ValueError(f"unknown launcher {launcher!r}; use one of {LAUNCHERS}")
 
 
+def _polite_at_density(env: Mapping[str, str] | None, ranks: int) -> dict[str, str]:
+    """``env`` with ``HPC_MPI_POLITE=all`` added at two or more mpiexec ranks per core (unless
+    ``env`` sets it): see :func:`launch`."""
+    out = dict(env or {})
+    if ranks >= 2 * cores_available():
+        out.setdefault(ENV_MPI_POLITE, "all")
+    return out
+
+
 def launch(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec",
            cwd: str | Path = ROOT, env: Mapping[str, str] | None = None,
            pythonpath: str | None = str(ROOT), timeout: float = 180
@@ -90,9 +99,8 @@ def launch(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec",
     (``HPC_MPI_POLITE=all``, unless ``env`` sets it), as in :mod:`tests.mpi_worker`: with
     spinning waits a rank can starve the one it waits for, and the 17 s ogbn-arxiv-like job
     of tests/plexus/test_train.py took 80-300 s in full-suite runs."""
-    env = dict(env or {})
-    if launcher == "mpiexec" and ranks >= 2 * cores_available():
-        env.setdefault(ENV_MPI_POLITE, "all")
+    if launcher == "mpiexec":
+        env = _polite_at_density(env, ranks)
     return subprocess.run(launch_command(args, ranks=ranks, launcher=launcher), cwd=cwd,
                           env=launch_env(env, pythonpath=pythonpath), capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -241,9 +249,7 @@ def _stop_one_mpi_rank(args: list[str], world: int, victim: int, ready: str, hea
     command = " ".join(shlex.quote(a) for a in (sys.executable, "-m", *args))
     rank_cmd = f"echo $$ >{tmp}/pid.$PMI_RANK; exec {command}"  # exec keeps the shell's PID
     out_path, err_path = tmp / "stdout", tmp / "stderr"
-    env = {"HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s)}
-    if world >= 2 * cores_available():  # as launch() does
-        env[ENV_MPI_POLITE] = "all"
+    env = _polite_at_density({"HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s)}, world)
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen([require_mpiexec(), "-n", str(world), "sh", "-c", rank_cmd],
                                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
