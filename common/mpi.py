@@ -39,14 +39,14 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from common.progress import DONE, Done, ProgressThread, Work
 
 # torch reduce ops -> MPI op names (AVG and the others have no MPI twin)
 _MPI_OPS = {"SUM": "SUM", "MAX": "MAX", "MIN": "MIN", "PRODUCT": "PROD"}
@@ -56,95 +56,8 @@ _REDUCIBLE = frozenset((torch.float32, torch.float64, torch.int8, torch.int16, t
                         torch.int64, torch.uint8, *_UPCAST))
 _SUM = dist.ReduceOp.SUM  # one object: the common case is tested by identity, not hashed
 
-
-class Work:
-    """A collective in flight on the :class:`ProgressThread`."""
-
-    __slots__ = ("_done", "_error")
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def is_completed(self) -> bool:
-        """True once the collective finished (without waiting; no MPI call)."""
-        return self._done.is_set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-
-
-class Done:
-    """A collective that ran on the caller's thread and is complete (no Event to pay for)."""
-
-    __slots__ = ()
-
-    def is_completed(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
-DONE = Done()
-
-
-class ProgressThread:
-    """One communication thread per process: runs queued collectives in issue order.
-
-    The thread blocks inside MPI with the GIL released, so a collective progresses while the
-    issuing thread computes. ``pending`` counts queued and running jobs; only the issuing
-    thread adds jobs, so ``pending == 0`` means the thread is idle and stays so.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Work] | None] = (
-            queue.SimpleQueue())
-        self._lock = threading.Lock()
-        self.pending = 0
-        self._thread = threading.Thread(target=self._run, name="hpc-mpi-progress", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, work = job
-            try:
-                fn()
-            except BaseException as e:  # handed to the waiter
-                work._error = e
-            with self._lock:
-                self.pending -= 1
-            work._done.set()
-
-    def submit(self, fn: Callable[[], None]) -> Work:
-        work = Work()
-        with self._lock:
-            self.pending += 1
-        self._jobs.put((fn, work))
-        return work
-
-    def run(self, fn: Callable[[], None], async_op: bool) -> Work | Done:
-        """Run ``fn`` (an MPI call) now on this thread if nothing is queued and the call is
-        synchronous; else queue it behind the others."""
-        if not async_op and self.pending == 0:
-            fn()
-            return DONE
-        work = self.submit(fn)
-        if not async_op:
-            work.wait()
-        return work
-
-    def stop(self) -> bool:
-        """End the thread after the queued jobs (idempotent); True if it is idle and ended.
-        With jobs still pending (a failing rank exits) it does not wait for them."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            if self.pending:
-                return False
-            self._thread.join(timeout=10)
-        return not self._thread.is_alive()
+__all__ = ["DONE", "Done", "MPIGroup", "MPITransport", "ProgressThread", "Work",
+           "cores_available", "mpi_world_size"]
 
 
 def cores_available() -> int:
