@@ -43,8 +43,8 @@ import torch
 
 from llm import checkpoint
 from llm import memorization as mem
-from llm.data import load_documents
-from llm.tokenizer import load_tokenizer, spec_of_checkpoint
+from llm.data.batches import load_documents
+from llm.data.tokenizers import load_tokenizer, spec_of_checkpoint
 from llm.train import main as train_main
 
 

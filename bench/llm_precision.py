@@ -47,21 +47,16 @@ def worker(args: argparse.Namespace) -> None:
     """Train on this rank and let rank 0 print the run's figures as one JSON line."""
     import torch
 
-    from common.dist import init_distributed, max_over_ranks
+    from common.dist import init_distributed
+    from common.exchange import max_over_ranks
     from common.grid import AXONN_AXES, ProcessGrid
-    from common.launch import print_result
     from common.run import peak_bytes, reset_peak
+    from common.spawn import print_result
+    from llm.config import DataConfig, GoldfishConfig, OptimConfig, PrecisionConfig, RunConfig
     from llm.model import get_preset
-    from llm.parallel import make_groups
+    from llm.parallel.gpt import make_groups
     from llm.precision import SavedActivations
-    from llm.trainer import (
-        DataConfig,
-        GoldfishConfig,
-        OptimConfig,
-        PrecisionConfig,
-        RunConfig,
-        Trainer,
-    )
+    from llm.trainer import Trainer
 
     torch.set_num_threads(1)  # several ranks share the cores
     with init_distributed(device="cpu", comm=args.comm) as ctx:
@@ -92,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(ranks: int, worker_args: list[str]) -> dict[str, Any]:
-    from common.launch import run_worker
+    from common.spawn import run_worker
 
     start = time.perf_counter()
     result = run_worker(Path(__file__).resolve(), ranks, worker_args, cwd=ROOT,

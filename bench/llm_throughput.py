@@ -29,16 +29,11 @@ import torch
 from torch.nn.functional import cross_entropy
 
 from common.grid import ProcessGrid
-from llm.data import BatchIterator, encode_stream, load_documents, split_documents
+from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
+from llm.data.batches import BatchIterator, encode_stream, load_documents, split_documents
 from llm.model import GPT, PRESETS, get_preset
-from llm.parallel import make_groups
-from llm.trainer import (
-    DataConfig,
-    GoldfishConfig,
-    OptimConfig,
-    RunConfig,
-    Trainer,
-)
+from llm.parallel.gpt import make_groups
+from llm.trainer import Trainer
 
 
 class Baseline:

@@ -30,19 +30,12 @@ import torch
 from common.grid import ProcessGrid
 from common.run import CheckpointConfig
 from llm import checkpoint
-from llm.data import decode, load_documents, truncate_docs
-from llm.goldfish import STRATEGIES
+from llm.config import STRATEGIES, DataConfig, GoldfishConfig, OptimConfig, RunConfig
+from llm.data.batches import decode, load_documents, truncate_docs
 from llm.memorization import memorization
 from llm.model import PRESETS, get_preset
-from llm.parallel import make_groups
-from llm.trainer import (
-    DataConfig,
-    GoldfishConfig,
-    OptimConfig,
-    RunConfig,
-    Trainer,
-    run,
-)
+from llm.parallel.gpt import make_groups
+from llm.trainer import Trainer, run
 
 
 def train_and_test(args: argparse.Namespace, goldfish: GoldfishConfig, out: Path) -> dict:

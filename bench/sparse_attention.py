@@ -44,13 +44,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from llm import checkpoint, heldout, hf
+from llm import checkpoint
 from llm import evaluate as ev
-from llm.data import encode_stream
-from llm.loki import basis_path, calibration_batch, load_or_calibrate
+from llm.data import heldout
+from llm.data.batches import encode_stream
+from llm.data.tokenizers import load_tokenizer, spec_of_checkpoint
+from llm.decode.loki import basis_path, calibration_batch, load_or_calibrate
+from llm.decode.sparse_attention import SIFT_REFIT_EVERY, SIFT_WARMUP, make_method
+from llm.hf import llama as hf
 from llm.model import GPT, GPTConfig
-from llm.sparse_attention import SIFT_REFIT_EVERY, SIFT_WARMUP, make_method
-from llm.tokenizer import load_tokenizer, spec_of_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {"layers": 6, "d_model": 384, "heads": 6, "d_ff": 1536, "seq_len": 512,

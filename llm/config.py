@@ -1,16 +1,33 @@
-"""The GPT's configuration: :class:`GPTConfig`, the presets and the initial weights' scales.
+"""Every config of the GPT trainer: the model's :class:`GPTConfig` with its presets and
+initial weights' scales, and the run configs (one per component, keyword-only, validated on
+construction): :class:`DataConfig`, :class:`OptimConfig` (AdamW with warmup + cosine),
+:class:`GoldfishConfig`, :class:`RunConfig` (length, cadence, :class:`Overlap`) and
+:class:`PrecisionConfig` (bf16, activation checkpointing).
 
-Pure data (no torch): ``common.perf.gpt`` and the planners read the shapes without building a
-model. :mod:`llm.model` re-exports every name here.
+Pure data (importing it loads no torch): the planners read the shapes without building a
+model. :mod:`llm.model` re-exports the model's names.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["PRESETS", "GPTConfig", "get_preset", "gpt1b", "gpt7b", "gpt70b", "init_std",
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["DEFAULT_STEPS", "IGNORE", "OVERLAPS", "PRECISIONS", "PRESETS", "STRATEGIES",
+           "DataConfig", "GPTConfig", "GoldfishConfig", "OptimConfig", "Overlap",
+           "PrecisionConfig", "RunConfig", "get_preset", "gpt1b", "gpt7b", "gpt70b", "init_std",
            "small", "tiny"]
+
+
+STRATEGIES = ("static", "hash", "hash-ordered")  # goldfish: which targets are dropped
+PRECISIONS = ("fp32", "bf16")  # llm.precision maps them to dtypes
+OVERLAPS = ("oar", "ors", "oag")  # AxoNN's communication overlaps
+IGNORE = -100  # the target id no loss reads
+DEFAULT_STEPS = 200  # when neither steps nor epochs is given
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,3 +164,193 @@ def init_std(config: GPTConfig, name: str) -> float | None:
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return 0.02 / math.sqrt(2 * config.num_layers)
     return 0.02
+
+
+# ------------------------------------------------------------------ run configs
+@dataclass(kw_only=True)
+class DataConfig:
+    """Text and batches.
+
+    Attributes:
+        source: ``pydoc`` (built in), ``files`` (one document per file; ``.jsonl`` files:
+            one per line's ``text``), ``paragraphs``, or ``tokens`` (one pre-tokenised
+            ``.bin``/``.npy`` file, memory-mapped: ``python -m llm.tokenize`` writes one).
+        paths: text files for ``files`` / ``paragraphs``; the token file for ``tokens``.
+        tokenizer: ``bytes`` or a Hugging Face ``tokenizer.json`` (a path or a model
+            directory holding one; :func:`llm.data.tokenizers.load_tokenizer`).
+        token_cache: stream mode: tokenize the text once into this directory and
+            memory-map it (:func:`llm.data.streams.open_stream`) instead of holding it in memory.
+        docs: memorization setting: train on the first ``docs`` documents only, each cut to
+            ``seq_len + 1`` tokens, one sample per document; held-out text is the rest.
+            None: a stream of all training documents (a seeded 10% is held out).
+        seq_len: targets per sample (T).
+        batch_size: global samples per micro-batch (split over data x depth).
+        val_fraction: share of documents held out in stream mode.
+        eval_batches: held-out batches per evaluation.
+        seed: seeds the batch order, the split and the held-out windows.
+    """
+
+    source: str = "pydoc"
+    paths: tuple[str, ...] = ()
+    tokenizer: str = "bytes"
+    token_cache: str | None = None
+    docs: int | None = None
+    seq_len: int = 128
+    batch_size: int = 16
+    val_fraction: float = 0.1
+    eval_batches: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.paths = tuple(str(p) for p in self.paths)
+        if self.seq_len < 1 or self.batch_size < 1 or self.eval_batches < 0:
+            raise ValueError(f"need seq_len >= 1, batch_size >= 1, eval_batches >= 0; got "
+                             f"{self.seq_len}, {self.batch_size}, {self.eval_batches}")
+        if self.docs is not None and self.docs < 1:
+            raise ValueError(f"--docs must be >= 1, got {self.docs}")
+        if self.source == "tokens" and (len(self.paths) != 1 or self.docs is not None):
+            raise ValueError("a token file is one stream: give exactly one file, and no --docs "
+                             "(it has no documents)")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay to ``min_lr_ratio * lr``; global-norm clip.
+
+    Weight decay applies to matrices (Linears, embedding), not to RMSNorm weights.
+    ``neftune_alpha > 0``: NEFTune (Jain et al. 2023), uniform noise scaled by
+    ``alpha / sqrt(T d)`` on the token embeddings in training, the same on every grid.
+    """
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    neftune_alpha: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0; got "
+                             f"{self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
+        if self.neftune_alpha < 0:
+            raise ValueError(f"--neftune-alpha must be >= 0, got {self.neftune_alpha}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"weight_decay and grad_clip must be >= 0, got "
+                             f"{self.weight_decay}, {self.grad_clip}")
+
+
+@dataclass(kw_only=True)
+class GoldfishConfig:
+    """Goldfish loss (llm-4d-goldfish.md section 4); ``k = 0`` is the standard loss."""
+
+    k: int = 0
+    h: int = 13
+    strategy: str = "hash"
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.k < 0 or self.h < 1 or self.strategy not in STRATEGIES:
+            raise ValueError(f"goldfish needs k >= 0 (0 = off), h >= 1 and a strategy in "
+                             f"{STRATEGIES}; got k={self.k}, h={self.h}, {self.strategy!r}")
+
+    def mask(self, targets: Tensor) -> Tensor:
+        """bool [B, T], True = dropped (all False when k = 0)."""
+        import torch  # the configs stay importable without torch
+
+        from llm.goldfish import goldfish_mask
+        if self.k == 0:
+            return torch.zeros_like(targets, dtype=torch.bool)
+        return goldfish_mask(targets, self.k, self.h, self.strategy, self.start)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Length and cadence of a run (checkpoint cadence: :class:`common.run.CheckpointConfig`).
+
+    Attributes:
+        steps: optimizer steps; or ``epochs`` passes over the training samples (not both;
+            neither: ``DEFAULT_STEPS``).
+        grad_accum: micro-batches per optimizer step.
+        eval_every, log_every: in steps (eval 0: only at the end; log 0: never).
+        overlap: communication overlap, ``all``, ``none`` or a list of ``oar,ors,oag``.
+    """
+
+    steps: int | None = None
+    epochs: float | None = None
+    grad_accum: int = 1
+    eval_every: int = 0
+    log_every: int = 10
+    overlap: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give --steps or --epochs, not both")
+        if (self.steps is not None and self.steps < 0) or (
+                self.epochs is not None and self.epochs <= 0) or self.grad_accum < 1:
+            raise ValueError(f"need steps >= 0, epochs > 0, grad_accum >= 1; got "
+                             f"{self.steps}, {self.epochs}, {self.grad_accum}")
+        if self.eval_every < 0 or self.log_every < 0:
+            raise ValueError(f"need eval_every >= 0 and log_every >= 0; got "
+                             f"{self.eval_every}, {self.log_every}")
+        Overlap.parse(self.overlap)
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Numerics and memory of the forward and backward (:mod:`llm.precision`).
+
+    Attributes:
+        precision: ``fp32``, or ``bf16``: bf16 compute and communication, float32 master
+            weights, optimizer state, gradients and loss.
+        activation_checkpointing: keep only each transformer block's input and recompute the
+            block in backward (its collectives included); fp32 results are bit for bit those
+            without it.
+    """
+
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose one of "
+                             f"{', '.join(PRECISIONS)}")
+
+    def __str__(self) -> str:
+        return self.precision + (", activation checkpointing" if self.activation_checkpointing
+                                 else "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overlap:
+    """Which communications overlap with compute (AxoNN's names).
+
+    Attributes:
+        oar: issue the backward dX all-reduce asynchronously and compute dW meanwhile.
+        ors: issue the depth reduce-scatter of dW asynchronously; wait when backward ends.
+        oag: prefetch the next Linear's depth all-gather (forward and backward).
+    """
+
+    oar: bool = True
+    ors: bool = True
+    oag: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> Overlap:
+        """``"all"``, ``"none"`` or a comma list of ``oar``, ``ors``, ``oag``."""
+        text = text.strip().lower()
+        if text in ("all", ""):
+            return cls()
+        if text == "none":
+            return cls(oar=False, ors=False, oag=False)
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [n for n in names if n not in OVERLAPS]
+        if bad:
+            raise ValueError(f"--overlap {text!r}: unknown {bad}; use all, none or a comma "
+                             f"list of {', '.join(OVERLAPS)}")
+        return cls(**{n: n in names for n in OVERLAPS})
+
+    def __str__(self) -> str:
+        on = [n for n in OVERLAPS if getattr(self, n)]
+        return "all" if len(on) == 3 else ",".join(on) or "none"

@@ -14,7 +14,7 @@ loads (``config.json``, ``model.safetensors`` or shards plus index). Tokenizers 
 converted either way: the HF directory's tokenizer.json is used as it is (``llm.train --init``,
 and ``llm.sample`` / ``llm.memorization`` on the imported file, through the source directory
 its meta records). Names and configs:
-:mod:`llm.hf`; what GPT cannot represent is refused before any output is written.
+:mod:`llm.hf.llama`; what GPT cannot represent is refused before any output is written.
 
 Streaming: each tensor is copied in row chunks of about ``--chunk-mib``, read with
 ``safe_open(...).get_slice`` (one HF file mapped at a time), :meth:`ShardedCheckpoint.read
@@ -42,7 +42,8 @@ import torch
 from common.checkpoint import CheckpointError
 from common.consolidate import SafetensorsReader, SafetensorsWriter
 from common.sharded import ShardedCheckpoint, Slab
-from llm import checkpoint, hf
+from llm import checkpoint
+from llm.hf import llama as hf
 from llm.model import GPTConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -7,7 +7,7 @@
     python -m llm.evaluate --checkpoint runs/long --attention topk --budget 64 \\
         --speculative quantspec --gamma 4 --text notes.txt
 
-Each decode-time method (:mod:`llm.sparse_attention`; design:
+Each decode-time method (:mod:`llm.decode.sparse_attention`; design:
 ../shared/design/llm-inference.md) is measured with full attention in the same run:
 
 * perplexity: teacher forcing through the decode path. The held-out tokens are cut into
@@ -24,19 +24,20 @@ Each decode-time method (:mod:`llm.sparse_attention`; design:
   counters over the agreement run's decode steps), the method's and full attention's, and
   their ratio.
 
-Held-out text (:mod:`llm.heldout`): ``--text FILE...``, else the held-out documents of the
+Held-out text (:mod:`llm.data.heldout`): ``--text FILE...``, else the held-out documents of the
 checkpoint's own training run, split exactly as the trainer split them; the documents are
 joined into one token stream as in training.
 
-Loki needs a PCA basis of the keys (:mod:`llm.loki`): ``--loki-basis FILE``, else
+Loki needs a PCA basis of the keys (:mod:`llm.decode.loki`): ``--loki-basis FILE``, else
 ``loki_basis.safetensors`` stored with the checkpoint's weights (in the step directory read, or
 next to a ``.safetensors`` file as ``NAME.loki_basis.safetensors``), else it is calibrated
-(:func:`llm.loki.calibrate_loki`, keys after RoPE) on ``--calibration-tokens`` tokens of the
+(:func:`llm.decode.loki.calibrate_loki`, keys after RoPE) on ``--calibration-tokens`` tokens of the
 training documents, which never overlap the default held-out text, and stored there. Sift's
 power law is measured over ``--sift-warmup`` full-attention decode steps and re-measured every
-``--sift-refit-every`` steps (:class:`llm.sparse_attention.Sift`). ``--speculative quantspec``
-also decodes the prompts with QuantSpec (:mod:`llm.quantspec`, one prompt at a time) and checks
-its tokens equal plain greedy.
+``--sift-refit-every`` steps (:class:`llm.decode.sparse_attention.Sift`). ``--speculative
+quantspec``
+also decodes the prompts with QuantSpec (:mod:`llm.decode.quantspec`, one prompt at a time) and
+checks its tokens equal plain greedy.
 """
 
 from __future__ import annotations
@@ -55,13 +56,13 @@ from torch import Tensor
 from torch.nn.functional import cross_entropy
 
 from llm import checkpoint
-from llm.data import encode_stream
-from llm.heldout import held_out_split, prompts_from
-from llm.kv_cache import DecodeAttention, KVCache
-from llm.loki import basis_path, calibration_batch, load_or_calibrate
+from llm.data.batches import encode_stream
+from llm.data.heldout import held_out_split, prompts_from
+from llm.data.tokenizers import load_tokenizer, spec_of_checkpoint
+from llm.decode.kv_cache import DecodeAttention, KVCache
+from llm.decode.loki import basis_path, calibration_batch, load_or_calibrate
+from llm.decode.sparse_attention import METHODS, SIFT_REFIT_EVERY, SIFT_WARMUP, make_method
 from llm.model import GPT
-from llm.sparse_attention import METHODS, SIFT_REFIT_EVERY, SIFT_WARMUP, make_method
-from llm.tokenizer import load_tokenizer, spec_of_checkpoint
 
 __all__ = ["agreement", "decode_nll", "evaluate_method", "format_table", "parse_budget",
            "perplexity", "quantspec_run"]
@@ -100,7 +101,7 @@ def decode_nll(model: GPT, tokens: Tensor, method: DecodeAttention | None = None
 
     Windows of ``max_seq_len + 1`` tokens start every ``max_seq_len`` tokens (the last one
     shorter); in each, token 0 is prefilled and tokens 1.. are decoded one at a time into a
-    :class:`~llm.kv_cache.KVCache` carrying ``method`` (None: the model's exact attention).
+    :class:`~llm.decode.kv_cache.KVCache` carrying ``method`` (None: the model's exact attention).
     Windows of equal length run ``batch_size`` at a time; the method is reset before each
     batch (its counters then hold the last batch's).
 
@@ -196,13 +197,13 @@ def evaluate_method(model: GPT, method: DecodeAttention, tokens: Tensor, prompts
 
 def quantspec_run(model: GPT, prompts: Tensor, new_tokens: int, reference: Tensor, *,
                   gamma: int = 4, fp_buffer: int = 128) -> dict[str, Any]:
-    """:func:`llm.quantspec.quantspec_generate` on each prompt (one row at a time), its counts
-    summed; ``equal_to_greedy`` counts the prompts whose tokens equal ``reference``'s.
+    """:func:`llm.decode.quantspec.quantspec_generate` on each prompt (one row at a time), its
+    counts summed; ``equal_to_greedy`` counts the prompts whose tokens equal ``reference``'s.
 
     Shapes:
         prompts: int64 [K, P], reference: int64 [K, P + new_tokens]
     """
-    from llm.quantspec import QuantSpecStats, quantspec_generate
+    from llm.decode.quantspec import QuantSpecStats, quantspec_generate
 
     total = QuantSpecStats(gamma=gamma)
     equal = 0

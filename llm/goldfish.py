@@ -34,12 +34,14 @@ import torch
 from torch import Tensor
 from torch.nn.functional import cross_entropy
 
+from llm.config import STRATEGIES
+
 __all__ = ["STRATEGIES", "TABLE_SEED", "TABLE_SIZE", "GoldfishLoss", "goldfish_loss",
            "goldfish_mask", "hash_table"]
 
 TABLE_SIZE = 1_000_003
 TABLE_SEED = 2971215073
-STRATEGIES = ("static", "hash", "hash-ordered")
+
 # Odd 64-bit multiplier of the order-aware rolling hash (the FNV-1 64-bit prime).
 _ORDERED_MULTIPLIER = 1_099_511_628_211
 _LOW_35_BITS = (1 << 35) - 1

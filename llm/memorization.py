@@ -2,7 +2,7 @@
 
 For each of the first N training documents, tokenised and cut exactly as in training (the
 checkpoint's tokenizer, ``--seq-len`` + 1 tokens, no end-of-text token:
-:func:`llm.data.truncate_docs`, as :func:`llm.trainer.make_data` does with ``--docs``):
+:func:`llm.data.batches.truncate_docs`, as :func:`llm.trainer.make_data` does with ``--docs``):
 prefix = all but the last S tokens, suffix = the last S. The model decodes S tokens greedily
 after the prefix (with the KV cache of :meth:`llm.model.GPT.generate`). Exact match = all S
 tokens identical; ROUGE-L (:mod:`llm.rouge`) is computed between the generated and the true
@@ -14,7 +14,7 @@ suffix tokens.
 
 The checkpoint's full weights are loaded into a single-process GPT (any training grid); the
 documents default to the checkpoint's corpus, ``--docs`` and ``--seq-len``, the tokenizer to
-the checkpoint's (:func:`llm.tokenizer.spec_of_checkpoint`; ``--tokenizer`` overrides it). A
+the checkpoint's (:func:`llm.data.tokenizers.spec_of_checkpoint`; ``--tokenizer`` overrides it). A
 checkpoint without training configs (``python -m llm.convert import`` of a Hugging Face model)
 needs ``--text``, ``--docs`` and ``--seq-len``; its tokenizer is the ``tokenizer.json`` of the
 directory it was imported from.
@@ -33,9 +33,9 @@ import torch
 from torch import Tensor
 
 from llm import checkpoint
-from llm.data import load_documents, truncate_docs
+from llm.data.batches import load_documents, truncate_docs
+from llm.data.tokenizers import Tokenizer, load_tokenizer, spec_of_checkpoint
 from llm.rouge import rouge_l
-from llm.tokenizer import Tokenizer, load_tokenizer, spec_of_checkpoint
 
 
 def split_document(tokens: Tensor, suffix_len: int) -> tuple[Tensor, Tensor]:

@@ -16,8 +16,8 @@ sharded by out_features) are sharded differently, so a tie would have to be rebu
 after parallelization. Tying is kept as a flag for small single-process models, where it saves
 ``V * d_model`` parameters.
 
-Initial weights are keyed by (seed, parameter name) (:mod:`llm.init`), so a grid can draw
-just its shards of them (:func:`llm.parallel.init_shards`) and hold this model exactly.
+Initial weights are keyed by (seed, parameter name) (:mod:`llm.parallel.keyed_init`), so a grid can
+draw just its shards of them (:func:`llm.parallel.gpt.init_shards`) and hold this model exactly.
 
 Mixed precision (``compute_dtype=torch.bfloat16``): the parameters stay float32 (the master
 weights the optimizer updates); the embedding output is cast to the compute dtype and every
@@ -27,7 +27,7 @@ logits come out in the compute dtype (the loss upcasts them). Activation checkpo
 (``activation_checkpointing=True``) keeps only each block's input during a forward with
 gradients and reruns the block in backward (``torch.utils.checkpoint``, non-reentrant).
 
-NEFTune (``neftune_alpha > 0``, :mod:`llm.noise`): in training, keyed uniform noise is added to
+NEFTune (``neftune_alpha > 0``, :mod:`llm.neftune`): in training, keyed uniform noise is added to
 the embedding output before anything else (before the cast to the compute dtype).
 
 Decoding (:meth:`GPT.generate`) keeps a :class:`KVCache`: the prompt is run once (prefill),
@@ -56,9 +56,9 @@ from llm.config import (
     small,
     tiny,
 )
-from llm.init import fill_normal_
-from llm.kv_cache import DecodeAttention, KVCache, LayerCache
-from llm.noise import NEFTune
+from llm.decode.kv_cache import DecodeAttention, KVCache, LayerCache
+from llm.neftune import NEFTune
+from llm.parallel.keyed_init import fill_normal_
 
 __all__ = [
     "GPT",
@@ -228,12 +228,12 @@ class GPT(nn.Module):
         seed: key of the initial weights (:meth:`reset_parameters`); None: drawn from torch's
             default generator.
         device: where the parameters live; ``"meta"``: shapes only, nothing allocated or
-            initialised (for :class:`llm.parallel.ParallelGPT`, or :meth:`materialize`).
+            initialised (for :class:`llm.parallel.gpt.ParallelGPT`, or :meth:`materialize`).
         compute_dtype: dtype of the activations and GEMMs (module docstring); None: the
-            parameters' dtype. Also read by :class:`~llm.parallel.ParallelGPT`.
+            parameters' dtype. Also read by :class:`~llm.parallel.gpt.ParallelGPT`.
         activation_checkpointing: recompute each block in backward instead of keeping its
             activations.
-        neftune_alpha: NEFTune noise scale on the embeddings in training (:mod:`llm.noise`;
+        neftune_alpha: NEFTune noise scale on the embeddings in training (:mod:`llm.neftune`;
             key it each step with :meth:`set_noise`); 0: off.
 
     Shapes:
@@ -276,8 +276,8 @@ class GPT(nn.Module):
     def reset_parameters(self, seed: int | None = None) -> None:
         """Initialise like GPT-2 / nanoGPT (:func:`init_std`), keyed by ``(seed, name)``.
 
-        Each weight is drawn by :func:`llm.init.fill_normal_`, so a grid's shards of it
-        (:func:`llm.parallel.init_shards`) hold exactly these values. ``seed`` None draws one
+        Each weight is drawn by :func:`llm.parallel.keyed_init.fill_normal_`, so a grid's shards of
+        it (:func:`llm.parallel.gpt.init_shards`) hold exactly these values. ``seed`` None draws one
         from torch's default generator (so ``torch.manual_seed`` governs it, as it does
         ``nn.init``). Called by the constructor unless the model is built on the meta device.
         """
@@ -336,7 +336,7 @@ class GPT(nn.Module):
         the no-cache loop's values of a position vary with the window's length in the CPU
         attention kernel's last bits), and bf16 logits (8-bit mantissa) tie more often.
 
-        A decode-time attention ``method`` (:class:`llm.kv_cache.DecodeAttention`) replaces
+        A decode-time attention ``method`` (:class:`llm.decode.kv_cache.DecodeAttention`) replaces
         full attention in the cached single-token steps; the prefill and window-sliding steps
         stay exact.
 

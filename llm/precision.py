@@ -3,7 +3,7 @@
 ``--precision bf16`` (:class:`llm.trainer.PrecisionConfig`) is bf16 compute AND
 communication with float32 master weights: the parameters (this rank's flat shards) and the
 AdamW moments stay float32; each forward casts the weights to bf16 at use (on a
-tensor-parallel grid: before the depth all-gather, :mod:`llm.tp`), so the GEMMs, the
+tensor-parallel grid: before the depth all-gather, :mod:`llm.parallel.layers`), so the GEMMs, the
 activations, the row/col all-reduces of activations and the depth reduce-scatter of dW are
 bf16; the gradient lands in the float32 ``.grad``, where micro-batches accumulate and the
 data-parallel all-reduce runs. RMSNorm statistics, the rotary rotation and the

@@ -6,7 +6,7 @@
 The prompt is encoded and the output decoded with the checkpoint's tokenizer: the one it was
 trained with (``--tokenizer`` of ``llm.train``), the ``tokenizer.json`` of the Hugging Face
 directory it was imported from (``python -m llm.convert import``), else UTF-8 bytes;
-``--tokenizer SPEC`` overrides it (:func:`llm.tokenizer.load_tokenizer`). No special token is
+``--tokenizer SPEC`` overrides it (:func:`llm.data.tokenizers.load_tokenizer`). No special token is
 added to the prompt unless ``--bos`` asks for the tokenizer's begin-of-text token first (Llama
 models were trained with it, and Hugging Face's tokenizers add it by default); it is not
 printed. Special tokens in the generated text are written out.
@@ -23,7 +23,7 @@ import sys
 import torch
 
 from llm import checkpoint
-from llm.tokenizer import load_tokenizer, spec_of_checkpoint
+from llm.data.tokenizers import load_tokenizer, spec_of_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

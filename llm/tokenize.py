@@ -7,7 +7,7 @@ Documents are read one at a time (a ``.jsonl`` line's ``--field``, a whole text 
 text file's paragraphs), each followed by the tokenizer's end-of-text token (or, without one,
 a blank line), and appended to ``--out``: ``.bin`` is raw uint16 as nanoGPT writes it,
 ``.npy`` a 1-D array (uint16, or uint32 for vocabularies over 65536). Train on it with the
-memory-mapped stream of :func:`llm.streams.open_tokens`.
+memory-mapped stream of :func:`llm.data.streams.open_tokens`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from llm.streams import SPLITS, iter_documents, write_tokens
-from llm.tokenizer import load_tokenizer
+from llm.data.streams import SPLITS, iter_documents, write_tokens
+from llm.data.tokenizers import load_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -109,9 +109,10 @@ def _trainer_bytes(ctx, cases):
     import torch
 
     from common.grid import AXONN_AXES, ProcessGrid
+    from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
     from llm.model import GPTConfig
-    from llm.parallel import make_groups
-    from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, RunConfig, Trainer
+    from llm.parallel.gpt import make_groups
+    from llm.trainer import Trainer
 
     torch.set_num_threads(1)
     out = []

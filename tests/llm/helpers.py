@@ -34,14 +34,15 @@ def random_tokens(batch: int, length: int, seed: int = 1) -> Any:
 
 def one_rank_groups() -> dict[str, Any]:
     """Axis groups of the 1x1x1x1 grid: no process group needed."""
-    from llm.parallel import make_groups
+    from llm.parallel.gpt import make_groups
 
     return make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0)
 
 
 def make_trainer(groups, steps=TRAIN_STEPS, overlap="all", device="cpu"):
     """:data:`SMALL` on 16-byte windows, goldfish on (k=4, h=3), gradient accumulation 2."""
-    from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, RunConfig, Trainer
+    from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
+    from llm.trainer import Trainer
 
     return Trainer(SMALL, DataConfig(seq_len=16, batch_size=6, eval_batches=1),
                    OptimConfig(lr=1e-2, warmup_steps=3), GoldfishConfig(k=4, h=3),

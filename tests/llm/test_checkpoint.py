@@ -61,7 +61,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
 def test_checkpoint_mismatch_is_refused(tmp_path, small_config):
     import dataclasses
 
-    from llm.parallel import ParallelGPT
+    from llm.parallel.gpt import ParallelGPT
 
     trainer = make_trainer(one_rank_groups(), steps=1)
     trainer.save(str(tmp_path), keep=1, is_main=True)

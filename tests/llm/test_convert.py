@@ -1,4 +1,4 @@
-"""llm.hf and llm.convert: HF Llama <-> our GPT. Logits equal transformers' after import and
+"""llm.hf.llama and llm.convert: HF Llama <-> our GPT. Logits equal transformers' after import and
 after export (GQA or not, tied or not), HF -> ours -> HF is byte-identical, slices read like
 our sharded checkpoints, and models GPT cannot represent are refused with nothing written.
 
@@ -18,8 +18,9 @@ from safetensors import safe_open
 
 from common.consolidate import main as consolidate_main
 from common.sharded import Slab
-from llm import checkpoint, hf
+from llm import checkpoint
 from llm.convert import export_hf, import_hf, main, parse_size
+from llm.hf import llama as hf
 from llm.model import GPT
 from tests.common.test_sharded import local_of
 from tests.llm.helpers import SMALL, make_trainer, one_rank_groups
@@ -173,7 +174,7 @@ def test_export_of_a_trainer_checkpoint_loads_in_transformers(tmp_path):
 
 
 def test_export_of_a_tied_model_from_a_consolidated_file(tmp_path):
-    from llm.parallel import ParallelGPT
+    from llm.parallel.gpt import ParallelGPT
 
     config = dataclasses.replace(SMALL, tie_embeddings=True)
     model = ParallelGPT(GPT(config, seed=3), one_rank_groups())

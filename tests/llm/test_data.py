@@ -1,11 +1,11 @@
 """Byte tokenizer, offline corpus, document handling, the resumable batch iterator and the
-streaming sources of llm.streams (token files, JSON lines)."""
+streaming sources of llm.data.streams (token files, JSON lines)."""
 
 import numpy as np
 import pytest
 import torch
 
-from llm.data import (
+from llm.data.batches import (
     VOCAB_SIZE,
     BatchIterator,
     decode,
@@ -16,7 +16,7 @@ from llm.data import (
     split_documents,
     truncate_docs,
 )
-from llm.streams import iter_documents, open_stream, open_tokens, split_tokens, write_tokens
+from llm.data.streams import iter_documents, open_stream, open_tokens, split_tokens, write_tokens
 
 
 @pytest.mark.parametrize("text", ["", "hello world\n", "naïve café — 日本語 🐟", "\x00\xff"])

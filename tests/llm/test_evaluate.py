@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.nn.functional import cross_entropy
 
-from llm.data import load_documents, split_documents
+from llm.data.batches import load_documents, split_documents
+from llm.data.heldout import held_out_split, prompts_from
 from llm.evaluate import agreement, decode_nll, main, parse_budget, perplexity
-from llm.heldout import held_out_split, prompts_from
 from llm.model import GPT
 from tests.llm.helpers import SMALL, make_trainer, one_rank_groups
 

@@ -1,4 +1,5 @@
-"""Keyed initialisation (llm.init): every grid draws exactly its shards of the one-process
+"""Keyed initialisation (llm.parallel.keyed_init): every grid draws exactly its shards of the
+one-process
 GPT, no parameter stays on the meta device, and a rank's build never holds the full model
 (peak RSS of a ~200M-parameter build in a fresh process).
 
@@ -14,11 +15,11 @@ import sys
 import pytest
 import torch
 
-import llm.init
+import llm.parallel.keyed_init
 from common.grid import AXONN_AXES, AxisGroup
-from llm.init import fill_normal_
 from llm.model import GPT, GPTConfig, init_std
-from llm.parallel import ParallelGPT, init_shards, param_specs, shard_tensor
+from llm.parallel.gpt import ParallelGPT, init_shards, param_specs, shard_tensor
+from llm.parallel.keyed_init import fill_normal_
 from tests.distributed import launch
 from tests.llm.test_parallel import BASE, ODD_D, assemble
 
@@ -27,7 +28,8 @@ SEED = 7
 # shards need padding; the configs need padding on the vocabulary, d_ff and (ODD_D) d_model
 GRIDS = [((2, 2, 2), {}), ((1, 1, 4), ODD_D), ((1, 4, 1), {"num_kv_heads": 4}),
          ((4, 1, 2), {}), ((1, 2, 4), ODD_D), ((3, 2, 1), {}), ((5, 1, 3), ODD_D)]
-CHUNKS = [llm.init.CHUNK_NUMEL, 50, 7]  # one draw per parameter; several rows; one row each
+# one draw per parameter; several rows; one row each
+CHUNKS = [llm.parallel.keyed_init.CHUNK_NUMEL, 50, 7]
 
 
 def coords_of(sizes):
@@ -37,7 +39,7 @@ def coords_of(sizes):
 
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_any_block_and_range_equals_the_slice_of_the_full_draw(chunk, monkeypatch):
-    monkeypatch.setattr(llm.init, "CHUNK_NUMEL", chunk)
+    monkeypatch.setattr(llm.parallel.keyed_init, "CHUNK_NUMEL", chunk)
     shape = (13, 9)
     full = fill_normal_(torch.empty(13 * 9), seed=1, name="w", shape=shape, std=2.0).view(shape)
     padded = torch.zeros(20, 16)
@@ -61,7 +63,7 @@ def test_any_block_and_range_equals_the_slice_of_the_full_draw(chunk, monkeypatc
 @pytest.mark.parametrize("grid, changes", GRIDS)
 def test_shards_of_every_grid_assemble_to_the_one_process_model(grid, changes, chunk,
                                                                 monkeypatch):
-    monkeypatch.setattr(llm.init, "CHUNK_NUMEL", chunk)
+    monkeypatch.setattr(llm.parallel.keyed_init, "CHUNK_NUMEL", chunk)
     config = dataclasses.replace(BASE, **changes)
     sizes = dict(zip(AXONN_AXES, (1, *grid)))
     full = GPT(config, seed=SEED).state_dict()
@@ -153,7 +155,7 @@ PEAK_SCRIPT = """
 import json, resource, sys
 import torch
 from llm.model import GPT, GPTConfig
-from llm.parallel import ParallelGPT
+from llm.parallel.gpt import ParallelGPT
 from tests.llm.test_init import groups_at
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from llm import hf
+from llm.hf import llama as hf
 from llm.train import main as train_main
 from tests.distributed import launch, needs_mpi
 from tests.llm.helpers import one_rank_groups
@@ -26,7 +26,7 @@ def hf_dir(tmp_path_factory):
     byte-level BPE tokenizer.json trained here on the built-in corpus."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from llm.data import load_documents
+    from llm.data.batches import load_documents
 
     directory = tmp_path_factory.mktemp("hf")
     bpe = tokenizers.Tokenizer(models.BPE())
@@ -46,7 +46,8 @@ def hf_dir(tmp_path_factory):
 
 
 def test_init_loads_the_weights_into_the_shards(hf_dir):
-    from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, RunConfig, Trainer
+    from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
+    from llm.trainer import Trainer
 
     ck = hf.HFCheckpoint(hf_dir)
     trainer = Trainer(ck.config, DataConfig(seq_len=16, batch_size=2, tokenizer=str(

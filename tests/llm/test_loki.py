@@ -1,13 +1,13 @@
-"""Loki's offline step (:mod:`llm.loki`): the bases are PCA bases of the right keys (after or
+"""Loki's offline step (:mod:`llm.decode.loki`): the bases are PCA bases of the right keys (after or
 before RoPE) and round-trip through a file; where a checkpoint's basis lives, the calibration
 batch, and calibrating once then reading the stored basis."""
 
 import pytest
 import torch
 
-from llm import sparse_attention
-from llm.data import BYTES, encode_stream
-from llm.loki import (
+from llm.data.batches import BYTES, encode_stream
+from llm.decode import sparse_attention
+from llm.decode.loki import (
     BASIS_FILE,
     LokiBasis,
     basis_path,

@@ -67,7 +67,7 @@ def test_goldfish_sums_equal_the_goldfish_loss():
 def sharded_losses(ctx):
     """Per rank of the 1x1x4x1 grid: the per-token losses and this rank's logits gradient
     for vocabulary chunk ``row.rank`` of :func:`make_case`."""
-    from llm.parallel import make_groups
+    from llm.parallel.gpt import make_groups
 
     row = make_groups(ProcessGrid.axonn(1, 1, 4, 1), ctx.rank, ctx.transport)["row"]
     logits, targets, _ = make_case()

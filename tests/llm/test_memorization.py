@@ -49,9 +49,10 @@ def test_protocol_with_oracles():
 def test_tiny_model_memorizes_four_documents(tmp_path):
     """Standard loss, 4 documents of 33 tokens, 120 epochs: every 8-token suffix recited."""
     from common.run import CheckpointConfig
-    from llm.data import load_documents, truncate_docs
+    from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
+    from llm.data.batches import load_documents, truncate_docs
     from llm.model import GPTConfig
-    from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, RunConfig, Trainer, run
+    from llm.trainer import Trainer, run
     from tests.llm.helpers import one_rank_groups
 
     config = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, d_model=32, d_ff=64,
@@ -66,9 +67,9 @@ def test_tiny_model_memorizes_four_documents(tmp_path):
 
 
 def test_documents_follow_the_checkpoint_unless_flags_say_otherwise(tmp_path):
-    from llm.data import load_documents, truncate_docs
+    from llm.data.batches import load_documents, truncate_docs
+    from llm.data.tokenizers import ByteTokenizer
     from llm.memorization import documents, parse_args
-    from llm.tokenizer import ByteTokenizer
 
     data = {"source": "pydoc", "paths": [], "docs": 3, "seq_len": 16, "tokenizer": "bytes"}
 
@@ -108,9 +109,9 @@ def imported(hf_dir, tmp_path_factory):
 
 def test_imported_checkpoint_needs_the_documents_and_uses_its_tokenizer(imported, hf_dir,
                                                                        tmp_path, capsys):
-    from llm.data import load_documents, truncate_docs
+    from llm.data.batches import load_documents, truncate_docs
+    from llm.data.tokenizers import load_tokenizer
     from llm.memorization import main
-    from llm.tokenizer import load_tokenizer
 
     texts = [doc[:2000] for doc in load_documents()[:2]]
     files = []

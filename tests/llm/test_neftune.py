@@ -1,4 +1,4 @@
-"""NEFTune (llm/noise.py): the keyed noise, its scale and distribution, when it is on, and
+"""NEFTune (llm/neftune.py): the keyed noise, its scale and distribution, when it is on, and
 the same noise on every grid (a 4-rank launch against one process)."""
 
 import dataclasses
@@ -13,8 +13,8 @@ from common.collectives import all_reduce
 from common.grid import AXONN_AXES, ProcessGrid
 from llm.loss import token_losses
 from llm.model import GPT, GPTConfig
-from llm.noise import NEFTune, hash_key, uniform_noise
-from llm.parallel import ParallelGPT, batch_shard, make_groups
+from llm.neftune import NEFTune, hash_key, uniform_noise
+from llm.parallel.gpt import ParallelGPT, batch_shard, make_groups
 from tests.distributed import run_ranks
 
 CONFIG = GPTConfig(vocab_size=61, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32,

@@ -16,11 +16,11 @@ import torch
 from common.collectives import all_reduce
 from common.comm_stats import CommStats
 from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
+from llm.config import Overlap
 from llm.goldfish import goldfish_loss, goldfish_mask
 from llm.loss import goldfish_sums
 from llm.model import GPT, GPTConfig
-from llm.parallel import ParallelGPT, batch_shard, make_groups, param_specs, shard_tensor
-from llm.tp import Overlap
+from llm.parallel.gpt import ParallelGPT, batch_shard, make_groups, param_specs, shard_tensor
 
 BASE = GPTConfig(vocab_size=61, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_ff=45,
                  max_seq_len=16)

@@ -63,7 +63,7 @@ def saved_activation_bytes(ctx):
 
     from common.grid import AXONN_AXES, ProcessGrid
     from llm.model import GPT
-    from llm.parallel import ParallelGPT, batch_shard, make_groups
+    from llm.parallel.gpt import ParallelGPT, batch_shard, make_groups
     from tests.llm.test_parallel import BASE
 
     out = {}
@@ -109,7 +109,7 @@ def test_ors_window_bounds_the_dw_blocks_in_flight_as_the_planner_counts():
     from torch import nn
 
     from common.perf import gpt
-    from llm import tp
+    from llm.parallel import layers as tp
     from tests.llm.helpers import one_rank_groups
 
     assert tp.ORS_WINDOW == gpt.ORS_WINDOW

@@ -13,19 +13,13 @@ import torch
 
 from common.grid import AXONN_AXES, ProcessGrid
 from llm import checkpoint
+from llm.config import DataConfig, GoldfishConfig, OptimConfig, PrecisionConfig, RunConfig
 from llm.loss import goldfish_sums
 from llm.model import tiny
-from llm.parallel import make_groups
+from llm.parallel.gpt import make_groups
 from llm.precision import SavedActivations, compute_dtype
 from llm.train import main as train_main
-from llm.trainer import (
-    DataConfig,
-    GoldfishConfig,
-    OptimConfig,
-    PrecisionConfig,
-    RunConfig,
-    Trainer,
-)
+from llm.trainer import Trainer
 from tests.distributed import run_ranks
 from tests.llm.helpers import SMALL, one_rank_groups
 

@@ -1,12 +1,11 @@
-"""QuantSpec (llm/quantspec.py): greedy output equal to GPT.generate, the accounting of drafts
-and bytes, the hierarchical KV quantiser's bounds, and int4 weights."""
+"""QuantSpec (llm/decode/quantspec.py): greedy output equal to GPT.generate, the accounting of
+drafts and bytes, the hierarchical KV quantiser's bounds, and int4 weights."""
 
 import pytest
 import torch
 
-from llm.kv_cache import KVCache
-from llm.model import GPT, tiny
-from llm.quantspec import (
+from llm.decode.kv_cache import KVCache
+from llm.decode.quantspec import (
     SCALE_BYTES,
     HierarchicalKVStore,
     build_draft,
@@ -14,6 +13,7 @@ from llm.quantspec import (
     quantize_int4,
     quantspec_generate,
 )
+from llm.model import GPT, tiny
 from tests.llm.helpers import GQA64 as GQA
 
 

@@ -5,8 +5,8 @@ them, the tokenizer.json of a Hugging Face model imported with llm.convert)."""
 import pytest
 
 from llm import checkpoint
+from llm.data.tokenizers import load_tokenizer
 from llm.sample import main
-from llm.tokenizer import load_tokenizer
 from tests.llm import test_init_hf, test_memorization
 from tests.llm.helpers import make_trainer, one_rank_groups
 

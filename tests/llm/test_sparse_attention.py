@@ -1,4 +1,4 @@
-"""Sparse decode-time attention (:mod:`llm.sparse_attention`): each method at a whole-context
+"""Sparse decode-time attention (:mod:`llm.decode.sparse_attention`): each method at a whole-context
 budget equals full attention through the model's decode path, top-k equals a hand-written
 masked softmax, Loki's scores at full rank and in a pre-RoPE subspace, the byte counts equal
 the module's formulas, and SiftAttention's power law and realised budget, also after a long
@@ -9,9 +9,8 @@ import math
 import pytest
 import torch
 
-from llm.loki import LokiBasis, calibrate_loki
-from llm.model import GPT, KVCache, apply_rope, rope_cache, tiny
-from llm.sparse_attention import (
+from llm.decode.loki import LokiBasis, calibrate_loki
+from llm.decode.sparse_attention import (
     SIFT_REFIT_EVERY,
     SIFT_WARMUP,
     FullAttention,
@@ -21,6 +20,7 @@ from llm.sparse_attention import (
     fit_power_law,
     make_method,
 )
+from llm.model import GPT, KVCache, apply_rope, rope_cache, tiny
 from tests.llm.helpers import DECODE_CONFIGS as CONFIGS
 from tests.llm.helpers import GQA64 as GQA
 from tests.llm.helpers import random_tokens as tokens

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from llm.data import BatchIterator, encode, encode_stream, load_documents, truncate_docs
-from llm.streams import open_stream, open_tokens
-from llm.tokenize import main as tokenize_main
-from llm.tokenizer import (
+from llm.data.batches import BatchIterator, encode, encode_stream, load_documents, truncate_docs
+from llm.data.streams import open_stream, open_tokens
+from llm.data.tokenizers import (
     DOC_SEPARATOR,
     ByteTokenizer,
     HFTokenizer,
@@ -17,6 +16,7 @@ from llm.tokenizer import (
     load_tokenizer,
     spec_of_checkpoint,
 )
+from llm.tokenize import main as tokenize_main
 from tests.llm.test_data import check_mapped_batches
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -214,7 +214,7 @@ class HugeVocab(Tokenizer):
 
 
 def test_large_vocabularies_need_npy(tmp_path):
-    from llm.streams import write_tokens
+    from llm.data.streams import write_tokens
 
     with pytest.raises(ValueError, match=r"70000 token ids.*65536.*\.npy"):
         write_tokens(["abc"], tmp_path / "big.bin", HugeVocab())

@@ -1,5 +1,5 @@
-"""The tensor-parallel layers of llm.tp: the collectives of a Linear pair match the spec's
-volumes on 8 ranks (shared launch ``eight_ranks``), each overlap runs exactly where it is on,
+"""The tensor-parallel layers of llm.parallel.layers: the collectives of a Linear pair match the
+spec's volumes on 8 ranks (shared launch ``eight_ranks``), each overlap runs exactly where it is on,
 one rank is plain ``linear``, and the overlap switches parse."""
 
 import pytest
@@ -8,8 +8,9 @@ from torch.nn.functional import linear
 
 from common.comm_stats import CommStats
 from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
-from llm.parallel import make_groups
-from llm.tp import DepthGrads, DepthWeights, Overlap, OverlapCounts, ParallelLinear
+from llm.config import Overlap
+from llm.parallel.gpt import make_groups
+from llm.parallel.layers import DepthGrads, DepthWeights, OverlapCounts, ParallelLinear
 
 VOLUME_CASES = [("1x2x2x2", "all"), ("1x2x2x2", "none"), ("2x4x1x1", "all"),
                 ("1x1x2x4", "all"), ("1x2x2x2", "oag")]

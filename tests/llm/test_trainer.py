@@ -14,8 +14,9 @@ import torch
 from common.grid import AXONN_AXES, ProcessGrid
 from common.run import CheckpointConfig
 from llm import checkpoint
-from llm.parallel import make_groups
-from llm.trainer import DataConfig, GoldfishConfig, OptimConfig, RunConfig, lr_at, run
+from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
+from llm.parallel.gpt import make_groups
+from llm.trainer import lr_at, run
 from tests.llm.helpers import TRAIN_STEPS, make_trainer, one_rank_groups
 
 TRAIN_GRIDS = ("1x2x2x2",)  # depth, row and col; data > 1 is covered by the gradient cases

@@ -13,7 +13,7 @@ finalizer chained over the key parts, in int64 tensor arithmetic that never over
 rank holding rows r0..r1 of the global batch and channels c0..c1 of d_model draws exactly its
 part of the noise one process draws for the whole batch, on any device. It is the torch
 counterpart of :func:`plexus.layers.dropout_mask` (numpy uint32). :class:`NEFTune` holds the
-key; :class:`llm.parallel.ParallelGPT` tells it where the rank's rows and channels sit.
+key; :class:`llm.parallel.gpt.ParallelGPT` tells it where the rank's rows and channels sit.
 
 Shapes legend: B local batch rows, T sequence length, C local channels (D, or D/C of a col
 shard whose padded channels get no noise).
@@ -91,8 +91,8 @@ class NEFTune(nn.Module):
     Key of entry (b, t, c): ``(seed, step, row_offset + shard_index * B + b, t,
     channel_offset + c)`` (:func:`uniform_noise`). The trainer sets ``seed``, ``step`` and
     ``row_offset`` (the global row of the micro-batch's first row) with :meth:`set_noise`
-    before each forward; :class:`~llm.parallel.ParallelGPT` sets ``shard_index`` (this rank's
-    block of rows, :func:`llm.parallel.batch_shard`'s layout) and ``channel_offset`` (its first
+    before each forward; :class:`~llm.parallel.gpt.ParallelGPT` sets ``shard_index`` (this rank's
+    block of rows, :func:`llm.parallel.gpt.batch_shard`'s layout) and ``channel_offset`` (its first
     channel of d_model); one process keeps both at 0.
 
     Args:

@@ -7,8 +7,8 @@ key/value heads only, before grouped-query attention expands them to the H query
 the cache holds ``2 * num_layers * B * Hkv * max_len * Dh`` numbers.
 
 A cache may carry a decode-time attention ``method`` (:class:`DecodeAttention`, e.g. the sparse
-methods of :mod:`llm.sparse_attention`): single-token decode steps then call it instead of full
-attention, with the query and the cached keys and values of every position.
+methods of :mod:`llm.decode.sparse_attention`): single-token decode steps then call it instead of
+full attention, with the query and the cached keys and values of every position.
 
 Shapes legend: B batch, H query heads, Hkv key/value heads, Dh head_dim, T new positions,
 S cached positions (including the new one).

@@ -5,7 +5,7 @@ Loki (Singhania et al., NeurIPS 2024, https://arxiv.org/abs/2406.02542; design:
 basis of keys collected on calibration text. :func:`calibrate_loki` computes the bases of a
 model, :class:`LokiBasis` holds and saves them, and :func:`load_or_calibrate` keeps one with
 its checkpoint (:func:`basis_path`). The decode-time method that uses them is
-:class:`llm.sparse_attention.Loki`.
+:class:`llm.decode.sparse_attention.Loki`.
 
 Shapes legend: B batch, T tokens, Hkv key/value heads, Dh head_dim, L layers.
 """
@@ -21,9 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from llm.data import encode_stream
+from llm.data.batches import encode_stream
+from llm.data.tokenizers import Tokenizer
 from llm.model import GPT, apply_rope, rope_cache
-from llm.tokenizer import Tokenizer
 
 __all__ = ["BASIS_FILE", "LokiBasis", "basis_path", "calibrate_loki", "calibration_batch",
            "load_or_calibrate"]

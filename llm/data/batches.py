@@ -3,7 +3,7 @@
 Nothing here needs the internet. The built-in corpus is the standard library's
 ``pydoc_data.topics`` (79 documentation topics, about 465 KB of English prose), present on
 every machine with Python. Users bring UTF-8 text files or JSON lines; corpora too large for
-memory go through memory-mapped token files (:mod:`llm.streams`), which
+memory go through memory-mapped token files (:mod:`llm.data.streams`), which
 :class:`BatchIterator` reads window by window.
 
 Shapes legend:
@@ -18,11 +18,11 @@ Document splitting of user files (``load_documents``):
     A ``.jsonl`` path holds one document per line, the string of its ``"text"`` field, with
     either source.
 
-Tokens: every function that tokenizes takes a ``tokenizer`` (:mod:`llm.tokenizer`); the
+Tokens: every function that tokenizes takes a ``tokenizer`` (:mod:`llm.data.tokenizers`); the
 default is UTF-8 bytes, vocabulary 256, no special tokens. In the stream mode each document is
 followed by the tokenizer's end-of-text token, or without one (bytes) by :data:`DOC_SEPARATOR`
 (a blank line), so that the model sees where one ends
-(:meth:`~llm.tokenizer.Tokenizer.encode_document`).
+(:meth:`~llm.data.tokenizers.Tokenizer.encode_document`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llm.tokenizer import DOC_SEPARATOR, ByteTokenizer, Tokenizer
+from llm.data.tokenizers import DOC_SEPARATOR, ByteTokenizer, Tokenizer
 
 __all__ = ["DOC_SEPARATOR", "MODES", "SOURCES", "VOCAB_SIZE", "BatchIterator", "decode",
            "encode", "encode_stream", "iter_jsonl", "iter_paragraphs", "load_documents",
@@ -194,7 +194,7 @@ def split_documents(
 
 def encode_stream(docs: Sequence[str], tokenizer: Tokenizer = BYTES) -> Tensor:
     """All documents as one token stream, each ended as
-    :meth:`~llm.tokenizer.Tokenizer.encode_document` says (bytes: followed by
+    :meth:`~llm.data.tokenizers.Tokenizer.encode_document` says (bytes: followed by
     :data:`DOC_SEPARATOR`).
 
     Shapes:
@@ -232,7 +232,7 @@ class BatchIterator:
     Modes:
         ``"stream"`` (pretraining): ``data`` is one token stream: a tensor (see
             :func:`encode_stream`) or a 1-D integer numpy array, typically a memory-mapped
-            token file (:func:`llm.streams.open_tokens`) of which only the drawn windows are
+            token file (:func:`llm.data.streams.open_tokens`) of which only the drawn windows are
             read; both give the same batches for the same tokens. Each sample is a window
             of ``seq_len + 1`` tokens at a uniformly random offset drawn from a generator
             seeded by (seed, epoch, position). An epoch is
@@ -273,7 +273,7 @@ class BatchIterator:
         if mode == "stream":
             if not _is_stream(data):
                 raise ValueError("mode='stream' needs a 1-D token tensor (see encode_stream) "
-                                 "or a 1-D integer array (see llm.streams.open_tokens)")
+                                 "or a 1-D integer array (see llm.data.streams.open_tokens)")
             if len(data) < seq_len + 1:
                 raise ValueError(f"stream of {len(data)} tokens is shorter than one sample "
                                  f"of seq_len + 1 = {seq_len + 1} tokens")

@@ -1,15 +1,15 @@
 """Corpora larger than memory: documents read one at a time, memory-mapped token files.
 
 A token file is a flat array of token ids, every document followed by its end (see
-:meth:`llm.tokenizer.Tokenizer.encode_document`), exactly the stream
-:func:`llm.data.encode_stream` builds in memory:
+:meth:`llm.data.tokenizers.Tokenizer.encode_document`), exactly the stream
+:func:`llm.data.batches.encode_stream` builds in memory:
 
     ``.bin``  raw little-endian uint16, as nanoGPT's ``prepare.py`` writes (vocabulary <= 65536)
     ``.npy``  a 1-D numpy array of any integer dtype (written as uint16, or uint32 for larger
               vocabularies)
 
 :func:`open_tokens` memory-maps one (nothing is read until a batch needs it) and
-:class:`llm.data.BatchIterator` draws windows from it with the same batches, and the same
+:class:`llm.data.batches.BatchIterator` draws windows from it with the same batches, and the same
 resumable state, as from the tokens in memory. :func:`write_tokens` streams documents into one
 (``python -m llm.tokenize`` is its CLI); :func:`open_stream` turns text and ``.jsonl`` files
 into a cached token file once and memory-maps it.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llm.data import BYTES, iter_jsonl, iter_paragraphs
-from llm.tokenizer import Tokenizer
+from llm.data.batches import BYTES, iter_jsonl, iter_paragraphs
+from llm.data.tokenizers import Tokenizer
 
 __all__ = ["TOKEN_SUFFIXES", "iter_documents", "open_stream", "open_tokens", "split_tokens",
            "write_tokens"]
@@ -50,7 +50,7 @@ def iter_documents(paths: Sequence[str | Path], split: str = "files",
 
     A ``.jsonl`` file gives the ``field`` string of each line. A text file is one document
     (``split="files"``, read whole) or streamed paragraph by paragraph (``"paragraphs"``),
-    as :func:`llm.data.load_documents` splits them.
+    as :func:`llm.data.batches.load_documents` splits them.
 
     Raises:
         ValueError: unknown split, or a bad ``.jsonl`` line.

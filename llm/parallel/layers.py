@@ -47,43 +47,9 @@ from common.autograd import all_gather_reduce_scatter, all_reduce_identity, iden
 from common.collectives import CommHandle, all_gather, all_reduce, reduce_scatter
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
+from llm.config import Overlap
 
-OVERLAPS = ("oar", "ors", "oag")
 ORS_WINDOW = 2  # deferred dW reduce-scatters in flight beyond the newest (DepthGrads)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Overlap:
-    """Which communications overlap with compute (AxoNN's names).
-
-    Attributes:
-        oar: issue the backward dX all-reduce asynchronously and compute dW meanwhile.
-        ors: issue the depth reduce-scatter of dW asynchronously; wait when backward ends.
-        oag: prefetch the next Linear's depth all-gather (forward and backward).
-    """
-
-    oar: bool = True
-    ors: bool = True
-    oag: bool = True
-
-    @classmethod
-    def parse(cls, text: str) -> Overlap:
-        """``"all"``, ``"none"`` or a comma list of ``oar``, ``ors``, ``oag``."""
-        text = text.strip().lower()
-        if text in ("all", ""):
-            return cls()
-        if text == "none":
-            return cls(oar=False, ors=False, oag=False)
-        names = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [n for n in names if n not in OVERLAPS]
-        if bad:
-            raise ValueError(f"--overlap {text!r}: unknown {bad}; use all, none or a comma "
-                             f"list of {', '.join(OVERLAPS)}")
-        return cls(**{n: n in names for n in OVERLAPS})
-
-    def __str__(self) -> str:
-        on = [n for n in OVERLAPS if getattr(self, n)]
-        return "all" if len(on) == 3 else ",".join(on) or "none"
 
 
 @dataclass

@@ -4,8 +4,8 @@
 this rank's shard of each weight (:func:`init_shards`: keyed by seed and parameter name, never
 the full tensor), so every grid trains the same model as one process without any rank holding
 it all. It also slices a full GPT, identical on every rank. The model's modules are swapped for
-those of :mod:`llm.tp` and its own ``forward`` runs unchanged (attention takes its local heads
-from the shapes).
+those of :mod:`llm.parallel.layers` and its own ``forward`` runs unchanged (attention takes its
+local heads from the shapes).
 
 Layout of each parameter (``ShardSpec``; dims zero-padded to a multiple of the axis size):
 
@@ -27,10 +27,11 @@ fast path: plain PyTorch, plus the data-parallel all-reduce when data > 1).
 
 The GPT's ``compute_dtype`` (bf16 mixed precision) and ``activation_checkpointing`` carry
 over: the sharded layers cast each float32 shard to the compute dtype before its depth
-all-gather and reduce-scatter dW in it (:mod:`llm.tp`); gradients stay float32 in ``.grad``,
+all-gather and reduce-scatter dW in it (:mod:`llm.parallel.layers`); gradients stay float32 in
+``.grad``,
 so the data-parallel all-reduce and the optimizer see float32.
 
-NEFTune noise (``GPT(neftune_alpha=...)``, :mod:`llm.noise`) is keyed by the global row,
+NEFTune noise (``GPT(neftune_alpha=...)``, :mod:`llm.neftune`) is keyed by the global row,
 position and channel: each rank is told where its rows (data, depth) and embedding channels
 (col) sit, so every grid adds the serial model's noise; :meth:`ParallelGPT.set_noise` keys it.
 """
@@ -51,12 +52,12 @@ from common.comm_stats import CommStats
 from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
 from common.perf.gpt import GPTWorkload
 from common.sharded import Slab
-from llm.init import fill_normal_
+from llm.config import Overlap
 from llm.model import GPT, GPTConfig, init_std
-from llm.tp import (
+from llm.parallel.keyed_init import fill_normal_
+from llm.parallel.layers import (
     DepthGrads,
     DepthWeights,
-    Overlap,
     OverlapCounts,
     ParallelEmbedding,
     ParallelLinear,
@@ -174,7 +175,7 @@ def init_shard_(out: Tensor, config: GPTConfig, name: str, spec: ShardSpec,
 
     Bit for bit ``shard_tensor(full, spec, sizes, coords)`` of the full initial parameter, but
     only the row blocks that the shard touches are drawn, one at a time
-    (:func:`llm.init.fill_normal_`): memory beyond ``out`` is one chunk. Pure.
+    (:func:`llm.parallel.keyed_init.fill_normal_`): memory beyond ``out`` is one chunk. Pure.
 
     Shapes:
         out: spec.shard_shape(sizes) -> returns out
@@ -276,7 +277,8 @@ class ParallelGPT(nn.Module):
             shards stay on its device.
 
     Attributes:
-        overlapped: :class:`~llm.tp.OverlapCounts` of the collectives that overlapped since
+        overlapped: :class:`~llm.parallel.layers.OverlapCounts` of the collectives that overlapped
+        since
             the caller last reset it.
 
     Raises:
@@ -288,8 +290,10 @@ class ParallelGPT(nn.Module):
         forward: idx int64 [B/(D*Z), T] -> logits [B/(D*Z), T, V_pad/R] (vocab split over row,
         padded vocab ids >= V hold zero weights), replicated over col.
 
-    The logits are sharded, so there is no ``generate`` here: sample from a plain GPT loaded
-    with :meth:`full_state_dict` (or from a checkpoint, ``python -m llm.sample``).
+    The logits are sharded over row, so decoding here is greedy only
+    (:meth:`generate_greedy`, which gathers the last position's logits); for sampling, the KV
+    cache and the decode-time methods use a plain GPT loaded with :meth:`full_state_dict` (or
+    from a checkpoint, ``python -m llm.sample``).
     """
 
     def __init__(self, model: GPT, groups: Mapping[str, AxisGroup], *, seed: int | None = None,
@@ -369,7 +373,7 @@ class ParallelGPT(nn.Module):
 
     # ----------------------------------------------------------------- training
     def set_noise(self, *, step: int, row_offset: int = 0, seed: int = 0) -> None:
-        """Key the NEFTune noise of the next forwards (:meth:`llm.noise.NEFTune.set_noise`);
+        """Key the NEFTune noise of the next forwards (:meth:`llm.neftune.NEFTune.set_noise`);
         ``row_offset`` is the global row of the global micro-batch's first row, the same on
         every rank (this rank's own offset is added)."""
         self.model.set_noise(step=step, row_offset=row_offset, seed=seed)

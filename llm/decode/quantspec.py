@@ -58,7 +58,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import scaled_dot_product_attention
 
-from llm.kv_cache import KVCache
+from llm.decode.kv_cache import KVCache
 from llm.model import GPT
 
 __all__ = ["SCALE_BYTES", "HierarchicalCodes", "HierarchicalKVStore", "Int4Weight",
@@ -193,7 +193,7 @@ def build_draft(model: GPT, group_size: int = 128) -> tuple[GPT, dict[str, Int4W
 
 class HierarchicalKVStore:
     """Hierarchical 4/8-bit codes of a :class:`KVCache`'s committed positions, and the
-    draft's attention over them (a :class:`llm.kv_cache.DecodeAttention`).
+    draft's attention over them (a :class:`llm.decode.kv_cache.DecodeAttention`).
 
     Positions ``0 .. Q-1`` are quantised in blocks of R (:meth:`commit`); the rest of the
     cache is the full-precision buffer. While ``drafting``, a single-token step attends to the

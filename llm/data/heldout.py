@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llm.data import SOURCES, load_documents, split_documents
-from llm.trainer import DataConfig
+from llm.config import DataConfig
+from llm.data.batches import SOURCES, load_documents, split_documents
 
 __all__ = ["DEFAULT_SPLIT", "held_out_split", "prompts_from"]
 

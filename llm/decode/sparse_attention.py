@@ -1,7 +1,7 @@
 """Sparse decode-time attention: exact top-k, Loki and SiftAttention, with byte accounting.
 
-Each method is a :class:`llm.kv_cache.DecodeAttention`: pass it to ``KVCache(..., method=)`` or
-``GPT.generate(..., method=)`` and every cached single-token decode step calls it with the new
+Each method is a :class:`llm.decode.kv_cache.DecodeAttention`: pass it to ``KVCache(..., method=)``
+or ``GPT.generate(..., method=)`` and every cached single-token decode step calls it with the new
 query and the cached keys and values (keys after RoPE, cached position n is position n). The
 methods select positions per query head and run exact softmax attention over the selected ones
 (design: ../shared/design/llm-inference.md). They simulate the selection densely with a mask, to
@@ -9,7 +9,7 @@ measure quality and memory traffic; they are not fast kernels.
 
 * :class:`TopK` keeps the k highest scores.
 * :class:`Loki` ranks positions by scores in the first d directions of a PCA basis of the keys
-  (the basis and its calibration: :mod:`llm.loki`; re-exported here).
+  (the basis and its calibration: :mod:`llm.decode.loki`; re-exported here).
 * :class:`Sift` keeps the probabilities above a threshold a * n^b / S: a power law in the
   decode step n = 1, 2, 3, ... of the sequence (not in the context length S: after a long
   prompt the warm-up's S are too close in log space to fit a slope), over uniform attention's
@@ -41,7 +41,7 @@ from numbers import Integral, Real
 import torch
 from torch import Tensor
 
-from llm.loki import LokiBasis, calibrate_loki
+from llm.decode.loki import LokiBasis, calibrate_loki
 from llm.model import apply_rope, rope_cache
 
 __all__ = ["METHODS", "SIFT_REFIT_EVERY", "SIFT_WARMUP", "FullAttention", "Loki", "LokiBasis",
