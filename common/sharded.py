@@ -17,6 +17,12 @@ file's checksum is verified by one rank and the verdict shared, so a damaged new
 checkpoint makes every rank fall back to the same older one; then each rank reads only the
 parts of the files its own slabs need (memory-mapped; peak memory about its own shards).
 
+A model's state goes through :func:`save_state` and :func:`load_state`: the model lists its
+tensors as entries ``(name, local tensor, Slab)`` (parameters and statistics), and the loop
+writes each with its AdamW moments (``NAME.exp_avg``, ``NAME.exp_avg_sq``, on the tensor's
+slab) and step count (``meta["adam_steps"][NAME]``), and reads them back into this rank's
+slices. Both engines' checkpoint modules are that call plus their own meta and small files.
+
 ``python -m common.consolidate CKPT OUT.safetensors`` turns one into a single file, streaming.
 """
 
@@ -27,7 +33,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +41,20 @@ import numpy as np
 import torch
 
 from common.checkpoint import CheckpointError, commit, fsync_dir, list_steps
-from common.failure import all_gather_object, barrier, broadcast_object, rank_and_size
+from common.exchange import all_gather_object, barrier, broadcast_object, rank_and_size
 from common.slab import Slab, SlabFiller, storage_dtype
 
-__all__ = ["ADAM_MOMENTS", "FORMAT", "MOMENT_SUFFIXES", "ShardedCheckpoint", "Slab",
-           "is_sharded", "load", "load_latest", "save", "verify_files"]
+__all__ = ["ADAM_MOMENTS", "FORMAT", "MOMENT_SUFFIXES", "Entry", "ShardedCheckpoint", "Slab",
+           "is_sharded", "load", "load_latest", "load_state", "save", "save_state",
+           "verify_files"]
 
 FORMAT = "sharded-1"
 # AdamW's per-parameter state, saved as "<parameter name>.<moment>" beside each parameter
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_SUFFIXES = tuple(f".{m}" for m in ADAM_MOMENTS)  # str.endswith: is this a moment?
 _ALIGN = 64  # byte alignment of every piece in a shard file
+# one tensor of a model's state: (name, this rank's local tensor, where it sits in the full one)
+Entry = tuple[str, torch.Tensor, Slab]
 
 
 # ------------------------------------------------------------------------------------ saving
@@ -332,3 +341,67 @@ def load_latest(root: str | os.PathLike, *, group: Any = None) -> ShardedCheckpo
                 print(f"warning: {e}; trying an older checkpoint", file=sys.stderr, flush=True)
     detail = "; ".join(problems) if problems else "no step-* directories"
     raise CheckpointError(f"no intact checkpoint under {root} ({detail})")
+
+
+# ------------------------------------------------------------------ a model and its AdamW
+
+
+def save_state(root: str | os.PathLike, step: int, entries: Sequence[Entry],
+               optimizer: torch.optim.Optimizer, *, meta: Mapping[str, Any],
+               files: Mapping[str, bytes] | None = None, keep: int = 3,
+               group: Any = None) -> Path:
+    """Write checkpoint ``step`` of a model's tensors and their AdamW state (collective, as
+    :func:`save`).
+
+    Each entry is written under its name; a tensor with AdamW state (``optimizer.state[t]``)
+    also gets its moments (:data:`ADAM_MOMENTS`, as ``NAME.exp_avg`` ..., laid out by the
+    same slab) and its step count (``meta["adam_steps"][NAME]``). Tensors without state
+    (buffers, parameters not yet stepped) are written alone.
+
+    Args:
+        entries: ``(name, local tensor, Slab)`` of every tensor of the model, in the same
+            names on every rank.
+        optimizer: the model's Adam or AdamW.
+        meta, files, keep, group: as :func:`save`; ``meta`` gains ``"adam_steps"``.
+
+    Raises:
+        ValueError: two entries share a name.
+        CheckpointError: on every rank, if any rank failed to write.
+    """
+    tensors: dict[str, tuple[torch.Tensor, Slab]] = {}
+    steps: dict[str, float] = {}
+    for name, t, slab in entries:
+        if name in tensors:
+            raise ValueError(f"two tensors of the model are named {name!r}")
+        tensors[name] = (t.detach(), slab)
+        state = optimizer.state.get(t, {})
+        for key in ADAM_MOMENTS:
+            if key in state:
+                tensors[f"{name}.{key}"] = (state[key], slab)
+        if "step" in state:
+            steps[name] = float(state["step"])
+    return save(root, step, tensors, meta={**meta, "adam_steps": steps}, files=files,
+                keep=keep, group=group)
+
+
+def load_state(ck: ShardedCheckpoint, entries: Sequence[Entry],
+               optimizer: torch.optim.Optimizer) -> None:
+    """Read this rank's slices of a :func:`save_state` checkpoint (written on any grid) into
+    the entries' tensors and their AdamW state (not collective).
+
+    A tensor is cast to its own dtype; the AdamW moments keep the saved dtype and go to the
+    tensor's device, the step count is a float32 scalar on the CPU (as AdamW makes it). The
+    state of a tensor the checkpoint has no step count for is left as it is.
+
+    Raises:
+        CheckpointError: the checkpoint lacks an entry or one of its moments, or holds it in
+            another global shape.
+    """
+    steps = ck.meta.get("adam_steps", {})
+    with torch.no_grad():
+        for name, t, slab in entries:
+            t.copy_(ck.read(name, slab).to(t.dtype))
+            if name in steps:
+                optimizer.state[t] = {
+                    "step": torch.tensor(steps[name], dtype=torch.float32),
+                    **{key: ck.read(f"{name}.{key}", slab).to(t.device) for key in ADAM_MOMENTS}}

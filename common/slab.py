@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.grid import ceil_div
+
 __all__ = ["Slab", "SlabFiller", "storage_dtype"]
 
 _CHUNK = 1 << 22  # elements per vectorised read (bounds the index arrays)
@@ -106,7 +108,7 @@ class SlabFiller:
             self.lo_row, self.hi_row = 0, ids.size
         else:
             self.lo_row = min(slab.flat[0] // max(w, 1), ids.size)
-            self.hi_row = min(-(-slab.flat[1] // max(w, 1)), ids.size)
+            self.hi_row = min(ceil_div(slab.flat[1], max(w, 1)), ids.size)
         self.ids = ids[self.lo_row:self.hi_row]
         self.region = np.zeros((self.ids.size, w), dtype=dtype)
         nrows, ncols = _as_2d(slab.shape)
@@ -123,7 +125,7 @@ class SlabFiller:
         w_src = src_cols[1] - src_cols[0]
         f_lo, f_hi = src_flat if src_flat is not None else (0, src_ids.size * w_src)
         # source block rows whose elements this piece holds, then those the target wants
-        first, last = f_lo // w_src, min(-(-f_hi // w_src), src_ids.size)
+        first, last = f_lo // w_src, min(ceil_div(f_hi, w_src), src_ids.size)
         cand = np.arange(first, last, dtype=np.int64)
         hit = np.searchsorted(self.sorted_ids, src_ids[first:last])
         hit = np.minimum(hit, self.sorted_ids.size - 1)

@@ -40,9 +40,14 @@ def has_checkpoint(path: str | os.PathLike) -> bool:
     return path.is_file() or (path / "manifest.json").is_file() or bool(ckpt.list_steps(path))
 
 
+def entries(model: Any) -> list[sharded.Entry]:
+    """(name, local shard, Slab) of every parameter of a :class:`~llm.parallel.gpt.ParallelGPT`."""
+    return [(name, p, model.slab(name)) for name, p in model.shards().items()]
+
+
 def save(directory: str | os.PathLike, *, step: int, model: Any, optimizer: torch.optim.Optimizer,
          meta: dict[str, Any], state: dict[str, Any], keep: int = 3, group: Any = None) -> Path:
-    """Write checkpoint ``step`` of a :class:`~llm.parallel.ParallelGPT` and its AdamW under
+    """Write checkpoint ``step`` of a :class:`~llm.parallel.gpt.ParallelGPT` and its AdamW under
     ``directory``, keeping the newest ``keep``; collective. Returns the step directory.
 
     Args:
@@ -50,22 +55,11 @@ def save(directory: str | os.PathLike, *, step: int, model: Any, optimizer: torc
         state: small torch-serialisable state (data position, RNG); rank 0's is kept.
         group: whom to coordinate with (:func:`common.sharded.save`).
     """
-    tensors: dict[str, tuple[torch.Tensor, sharded.Slab]] = {}
-    steps: dict[str, float] = {}
-    for name, p in model.shards().items():
-        slab = model.slab(name)
-        tensors[name] = (p.detach(), slab)
-        st = optimizer.state.get(p)
-        if st:
-            steps[name] = float(st["step"])
-            for key in sharded.ADAM_MOMENTS:
-                tensors[f"{name}.{key}"] = (st[key], slab)
     buf = io.BytesIO()
     torch.save(state, buf)
-    return sharded.save(directory, step, tensors, keep=keep, group=group,
-                        files={STATE_FILE: buf.getvalue()},
-                        meta={**meta, "engine": "llm", "format": FORMAT, "step": step,
-                              "adam_steps": steps})
+    return sharded.save_state(directory, step, entries(model), optimizer, keep=keep, group=group,
+                              files={STATE_FILE: buf.getvalue()},
+                              meta={**meta, "engine": "llm", "format": FORMAT, "step": step})
 
 
 def open_checkpoint(path: str | os.PathLike, *, group: Any = None) -> sharded.ShardedCheckpoint:
@@ -101,7 +95,7 @@ def check(meta: dict[str, Any], where: object) -> None:
 def load_into(ck: sharded.ShardedCheckpoint, model: Any, optimizer: torch.optim.Optimizer
               ) -> dict[str, Any]:
     """Read this rank's slices of the weights and AdamW moments into ``model`` (a
-    :class:`~llm.parallel.ParallelGPT`, any grid) and ``optimizer``; returns the small state.
+    :class:`~llm.parallel.gpt.ParallelGPT`, any grid) and ``optimizer``; returns the small state.
 
     Raises:
         ValueError: the checkpoint holds another model.
@@ -110,16 +104,7 @@ def load_into(ck: sharded.ShardedCheckpoint, model: Any, optimizer: torch.optim.
     if saved != model.config:
         raise ValueError(f"checkpoint holds a different model: {saved} vs this run's "
                          f"{model.config}")
-    steps = ck.meta.get("adam_steps", {})
-    with torch.no_grad():
-        for name, p in model.shards().items():
-            slab = model.slab(name)
-            p.copy_(ck.read(name, slab).to(p.dtype))
-            if name in steps:
-                optimizer.state[p] = {
-                    "step": torch.tensor(steps[name], dtype=torch.float32),
-                    **{key: ck.read(f"{name}.{key}", slab).to(p.device)
-                       for key in sharded.ADAM_MOMENTS}}
+    sharded.load_state(ck, entries(model), optimizer)
     return torch.load(io.BytesIO(ck.files[STATE_FILE]), weights_only=True)
 
 

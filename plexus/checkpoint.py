@@ -33,25 +33,19 @@ def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
             "residual": model.residual}
 
 
+def entries(model: PlexusGCN) -> list[sharded.Entry]:
+    """(name, local tensor, Slab) of every parameter and statistic of ``model``."""
+    return [(name, t, model.slab(kind, layer)) for name, t, kind, layer in model.sharded_state()]
+
+
 def save(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, epoch: int,
          history: list[dict[str, Any]], meta: dict[str, Any], keep: int = 3,
          group: Any = None) -> None:
     """Collective: every rank writes its shards as checkpoint ``epoch`` under ``root``
     (``group``: whom to coordinate with, :func:`common.sharded.save`)."""
-    tensors: dict[str, tuple[torch.Tensor, sharded.Slab]] = {}
-    steps: dict[str, float] = {}
-    for name, p, kind, layer in model.sharded_state():
-        slab = model.slab(kind, layer)
-        tensors[name] = (p.detach(), slab)
-        state = opt.state.get(p, {})
-        for key in sharded.ADAM_MOMENTS:
-            if key in state:
-                tensors[f"{name}.{key}"] = (state[key], slab)
-        if "step" in state:
-            steps[name] = float(state["step"])
-    sharded.save(root, epoch, tensors, keep=keep, group=group,
-                 meta={**meta, "epoch": epoch, "engine": "plexus", "adam_steps": steps},
-                 files={"history.json": json.dumps(history).encode()})
+    sharded.save_state(root, epoch, entries(model), opt, keep=keep, group=group,
+                       meta={**meta, "epoch": epoch, "engine": "plexus"},
+                       files={"history.json": json.dumps(history).encode()})
 
 
 def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[str, Any],
@@ -75,14 +69,5 @@ def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[
     if diff:
         raise ckpt.CheckpointError(f"checkpoint {ck.path} is from a different model: "
                                    + ", ".join(diff))
-    device = model.weights[0].device
-    steps = saved.get("adam_steps", {})
-    with torch.no_grad():
-        for name, p, kind, layer in model.sharded_state():
-            slab = model.slab(kind, layer)
-            p.copy_(ck.read(name, slab).to(device))
-            if name in steps:
-                opt.state[p] = {"step": torch.tensor(steps[name]),
-                                **{key: ck.read(f"{name}.{key}", slab).to(device)
-                                   for key in sharded.ADAM_MOMENTS}}
+    sharded.load_state(ck, entries(model), opt)
     return ck.step, json.loads(ck.files["history.json"])

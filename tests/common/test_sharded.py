@@ -8,6 +8,7 @@ import torch
 
 from common import sharded
 from common.checkpoint import CheckpointError
+from common.grid import ceil_div, round_up
 from common.sharded import Slab
 
 
@@ -30,16 +31,16 @@ def grid_slabs(shape, x, y, z, perm=None, pad_rows=None):
     """Slabs of a plexus-like layout: rows split over x (in ``perm`` order, padded), columns
     over y, the block flattened and split over z."""
     rows, cols = shape if len(shape) == 2 else (1, shape[0])
-    n_pad = pad_rows or -(-rows // x) * x
+    n_pad = pad_rows or round_up(rows, x)
     order = np.arange(n_pad) if perm is None else perm
-    c_pad = -(-cols // y) * y
+    c_pad = round_up(cols, y)
     out = []
     for i in range(x):
         for j in range(y):
             ids = order[i * n_pad // x:(i + 1) * n_pad // x]
             block_cols = (j * c_pad // y, (j + 1) * c_pad // y)
             numel = ids.size * (block_cols[1] - block_cols[0])
-            size = -(-numel // z)
+            size = ceil_div(numel, z)
             for k in range(z):
                 out.append(Slab(tuple(shape), ids if perm is not None else
                                 (int(ids[0]), int(ids[-1]) + 1), block_cols,
@@ -86,10 +87,10 @@ def test_reshard_reads_exactly_the_target_layout(tmp_path, src, dst, permuted):
         return {"w": w, "w.exp_avg": w, "v": [v[(r // grid[2]) % len(v)] for r in
                                               range(len(w))]}
 
-    pad_src = -(-13 // src[0]) * src[0] + (src[0] if permuted else 0)
+    pad_src = round_up(13, src[0]) + (src[0] if permuted else 0)
     path = write_layout(tmp_path / "step-00000001", 1, tensors, layouts(src, pad_src))
     ck = sharded.ShardedCheckpoint(path, json.loads((path / "manifest.json").read_text()))
-    pad_dst = -(-13 // dst[0]) * dst[0]
+    pad_dst = round_up(13, dst[0])
     for name, slabs in layouts(dst, pad_dst).items():
         for slab in slabs:
             got = ck.read(name, slab)
@@ -131,3 +132,71 @@ def test_no_intact_checkpoint_and_old_format(tmp_path):
     (old / "manifest.json").write_text(json.dumps({"step": 1, "meta": {}, "files": {}}))
     with pytest.raises(CheckpointError, match="older version"):
         sharded.load_latest(tmp_path)
+
+
+def _model_and_adamw(seed):
+    """Two parameters (one bf16), one buffer and an AdamW, as entries of whole slabs."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(3, 4, generator=gen))
+    b = torch.nn.Parameter(torch.randn(4, generator=gen).to(torch.bfloat16))
+    stat = torch.randn(4, generator=gen)  # a statistic: saved, no optimizer state
+    entries = [("w", w, Slab.whole((3, 4))), ("b", b, Slab.whole((4,))),
+               ("stat", stat, Slab.whole((4,)))]
+    return entries, torch.optim.AdamW([w, b], lr=0.1)
+
+
+def _step(entries, opt):
+    w, b = entries[0][1], entries[1][1]
+    opt.zero_grad()
+    ((w.sum(0) * b.float()).square().sum()).backward()
+    opt.step()
+
+
+def _opt_state(opt):
+    return [(k, v.dtype, v.device, v) for st in opt.state_dict()["state"].values()
+            for k, v in sorted(st.items())]
+
+
+def test_save_state_load_state_round_trip_is_exact(tmp_path):
+    entries, opt = _model_and_adamw(0)
+    for _ in range(3):
+        _step(entries, opt)
+    sharded.save_state(tmp_path, 3, entries, opt, meta={"k": 1}, files={"x": b"y"})
+    ck = sharded.load_latest(tmp_path)
+    assert ck.names() == ["b", "b.exp_avg", "b.exp_avg_sq", "stat", "w", "w.exp_avg",
+                          "w.exp_avg_sq"]
+    assert ck.meta == {"k": 1, "adam_steps": {"w": 3.0, "b": 3.0}} and ck.files == {"x": b"y"}
+    fresh, fresh_opt = _model_and_adamw(1)  # other values, no optimizer state
+    sharded.load_state(ck, fresh, fresh_opt)
+    for (name, t, _), (_, u, _) in zip(entries, fresh):
+        assert t.dtype == u.dtype and torch.equal(t.detach(), u.detach()), name
+    for a, b in zip(_opt_state(opt), _opt_state(fresh_opt), strict=True):
+        assert a[:3] == b[:3] and torch.equal(a[3], b[3]), a[0]
+    # and the next step is the same to the bit
+    _step(entries, opt)
+    _step(fresh, fresh_opt)
+    for (name, t, _), (_, u, _) in zip(entries, fresh):
+        assert torch.equal(t.detach(), u.detach()), name
+
+
+def test_load_state_names_what_is_missing_or_damaged(tmp_path):
+    entries, opt = _model_and_adamw(0)
+    _step(entries, opt)
+    with pytest.raises(ValueError, match="two tensors of the model are named 'w'"):
+        sharded.save_state(tmp_path, 1, [*entries, entries[0]], opt, meta={})
+    sharded.save_state(tmp_path, 1, entries, opt, meta={})
+    fresh, fresh_opt = _model_and_adamw(1)
+    extra = ("extra", torch.zeros(2), Slab.whole((2,)))
+    with pytest.raises(CheckpointError, match="has no tensor 'extra'"):
+        sharded.load_state(sharded.load_latest(tmp_path), [*fresh, extra], fresh_opt)
+    ck = sharded.load_latest(tmp_path)
+    del ck.manifest["tensors"]["w.exp_avg_sq"]  # a step count without its moment
+    with pytest.raises(CheckpointError, match=r"has no tensor 'w\.exp_avg_sq'"):
+        sharded.load_state(ck, fresh, fresh_opt)
+    other = [("w", torch.zeros(4, 3), Slab.whole((4, 3))), *fresh[1:]]
+    with pytest.raises(CheckpointError, match=r"w has shape \(3, 4\), this model \(4, 3\)"):
+        sharded.load_state(sharded.load_latest(tmp_path), other, fresh_opt)
+    shard = tmp_path / "step-00000001" / "shard-00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-8])  # truncated
+    with pytest.raises(CheckpointError, match=r"shard-00000\.bin missing, truncated or corrupt"):
+        sharded.load(tmp_path / "step-00000001")
