@@ -6,10 +6,12 @@ Run from the repository root (no install needed; the script puts the repo root o
     mpiexec -n 2 python bench/collectives.py --comm torch        # ours over gloo instead
     mpiexec -n 2 python bench/collectives.py --max-size 64K --iters 3 --ops all_reduce
     mpiexec -n 4 python bench/collectives.py --sizes 1K,1M --csv bench/results/coll.csv
+    mpiexec -n 2 python bench/collectives.py --json coll.json     # also the measurements
 
-Every rank builds a 1-D grid ``world=N`` (:class:`common.grid.ProcessGrid`), and for each op
-(all-reduce, all-gather, reduce-scatter) and message size runs :mod:`common.collectives` (the
-transport of ``--comm``: ``mpi``, the default under mpiexec, or ``torch`` = gloo), then
+Every rank builds a 1-D grid ``world=N`` (:class:`common.grid.ProcessGrid`) and its group with
+``ctx.create_groups(grid)``, as the README's core snippet does, and for each op (all-reduce,
+all-gather, reduce-scatter) and message size runs :mod:`common.collectives` (the transport of
+``--comm``: ``mpi``, the default under mpiexec, or ``torch`` = gloo), then
 mpi4py's ``Allreduce`` / ``Allgather`` / ``Reduce_scatter_block`` on the same numpy arrays (the
 torch tensors are ``torch.from_numpy`` views of them). Ours returns a new tensor per call, as
 the API does, so the MPI baseline ("MPI us") receives into a new tensor per call too (same
@@ -36,6 +38,11 @@ Checks (any failure prints on rank 0 and exits 1): once per size, our result equ
 :class:`~common.comm_stats.CommStats` recorded over the warm-up and timed calls equal
 ``calls * M * 2(n-1)/n`` (all-reduce) or ``calls * M * (n-1)/n`` (others). Only rank 0
 prints.
+
+``--json PATH`` also writes what the tables were computed from: per row, the block time of
+every round (``rounds_s``: ours, mpi, mpi_reused) next to the printed values, and per rank the
+CommStats (calls, bytes) and the size and sum of ours' and MPI's results
+(tests/bench/test_collectives_bench.py recomputes every printed number from them).
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ from mpi4py import MPI
 from common import collectives as coll
 from common.alloc import retain_freed_memory
 from common.comm_stats import CommStats
-from common.dist import fail_all_ranks, init_distributed
+from common.dist import init_distributed
+from common.failure import fail_all_ranks
 from common.grid import AxisGroup, ProcessGrid
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -135,10 +143,10 @@ def make_calls(
 
 def time_blocks(
     calls: dict[str, Callable[[], Any]], iters: int, warmup: int, repeats: int, comm: MPI.Comm
-) -> dict[str, float]:
-    """Per callable: the median over ``repeats`` blocks of the max over ranks of the mean
-    seconds per call. Blocks of the callables alternate, so all see the same background load.
-    """
+) -> dict[str, list[float]]:
+    """Per callable: ``repeats`` block times, each the max over ranks of the mean seconds per
+    call (the caller takes their median). Blocks of the callables alternate, so all see the
+    same background load."""
     for _ in range(warmup):
         for fn in calls.values():
             fn()
@@ -151,7 +159,7 @@ def time_blocks(
                 fn()
             mean = (time.perf_counter() - start) / iters
             times[name].append(comm.allreduce(mean, op=MPI.MAX))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def iterations(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
@@ -164,8 +172,9 @@ def iterations(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
 
 def bench_one(
     op: str, nbytes: int, args: argparse.Namespace, group: AxisGroup, comm: MPI.Comm
-) -> tuple[dict, list[str]]:
-    """Check and time one (op, size); return its row and a list of check failures."""
+) -> tuple[dict, dict, list[str]]:
+    """Check and time one (op, size); return its row (the same on every rank), this rank's
+    measurements (CommStats and results) and a list of check failures."""
     n, rank = group.size, group.rank
     numel = max(n, nbytes // 4 // n * n)  # float32 elements, divisible by the group size
     full_bytes = numel * 4
@@ -176,30 +185,36 @@ def bench_one(
     calls = make_calls(op, send, recv, group, comm, None)
     calls["mpi_reused"]()
     got = calls["ours"]().numpy()
+    local = {"ours_out_bytes": got.nbytes, "mpi_out_bytes": recv.nbytes,
+             "ours_sum": float(got.sum(dtype=np.float64)),
+             "mpi_sum": float(recv.sum(dtype=np.float64))}
     if got.shape != recv.shape or not np.array_equal(got, recv):
         bad = int(np.sum(got != recv)) if got.shape == recv.shape else "shape"
         errors.append(f"{op} {fmt_size(full_bytes)}: ours != MPI on rank {rank} ({bad} diffs)")
 
     stats = CommStats()
-    t = time_blocks(make_calls(op, send, recv, group, comm, stats), iters, warmup,
-                    args.repeats, comm)
+    rounds = time_blocks(make_calls(op, send, recv, group, comm, stats), iters, warmup,
+                         args.repeats, comm)
+    t = {name: statistics.median(times) for name, times in rounds.items()}
     t_ours, t_mpi = t["ours"], t["mpi"]
 
     calls = warmup + args.repeats * iters
     expected = calls * (2 if op == "all_reduce" else 1) * (n - 1) * full_bytes // n
     rec = stats.records.get((group.name, op))
-    if rec is None or rec.calls != calls or rec.bytes != expected:
-        got_b = None if rec is None else (rec.calls, rec.bytes)
+    got_b = (0, 0) if rec is None else (rec.calls, rec.bytes)
+    local["stats_calls"], local["stats_bytes"] = got_b
+    if got_b != (calls, expected):
         errors.append(f"{op} {fmt_size(full_bytes)}: CommStats (calls, bytes) = {got_b} on rank "
                       f"{rank}, ring formula says ({calls}, {expected})")
 
     factor = BUS_FACTOR[op](n)
-    row = {"op": op, "ranks": n, "bytes": full_bytes, "iters": iters,
+    row = {"op": op, "ranks": n, "bytes": full_bytes, "iters": iters, "warmup": warmup,
            "ours_us": t_ours * 1e6, "ours_busbw": full_bytes / t_ours * factor / 1e9,
            "mpi_us": t_mpi * 1e6, "mpi_busbw": full_bytes / t_mpi * factor / 1e9,
-           "ratio": t_ours / t_mpi, "mpi_reused_us": t["mpi_reused"] * 1e6}
+           "ratio": t_ours / t_mpi, "mpi_reused_us": t["mpi_reused"] * 1e6,
+           "rounds_s": rounds}
     row["target_met"] = target_met(row)
-    return row, errors
+    return row, local, errors
 
 
 def print_table(op: str, rows: list[dict], n: int) -> None:
@@ -227,8 +242,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="warm-up calls per size up to 1 MiB")
     p.add_argument("--repeats", type=int, default=5, help="timed blocks per size; median")
     p.add_argument("--csv", type=Path, help="write all rows to this CSV file")
-    p.add_argument("--json", action="store_true", help="print rows as JSON instead of tables")
+    p.add_argument("--json", type=Path, metavar="PATH",
+                   help="also write the rows and the measurements behind them as JSON")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if bad := [o for o in args.ops if o not in OPS]:
         p.error(f"unknown op(s) {bad}; choose from {OPS}")
@@ -264,39 +281,48 @@ def main(argv: list[str] | None = None) -> int:
     grid.check(n)
     group = ctx.create_groups(grid)["world"]  # collective: every rank creates the group
 
-    rows, errors = [], []
+    rows, locals_, errors = [], [], []
     for op in args.ops:
         for nbytes in args.sizes:
-            row, errs = bench_one(op, nbytes, args, group, comm)
+            row, local, errs = bench_one(op, nbytes, args, group, comm)
             rows.append(row)
+            locals_.append(local)
             errors += errs
-    all_errors = [e for errs in comm.gather(errors, root=0) or [] for e in errs]
+    gathered, failed = comm.gather((errors, locals_), root=0), False
     if rank == 0:
-        if args.json:
-            print(json.dumps({"ranks": n, "torch_threads": torch.get_num_threads(),
-                              "timing": TIMING, "failures": all_errors, "rows": rows}))
-        else:
-            mpi_lib = MPI.Get_library_version().split()[0]
-            transport = "MPI transport" if ctx.transport is not None else "gloo"
-            print(f"collectives bench: {n} ranks, ours ({transport}) vs {mpi_lib} via mpi4py, "
-                  f"torch threads/rank={torch.get_num_threads()}\ntime per call: {TIMING}, "
-                  f"{args.repeats} rounds")
-            for op in args.ops:
-                print_table(op, [r for r in rows if r["op"] == op], n)
+        all_errors = [e for errs, _ in gathered for e in errs]
+        failed = bool(all_errors)
+        for i, row in enumerate(rows):  # rank r's measurements of this row, in rank order
+            row["per_rank"] = [local[i] for _, local in gathered]
+        mpi_lib = MPI.Get_library_version().split()[0]
+        transport = "MPI transport" if group.mpi is not None else "gloo"
+        print(f"collectives bench: {n} ranks, ours ({transport}) vs {mpi_lib} via mpi4py, "
+              f"torch threads/rank={torch.get_num_threads()}\ntime per call: {TIMING}, "
+              f"{args.repeats} rounds")
+        for op in args.ops:
+            print_table(op, [r for r in rows if r["op"] == op], n)
         if args.csv:
             args.csv.parent.mkdir(parents=True, exist_ok=True)
             with args.csv.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=COLUMNS)
+                writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
                 writer.writeheader()
                 writer.writerows(rows)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({
+                "command": " ".join(["python", "bench/collectives.py", *args.argv]),
+                "ranks": n, "transport": "mpi" if group.mpi is not None else "gloo",
+                "mpi_library": mpi_lib, "torch_threads": torch.get_num_threads(),
+                "timing": TIMING, "repeats": args.repeats, "failures": all_errors,
+                "rows": rows}, indent=1))
         for e in all_errors:
             print(f"FAIL: {e}", file=sys.stderr)
-        if not all_errors and not args.json:
+        if not all_errors:
             missed = sum(not r["target_met"] for r in rows)
             print(f"\ntarget (>= 64 KiB: ours/MPI <= {MAX_RATIO}; below: <= {MAX_EXTRA_US:.0f} us "
                   f"extra): {len(rows) - missed}/{len(rows)} rows met")
             print("checks OK: ours == MPI for every size; CommStats bytes == ring formula")
-    failed = comm.bcast(bool(all_errors), root=0)
+    failed = comm.bcast(failed, root=0)
     ctx.close()  # before mpi4py finalizes MPI at exit
     return 1 if failed else 0
 

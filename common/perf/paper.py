@@ -1,4 +1,5 @@
-"""The model against the Plexus paper's measurements (plexus-3d.md section 8, perf-model.md).
+"""The model against the Plexus paper's measurements (docs/design/plexus-3d.md
+section 8, docs/design/perf-model.md).
 
 Ranjan et al., "Plexus: Taming Billion-edge Graphs with 3D Parallel Full-graph GNN Training",
 SC'25 (arXiv 2505.04083). Times are ms per epoch read off the paper's figures. The predictions
