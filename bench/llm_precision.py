@@ -8,7 +8,7 @@ Two runs of the same model from the same seed on the same batches, each in fresh
 ``--precision bf16 --activation-checkpointing``. Per run, rank 0 prints the maximum over
 ranks of: the final loss, the bytes autograd saves for backward during one micro-step
 (:class:`llm.precision.SavedActivations` around the first step; grad_accum is 1, so a step
-is one micro-step), the peak resident memory of the later steps (``common.run.reset_peak`` /
+is one micro-step), the peak resident memory of the later steps (``common.memory.reset_peak`` /
 ``peak_bytes``: parameters, optimizer state, gathered weights and activations together), the
 median step time and the bytes sent per step by the tensor-parallel collectives (depth, row,
 col). Results are appended to bench/results/llm_precision.jsonl.
@@ -50,22 +50,23 @@ def worker(args: argparse.Namespace) -> None:
     from common.dist import init_distributed
     from common.exchange import max_over_ranks
     from common.grid import AXONN_AXES, ProcessGrid
-    from common.run import peak_bytes, reset_peak
+    from common.memory import peak_bytes, reset_peak
+    from common.parallel import ParallelState
     from common.spawn import print_result
     from llm.config import DataConfig, GoldfishConfig, OptimConfig, PrecisionConfig, RunConfig
     from llm.model import get_preset
-    from llm.parallel.gpt import make_groups
+    from llm.parallel.gpt import AXIS_SETS
     from llm.precision import SavedActivations
     from llm.trainer import Trainer
 
     torch.set_num_threads(1)  # several ranks share the cores
     with init_distributed(device="cpu", comm=args.comm) as ctx:
-        groups = make_groups(ProcessGrid.parse(args.grid, AXONN_AXES), ctx.rank, ctx.transport)
+        parallel = ParallelState.create(ctx, ProcessGrid.parse(args.grid, AXONN_AXES), AXIS_SETS)
         trainer = Trainer(get_preset(args.preset),
                           DataConfig(seq_len=args.seq_len, batch_size=args.batch_size,
                                      eval_batches=0),
                           OptimConfig(lr=args.lr, warmup_steps=args.steps // 4),
-                          GoldfishConfig(), RunConfig(steps=args.steps), groups, seed=0,
+                          GoldfishConfig(), RunConfig(steps=args.steps), parallel, seed=0,
                           precision=PrecisionConfig(precision=args.precision,
                                                     activation_checkpointing=args.checkpointing))
         with SavedActivations(trainer.model.parameters()) as saved:  # one micro-step's forward

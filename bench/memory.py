@@ -9,7 +9,7 @@
     python bench/memory.py plexus --scale 16 --edge-factor 16 --features 32   # a quick run
 
 Every step runs in fresh ranks under ``mpiexec`` (``python bench/memory.py --worker ...``).
-Each rank resets its peak (``common.run.reset_peak``: Linux's ``clear_refs``) before a step
+Each rank resets its peak (``common.memory.reset_peak``: Linux's ``clear_refs``) before a step
 and reads it after (``VmHWM``), and rank 0 prints the maximum over ranks, so a step's figure is
 that step's own peak, including everything the process already held. Resident memory counts
 the pages of memory-mapped block files a rank has touched. Results are appended to
@@ -49,7 +49,7 @@ PLEXUS_GRIDS = {1: ("1x1x1", "1x1x1"), 2: ("2x1x1", "1x2x1"), 4: ("2x2x1", "1x2x
 
 def _phase_peaks():
     """A recorder of per-step peaks: ``mark(name)`` closes the step since the last mark."""
-    from common.run import peak_bytes, reset_peak
+    from common.memory import peak_bytes, reset_peak
 
     peaks: dict[str, int] = {}
 
@@ -64,8 +64,8 @@ def _phase_peaks():
 
 def _report(ctx, values: dict[str, Any]) -> None:
     """Rank 0 prints the maximum over ranks of every value as one JSON line."""
-    from common.dist import max_over_ranks
-    from common.launch import print_result
+    from common.exchange import max_over_ranks
+    from common.spawn import print_result
 
     keys = sorted(values)
     got = max_over_ranks([float(values[k]) for k in keys], ctx.device)
@@ -120,7 +120,7 @@ def worker_llm(args) -> None:
     from common.grid import AXONN_AXES, ProcessGrid
     from llm import checkpoint
     from llm.model import GPT, PRESETS
-    from llm.parallel import ParallelGPT, make_groups
+    from llm.parallel.gpt import ParallelGPT, make_groups
 
     ctx = init_distributed(device="cpu")
     peaks, mark = _phase_peaks()
@@ -149,7 +149,7 @@ def worker_llm(args) -> None:
 
 
 def _launch(ranks: int, worker_args: list[str]) -> dict[str, Any]:
-    from common.launch import run_worker
+    from common.spawn import run_worker
 
     return run_worker(Path(__file__).resolve(), ranks, worker_args, cwd=ROOT)
 
@@ -225,7 +225,7 @@ def _train_cli(ranks: int, cli: list[str], metrics: Path) -> tuple[dict[str, Any
     process so far, which for one rank is that rank's own, preparation included)."""
     import resource
 
-    from common.launch import ranks_command
+    from common.spawn import ranks_command
 
     cmd = ranks_command(ranks, [sys.executable, "-m", "plexus.train", *cli, "--metrics",
                                 str(metrics)])

@@ -84,7 +84,7 @@ def _train(data: str, ranks: int, grid: str | None, epochs: int, hidden: int,
            "--metrics", str(metrics), *(extra or [])]
     if grid:
         cmd += ["--grid", grid]
-    from common.launch import ranks_command
+    from common.spawn import ranks_command
 
     cmd = ranks_command(ranks, cmd)
     print("$ " + " ".join(cmd), flush=True)

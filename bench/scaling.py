@@ -38,10 +38,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.launch import ranks_command  # noqa: E402
 from common.perf.gcn import GCNWorkload, predict_gcn  # noqa: E402
 from common.perf.machine import load_profile  # noqa: E402
 from common.perf.model import factorizations, spearman  # noqa: E402
+from common.spawn import ranks_command  # noqa: E402
 
 
 def graph_workload(dataset: str, layers: int, hidden: int) -> GCNWorkload:

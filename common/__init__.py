@@ -23,7 +23,7 @@ _LAZY = {
     "DistContext": "common.dist",
     "init_distributed": "common.dist",
     "shutdown": "common.dist",
-    "fail_all_ranks": "common.dist",
+    "fail_all_ranks": "common.failure",
 }
 
 __all__ = ["AXONN_AXES", "PLEXUS_AXES", "AxisGroup", "CommStats", "ProcessGrid", "ceil_div",

@@ -10,8 +10,10 @@ watchdog and destroys the process group when the interpreter exits (a process th
 a live gloo group can die with "terminate called without an active exception"); use
 ``with init_distributed() as ctx:`` or ``ctx.close()`` to close it earlier. Nothing here is
 module state, and the timeouts' environment variables are read by the call, not at import.
-What ranks do together when something fails (and the small agreements such as
-:func:`any_rank`) lives in :mod:`common.failure`; every name of it is re-exported here.
+Axis groups come from :meth:`DistContext.create_groups` (``ctx.create_groups(grid)``: with the
+job's MPI transport when there is one). What ranks do together when something fails lives in
+:mod:`common.failure`; the small agreements and object exchanges (``any_rank``,
+``broadcast_object``, ...) in :mod:`common.exchange`.
 
 Launchers, detected in this order (override with ``launcher=``):
 
@@ -40,27 +42,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.failure import (
-    all_gather_object,
-    any_rank,
-    barrier,
-    broadcast_object,
-    exit_on_comm_failure,
-    fail_all_ranks,
-    is_comm_failure,
-    max_over_ranks,
-    preemption_flag,
-    rank_and_size,
-)
 from common.grid import AxisGroup, ProcessGrid
 from common.mpi import MPITransport, cores_available, mpi_world_size
 from common.watchdog import DEFAULT_HEARTBEAT_TIMEOUT_S, Watchdog
 
 __all__ = ["COMMS", "DEFAULT_TIMEOUT_S", "ENV_HEARTBEAT_TIMEOUT", "ENV_MPI_POLITE", "ENV_TIMEOUT",
-           "DistContext", "all_gather_object", "any_rank", "barrier", "broadcast_object",
-           "default_backend", "detect_launcher", "exit_on_comm_failure", "fail_all_ranks",
-           "first_slurm_host", "init_distributed", "is_comm_failure", "max_over_ranks",
-           "preemption_flag", "rank_and_size", "resolve_timeouts", "shutdown", "split_threads"]
+           "DistContext", "default_backend", "detect_launcher", "first_slurm_host",
+           "init_distributed", "resolve_timeouts", "shutdown", "split_threads"]
 
 # Defaults of the two timeouts when neither the argument nor the environment sets them. The
 # environment variables are read by init_distributed when it runs, never at import.
@@ -90,8 +78,7 @@ class DistContext:
         heartbeat_timeout_s: how long the watchdog waits for a silent peer.
         watchdog: the heartbeat thread (None with one rank or ``watchdog=False``).
         transport: the :class:`~common.mpi.MPITransport` that CPU tensors use, or None
-            (``torch.distributed`` only); pass it to ``ProcessGrid.create_groups`` or use
-            :meth:`create_groups`.
+            (``torch.distributed`` only); :meth:`create_groups` gives it to every axis group.
     """
 
     rank: int
@@ -123,7 +110,13 @@ class DistContext:
 
     def create_groups(self, grid: ProcessGrid, axis_sets: Iterable[str | Iterable[str]] | None
                       = None, **pg_kwargs: Any) -> dict[str, AxisGroup]:
-        """``grid.create_groups(self.rank, axis_sets, transport=self.transport)``; collective."""
+        """This rank's axis groups of ``grid``, over the job's transport; collective.
+
+        The way to make axis groups: every rank calls it with the same arguments and creates
+        every group, in the same order; each group gets an MPI communicator when the job has
+        the MPI transport (mpiexec), so CPU tensors take MPI, not gloo. ``axis_sets`` and
+        ``pg_kwargs`` as in :meth:`common.grid.ProcessGrid.create_groups`.
+        """
         return grid.create_groups(self.rank, axis_sets, transport=self.transport, **pg_kwargs)
 
     def close(self) -> None:

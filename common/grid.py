@@ -10,7 +10,9 @@ used by this project:
 
 Everything except :meth:`ProcessGrid.create_groups` is pure arithmetic on integers and is
 tested without ``torch.distributed``. Group creation is *collective*: every rank creates every
-group of every requested axis set in the same fixed order (a ``torch.distributed`` rule).
+group of every requested axis set in the same fixed order (a ``torch.distributed`` rule). Make
+the groups with ``ctx.create_groups(grid)`` (:meth:`common.dist.DistContext.create_groups`):
+it passes the job's MPI transport, which CPU tensors need to be fast under mpiexec.
 """
 
 from __future__ import annotations
@@ -232,9 +234,15 @@ class ProcessGrid:
     # ----------------------------------------------------------------- groups (collective)
     def create_groups(
         self, rank: int, axis_sets: Iterable[str | Iterable[str]] | None = None, *,
-        transport: Any = None, **pg_kwargs: Any
+        transport: Any, **pg_kwargs: Any
     ) -> dict[str, AxisGroup]:
         """Create process groups for each axis (or set of axes); collective over the world.
+
+        The usual call is :meth:`common.dist.DistContext.create_groups` (``ctx.create_groups(
+        grid)``), which passes the job's transport; this form is for code handed a rank and a
+        transport rather than the context. ``transport`` has no default: leaving it out would
+        quietly send CPU tensors through gloo under mpiexec, milliseconds per small
+        collective where MPI takes microseconds (:mod:`common.mpi`).
 
         Every rank must call this with the same arguments: for each axis set, in the given
         order, it creates every group along that set (in :meth:`groups` order) and keeps the
@@ -244,9 +252,9 @@ class ProcessGrid:
         Args:
             rank: this process's global rank.
             axis_sets: axes or tuples of axes; default: each single axis.
-            transport: a :class:`~common.mpi.MPITransport` (``DistContext.transport``): each
-                group also gets an MPI communicator, which CPU tensors then use. None: only
-                ``torch.distributed`` groups.
+            transport: the job's :class:`~common.mpi.MPITransport` (``DistContext.transport``):
+                each group also gets an MPI communicator, which CPU tensors then use; or None
+                where the job has none (``torch.distributed`` groups only).
             pg_kwargs: forwarded to ``torch.distributed.new_group`` (e.g. ``timeout``).
 
         Returns:

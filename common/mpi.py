@@ -4,7 +4,7 @@ Gloo moves CPU tensors over TCP sockets, even between ranks of one node; the mac
 shared memory there and tuned algorithms everywhere (on a 2-core machine gloo's 1 KiB
 all-reduce takes ~2.8 ms, MPICH's ~30 us: bench/collectives.py). When the job was started by an
 MPI launcher, :func:`common.dist.init_distributed` builds an :class:`MPITransport`, and
-:meth:`common.grid.ProcessGrid.create_groups` gives every axis group an :class:`MPIGroup`: a
+:meth:`common.dist.DistContext.create_groups` gives every axis group an :class:`MPIGroup`: a
 communicator split from ``COMM_WORLD`` along the same axes. :mod:`common.collectives` then runs
 CPU tensors through it (same API, same autograd pairs, same byte accounting) and everything
 else (CUDA tensors: NCCL) through the group's ``torch.distributed`` group.

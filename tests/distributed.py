@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 
 from common.dist import ENV_MPI_POLITE
-from common.launch import find_mpiexec
 from common.mpi import cores_available
+from common.spawn import find_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("mpiexec", "torchrun", "single")
@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 # What every rank imports anyway, imported once into the fork server that starts the ranks:
 # about 3 CPU-seconds per rank saved (most of a small test's time at 8 ranks on 2 cores).
 _PRELOAD = ["torch", "torch.distributed", "numpy", "common.dist", "common.collectives",
-            "plexus.data", "plexus.trainer", "llm.parallel", "llm.trainer"]
+            "plexus.data", "plexus.trainer", "llm.parallel.gpt", "llm.trainer"]
 
 
 def _rank_context() -> Any:

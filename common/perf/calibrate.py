@@ -44,10 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.launch import find_mpiexec
 from common.perf.gcn import gemm_seconds, spmm_bytes
 from common.perf.machine import OPS, CollectiveFit, Compute, Link, MachineProfile, ring_factor
 from common.perf.machine import ring_steps as _steps
+from common.spawn import find_mpiexec
 
 SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)  # bytes of the full tensor
 WIDTHS = (8, 16, 32, 64, 128)
@@ -82,7 +82,7 @@ def _measure(ctx, args) -> dict:
     import torch.distributed as dist
 
     from common import collectives as coll
-    from common.dist import max_over_ranks
+    from common.exchange import max_over_ranks
     from common.grid import ProcessGrid
 
     world, rank = ctx.world_size, ctx.rank

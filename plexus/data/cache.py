@@ -8,7 +8,7 @@ The cache of a dataset is ``ROOT/prepared/<name>-k<blocks>-<permutation>-s<seed>
 ``<name>`` is the OGB name or the edge file's stem (``ROOT/prepared/edges-k8-double-s0`` for
 ``edges.npy``; two edge files with one stem share it, the manifest check tells them apart),
 ``-sym`` marks a directed graph made undirected by ``--symmetrize``. It is a directory written
-by ``python -m plexus.prepare`` (plexus.data.prepare), which writes under ``OUT.partial`` and
+by ``python -m plexus.prepare`` (plexus.data.writer), which writes under ``OUT.partial`` and
 renames at the end, so a half-written cache is never used and the next writer starts over.
 
 The rule (:func:`wants_cache`): ``ogbn-papers100M`` and ``ogbn-products`` always go through
@@ -141,7 +141,7 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
         if verbose:
             print(f"preparing {name} into {out} (once; later runs reuse it)", flush=True)
         source = _source(name, root, edge_file, seed, symmetrize, tmp_dir=out.parent)
-        from plexus.data.prepare import prepare
+        from plexus.data.writer import prepare
 
         prepare(source, out, blocks=blocks, permutation=permutation, seed=seed, quiet=quiet)
     except BaseException as e:

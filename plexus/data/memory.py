@@ -1,7 +1,7 @@
 """The in-memory shard source: every rank holds the whole :class:`Graph` and cuts its blocks.
 
 For small graphs and as the test oracle; big graphs go through ``python -m plexus.prepare``
-and :class:`plexus.data.prepared.PreparedGraph`, which gives the same shards bit for bit when
+and :class:`plexus.data.mapped.PreparedGraph`, which gives the same shards bit for bit when
 ``pad_multiple`` is the prepared block count k.
 
 Each rank builds ``Â``, permutes it into the two distinct layouts (``A' = Pr Â Pc^T`` for even

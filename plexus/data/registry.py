@@ -24,9 +24,9 @@ from pathlib import Path
 from plexus.data import cache
 from plexus.data.generators import planted_partition, rmat_graph
 from plexus.data.graph import Graph
+from plexus.data.mapped import PreparedGraph
 from plexus.data.memory import InMemorySource
 from plexus.data.ogb import OGB_DATASETS, load_ogb
-from plexus.data.prepared import PreparedGraph
 from plexus.data.pyg import is_pyg_name, load_pyg, pyg_patterns
 from plexus.data.schema import DEFAULT_ROOT, is_prepared
 from plexus.data.shard import ShardSource

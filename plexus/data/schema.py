@@ -1,6 +1,6 @@
 """What plexus data looks like: split names and codes, and the on-disk format of a prepared
-dataset (format version, manifest, checksums). The writer (plexus.data.prepare) and the
-reader (plexus.data.prepared) both use this module; neither imports the other.
+dataset (format version, manifest, checksums). The writer (plexus.data.writer) and the
+reader (plexus.data.mapped) both use this module; neither imports the other.
 
 Layout of a prepared dataset ``OUT`` (N_pad = N rounded up to k; bs = N_pad / k):
 

@@ -5,11 +5,11 @@ The trainer only talks to a ``ShardSource``; it never asks which kind it holds. 
 
 * :class:`plexus.data.memory.InMemorySource`: a whole :class:`~plexus.data.graph.Graph` that
   every rank holds and cuts its blocks from (small graphs, and the test oracle);
-* :class:`plexus.data.prepared.PreparedGraph`: a dataset written by ``python -m plexus.prepare``
+* :class:`plexus.data.mapped.PreparedGraph`: a dataset written by ``python -m plexus.prepare``
   from which every rank memory-maps only its blocks.
 
 Both give the same shard, bit for bit, for the same permutation and padding
-(tests/plexus/data/test_prepared.py).
+(tests/plexus/data/test_mapped.py).
 
 The source's ``aggregation`` (plexus.data.partition.AGGREGATIONS) picks the matrices: ``gcn``
 gives ``adj`` = blocks of ``Â`` and ``root = None``; ``mean`` (GraphSAGE) gives ``adj`` =

@@ -1,4 +1,4 @@
-"""Where plexus.data.prepare reads a graph from: edge chunks plus per-node data, never all edges.
+"""Where plexus.data.writer reads a graph from: edge chunks plus per-node data, never all edges.
 
 Each source is an :class:`EdgeSource`: a fresh iterator of int64 [2, B] (source, target)
 chunks, flags for symmetrising and duplicate handling, and a callback that produces the node

@@ -1,7 +1,7 @@
 """Parallel-equals-serial checks of every collective and autograd pair along every grid axis.
 
 Used in-process by test_collectives.py (through tests.distributed.run_ranks) and as a script
-under real launchers by test_launch.py::
+under real launchers by test_dist.py::
 
     mpiexec -n 4 python -m tests.common.collective_checks --grid 2x2x1
 
@@ -40,6 +40,9 @@ def _serial(kind: str, xs: list[torch.Tensor], ws: list[torch.Tensor], m: int, d
     elif kind == "identity_all_reduce":
         outs = xs
         loss = sum((o * w).sum() for o, w in zip(outs, ws))
+    elif kind == "all_reduce_all_reduce":  # partial in -> replicated out, used by every member
+        outs = [sum(xs)] * g
+        loss = sum((o * w).sum() for o, w in zip(outs, ws))
     elif kind == "all_gather_reduce_scatter":
         outs = [torch.cat(xs, dim)] * g
         loss = sum((o * w).sum() for o, w in zip(outs, ws))
@@ -66,6 +69,7 @@ def _cases(g: int, dim: int):
     return {
         "all_reduce_identity": (base, True),
         "identity_all_reduce": (base, False),
+        "all_reduce_all_reduce": (base, False),
         "all_gather_reduce_scatter": (base, False),
         "reduce_scatter_all_gather": (full, False),
         "split_all_gather": (full, False),
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", required=True)
     args = p.parse_args(argv)
-    from common.dist import fail_all_ranks, init_distributed
+    from common.dist import init_distributed
+    from common.failure import fail_all_ranks
 
     ctx = init_distributed(device="cpu", timeout_s=60)
     try:

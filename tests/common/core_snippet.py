@@ -13,7 +13,8 @@ ctx = init_distributed(device="cpu")  # mpiexec, torchrun, srun or a single proc
 x = 2 if ctx.world_size % 2 == 0 else 1
 grid = ProcessGrid.plexus(x, ctx.world_size // x, 1)  # x * y * z ranks
 grid.check(ctx.world_size)  # ValueError showing the arithmetic when the sizes do not multiply
-groups = grid.create_groups(ctx.rank)  # collective: every rank creates every group
+# collective: every rank creates every group; gets the MPI transport under mpiexec
+groups = ctx.create_groups(grid)
 stats = CommStats()  # bytes and seconds per (axis, op), owned by the caller
 
 # all-reduce over x, asynchronously: compute issued before wait() overlaps the communication

@@ -1,7 +1,8 @@
 """The README's "Using the shared core from your own code" example is a real script
 (tests/common/core_snippet.py): run as an outside script (its own directory, no PYTHONPATH)
 on 4 ranks under mpiexec and torchrun and alone, it prints the right numbers and exits 0
-without calling any shutdown (the core cleans up by itself)."""
+without calling any shutdown (the core cleans up by itself); under mpiexec its axis groups
+are MPI groups."""
 
 import re
 import shutil
@@ -43,6 +44,23 @@ def test_snippet_under_torchrun(tmp_path):
 
 def test_snippet_alone(tmp_path):
     _run(tmp_path, "single", 1)
+
+
+@pytest.mark.slow
+def test_snippet_groups_get_the_mpi_transport_under_mpiexec(tmp_path):
+    """The groups made as the README makes them carry an MPI communicator under mpiexec, so
+    CPU tensors take MPI, not gloo (the slow path, :mod:`common.mpi`)."""
+    script = tmp_path / "core_snippet.py"
+    script.write_text(SNIPPET.read_text() + (
+        "\nfrom common.mpi import MPIGroup\n"
+        "print('rank', ctx.rank, 'comm', ctx.comm, 'mpi groups', sorted(\n"
+        "    n for n, g in groups.items() if g.size > 1 and isinstance(g.mpi, MPIGroup)))\n"))
+    r = launch([str(script)], ranks=2, launcher="mpiexec", cwd=tmp_path, pythonpath=None,
+               timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "grid 2x1x1: x-sum 1, gradient [1.0, 1.0]" in r.stdout, r.stdout
+    for rank in (0, 1):  # 2x1x1: x is the one group of two ranks
+        assert f"rank {rank} comm mpi mpi groups ['x']" in r.stdout, r.stdout
 
 
 def _snippet_body() -> str:

@@ -168,6 +168,13 @@ def test_axis_group_has_no_single_constructor():
     assert not hasattr(AxisGroup, "single")  # groups come from create_groups
 
 
+def test_group_creation_needs_the_transport_said():
+    """Left out, the transport would quietly be gloo under mpiexec (the slow path): the grid's
+    form has no default; ctx.create_groups(grid) passes the job's (tests/common/test_mpi.py)."""
+    with pytest.raises(TypeError, match="transport"):
+        ProcessGrid.plexus(1, 1, 1).create_groups(0)
+
+
 sizes = st.integers(min_value=1, max_value=6)
 
 

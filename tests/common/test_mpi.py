@@ -10,7 +10,7 @@ import torch
 
 from common import collectives as coll
 from common.comm_stats import CommStats
-from common.dist import any_rank, max_over_ranks
+from common.exchange import any_rank, max_over_ranks
 from common.grid import AXONN_AXES, PLEXUS_AXES, ProcessGrid
 from common.mpi import MPITransport, ProgressThread
 from tests.distributed import launch, needs_mpi, run_ranks
@@ -57,7 +57,7 @@ def _compare(ctx):
                 grid = ProcessGrid.parse(text, AXONN_AXES if "=" in text else PLEXUS_AXES)
                 axis_sets = [*grid.axes, tuple(grid.axes)]
                 mpi = grid.create_groups(ctx.rank, axis_sets, transport=t)
-                torch_groups = grid.create_groups(ctx.rank, axis_sets)
+                torch_groups = grid.create_groups(ctx.rank, axis_sets, transport=None)  # gloo
                 used += [f"{text}/{n}" for n, g in mpi.items() if g.mpi and g.mpi.two_level]
                 assert all(g.mpi is not None for g in mpi.values() if g.size > 1)
                 for dtype in DTYPES:

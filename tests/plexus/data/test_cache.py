@@ -2,7 +2,7 @@
 
 The datasets are tiny graphs in the exact OGB on-disk format (tests/plexus/data/ogb_format.py),
 so the real streaming readers run; ogbn-papers100M goes through the cache by name whatever its
-size. Training on a prepared dataset equals the in-memory source: test_prepared.py.
+size. Training on a prepared dataset equals the in-memory source: test_mapped.py.
 """
 
 import json
@@ -13,10 +13,11 @@ import time
 import numpy as np
 import pytest
 
-import plexus.data.prepare as prepare_module
+import plexus.data.writer as writer_module
+from common.perf import parse_grid
 from plexus.data import DatasetCorruptError, InMemorySource, PreparedGraph, cache, open_source
 from plexus.data.cache import PrepareFailedError, prepared_cache
-from plexus.train import default_blocks
+from plexus.data.job import default_blocks
 from tests.distributed import needs_mpi
 from tests.plexus.data.ogb_format import write_arxiv_like, write_papers100m_like
 from tests.plexus.test_train import cli
@@ -42,7 +43,7 @@ def test_auto_prepares_papers100m_once_then_reuses_it(tmp_path, monkeypatch):
     assert src.split_counts["train"] == written.train_idx.size
     assert not src.symmetric and not list(tmp_path.glob("prepared/*.partial"))
     mtime = (out / "manifest.json").stat().st_mtime_ns
-    monkeypatch.setattr(prepare_module, "prepare", _no_prepare)
+    monkeypatch.setattr(writer_module, "prepare", _no_prepare)
     again = open_source(PAPERS, root=tmp_path, blocks=2, is_writer=False)  # a waiter: no wait
     assert again.path == out and (out / "manifest.json").stat().st_mtime_ns == mtime
     # the name carries every setting: another seed or --symmetrize is another cache
@@ -117,7 +118,7 @@ def test_a_failed_writer_stops_the_waiters_with_its_message(tmp_path, monkeypatc
     def broken(*args, **kwargs):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(prepare_module, "prepare", broken)
+    monkeypatch.setattr(writer_module, "prepare", broken)
     with pytest.raises(OSError, match="disk on fire"):
         prepared_cache(PAPERS, tmp_path, **KW, is_writer=True, token="job-1")
     assert json.loads(failed.read_text()) == {"token": "job-1", "error": "OSError: disk on fire"}
@@ -154,7 +155,7 @@ def test_waiters_poll_until_the_writer_is_done(tmp_path, capsys):
 def test_a_damaged_cache_is_an_error_naming_the_file(tmp_path, monkeypatch):
     write_papers100m_like(tmp_path, num_nodes=400)
     out = prepared_cache(PAPERS, tmp_path, **KW, is_writer=True)
-    monkeypatch.setattr(prepare_module, "prepare", _no_prepare)  # never silently rewritten
+    monkeypatch.setattr(writer_module, "prepare", _no_prepare)  # never silently rewritten
     victim = out / "features" / "1.npy"
     victim.write_bytes(victim.read_bytes()[:-8])
     with pytest.raises(DatasetCorruptError, match=rf"{re.escape(str(victim))} has \d+ bytes, "
@@ -169,11 +170,14 @@ def test_a_damaged_cache_is_an_error_naming_the_file(tmp_path, monkeypatch):
 
 
 def test_default_blocks_fit_the_grid():
-    assert default_blocks("2x2x2", 8) == 8 and default_blocks("4x1x2", 8) == 8
-    assert default_blocks("3x1x1", 3) == 9 and default_blocks("1x2x3", 6) == 12
-    assert default_blocks("16x1x1", 16) == 16
-    assert default_blocks("auto", 6) == default_blocks("auto:local-cpu", 6) == 8
-    assert default_blocks(None, 3) == 9 and default_blocks(None, 1) == 8
+    def blocks(spec, world):
+        return default_blocks(parse_grid(spec, world))
+
+    assert blocks("2x2x2", 8) == 8 and blocks("4x1x2", 8) == 8
+    assert blocks("3x1x1", 3) == 9 and blocks("1x2x3", 6) == 12
+    assert blocks("16x1x1", 16) == 16
+    assert blocks("auto", 6) == blocks("auto:local-cpu", 6) == 8
+    assert blocks(None, 3) == 9 and blocks(None, 1) == 8
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ from plexus.data import (
     registry,
 )
 from plexus.data.generators import planted_partition
-from plexus.data.prepare import prepare
 from plexus.data.sources import graph_source
+from plexus.data.writer import prepare
 
 
 def test_registry_names():

@@ -1,7 +1,7 @@
-"""plexus.data.prepare: streaming preparation into k x k block files, and its checks.
+"""plexus.data.writer: streaming preparation into k x k block files, and its checks.
 
 A prepared dataset must give every rank exactly the blocks, features, labels and masks the
-in-memory source builds (tests/plexus/data/test_prepared.py); here: each source (R-MAT stream,
+in-memory source builds (tests/plexus/data/test_mapped.py); here: each source (R-MAT stream,
 edge files, OGB raw files) against the in-memory graph, errors, overwrite protection and damage.
 """
 
@@ -14,8 +14,9 @@ import pytest
 from common.grid import ProcessGrid
 from plexus.data import SPLITS, DatasetCorruptError, PreparedGraph
 from plexus.data.generators import rmat_graph
-from plexus.data.prepare import prepare, verify
+from plexus.data.schema import verify
 from plexus.data.sources import edge_file_source, graph_source, rmat_source
+from plexus.data.writer import prepare
 from tests.distributed import launch
 from tests.plexus.data.shards import assert_same_shard, directed_graph, memory_shard, widths
 

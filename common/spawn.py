@@ -1,4 +1,4 @@
-"""Start several ranks of a Python command from a driver process (benches, calibration, tests).
+"""Spawn several ranks of a Python command from a driver process (benches, calibration, tests).
 
 ``mpiexec`` is preferred: the one beside ``sys.executable`` (the mpich wheel's, in a virtual
 environment), else the system's on ``PATH`` (a cluster's MPI). Drivers that measure something in

@@ -1,6 +1,6 @@
 """A dataset written by ``python -m plexus.prepare``: each rank maps only the blocks it needs.
 
-    from plexus.data.prepared import PreparedGraph
+    from plexus.data.mapped import PreparedGraph
     g = PreparedGraph("data/rmat-24-k8")          # reads manifest.json only
     shard = g.shard(shape, coords, widths=[16, 16, 16, 32])
 

@@ -1,10 +1,9 @@
-"""plexus.data.prepared: every rank maps exactly the shard the in-memory source builds, for
+"""plexus.data.mapped: every rank maps exactly the shard the in-memory source builds, for
 every layer layout of many grids, symmetric and directed graphs with multi-edges and padding;
 training on it gives the same losses bit for bit; grids must divide k; damage stops every rank.
 """
 
 import re
-from types import SimpleNamespace
 
 import pytest
 
@@ -12,8 +11,8 @@ from common.grid import ProcessGrid
 from plexus.config import split_config
 from plexus.data import InMemorySource, PreparedGraph
 from plexus.data.generators import planted_partition
-from plexus.data.prepare import prepare
 from plexus.data.sources import graph_source
+from plexus.data.writer import prepare
 from plexus.trainer import train_gcn
 from tests.distributed import launch, needs_mpi, run_ranks
 from tests.plexus.data.shards import assert_same_shard, directed_graph, widths
@@ -83,17 +82,16 @@ def test_cli_prepares_and_trains_and_rejects_a_grid_that_does_not_divide_k(tmp_p
 
 def test_grid_auto_picks_a_grid_whose_axes_divide_k(tmp_path):
 
-    from plexus.config import ModelConfig
-    from plexus.train import choose_grid
+    from common.perf import choose_grid, parse_grid
+    from plexus.config import ModelConfig, gcn_workload
 
     prepare(graph_source(directed_graph(n=64, e=400)), tmp_path / "p", blocks=2, quiet=True)
     pg = PreparedGraph(tmp_path / "p")
-    ctx = SimpleNamespace(world_size=4, local_world_size=4, is_main=False)
-    grid = choose_grid("auto", pg, ModelConfig(hidden=8), ctx)
+    work = gcn_workload(ModelConfig(hidden=8), pg)
+    grid, _ = choose_grid(parse_grid("auto", 4), work, 4, constraints=[pg.grid_problems])
     assert grid.num_ranks == 4 and all(s in (1, 2) for s in grid.shape.values())
     with pytest.raises(ValueError, match="do not divide the 2x2 blocks"):
-        choose_grid("auto", pg, ModelConfig(hidden=8), SimpleNamespace(
-            world_size=3, local_world_size=3, is_main=False))
+        choose_grid(parse_grid("auto", 3), work, 3, constraints=[pg.grid_problems])
 
 
 

@@ -1,15 +1,15 @@
-"""common.launch: the driver/worker hand-off the benches use."""
+"""common.spawn: the driver/worker hand-off the benches and tests use."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.launch import ranks_command, run_worker
+from common.spawn import ranks_command, run_worker
 from tests.distributed import needs_mpi
 
 WORKER = '''
 import os, sys
-from common.launch import print_result
+from common.spawn import print_result
 assert sys.argv[1] == "--worker"
 rank = int(os.environ.get("PMI_RANK", "0"))
 if sys.argv[2] == "fail":

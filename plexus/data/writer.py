@@ -1,15 +1,14 @@
-"""Prepare a graph for Plexus as k x k memory-mappable block files, streaming the edges.
+"""The writer of prepared datasets: a graph as k x k memory-mappable block files, streaming the
+edges. Its command line is ``python -m plexus.prepare`` (:mod:`plexus.prepare`); the reader is
+:class:`plexus.data.mapped.PreparedGraph`; the files' layout: :mod:`plexus.data.schema`.
 
-    python -m plexus.prepare --source rmat --scale 24 --edge-factor 64 --features 16 \\
-        --out data/rmat-24-k8                       # 1B generated edges, never all in memory
-    python -m plexus.prepare --source ogbn-papers100M --root data --out data/papers100M-k8
-    python -m plexus.prepare --source edges.npy --num-nodes 1000000 --out data/mygraph
-    python -m plexus.prepare --source planted --out data/planted-k8    # small, built-in
-    python -m plexus.train --dataset data/rmat-24-k8 --grid 2x2x2      # train on it
+    from plexus.data.writer import prepare
+    from plexus.data.sources import rmat_source
+    prepare(rmat_source(24, 64, seed=0, num_features=16), "data/rmat-24-k8", blocks=8)
 
 No step holds the whole edge list. Peak memory is O(B + M + N): B edges per chunk
-(``--chunk-edges``), M nonzeros of the largest block (about nnz / k^2 after the double
-permutation), N nodes (degrees, permutations, labels). The steps:
+(``chunk_edges`` of the source), M nonzeros of the largest block (about nnz / k^2 after the
+double permutation), N nodes (degrees, permutations, labels). The steps:
 
 1. stream the edges in chunks: drop self-loops, optionally symmetrise, map every edge to the
    permuted matrices (``A' = Pr Â Pc^T`` and, for directed graphs, ``A'' = Pc Â Pr^T``) and
@@ -21,19 +20,15 @@ permutation), N nodes (degrees, permutations, labels). The steps:
 
 Every file's SHA-256 goes into ``manifest.json`` as it is written.
 
-The files' layout: plexus.data.schema.
-
 The output is written under ``OUT.partial`` and renamed at the end: an interrupted run leaves
-no half-written dataset at OUT, and an existing OUT is never overwritten without ``--force``.
+no half-written dataset at OUT, and an existing OUT is never overwritten without ``force``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -49,16 +44,8 @@ from plexus.data.schema import (
     SPLIT_CODES,
     file_record,
     progress,
-    verify,
 )
-from plexus.data.sources import (
-    EdgeSource,
-    NodeData,
-    edge_file_source,
-    graph_source,
-    ogb_source,
-    rmat_source,
-)
+from plexus.data.sources import EdgeSource, NodeData
 
 # ----------------------------------------------------------------------------- the pipeline
 
@@ -84,8 +71,8 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
     """Write ``source`` to ``out`` as ``blocks x blocks`` block files; returns the manifest.
 
     Args:
-        source: the edges and node data (:func:`rmat_source`, :func:`graph_source`,
-            :func:`edge_file_source`).
+        source: the edges and node data (:mod:`plexus.data.sources`: ``rmat_source``,
+            ``graph_source``, ``edge_file_source``, ``ogb_source``).
         out: output directory; must not exist unless ``force``.
         blocks: k; training grids need axis sizes that divide k.
         permutation: ``none``, ``single`` or ``double`` (plexus-3d.md section 6).
@@ -345,91 +332,3 @@ def _write_node_data(work: Path, nd: NodeData, source: EdgeSource, pr, pc, n, k,
                   np.where(real, nd.labels[safe], -1).astype(np.int64), files, work)
             _save(work / "split" / f"{name}_{c}.npy",
                   np.where(real, nd.split[safe], 0).astype(np.int8), files, work)
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m plexus.prepare",
-        description="Write a graph as k x k memory-mappable block files for plexus.train, "
-        "streaming the edges (peak memory: a chunk of edges, one block, O(nodes)).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--source", default=None,
-                   help="rmat (streamed R-MAT generator), ogbn-arxiv / ogbn-products / "
-                   "ogbn-papers100M (raw files under --root, read in chunks), a .npy edge file "
-                   "([2, E] or [E, 2] integers), or a built-in name (planted, rmat-SCALE: "
-                   "loaded in memory, for small graphs)")
-    p.add_argument("--out", default=None, help="output directory (must not exist)")
-    p.add_argument("--blocks", type=int, default=8,
-                   help="k: k x k blocks; training grid axis sizes must divide k")
-    p.add_argument("--permutation", choices=part.PERMUTATIONS, default="double")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the permutations and of generated data")
-    p.add_argument("--root", default="data", help="OGB: directory of the dataset folders")
-    p.add_argument("--scale", type=int, default=20, help="R-MAT: log2 of the node count")
-    p.add_argument("--edge-factor", type=int, default=16, help="R-MAT: edges per node")
-    p.add_argument("--features", type=int, default=128, help="R-MAT / edge file: feature width")
-    p.add_argument("--classes", type=int, default=32, help="R-MAT / edge file: classes")
-    p.add_argument("--num-nodes", type=int, default=None, help="edge file: node count")
-    p.add_argument("--symmetrize", action="store_true",
-                   help="edge file: add reverse edges and drop duplicates (undirected graph)")
-    p.add_argument("--chunk-edges", type=int, default=1 << 23, help="edges per chunk")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
-    p.add_argument("--verify", metavar="DIR", default=None,
-                   help="only check the checksums of a prepared dataset")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = p.parse_args(argv)
-    if args.verify is None and (args.source is None or args.out is None):
-        p.error("--source and --out are required (or --verify DIR)")
-    return args
-
-
-def source_from_args(args: argparse.Namespace, tmp_dir: str) -> EdgeSource:
-    if args.source == "rmat":
-        return rmat_source(args.scale, args.edge_factor, args.seed,
-                           num_features=args.features, num_classes=args.classes,
-                           chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
-    if args.source.startswith("ogbn-"):
-        return ogb_source(args.source, args.root, chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
-    if args.source.endswith(".npy"):
-        if args.num_nodes is None:
-            raise ValueError("an edge file needs --num-nodes")
-        return edge_file_source(args.source, args.num_nodes, symmetrize=args.symmetrize,
-                                num_features=args.features, num_classes=args.classes,
-                                seed=args.seed, chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
-    from plexus.data.registry import load_dataset
-
-    return graph_source(load_dataset(args.source, seed=args.seed),
-                        chunk_edges=args.chunk_edges)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.verify is not None:
-            bad = verify(args.verify, quiet=args.quiet)
-            print(f"{args.verify}: " + ("intact" if not bad else
-                                        f"{len(bad)} damaged or missing file(s): "
-                                        + ", ".join(bad[:10])))
-            return 1 if bad else 0
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        source = source_from_args(args, tmp_dir=str(out.parent))
-        m = prepare(source, out, blocks=args.blocks, permutation=args.permutation,
-                    seed=args.seed, force=args.force, quiet=args.quiet)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    nnz = np.asarray(m["block_nnz"]["even"])
-    print(f"{out}: {m['num_nodes']:,} nodes, {m['num_edges']:,} edges ({m['nnz']:,} nonzeros "
-          f"with self-loops) in {m['blocks']}x{m['blocks']} blocks, max/mean nonzeros per "
-          f"block {nnz.max() / max(nnz.mean(), 1):.3f}; {m['prepare_seconds']:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
