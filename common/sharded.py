@@ -73,7 +73,7 @@ def save(root: str | os.PathLike, step: int, tensors: Mapping[str, tuple[torch.T
         meta: JSON-serialisable description; rank 0's is stored.
         files: small extra files, rank 0's are stored (others' are ignored).
         keep: complete checkpoints to keep (older ones are deleted after the new one is in).
-        group: whom to coordinate with (:mod:`common.failure`): a torch.distributed group,
+        group: whom to coordinate with (:mod:`common.exchange`): a torch.distributed group,
             the job's :class:`~common.mpi.MPITransport` (the whole job over MPI), or None
             (the world, or one process without torch.distributed).
 

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 __all__ = ["DEFAULT_STEPS", "IGNORE", "OVERLAPS", "PRECISIONS", "PRESETS", "STRATEGIES",
            "DataConfig", "GPTConfig", "GoldfishConfig", "OptimConfig", "Overlap",
@@ -255,14 +251,6 @@ class GoldfishConfig:
             raise ValueError(f"goldfish needs k >= 0 (0 = off), h >= 1 and a strategy in "
                              f"{STRATEGIES}; got k={self.k}, h={self.h}, {self.strategy!r}")
 
-    def mask(self, targets: Tensor) -> Tensor:
-        """bool [B, T], True = dropped (all False when k = 0)."""
-        import torch  # the configs stay importable without torch
-
-        from llm.goldfish import goldfish_mask
-        if self.k == 0:
-            return torch.zeros_like(targets, dtype=torch.bool)
-        return goldfish_mask(targets, self.k, self.h, self.strategy, self.start)
 
 
 @dataclass(kw_only=True)

@@ -36,8 +36,16 @@ from torch.nn.functional import cross_entropy
 
 from llm.config import STRATEGIES
 
-__all__ = ["STRATEGIES", "TABLE_SEED", "TABLE_SIZE", "GoldfishLoss", "goldfish_loss",
-           "goldfish_mask", "hash_table"]
+__all__ = [
+    "STRATEGIES",
+    "TABLE_SEED",
+    "TABLE_SIZE",
+    "GoldfishLoss",
+    "drop_mask",
+    "goldfish_loss",
+    "goldfish_mask",
+    "hash_table",
+]
 
 TABLE_SIZE = 1_000_003
 TABLE_SEED = 2971215073
@@ -139,6 +147,18 @@ def goldfish_mask(
     # "tensor < python float" compares in float32, exactly as the paper's code does
     mask[:, h - 1 :] = table[keys] < 1.0 / k
     return mask
+
+
+def drop_mask(targets: Tensor, config) -> Tensor:
+    """The dropped targets of a :class:`llm.config.GoldfishConfig` (``k``, ``h``, ``strategy``,
+    ``start``): :func:`goldfish_mask`, or all False when ``k = 0`` (the standard loss).
+
+    Shapes:
+        targets: int64 [B, T] -> bool [B, T], True = dropped
+    """
+    if config.k == 0:
+        return torch.zeros_like(targets, dtype=torch.bool)
+    return goldfish_mask(targets, config.k, config.h, config.strategy, config.start)
 
 
 class GoldfishLoss(NamedTuple):

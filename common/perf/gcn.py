@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.grid import ProcessGrid, round_up
+from common.grid import ProcessGrid, ceil_div, round_up
 from common.perf.machine import MachineProfile
 from common.perf.model import (
     Collective,
@@ -210,7 +210,7 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
 
 def spmm_bytes(rows: int, nnz: float, width: int, *, index_bytes: int, cache_line: int) -> float:
     """Bytes a CSR SpMM ``[rows, *] @ [*, width]`` moves without reuse of the gathered rows."""
-    row = -(-width * F32 // cache_line) * cache_line
+    row = ceil_div(width * F32, cache_line) * cache_line
     return nnz * (index_bytes + F32) + (rows + 1) * index_bytes + nnz * row + rows * width * F32
 
 

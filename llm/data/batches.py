@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.grid import ceil_div
 from llm.data.tokenizers import DOC_SEPARATOR, ByteTokenizer, Tokenizer
 
 __all__ = ["DOC_SEPARATOR", "MODES", "SOURCES", "VOCAB_SIZE", "BatchIterator", "decode",
@@ -293,7 +294,7 @@ class BatchIterator:
     @property
     def steps_per_epoch(self) -> int:
         """Batches per epoch (the last one may be smaller in documents mode)."""
-        return -(-self.num_samples // self.batch_size)
+        return ceil_div(self.num_samples, self.batch_size)
 
     def state_dict(self) -> dict[str, int | str]:
         """Everything needed to resume: plain ints and strings (torch.save or JSON)."""

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import scaled_dot_product_attention
 
+from common.grid import ceil_div
 from llm.decode.kv_cache import KVCache
 from llm.model import GPT
 
@@ -159,7 +160,7 @@ def quantize_int4(w: Tensor, group_size: int = 128) -> Int4Weight:
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     rows, cols = w.shape
-    groups = -(-cols // group_size)
+    groups = ceil_div(cols, group_size)
     padded = torch.zeros(rows, groups * group_size, dtype=torch.float32, device=w.device)
     padded[:, :cols] = w.float()
     grouped = padded.view(rows, groups, group_size)  # [N, groups, G]

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from common.consolidate import read_header, torch_dtype
+from common.grid import ceil_div
 from common.sharded import Slab
 from llm.model import GPTConfig
 
@@ -339,7 +340,7 @@ class HFCheckpoint:
         lo_row, hi_row = 0, ids.size  # block rows the local tensor covers
         if slab.flat is not None:
             lo_row = min(slab.flat[0] // max(width, 1), ids.size)
-            hi_row = min(-(-slab.flat[1] // max(width, 1)), ids.size)
+            hi_row = min(ceil_div(slab.flat[1], max(width, 1)), ids.size)
         ids = ids[lo_row:hi_row]
         region = torch.zeros(ids.size, width, dtype=dtype)  # [block rows, width]
         real = np.flatnonzero(ids < num_rows)

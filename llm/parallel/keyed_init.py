@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.nn.functional import pad
 
+from common.grid import ceil_div
+
 __all__ = ["CHUNK_NUMEL", "chunk_seed", "fill_normal_", "rows_per_chunk"]
 
 CHUNK_NUMEL = 1 << 20  # elements per drawn row block (4 MiB in float32); part of the init
@@ -85,7 +87,7 @@ def fill_normal_(out: Tensor, *, seed: int, name: str, shape: Sequence[int], std
     out.zero_()
     width = max(0, min(cols, col0 + bcols) - col0)  # block columns inside the parameter
     first = row0 + start // bcols  # full rows that [start, stop) touches, in the parameter
-    last = min(rows, row0 + min(brows, -(-stop // bcols)))
+    last = min(rows, row0 + min(brows, ceil_div(stop, bcols)))
     if width == 0 or first >= last:
         return out
     per = rows_per_chunk(cols)

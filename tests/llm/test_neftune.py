@@ -10,7 +10,7 @@ import torch
 from torch.nn.functional import cross_entropy
 
 from common.collectives import all_reduce
-from common.grid import AXONN_AXES, ProcessGrid
+from common.grid import AXONN_AXES, ProcessGrid, ceil_div
 from llm.loss import token_losses
 from llm.model import GPT, GPTConfig
 from llm.neftune import NEFTune, hash_key, uniform_noise
@@ -151,7 +151,7 @@ def parallel_noise(ctx):
         losses = token_losses(logits, batch_shard(y, groups, -100), vocab_size=config.vocab_size,
                               row=groups["row"])
         loss = all_reduce(losses.sum().detach(), groups["data+depth"]) / y.numel()
-        rows = -(-5 // (groups["data"].size * groups["depth"].size))
+        rows = ceil_div(5, groups["data"].size * groups["depth"].size)
         first_row = model.model.neftune.shard_index * rows
         out.append({"emb": emb.detach(), "rows": first_row,
                     "channels": model.model.neftune.channel_offset, "loss": loss.item()})

@@ -4,6 +4,7 @@ drafts and bytes, the hierarchical KV quantiser's bounds, and int4 weights."""
 import pytest
 import torch
 
+from common.grid import ceil_div
 from llm.decode.kv_cache import KVCache
 from llm.decode.quantspec import (
     SCALE_BYTES,
@@ -76,7 +77,7 @@ def test_a_draft_that_must_agree_is_always_accepted(gamma):
     assert torch.equal(got[0, 9:], want) and torch.equal(got, model.generate(idx, new))
     assert stats.acceptance_rate == 1.0 and stats.accepted == stats.drafted > 0
     # the prefill emits one token, each later pass gamma + 1 (the last pass: what remains)
-    assert stats.target_passes == 1 + -(-(new - 1) // (gamma + 1))
+    assert stats.target_passes == 1 + ceil_div(new - 1, gamma + 1)
     summary = stats.summary()
     assert summary["tokens_per_target_pass"] == new / stats.target_passes
     assert summary["bytes_per_accepted_token"] < summary["baseline_bytes_per_token"]
@@ -169,7 +170,7 @@ def test_int4_weight_error_is_half_a_step_per_group(shape, group_size):
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     w[0, 0] = 9.0  # an outlier widens only its own group's step
     q = quantize_int4(w, group_size)
-    groups = -(-shape[1] // group_size)
+    groups = ceil_div(shape[1], group_size)
     assert q.codes.dtype == torch.int8 and q.scale.shape == (shape[0], groups)
     assert int(q.codes.min()) >= -8 and int(q.codes.max()) <= 7
     step = q.scale.repeat_interleave(group_size, dim=1)[:, : shape[1]]  # s of each element
