@@ -9,6 +9,7 @@ function                       forward                    backward
 =============================  =========================  ===========================
 all_reduce_identity            all-reduce (sum)           identity
 identity_all_reduce            identity                   all-reduce (sum)
+all_reduce_all_reduce          all-reduce (sum)           all-reduce (sum)
 all_gather_reduce_scatter      all-gather along dim       reduce-scatter along dim
 reduce_scatter_all_gather      reduce-scatter along dim   all-gather along dim
 split_all_gather               keep own chunk along dim   all-gather along dim
@@ -17,7 +18,8 @@ all_gather_split               all-gather along dim       keep own chunk along d
 
 Each takes the one :class:`~common.grid.AxisGroup` it uses and an optional
 :class:`~common.comm_stats.CommStats`; backward collectives are counted in the same stats.
-Groups of size 1 are the identity in both directions.
+Groups of size 1 are the identity in both directions. The flat-shard pair (gather a flattened
+block before use, reduce-scatter its gradient) is :func:`common.flat.all_gather_reduce_scatter`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ class _IdentityAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy):
         return coll.all_reduce(dy, ctx.group, stats=ctx.stats), None, None
+
+
+class _AllReduceAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, group, stats, inplace):
+        ctx.group, ctx.stats = group, stats
+        if inplace:
+            ctx.mark_dirty(x)
+        return coll.all_reduce(x, group, stats=stats, inplace=inplace)
+
+    @staticmethod
+    def backward(ctx: Any, dy):
+        return coll.all_reduce(dy, ctx.group, stats=ctx.stats), None, None, None
 
 
 class _AllGatherReduceScatter(torch.autograd.Function):
@@ -119,6 +134,20 @@ def identity_all_reduce(
     of the members' partial gradients (Megatron's ``f``).
     """
     return x if group.size == 1 else _IdentityAllReduce.apply(x, group, stats)
+
+
+def all_reduce_all_reduce(
+    x: torch.Tensor, group: AxisGroup, stats: CommStats | None = None, *, inplace: bool = False
+) -> torch.Tensor:
+    """Forward: all-reduce (sum) over ``group``; backward: all-reduce (sum) over ``group``.
+
+    Turns per-rank partial sums into a replicated tensor that each member then uses
+    differently (a statistic summed over a split dimension, an aggregation whose rows feed
+    every member's own columns), so the gradient of each partial is the sum of the members'
+    gradients: ``identity_all_reduce(all_reduce_identity(x))`` in one function. ``inplace``
+    as :func:`all_reduce_identity`.
+    """
+    return x if group.size == 1 else _AllReduceAllReduce.apply(x, group, stats, inplace)
 
 
 def all_gather_reduce_scatter(

@@ -91,13 +91,6 @@ def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor
     return _Dropout.apply(x, keep, p)
 
 
-def _sum_over(x: torch.Tensor, group: AxisGroup, stats: CommStats | None) -> torch.Tensor:
-    """Forward: all-reduce over ``group``; backward: all-reduce of the gradient (the summed
-    value feeds rows or columns that other ranks of ``group`` hold)."""
-    return autograd.identity_all_reduce(autograd.all_reduce_identity(x, group, stats), group,
-                                        stats)
-
-
 class ShardedBatchNorm(nn.Module):
     """BatchNorm1d over the rows of a block [N/P, D/O] whose rows are split over ``group_p``.
 
@@ -124,10 +117,10 @@ class ShardedBatchNorm(nn.Module):
 
     def forward(self, q: torch.Tensor, stats: CommStats | None = None) -> torch.Tensor:
         g, n = self.group_p, self.num_rows
-        if self.training:
-            mean = _sum_over((q * self.row_mask).sum(0), g, stats) / n
+        if self.training:  # the column sums feed every member's rows: reduced in both passes
+            mean = autograd.all_reduce_all_reduce((q * self.row_mask).sum(0), g, stats) / n
             d = (q - mean) * self.row_mask
-            var = _sum_over((d * d).sum(0), g, stats) / n
+            var = autograd.all_reduce_all_reduce((d * d).sum(0), g, stats) / n
             with torch.no_grad():
                 m = self.momentum
                 self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
@@ -163,9 +156,11 @@ class ShardedLayerNorm(nn.Module):
 
     def forward(self, q: torch.Tensor, stats: CommStats | None = None) -> torch.Tensor:
         go, gp, d_true = self.group_o, self.group_p, self.num_cols
-        mean = _sum_over((q * self.col_mask).sum(1, keepdim=True), go, stats) / d_true
+        # the row sums feed every member's columns: all-reduced in both passes
+        mean = autograd.all_reduce_all_reduce((q * self.col_mask).sum(1, keepdim=True), go,
+                                              stats) / d_true
         d = (q - mean) * self.col_mask
-        var = _sum_over((d * d).sum(1, keepdim=True), go, stats) / d_true
+        var = autograd.all_reduce_all_reduce((d * d).sum(1, keepdim=True), go, stats) / d_true
         w = autograd.identity_all_reduce(self.weight, gp, stats)
         b = autograd.identity_all_reduce(self.bias, gp, stats)
         return d * torch.rsqrt(var + self.eps) * w + b

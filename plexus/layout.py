@@ -1,7 +1,8 @@
 """The 3D layout of the Plexus algorithm: which grid axis plays which role in each layer.
 
 Pure arithmetic (no torch.distributed), shared by the data side (plexus.data builds shards in
-this layout) and the model (plexus.model communicates along it). plexus-3d.md sections 1-3.
+this layout) and the model (plexus.model communicates along it).
+docs/design/plexus-3d.md sections 1-3.
 
 Layer ``l`` gives the axes the roles (outer, inner, depth) = (O, I, P): (x, y, z), (z, x, y),
 (y, z, x) for ``l % 3 == 0, 1, 2``, so one layer's output block is the next one's input block
@@ -10,15 +11,13 @@ with no re-layout.
 Shapes (N = padded node count, D_l = padded width of layer l's input):
     A_l block on rank (o, i, p):  [N/P, N/O]     rows chunk p, cols chunk o (replicated over I)
     F_l block:                    [N/O, D_l/I]
-    W_l block:                    [D_l/I, D_l+1/O], flattened and split over P
+    W_l block:                    [D_l/I, D_l+1/O], flattened and split over P (common.flat)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-
-import torch
 
 from common.grid import round_up
 
@@ -48,15 +47,3 @@ def padded_widths(dims: list[int], shape: Mapping[str, int]) -> list[int]:
     out.append(round_up(dims[-1], shape[roles(len(dims) - 2)[0]]))
     return out
 
-
-def flat_shard(block: torch.Tensor, num_p: int, p: int) -> torch.Tensor:
-    """Chunk ``p`` of ``num_p`` of the flattened block, zero-padded to equal chunks.
-
-    Shapes: block [a, b] -> [ceil(a * b / num_p)].
-    """
-    flat = block.reshape(-1)
-    size = round_up(flat.numel(), num_p) // num_p
-    out = torch.zeros(size, dtype=block.dtype)
-    piece = flat[p * size : (p + 1) * size]
-    out[: piece.numel()] = piece
-    return out

@@ -1,4 +1,5 @@
-"""Cross-entropy and accuracy with the class axis sharded (plexus-3d.md section 5).
+"""Cross-entropy and accuracy with the class axis sharded (docs/design/plexus-3d.md
+section 5).
 
 The logits block is [N/P, C_pad/O] (rows chunk p of the output order, classes chunk o),
 replicated over I. Padded classes count as -inf; padded rows and rows outside the mask

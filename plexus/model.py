@@ -1,4 +1,4 @@
-"""The Plexus 3D-parallel GCN (plexus-3d.md sections 1-4).
+"""The Plexus 3D-parallel GCN (docs/design/plexus-3d.md sections 1-4).
 
 Layer ``l`` with roles (O, I, P) on rank (o, i, p)::
 
@@ -11,77 +11,31 @@ Layer ``l`` with roles (O, I, P) on rank (o, i, p)::
 Backward: re-gather W over P (5), reduce-scatter dW over P (6), all-reduce dH over O (7),
 dF = A_l^T dH: reduce-scatter over P at layer 0 (only with trainable features), all-reduce
 over P for layers >= 1 (8); plexus.ops has the operators with both passes written out. The
-adjacency never moves. Parallel equals serial: the same seed gives the same full weights on
-every grid (:func:`init_weights`), and each rank keeps its slice.
+adjacency never moves. Parallel equals serial: every rank slices the full weights of the
+serial model (plexus.reference) as plexus.shards declares, so every grid trains that model.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import autograd
+from common import autograd, flat
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
-from common.sharded import Slab
-from plexus import layout, ops
+from common.slab import Slab
+from plexus import layout, ops, shards
 from plexus.config import MODELS, NORMS
 from plexus.data import partition
 from plexus.data.memory import root_blocks
 from plexus.data.shard import GraphShard
 from plexus.layers import ShardedBatchNorm, ShardedLayerNorm, apply_dropout, keep_mask
-from plexus.layout import flat_shard
+from plexus.reference import ROOT_SEED_OFFSET, init_weights
+from plexus.shards import node_chunk
 
-ROOT_SEED_OFFSET = 7919  # GraphSAGE's root weights R_l come from init_weights(seed + this)
-
-
-def _shape(groups: dict[str, AxisGroup]) -> dict[str, int]:
-    return {ax: g.size for ax, g in groups.items()}
-
-
-def _coords(groups: dict[str, AxisGroup]) -> dict[str, int]:
-    return {ax: g.rank for ax, g in groups.items()}
-
-
-def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
-    """Full (unsharded, unpadded) weights ``W_l`` [D_l, D_l+1], Glorot-uniform, from ``seed``.
-
-    Every rank (and the serial reference) draws the same matrices, so any grid trains the
-    same model.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for d_in, d_out in itertools.pairwise(widths):
-        bound = math.sqrt(6.0 / (d_in + d_out))
-        out.append((torch.rand(d_in, d_out, generator=gen) * 2 - 1) * bound)
-    return out
-
-
-def _chunk(order: np.ndarray, group: AxisGroup) -> torch.Tensor:
-    """This rank's chunk of a node order (a copy: the order may be a read-only memory map)."""
-    n = order.size // group.size
-    assert n * group.size == order.size, "the padded node count splits evenly over every axis"
-    return torch.from_numpy(np.array(order[group.rank * n:(group.rank + 1) * n], dtype=np.int64))
-
-
-def _slab(shape: tuple[int, ...], rows, cols: tuple[int, AxisGroup],
-          flat: tuple[tuple[int, int], AxisGroup] | None) -> Slab:
-    """A :class:`Slab` of columns ``cols`` (padded width, split over a group) and, with
-    ``flat`` (block shape, group), the block flattened and split as :func:`flat_shard`."""
-    width, group = cols
-    step = width // group.size
-    flat_range = None
-    if flat is not None:
-        (a, b), p = flat
-        size = -(-a * b // p.size)
-        flat_range = (p.rank * size, (p.rank + 1) * size)
-    return Slab(shape, rows, (group.rank * step, (group.rank + 1) * step), flat_range)
+__all__ = ["ROOT_SEED_OFFSET", "PlexusGCN", "init_weights"]
 
 
 class PlexusGCN(nn.Module):
@@ -102,10 +56,13 @@ class PlexusGCN(nn.Module):
     with ``A_mean F'``. So the root term adds one all-reduce of H's size over O (and the
     gather of ``R_l``), never a full-size transfer.
 
+    Where each tensor lives is declared in :mod:`plexus.shards` (``self.maps``); the
+    full <-> local methods below apply those maps.
+
     Args:
         shard: this rank's :class:`~plexus.data.shard.GraphShard` (``shard.root`` set for
             ``model="sage"``).
-        groups: the rank's axis groups ``{"x", "y", "z"}`` from ``ProcessGrid.create_groups``.
+        groups: the rank's axis groups ``{"x", "y", "z"}`` from ``ctx.create_groups(grid)``.
         model: ``gcn`` or ``sage``.
         learn_features: make the input features a trainable parameter (initialised from the
             dataset's features), as in the paper.
@@ -147,14 +104,18 @@ class PlexusGCN(nn.Module):
                              f"got {model!r}, {norm!r}, {dropout}")
         if model == "sage" and shard.root is None:
             raise ValueError("model 'sage' needs a shard built with aggregation 'mean'")
+        sizes = {ax: g.size for ax, g in groups.items()}
         if residual and shard.root is None:
-            shard.root = root_blocks(shard.pr, shard.pc, shard.num_nodes, _shape(groups),
-                                     _coords(groups), len(shard.widths) - 1)
+            shard.root = root_blocks(shard.pr, shard.pc, shard.num_nodes, sizes,
+                                     {ax: g.rank for ax, g in groups.items()},
+                                     len(shard.widths) - 1)
         self.shard, self.groups, self.kind = shard, groups, model
         self.residual = residual
         self.seed, self.dropout, self.norm_kind = seed, dropout, norm
         self.num_layers = len(shard.widths) - 1
-        self.block_shapes = [self._block_shape(layer) for layer in range(self.num_layers)]
+        self.maps = shards.shard_maps(shard)
+        self.block_shapes = [self.maps["weight", layer].block_shape(sizes)
+                             for layer in range(self.num_layers)]
         self.weights = nn.ParameterList(
             nn.Parameter(self.shard_weight(w, layer))
             for layer, w in enumerate(init_weights(shard.widths, seed)))
@@ -167,15 +128,16 @@ class PlexusGCN(nn.Module):
             for layer in range(self.num_layers) if bias)
         self.norms = nn.ModuleList(self._make_norm(layer) for layer in range(self.num_layers - 1)
                                    if norm != "none")
-        block = shard.features_block
+        block = shard.features_block  # [N/X, D_0/Y]
         if normalize_features:
             block = self._normalized(block)
-        feat = flat_shard(block, groups["z"].size, groups["z"].rank)
+        self.features_shape = self.maps["features", None].block_shape(sizes)
+        assert tuple(block.shape) == self.features_shape, "features block and its map differ"
+        feat = flat.flat_shard(block, groups["z"].size, groups["z"].rank)
         if learn_features:
             self.features = nn.Parameter(feat)
         else:
             self.register_buffer("features", feat)
-        self.features_shape = tuple(block.shape)
         # With fixed input features and no dropout, H_0 = A_0 F_0 is the same in every pass:
         # compute it (with collectives 1 and 2) once and reuse it, saving one SpMM per pass.
         # With dropout only the evaluation pass could reuse it; there it is not worth holding
@@ -184,73 +146,93 @@ class PlexusGCN(nn.Module):
         self._h0: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    # ------------------------------------------------------------------ the layer
     def forward(self, stats: CommStats | None = None, *, step: int = 0) -> torch.Tensor:
-        """Logits (module docstring); ``step`` keys the dropout masks (the epoch)."""
-        g = self.groups
-        drop = self.training and self.dropout > 0
+        """Logits (class docstring); ``step`` keys the dropout masks (the epoch).
+
+        One line per equation. Each name is rebound or cleared as soon as its tensor is spent,
+        so a layer's input is freed once aggregated and H once multiplied (peak memory).
+        """
         f = None
         for layer in range(self.num_layers):
-            _o_ax, i_ax, p_ax = layout.roles(layer)
-            cached = layer == 0 and self.cache_first_aggregation and not drop
-            skip = None
-            if cached and self._h0 is not None:
-                h, r = self._h0
+            if layer == 0 and self._h0 is not None:  # fixed F_0, no dropout: H_0 of a past pass
+                (h, r), skip = self._h0, None
             else:
-                x = self._layer_input(layer, f, stats)
-                f = None  # references are dropped as soon as they are spent: peak memory
-                if self._has_skip(layer):
-                    skip = self._skip(layer, x, stats)
-                if drop:
-                    x = apply_dropout(x, self._keep_mask(layer, step, x.device), self.dropout)
-                h = self._spmm_o(self.shard.adj, layer, x, stats)
-                r = self._spmm_o(self.shard.root, layer, x, stats) if self.kind == "sage" else None
-                x = None
-                if cached:
-                    self._h0 = (h.detach(), None if r is None else r.detach())
-            q = ops.GatheredMatmul.apply(h, self.weights[layer], g[p_ax],
-                                      self.block_shapes[layer], stats)
+                f = self._input(layer, f, stats)           # F_l, replicated over P    (1) or (8)
+                skip = self._skip(layer, f, stats)         # F_l in Q's layout (residual) or None
+                f = self._dropout(layer, f, step)          # F' = dropout(F_l)
+                h, r = self._aggregate(layer, f, stats)    # H = A F', R = S F' (SAGE)  (2), (7)
+                f = None
+            q = self._matmul(layer, h, self.weights, stats)                # H W_l   (3), (5), (6)
             h = None
             if r is not None:
-                q = q + ops.GatheredMatmul.apply(r, self.root_weights[layer], g[p_ax],
-                                              self.block_shapes[layer], stats)
+                q = q + self._matmul(layer, r, self.root_weights, stats)   # + R R_l
                 r = None
-            q = autograd.all_reduce_identity(q, g[i_ax], stats, inplace=True)  # q is fresh
-            if len(self.biases):  # in place: the logits block is the largest activation
-                q = q.add_(autograd.identity_all_reduce(self.biases[layer], g[p_ax], stats))
+            q = self._sum_inner(layer, q, stats)           # Q summed over I (4), + b_l
             if layer < self.num_layers - 1:
-                if len(self.norms):
-                    q = self.norms[layer](q, stats)
-                q = ops.ReLU.apply(q)  # q is a fresh tensor: rectified in place
-                if skip is not None:
-                    q = q + skip
-            f = q
+                q = self._norm(layer, q, stats)            # norm(Q)
+                q = ops.ReLU.apply(q)                      # relu, in place
+                q = q if skip is None else q + skip        # + F_l
+            f, q = q, None  # F_l+1: held by f alone, so the next layer frees it once spent
         return f
 
-    def _layer_input(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
+    def _input(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
         """F_l [N/O, D_l/I], replicated over P: layer 0 gathers its flat shard over P
         (collective 1; backward 8 reduce-scatters), later layers all-reduce dF over P."""
         p_group = self.groups[layout.roles(layer)[2]]
         if layer == 0:
-            x = autograd.all_gather_reduce_scatter(self.features, p_group, stats=stats)
-            return x[: math.prod(self.features_shape)].view(self.features_shape)
+            return flat.all_gather_reduce_scatter(self.features, p_group, self.features_shape,
+                                                  stats)
         return autograd.identity_all_reduce(f, p_group, stats)
+
+    def _dropout(self, layer: int, f: torch.Tensor, step: int) -> torch.Tensor:
+        if not self.training or self.dropout == 0:
+            return f
+        return apply_dropout(f, self._keep_mask(layer, step, f.device), self.dropout)
+
+    def _aggregate(self, layer: int, f: torch.Tensor, stats: CommStats | None):
+        """(H, R): ``A_l F'`` and, for SAGE, ``S_l F'``; kept for the next passes at layer 0
+        when :attr:`cache_first_aggregation`."""
+        h = self._spmm_o(self.shard.adj, layer, f, stats)
+        r = self._spmm_o(self.shard.root, layer, f, stats) if self.kind == "sage" else None
+        if layer == 0 and self.cache_first_aggregation:
+            self._h0 = (h.detach(), None if r is None else r.detach())
+        return h, r
 
     def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None):
         """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
-        all-reduced over O (collective 2; backward 7)."""
-        o_group = self.groups[layout.roles(layer)[0]]
+        all-reduced over O in both passes (collectives 2 and 7)."""
         blk = blocks[layer % 6]
-        h = ops.SpMM.apply(blk.a, blk.a_t, x)
-        h = autograd.all_reduce_identity(h, o_group, stats, inplace=True)  # h is fresh
-        return autograd.identity_all_reduce(h, o_group, stats)
+        h = ops.SpMM.apply(blk.a, blk.a_t, x)  # a fresh tensor: reduced in place
+        return autograd.all_reduce_all_reduce(h, self.groups[layout.roles(layer)[0]], stats,
+                                              inplace=True)
 
-    def _has_skip(self, layer: int) -> bool:
-        return self.residual and 1 <= layer < self.num_layers - 1
+    def _matmul(self, layer: int, h: torch.Tensor, weights: nn.ParameterList,
+                stats: CommStats | None) -> torch.Tensor:
+        """``H W`` [N/P, D_l+1/O], partial over I, with ``W`` gathered over P (3, 5, 6)."""
+        p_group = self.groups[layout.roles(layer)[2]]
+        return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
+                                        stats)
 
-    def _skip(self, layer: int, x: torch.Tensor, stats: CommStats | None) -> torch.Tensor:
+    def _sum_inner(self, layer: int, q: torch.Tensor, stats: CommStats | None):
+        """Q summed over I (collective 4, in place: q is fresh), then ``+ b_l`` in place (the
+        logits block is the largest activation); the bias's gradient is all-reduced over P."""
+        _, i_ax, p_ax = layout.roles(layer)
+        q = autograd.all_reduce_identity(q, self.groups[i_ax], stats, inplace=True)
+        if len(self.biases):
+            q = q.add_(autograd.identity_all_reduce(self.biases[layer], self.groups[p_ax], stats))
+        return q
+
+    def _norm(self, layer: int, q: torch.Tensor, stats: CommStats | None) -> torch.Tensor:
+        return self.norms[layer](q, stats) if len(self.norms) else q
+
+    def _skip(self, layer: int, x: torch.Tensor, stats: CommStats | None):
         """F_l in the layout of layer l's output [N/P, D_l+1/O], replicated over I (the
-        residual): rows through ``S_l`` (all-reduce over O), then this rank's I-chunk of
-        columns placed at its columns of the O split and summed over I."""
+        residual), or None where the layer has none: rows through ``S_l`` (all-reduce over O),
+        then this rank's I-chunk of columns placed at its columns of the O split and summed
+        over I."""
+        if not (self.residual and 1 <= layer < self.num_layers - 1):
+            return None
         o_ax, i_ax, _ = layout.roles(layer)
         g = self.groups
         r = self._spmm_o(self.shard.root, layer, x, stats)  # [N/P, D_l/I]
@@ -264,13 +246,14 @@ class PlexusGCN(nn.Module):
         placed = torch.nn.functional.pad(part, (left, w_out - left - part.shape[1]))
         return autograd.all_reduce_identity(placed, g[i_ax], stats)
 
+    # ------------------------------------------------------------------ set-up helpers
     def _input_ids(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(node ids [N/O], column ids [D_l/I]) of the rows and columns of F_l on this rank."""
         if layer not in self._ids:
             o_ax, i_ax, _ = layout.roles(layer)
             g, sh = self.groups, self.shard
             order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[1]
-            rows = _chunk(order, g[o_ax])
+            rows = node_chunk(order, g[o_ax])
             width = sh.widths_padded[layer] // g[i_ax].size
             cols = torch.arange(width) + g[i_ax].rank * width
             self._ids[layer] = (rows, cols)
@@ -279,31 +262,25 @@ class PlexusGCN(nn.Module):
     def _keep_mask(self, layer: int, step: int, device) -> torch.Tensor:
         rows, cols = self._input_ids(layer)
         return keep_mask(self.dropout, seed=self.seed, step=step, layer=layer, rows=rows,
-                            cols=cols).to(device)
-
-    def _output_rows(self, layer: int) -> torch.Tensor:
-        """bool [N/P]: the rows of layer ``layer``'s output that are graph nodes."""
-        _, _, p_ax = layout.roles(layer)
-        g, sh = self.groups, self.shard
-        order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[0]
-        return _chunk(order, g[p_ax]) < sh.num_nodes
+                         cols=cols).to(device)
 
     def _make_norm(self, layer: int) -> nn.Module:
         o_ax, _, p_ax = layout.roles(layer)
-        g, width = self.groups, self.block_shapes[layer][1]
+        g, sh, width = self.groups, self.shard, self.block_shapes[layer][1]
         if self.norm_kind == "batch":
-            return ShardedBatchNorm(width, self._output_rows(layer), self.shard.num_nodes,
-                                    g[p_ax])
+            order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[0]  # output rows
+            return ShardedBatchNorm(width, node_chunk(order, g[p_ax]) < sh.num_nodes,
+                                    sh.num_nodes, g[p_ax])
         cols = torch.arange(width) + g[o_ax].rank * width
-        return ShardedLayerNorm(width, cols < self.shard.widths[layer + 1],
-                                self.shard.widths[layer + 1], g[o_ax], g[p_ax])
+        return ShardedLayerNorm(width, cols < sh.widths[layer + 1], sh.widths[layer + 1],
+                                g[o_ax], g[p_ax])
 
     @torch.no_grad()
     def _normalized(self, block: torch.Tensor) -> torch.Tensor:
         """PyG's NormalizeFeatures on the features block [N/X, D_0/Y]: x - min over the whole
         graph, then each row over its row sum (all-reduced over y) clamped to >= 1."""
         g, sh = self.groups, self.shard
-        rows = _chunk(sh.pc, g["x"]) < sh.num_nodes
+        rows = node_chunk(sh.pc, g["x"]) < sh.num_nodes
         width = block.shape[1]
         cols = torch.arange(width) + g["y"].rank * width < sh.widths[0]
         real = rows[:, None] & cols[None, :]
@@ -319,69 +296,11 @@ class PlexusGCN(nn.Module):
         self._h0 = None
         return super()._apply(fn, recurse)
 
-    # ------------------------------------------------------------ full <-> shard maps
-    def _block_shape(self, layer: int) -> tuple[int, int]:
-        o_ax, i_ax, _ = layout.roles(layer)
-        w_pad = self.shard.widths_padded
-        return (w_pad[layer] // self.groups[i_ax].size, w_pad[layer + 1] // self.groups[o_ax].size)
-
-    def shard_weight(self, full: torch.Tensor, layer: int) -> torch.Tensor:
-        """This rank's flat shard of a full (unpadded) ``W_l`` [D_l, D_l+1] (or of any tensor
-        laid out like it: its gradient, Adam moments)."""
-        o_ax, i_ax, p_ax = layout.roles(layer)
-        g = self.groups
-        w_pad = self.shard.widths_padded
-        padded = full.new_zeros(w_pad[layer], w_pad[layer + 1])
-        padded[: full.shape[0], : full.shape[1]] = full
-        blk = padded.chunk(g[i_ax].size, 0)[g[i_ax].rank].chunk(g[o_ax].size, 1)[g[o_ax].rank]
-        return flat_shard(blk, g[p_ax].size, g[p_ax].rank)
-
-    @torch.no_grad()
-    def gather_weight(self, local: torch.Tensor, layer: int) -> torch.Tensor:
-        """Inverse of :meth:`shard_weight`: the full unpadded [D_l, D_l+1] on every rank."""
-        o_ax, i_ax, p_ax = layout.roles(layer)
-        blk = ops.gather_flat(local, self.groups[p_ax], self.block_shapes[layer], None)
-        full = coll.all_gather(coll.all_gather(blk, self.groups[i_ax], dim=0),
-                            self.groups[o_ax], dim=1)
-        return full[: self.shard.widths[layer], : self.shard.widths[layer + 1]]
-
-    def shard_features(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's flat shard of full input features [N, D_0] in original node order."""
-        g, sh = self.groups, self.shard
-        padded = full.new_zeros(sh.num_nodes_padded, sh.widths_padded[0])
-        padded[: full.shape[0], : full.shape[1]] = full
-        rows = _chunk(sh.pc, g["x"])
-        blk = padded[rows].chunk(g["y"].size, 1)[g["y"].rank]
-        return flat_shard(blk, g["z"].size, g["z"].rank)
-
-    @torch.no_grad()
-    def gather_features(self, local: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`shard_features`: full [N, D_0] in original order, every rank."""
-        blk = ops.gather_flat(local, self.groups["z"], self.features_shape, None)
-        full_perm = coll.all_gather(coll.all_gather(blk, self.groups["y"], dim=1),
-                                 self.groups["x"], dim=0)
-        out = torch.empty_like(full_perm)
-        out[torch.from_numpy(self.shard.pc)] = full_perm
-        return out[: self.shard.num_nodes, : self.shard.widths[0]]
-
-    def shard_vector(self, full: torch.Tensor, layer: int) -> torch.Tensor:
-        """This rank's chunk [D_l+1_pad/O] of a full per-output-column vector [D_l+1] of layer
-        ``layer`` (bias, norm parameters and statistics); padding is zero."""
-        o_ax = layout.roles(layer)[0]
-        padded = full.new_zeros(self.shard.widths_padded[layer + 1])
-        padded[: full.numel()] = full
-        return padded.chunk(self.groups[o_ax].size)[self.groups[o_ax].rank].clone()
-
-    @torch.no_grad()
-    def gather_vector(self, local: torch.Tensor, layer: int) -> torch.Tensor:
-        """Inverse of :meth:`shard_vector`: the full [D_l+1] on every rank."""
-        o_ax = layout.roles(layer)[0]
-        return coll.all_gather(local, self.groups[o_ax])[: self.shard.widths[layer + 1]]
-
+    # ------------------------------------------------- full <-> local (plexus.shards maps)
     def sharded_state(self) -> list[tuple[str, torch.Tensor, str, int | None]]:
         """(name, local tensor, kind, layer) of every parameter and statistic in a fixed
-        order; kind ``weight``/``vector``/``features`` says which gather/shard pair maps it
-        (:meth:`gather`, :meth:`shard_full`). Used by checkpoints."""
+        order; (kind, layer) keys its map in :attr:`maps` (:meth:`gather`, :meth:`shard_full`,
+        :meth:`slab`). Used by checkpoints and the optimizer."""
         out: list[tuple[str, torch.Tensor, str, int | None]] = []
         for layer in range(self.num_layers):
             out.append((f"w{layer}", self.weights[layer], "weight", layer))
@@ -399,36 +318,38 @@ class PlexusGCN(nn.Module):
         return out
 
     def gather(self, kind: str, local: torch.Tensor, layer: int | None) -> torch.Tensor:
-        """The full tensor of a local one of :meth:`sharded_state` (collective)."""
-        if kind == "features":
-            return self.gather_features(local)
-        assert layer is not None
-        return (self.gather_weight if kind == "weight" else self.gather_vector)(local, layer)
+        """The full tensor of a local one laid out as ``kind`` (collective)."""
+        return shards.gather(local, self.maps[kind, layer], self.groups)
 
     def shard_full(self, kind: str, full: torch.Tensor, layer: int | None) -> torch.Tensor:
-        """This rank's shard of a full tensor of :meth:`sharded_state`'s ``kind``."""
-        if kind == "features":
-            return self.shard_features(full)
-        assert layer is not None
-        return (self.shard_weight if kind == "weight" else self.shard_vector)(full, layer)
+        """This rank's local tensor of a full one laid out as ``kind`` (pure)."""
+        return shards.shard(full, self.maps[kind, layer], self.groups)
 
     def slab(self, kind: str, layer: int | None) -> Slab:
-        """Where this rank's tensor of :meth:`sharded_state`'s ``kind`` sits in the full one
-        (a sharded checkpoint's description of :meth:`shard_full`; pure)."""
-        g, sh = self.groups, self.shard
-        if kind == "features":
-            rows = _chunk(sh.pc, g["x"]).numpy()
-            return _slab((sh.num_nodes, sh.widths[0]), rows,
-                         (sh.widths_padded[0], g["y"]), (self.features_shape, g["z"]))
-        assert layer is not None
-        o_ax, i_ax, p_ax = layout.roles(layer)
-        w_out = sh.widths_padded[layer + 1]
-        if kind == "vector":
-            return _slab((sh.widths[layer + 1],), (0, 1), (w_out, g[o_ax]), None)
-        d_in = sh.widths_padded[layer] // g[i_ax].size
-        rows = (g[i_ax].rank * d_in, (g[i_ax].rank + 1) * d_in)
-        return _slab((sh.widths[layer], sh.widths[layer + 1]), rows, (w_out, g[o_ax]),
-                     (self.block_shapes[layer], g[p_ax]))
+        """Where this rank's tensor of ``kind`` sits in the full one (pure)."""
+        return shards.slab(self.maps[kind, layer], self.groups)
+
+    def shard_weight(self, full: torch.Tensor, layer: int) -> torch.Tensor:
+        """The flat shard of a full ``W_l`` [D_l, D_l+1] (or its gradient, Adam moments)."""
+        return self.shard_full("weight", full, layer)
+
+    def gather_weight(self, local: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.gather("weight", local, layer)
+
+    def shard_vector(self, full: torch.Tensor, layer: int) -> torch.Tensor:
+        """The chunk [D_l+1/O] of a full per-output-column vector [D_l+1] of layer ``layer``
+        (bias, norm parameters and statistics); padding is zero."""
+        return self.shard_full("vector", full, layer)
+
+    def gather_vector(self, local: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.gather("vector", local, layer)
+
+    def shard_features(self, full: torch.Tensor) -> torch.Tensor:
+        """The flat shard of full input features [N, D_0] in original node order."""
+        return self.shard_full("features", full, None)
+
+    def gather_features(self, local: torch.Tensor) -> torch.Tensor:
+        return self.gather("features", local, None)
 
     def full_weights(self, grads: bool = False) -> list[torch.Tensor]:
         """Every full (unpadded) ``W_l`` (or its gradient), on every rank (collective)."""

@@ -1,4 +1,4 @@
-"""The autograd operators of one Plexus GCN layer (plexus-3d.md sections 1 and 4).
+"""The autograd operators of one Plexus GCN layer (docs/design/plexus-3d.md sections 1 and 4).
 
 Each is a ``torch.autograd.Function`` with both passes written out, so the collectives and the
 memory kept for backward are explicit: plexus.model composes them into the layer.
@@ -6,15 +6,14 @@ memory kept for backward are explicit: plexus.model composes them into the layer
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from common import collectives as coll
+from common import flat
 from common.grid import AxisGroup
 
-__all__ = ["GatheredMatmul", "ReLU", "SpMM", "gather_flat"]
+__all__ = ["GatheredMatmul", "ReLU", "SpMM"]
 
 
 class SpMM(torch.autograd.Function):
@@ -50,17 +49,21 @@ class ReLU(torch.autograd.Function):
 
 
 class GatheredMatmul(torch.autograd.Function):
-    """``H @ W`` with ``W`` all-gathered over P from its flat shard, in both passes.
+    """``H @ W`` with ``W`` all-gathered over P from its flat shard (common.flat), in both
+    passes.
 
     The gathered ``W`` is not kept for backward: it is gathered again (collective 5), and
     ``dW`` is reduce-scattered back to flat shards (collective 6).
+
+    Shapes: h [N/P, D_l/I], w_shard [ceil(D_l/I * D_l+1/O / P)], shape (D_l/I, D_l+1/O)
+    -> [N/P, D_l+1/O]
     """
 
     @staticmethod
     def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats):
         ctx.group, ctx.shape, ctx.stats = group, shape, stats
         ctx.save_for_backward(h, w_shard)
-        return h @ gather_flat(w_shard, group, shape, stats)
+        return h @ flat.gather(w_shard, group, shape, stats=stats)
 
     @staticmethod
     def backward(ctx: Any, dq):
@@ -68,14 +71,5 @@ class GatheredMatmul(torch.autograd.Function):
         group, shape, stats = ctx.group, ctx.shape, ctx.stats
         dh = None
         if ctx.needs_input_grad[0]:
-            dh = dq @ gather_flat(w_shard, group, shape, stats).t()
-        dw = (h.t() @ dq).reshape(-1)
-        pad = w_shard.numel() * group.size - dw.numel()
-        if pad:
-            dw = torch.cat([dw, dw.new_zeros(pad)])
-        return dh, coll.reduce_scatter(dw, group, stats=stats), None, None, None
-
-
-def gather_flat(shard: torch.Tensor, group: AxisGroup, shape, stats) -> torch.Tensor:
-    full = coll.all_gather(shard, group, stats=stats)
-    return full[: math.prod(shape)].view(shape)
+            dh = dq @ flat.gather(w_shard, group, shape, stats=stats).t()
+        return dh, flat.reduce_scatter(h.t() @ dq, group, stats=stats), None, None, None

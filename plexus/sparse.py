@@ -2,7 +2,7 @@
 
 A :class:`BlockSparse` is an ``[n, m]`` matrix kept as a grid of CSR blocks: rows cut at
 ``row_sizes``, columns at ``col_sizes``. The in-memory source (plexus.data.memory) uses one
-block; a prepared dataset (plexus.data.prepared) gives one block per ``k x k`` file block the
+block; a prepared dataset (plexus.data.mapped) gives one block per ``k x k`` file block the
 rank owns, each memory-mapped from disk, so loading copies and concatenates nothing.
 
 ``A @ X`` on CPU runs a numba kernel, parallel over rows, that writes each output row once:

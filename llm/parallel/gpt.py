@@ -1,4 +1,5 @@
-"""Parallelize a GPT over the 4D grid ``data x depth x row x col`` (llm-4d-goldfish.md).
+"""Parallelize a GPT over the 4D grid ``data x depth x row x col``
+(docs/design/llm-4d-goldfish.md).
 
 :class:`ParallelGPT` takes a :class:`llm.model.GPT` built on the meta device and draws only
 this rank's shard of each weight (:func:`init_shards`: keyed by seed and parameter name, never
@@ -47,9 +48,10 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from common import flat
 from common.collectives import all_gather, all_reduce
 from common.comm_stats import CommStats
-from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
+from common.grid import AXONN_AXES, AxisGroup, ProcessGrid, ceil_div
 from common.perf.gpt import GPTWorkload
 from common.sharded import Slab
 from llm.config import Overlap
@@ -67,15 +69,21 @@ from llm.parallel.layers import (
 TRANSPOSED = ("o_proj", "down_proj")
 
 
-def make_groups(grid: ProcessGrid, rank: int, transport: Any = None) -> dict[str, AxisGroup]:
-    """Axis groups the trainer uses; collective: every rank calls it, in the same order.
+# The axis groups the model and the trainer use: each axis, data+depth (the batch split: loss
+# sums, replicated gradients) and depth+row+col (the gradient norm). The entry point makes them
+# once: ParallelState.create(ctx, grid, AXIS_SETS) (common.parallel).
+AXIS_SETS = (*AXONN_AXES, ("data", "depth"), ("depth", "row", "col"))
 
-    Keys: ``data``, ``depth``, ``row``, ``col``, ``data+depth`` (batch split: loss sums,
-    replicated gradients) and ``depth+row+col`` (the gradient norm). ``transport``
-    (``DistContext.transport``): CPU tensors go through MPI.
+
+def make_groups(grid: ProcessGrid, rank: int, transport: Any = None) -> dict[str, AxisGroup]:
+    """The :data:`AXIS_SETS` groups of ``grid`` for code handed a rank; collective: every
+    rank calls it, in the same order. The entry point uses
+    ``ParallelState.create(ctx, grid, AXIS_SETS)`` instead (``common.parallel``).
+
+    Keys: ``data``, ``depth``, ``row``, ``col``, ``data+depth`` and ``depth+row+col``.
+    ``transport`` (``DistContext.transport``): CPU tensors go through MPI.
     """
-    return grid.create_groups(rank, [*AXONN_AXES, ("data", "depth"), ("depth", "row", "col")],
-                              transport=transport)
+    return grid.create_groups(rank, AXIS_SETS, transport=transport)
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,8 @@ class ShardSpec:
     Attributes:
         shape: full (serial) shape.
         axes: for each tensor dim, the grid axis splitting it, or None.
-        flat: the block is flattened and split 1/Z over depth (zero-padded to Z chunks).
+        flat: the block is flattened and split 1/Z over depth (zero-padded to Z chunks;
+            :func:`common.flat.flat_shard`).
         replicated: axes other than data over which every member holds the same shard.
     """
 
@@ -96,10 +105,10 @@ class ShardSpec:
 
     def block_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
         """Shape of this rank's block before flattening (padded dims divided by the axis)."""
-        return tuple(-(-n // sizes[a]) if a else n for n, a in zip(self.shape, self.axes))
+        return tuple(ceil_div(n, sizes[a]) if a else n for n, a in zip(self.shape, self.axes))
 
     def shard_numel(self, sizes: Mapping[str, int]) -> int:
-        return -(-math.prod(self.block_shape(sizes)) // sizes["depth"])
+        return flat.shard_size(math.prod(self.block_shape(sizes)), sizes["depth"])
 
     def shard_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
         """Shape of this rank's shard: ``(shard_numel,)`` when flat, else the block's."""
@@ -160,12 +169,7 @@ def shard_tensor(full: Tensor, spec: ShardSpec, sizes: Mapping[str, int],
             x = x.narrow(dim, min(start, stop), max(0, stop - start))
     out = torch.zeros(block, dtype=full.dtype, device=full.device)  # zero padding
     out[tuple(slice(0, n) for n in x.shape)] = x
-    if not spec.flat:
-        return out
-    size = spec.shard_numel(sizes)
-    flat = torch.zeros(size * sizes["depth"], dtype=full.dtype, device=full.device)
-    flat[: out.numel()] = out.reshape(-1)
-    return flat[coords["depth"] * size : (coords["depth"] + 1) * size].clone()
+    return flat.flat_shard(out, sizes["depth"], coords["depth"]) if spec.flat else out
 
 
 @torch.no_grad()
@@ -217,11 +221,9 @@ def shard_slab(spec: ShardSpec, sizes: Mapping[str, int], coords: Mapping[str, i
     ranges = [(coords[a] * b, (coords[a] + 1) * b) if a else (0, n)
               for n, b, a in zip(spec.shape, block, spec.axes)]
     rows, cols = ranges if len(ranges) == 2 else ((0, 1), ranges[0])
-    flat = None
-    if spec.flat:
-        size = spec.shard_numel(sizes)
-        flat = (coords["depth"] * size, (coords["depth"] + 1) * size)
-    return Slab(spec.shape, rows, cols, flat)
+    flat_range = (flat.shard_range(math.prod(block), sizes["depth"], coords["depth"])
+                  if spec.flat else None)
+    return Slab(spec.shape, rows, cols, flat_range)
 
 
 def gather_tensor(local: Tensor, spec: ShardSpec, groups: Mapping[str, AxisGroup],
@@ -234,8 +236,7 @@ def gather_tensor(local: Tensor, spec: ShardSpec, groups: Mapping[str, AxisGroup
     sizes = {a: groups[a].size for a in AXONN_AXES}
     x = local.detach()
     if spec.flat:
-        block = spec.block_shape(sizes)
-        x = all_gather(x, groups["depth"], stats=stats)[: math.prod(block)].view(block)
+        x = flat.gather(x, groups["depth"], spec.block_shape(sizes), stats=stats)
     for dim, axis in enumerate(spec.axes):
         if axis:
             x = all_gather(x.contiguous(), groups[axis], dim=dim, stats=stats)
@@ -253,7 +254,7 @@ def batch_shard(batch: Tensor, groups: Mapping[str, AxisGroup], pad_value: int |
     """
     parts = groups["data"].size * groups["depth"].size
     index = groups["data"].rank * groups["depth"].size + groups["depth"].rank
-    rows = -(-batch.shape[0] // parts)
+    rows = ceil_div(batch.shape[0], parts)
     if rows * parts != batch.shape[0]:
         pad = batch.new_full((rows * parts - batch.shape[0], *batch.shape[1:]), pad_value)
         batch = torch.cat((batch, pad))
@@ -431,9 +432,9 @@ class ParallelGPT(nn.Module):
             if self.groups[key].size == 1 or not params:
                 continue
             grads = [p.grad for p in params]
-            flat = all_reduce(_flatten_dense_tensors(grads), self.groups[key],
-                              stats=self.stats, inplace=True)
-            for p, synced in zip(params, _unflatten_dense_tensors(flat, grads)):
+            summed = all_reduce(_flatten_dense_tensors(grads), self.groups[key],
+                                stats=self.stats, inplace=True)
+            for p, synced in zip(params, _unflatten_dense_tensors(summed, grads)):
                 p.grad.copy_(synced)
 
     @torch.no_grad()

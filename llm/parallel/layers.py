@@ -1,10 +1,11 @@
 """Layers of the 4D-parallel GPT: the 3D tensor-parallel Linear, embedding and RMSNorm.
 
-llm-4d-goldfish.md section 2 (AxoNN, Singh et al. https://arxiv.org/abs/2305.13525). A grid
-``data x depth x row x col`` of sizes ``D x Z x R x C``; this module uses row, col and depth.
+docs/design/llm-4d-goldfish.md section 2 (AxoNN, Singh et al.
+https://arxiv.org/abs/2305.13525). A grid ``data x depth x row x col`` of sizes
+``D x Z x R x C``; this module uses row, col and depth.
 
 A *normal* Linear ``y = x W^T`` (W: out x in) stores the block ``W[out/R (row r), in/C (col c)]``,
-flattened and split 1/Z over depth::
+flattened and split 1/Z over depth (:mod:`common.flat`)::
 
     forward:   W_blk = all-gather(W_shard) over depth
                y = all-reduce(x W_blk^T) over col
@@ -35,7 +36,6 @@ Shapes legend (``B`` local batch rows, ``T`` sequence, ``D`` d_model padded to a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +43,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import embedding, linear
 
-from common.autograd import all_gather_reduce_scatter, all_reduce_identity, identity_all_reduce
-from common.collectives import CommHandle, all_gather, all_reduce, reduce_scatter
+from common import flat
+from common.autograd import all_reduce_all_reduce
+from common.collectives import CommHandle, all_reduce
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 from llm.config import Overlap
@@ -125,7 +126,6 @@ class DepthWeights:
             self._recompute = False
         elif self._backward and not self._recompute:  # a checkpointed block's recompute
             self._recompute, self._kept = True, {}
-        layer = self.layers[index]
         weight = self._kept.pop(index, None) if backward else None
         if weight is None:
             handle = self._pending.pop(index, None)
@@ -133,7 +133,7 @@ class DepthWeights:
                 handle = self._start(index)
             else:
                 self.counts.oag += 1
-            weight = handle.wait()[: math.prod(layer.block_shape)].view(layer.block_shape)
+            weight = handle.wait()
             if self._recompute:
                 self._kept[index] = weight
         if not self._recompute:
@@ -145,10 +145,13 @@ class DepthWeights:
         return weight
 
     def _start(self, index: int) -> CommHandle:
-        shard = self.layers[index].weight.detach()
+        """The async gather of Linear ``index``'s block from its flat shards over depth."""
+        layer = self.layers[index]
+        shard = layer.weight.detach()
         if self.dtype is not None:
             shard = shard.to(self.dtype)  # cast before the gather: it moves compute-dtype bytes
-        return all_gather(shard, self.depth, stats=self.stats, async_op=True)
+        return flat.gather(shard, self.depth, layer.block_shape, stats=self.stats,
+                           async_op=True)
 
     def _new_pass(self, backward: bool) -> None:
         for handle in self._pending.values():  # never left over in practice; keeps ranks in step
@@ -178,13 +181,9 @@ class DepthGrads:
 
     def add(self, param: nn.Parameter, grad_block: Tensor) -> None:
         """Shapes: grad_block [out_blk, in_blk] -> param.grad [ceil(out_blk*in_blk / Z)]."""
-        flat = grad_block.reshape(-1)
         if self.dtype is not None:
-            flat = flat.to(self.dtype)
-        pad = param.numel() * self.depth.size - flat.numel()
-        if pad:
-            flat = torch.cat((flat, flat.new_zeros(pad)))
-        handle = reduce_scatter(flat, self.depth, stats=self.stats, async_op=True)
+            grad_block = grad_block.to(self.dtype)
+        handle = flat.reduce_scatter(grad_block, self.depth, stats=self.stats, async_op=True)
         self._pending.append((param, handle))
         if not self.defer:
             self.finish()
@@ -302,8 +301,8 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         shard = self.weight if self.dtype is None else self.weight.to(self.dtype)
-        flat = all_gather_reduce_scatter(shard, self.depth, stats=self.stats)
-        table = flat[: math.prod(self.block_shape)].view(self.block_shape)  # [V, D/C]
+        table = flat.all_gather_reduce_scatter(shard, self.depth, self.block_shape,
+                                               self.stats)  # [V, D/C]
         if self.dtype is None:
             return embedding(idx, table)
         return embedding(idx, table.float()).to(self.dtype)
@@ -330,7 +329,6 @@ class ParallelRMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         sum_sq = xf.pow(2).sum(dim=-1, keepdim=True)  # [..., 1], partial over col
-        sum_sq = identity_all_reduce(all_reduce_identity(sum_sq, self.col, self.stats),
-                                     self.col, self.stats)
+        sum_sq = all_reduce_all_reduce(sum_sq, self.col, self.stats)
         normed = xf * torch.rsqrt(sum_sq / self.dim + self.eps)
         return normed.type_as(x) * self.weight.to(x.dtype)

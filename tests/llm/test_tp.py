@@ -7,7 +7,7 @@ import torch
 from torch.nn.functional import linear
 
 from common.comm_stats import CommStats
-from common.grid import AXONN_AXES, AxisGroup, ProcessGrid
+from common.grid import AXONN_AXES, AxisGroup, ProcessGrid, ceil_div
 from llm.config import Overlap
 from llm.parallel.gpt import make_groups
 from llm.parallel.layers import DepthGrads, DepthWeights, OverlapCounts, ParallelLinear
@@ -23,10 +23,10 @@ def linear_pair(groups, overlap, stats=None):
     weights = DepthWeights(groups["depth"], prefetch=ov.oag, stats=stats, counts=counts)
     grads = DepthGrads(groups["depth"], defer=ov.ors, stats=stats, counts=counts)
     r, c, z = (groups[a].size for a in ("row", "col", "depth"))
-    layers = [ParallelLinear(torch.randn(-(-(10 // r) * (14 // c) // z)), (10 // r, 14 // c),
+    layers = [ParallelLinear(torch.randn(ceil_div((10 // r) * (14 // c), z)), (10 // r, 14 // c),
                              transposed=False, groups=groups, weights=weights, grads=grads,
                              overlap=ov, stats=stats),
-              ParallelLinear(torch.randn(-(-(14 // c) * (10 // r) // z)), (14 // c, 10 // r),
+              ParallelLinear(torch.randn(ceil_div((14 // c) * (10 // r), z)), (14 // c, 10 // r),
                              transposed=True, groups=groups, weights=weights, grads=grads,
                              overlap=ov, stats=stats)]
     return layers, weights, grads, counts
@@ -49,7 +49,7 @@ def linear_volumes(ctx, grid_text, overlap):
 
 def expected_linear_volumes(depth, row, col):
     """Section 2 of the spec, float32, b * T = 6 rows, padded flat shards."""
-    shard = -(-(10 // row) * (14 // col) // depth)  # both blocks hold 10/R x 14/C entries
+    shard = ceil_div((10 // row) * (14 // col), depth)  # both blocks hold 10/R x 14/C entries
     gather = (depth - 1) * shard * 4  # ring all-gather of Z shards: (Z-1)/Z of Z*shard*4
     narrow, wide = 6 * (10 // row) * 4, 6 * (14 // col) * 4  # [6, 10/R] and [6, 14/C]
     out = {}

@@ -1,6 +1,5 @@
-"""plexus.layout: the roles of the axes in each layer, padding and flat shards."""
-
-import torch
+"""plexus.layout: the roles of the axes in each layer and padding (flat shards:
+tests/common/test_flat.py)."""
 
 from plexus import layout
 
@@ -21,16 +20,7 @@ def test_padding():
     assert layout.padded_widths([7, 6, 6, 5], {"x": 4, "y": 2, "z": 3}) == [8, 8, 6, 6]
 
 
-
-
 def test_layer_widths():
     assert layout.layer_widths(7, 6, 3, 5) == [7, 6, 6, 5]
     assert layout.layer_widths(7, 6, 1, 5) == [7, 5]
 
-
-def test_flat_shard_chunks_and_pads():
-    block = torch.arange(10.0).reshape(2, 5)
-    parts = [layout.flat_shard(block, 3, p) for p in range(3)]
-    assert all(p.numel() == 4 for p in parts)  # ceil(10 / 3) = 4, zero-padded
-    assert torch.equal(torch.cat(parts)[:10], block.reshape(-1))
-    assert torch.equal(parts[2][2:], torch.zeros(2))

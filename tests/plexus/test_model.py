@@ -10,45 +10,28 @@ import pytest
 import torch
 
 from common.comm_stats import CommStats
-from common.grid import ProcessGrid
+from common.grid import ProcessGrid, ceil_div
 from plexus.data.memory import InMemorySource
 from plexus.layout import layer_widths
 from plexus.loss import sharded_cross_entropy
-from plexus.model import PlexusGCN, init_weights
+from plexus.model import PlexusGCN
+from plexus.reference import SerialGCN, gcn_adjacency
 from tests.distributed import needs_mpi, run_ranks
 from tests.plexus.data.shards import small_graph
 
 HIDDEN = 6  # not divisible by 4: padded widths on 4-sized axes
 
 
-def dense_gcn_adjacency(graph):
-    """Dense float64 Â = D^-1/2 (A + I) D^-1/2 with rows = targets (an independent oracle)."""
-    n = graph.num_nodes
-    a = torch.zeros(n, n, dtype=torch.float64)
-    src, dst = graph.edge_index
-    keep = src != dst
-    a.index_put_((dst[keep], src[keep]), torch.ones(int(keep.sum()), dtype=torch.float64),
-                  accumulate=True)
-    a += torch.eye(n, dtype=torch.float64)
-    dinv = a.sum(1).rsqrt()
-    return dinv[:, None] * a * dinv[None, :]
-
-
 def serial_reference(graph, num_layers, hidden, seed):
-    """Dense GCN in float64 (:func:`dense_gcn_adjacency`)."""
-    a_hat = dense_gcn_adjacency(graph)
-    widths = [graph.num_features] + [hidden] * (num_layers - 1) + [graph.num_classes]
-    ws = [w.double().requires_grad_(True) for w in init_weights(widths, seed)]
-    x = graph.x.double().requires_grad_(True)
-    f = x
-    for layer, w in enumerate(ws):
-        f = (a_hat @ f) @ w
-        if layer < num_layers - 1:
-            f = torch.relu(f)
+    """The dense float64 GCN of plexus.reference with trainable features: loss, logits and
+    the gradients of every weight and of the features."""
+    widths = layer_widths(graph.num_features, hidden, num_layers, graph.num_classes)
+    ref = SerialGCN(graph, widths, learn_features=True, seed=seed)
+    f = ref()
     loss = torch.nn.functional.cross_entropy(f[graph.train_idx], graph.y[graph.train_idx])
     loss.backward()
-    return {"loss": loss.item(), "logits": f.detach(), "wgrads": [w.grad for w in ws],
-            "xgrad": x.grad}
+    return {"loss": loss.item(), "logits": f.detach(),
+            "wgrads": [w.grad for w in ref.weights], "xgrad": ref.features.grad}
 
 
 def _parallel(ctx, cases):
@@ -124,8 +107,8 @@ def _assert_matches(results):
 
 
 def expected_bytes(shape, n, widths):
-    """Ring volumes per rank of plexus-3d.md section 4, summed per (axis, op), float32,
-    trainable features (so collective 8 runs at layer 0 too)."""
+    """Ring volumes per rank of docs/design/plexus-3d.md section 4, summed per (axis, op),
+    float32, trainable features (so collective 8 runs at layer 0 too)."""
     roles = [("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x")]
     out = {}
 
@@ -137,7 +120,7 @@ def expected_bytes(shape, n, widths):
             out[key] = out.get(key, 0) + factor * full_bytes // g
 
     def flat(numel, g):  # a flat shard is padded to a multiple of g elements
-        return -(-numel // g) * g * 4
+        return ceil_div(numel, g) * g * 4
 
     for layer in range(len(widths) - 1):
         o, i, p = roles[layer % 3]
@@ -185,8 +168,8 @@ def test_plexus_equals_serial(world, grids, comm):
 
 
 def test_serial_reference_agrees_with_pyg(tiny_graph):
-    """The dense reference's Â equals PyG's gcn_norm on the same graph (an independent check
-    of the normalisation convention)."""
+    """The dense reference's Â and the data side's equal PyG's gcn_norm on the same graph (an
+    independent check of the normalisation convention)."""
     from torch_geometric.nn.conv.gcn_conv import gcn_norm
     from torch_geometric.utils import to_dense_adj
 
@@ -197,3 +180,5 @@ def test_serial_reference_agrees_with_pyg(tiny_graph):
     dense_pyg = to_dense_adj(ei, edge_attr=w, max_num_nodes=graph.num_nodes)[0].T  # rows=target
     ours = normalized_adjacency(graph.edge_index.numpy(), graph.num_nodes).toarray()
     np.testing.assert_allclose(ours, dense_pyg.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(gcn_adjacency(graph).numpy(), dense_pyg.numpy(), rtol=1e-6,
+                               atol=1e-7)

@@ -1,4 +1,5 @@
-"""plexus.model with the full recipe equals a dense serial model on every grid.
+"""plexus.model with the full recipe equals the dense serial model (plexus.reference) on every
+grid.
 
 Bias, dropout (grid-independent masks), batch and layer norm, feature normalisation, residual
 connections, GCN and GraphSAGE: the loss, the logits of a training pass and of an eval-mode
@@ -10,12 +11,12 @@ that pads.
 import pytest
 import torch
 
-from plexus.data.partition import mean_adjacency
 from plexus.layers import dropout_mask
-from plexus.model import ROOT_SEED_OFFSET, init_weights
+from plexus.layout import layer_widths
+from plexus.reference import SerialGCN
 from tests.distributed import run_ranks
 from tests.plexus.data.shards import small_graph
-from tests.plexus.test_model import dense_gcn_adjacency, rel
+from tests.plexus.test_model import rel
 
 HIDDEN, SEED, STEP = 6, 5, 3
 
@@ -27,77 +28,21 @@ CASES = [  # (model, layers, dropout, norm, learn_features, normalize_features, 
 ]
 
 
-def _normalize(x):  # PyG's NormalizeFeatures
-    x = x - x.min()
-    return x / x.sum(1, keepdim=True).clamp(min=1.0)
-
-
 def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, bias,
                      residual):
-    """Dense float64 model of the recipe; returns loss, train/eval logits and all gradients."""
-    n = graph.num_nodes
-    if model == "sage":
-        adj = torch.from_numpy(mean_adjacency(graph.edge_index.numpy(), n).toarray()).double()
-    else:
-        adj = dense_gcn_adjacency(graph)
-    widths = [graph.num_features] + [HIDDEN] * (num_layers - 1) + [graph.num_classes]
-    ws = [w.double().requires_grad_(True) for w in init_weights(widths, SEED)]
-    roots = [w.double().requires_grad_(True)
-             for w in init_weights(widths, SEED + ROOT_SEED_OFFSET)] if model == "sage" else []
-    bs = [torch.zeros(d, dtype=torch.float64, requires_grad=True) for d in widths[1:]]
-    gammas = [torch.ones(HIDDEN, dtype=torch.float64, requires_grad=True)
-              for _ in range(num_layers - 1)]
-    betas = [torch.zeros(HIDDEN, dtype=torch.float64, requires_grad=True)
-             for _ in range(num_layers - 1)]
-    x = graph.x.double()
-    if normalize:
-        x = _normalize(x)
-    x = x.requires_grad_(learn)
-    running = {}
-
-    def forward(train):
-        f = x
-        for layer in range(num_layers):
-            f_in = f
-            if train and dropout:
-                f = f * dropout_mask(dropout, seed=SEED, step=STEP, layer=layer,
-                                     rows=torch.arange(n), cols=torch.arange(f.shape[1])).double()
-            q = (adj @ f) @ ws[layer]
-            if roots:
-                q = q + f @ roots[layer]
-            q = q + bs[layer]
-            if layer < num_layers - 1:
-                if norm == "batch":
-                    if train:
-                        mean, var = q.mean(0), q.var(0, unbiased=False)
-                        running[layer] = (0.1 * mean.detach(),
-                                          0.9 + 0.1 * q.detach().var(0, unbiased=True))
-                    else:
-                        mean, var = running[layer]
-                    q = (q - mean) * torch.rsqrt(var + 1e-5) * gammas[layer] + betas[layer]
-                elif norm == "layer":
-                    mean, var = q.mean(1, keepdim=True), q.var(1, unbiased=False, keepdim=True)
-                    q = (q - mean) * torch.rsqrt(var + 1e-5) * gammas[layer] + betas[layer]
-                q = torch.relu(q)
-                if residual and layer >= 1:
-                    q = q + f_in
-            f = q
-        return f
-
-    logits = forward(True)
+    """The dense float64 model of plexus.reference with the recipe: loss, the logits of a
+    training pass and of an eval-mode pass after it, and every gradient by name."""
+    widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
+    ref = SerialGCN(graph, widths, model=model, learn_features=learn, seed=SEED,
+                    dropout=dropout, bias=bias, norm=norm, normalize_features=normalize,
+                    residual=residual)
+    logits = ref(step=STEP)
     loss = torch.nn.functional.cross_entropy(logits[graph.train_idx], graph.y[graph.train_idx])
     loss.backward()
+    ref.eval()
     with torch.no_grad():
-        eval_logits = forward(False)
-    grads = {f"w{i}": w.grad for i, w in enumerate(ws)}
-    grads.update({f"root{i}": w.grad for i, w in enumerate(roots)})
-    if bias:
-        grads.update({f"b{i}": b.grad for i, b in enumerate(bs)})
-    if norm != "none":
-        grads.update({f"norm{i}.weight": g.grad for i, g in enumerate(gammas)})
-        grads.update({f"norm{i}.bias": b.grad for i, b in enumerate(betas)})
-    if learn:
-        grads["features"] = x.grad
+        eval_logits = ref()
+    grads = {name: t.grad for name, t in ref.named_tensors().items() if t.grad is not None}
     return {"loss": loss.item(), "logits": logits.detach(), "eval": eval_logits, "grads": grads}
 
 
@@ -105,7 +50,7 @@ def _parallel(ctx, grids):
     from common.comm_stats import CommStats
     from common.grid import ProcessGrid
     from plexus.data.memory import InMemorySource
-    from plexus.layout import layer_widths, roles
+    from plexus.layout import roles
     from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
@@ -197,11 +142,13 @@ def test_recipe_serial_reference_agrees_with_pyg_sage():
 
     graph = small_graph()
     conv = SAGEConv(graph.num_features, 4, aggr="mean").double()
-    adj = torch.from_numpy(mean_adjacency(graph.edge_index.numpy(),
-                                          graph.num_nodes).toarray()).double()
-    x = graph.x.double()
-    ours = adj @ x @ conv.lin_l.weight.T + conv.lin_l.bias + x @ conv.lin_r.weight.T
-    assert rel(ours.detach(), conv(x, graph.edge_index).detach()) < 1e-6  # A_mean is float32
+    ref = SerialGCN(graph, [graph.num_features, 4], model="sage", bias=True)
+    with torch.no_grad():
+        ref.weights[0].copy_(conv.lin_l.weight.T)
+        ref.root_weights[0].copy_(conv.lin_r.weight.T)
+        ref.biases[0].copy_(conv.lin_l.bias)
+        want = conv(graph.x.double(), graph.edge_index)
+        assert rel(ref(), want) < 1e-6  # A_mean is float32
 
 
 def test_dropout_mask_is_grid_independent_and_has_the_rate():
