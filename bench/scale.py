@@ -168,7 +168,8 @@ def memory_step(args) -> None:
     chunk z of A'', so a rank maps 2/G of the blocks: adjacency memory falls as 1/G. 3 layers
     on the most cubic grids: every axis is the inner axis I (over which A_l is replicated) of
     one layer, so a rank maps nnz * sum_l(I_l) / G before blocks shared between layers are
-    counted once (plexus-3d.md section 3): it falls more slowly, G^(-2/3) on cubic grids.
+    counted once (docs/design/plexus-3d.md section 3): it falls more slowly, G^(-2/3) on cubic
+    grids.
     """
     series = [(2, {g: f"1x1x{g}" for g in (1, 2, 4, 8)}),
               (3, {1: "1x1x1", 2: "1x2x1", 4: "2x2x1", 8: "2x2x2"})]

@@ -1,8 +1,8 @@
 """Byte and time accounting for collectives, owned by the caller (no global counters).
 
 Bytes are the bytes *sent per rank* by a ring implementation (the volumes of the performance
-model, plexus-3d.md section 4), where ``M`` is the byte size of the full tensor being reduced
-or collected and ``g`` the group size:
+model, docs/design/plexus-3d.md section 4), where ``M`` is the byte size of the full tensor being
+reduced or collected and ``g`` the group size:
 
 * all-reduce:      ``2 (g-1)/g * M``
 * all-gather:      ``(g-1)/g * M``   (``M`` = gathered output)

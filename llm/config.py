@@ -239,7 +239,7 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class GoldfishConfig:
-    """Goldfish loss (llm-4d-goldfish.md section 4); ``k = 0`` is the standard loss."""
+    """Goldfish loss (docs/design/llm-4d-goldfish.md section 4); ``k = 0`` is the standard loss."""
 
     k: int = 0
     h: int = 13

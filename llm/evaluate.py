@@ -8,7 +8,7 @@
         --speculative quantspec --gamma 4 --text notes.txt
 
 Each decode-time method (:mod:`llm.decode.sparse_attention`; design:
-../shared/design/llm-inference.md) is measured with full attention in the same run:
+docs/design/llm-inference.md) is measured with full attention in the same run:
 
 * perplexity: teacher forcing through the decode path. The held-out tokens are cut into
   windows of max_seq_len + 1 tokens overlapping by one (so every token but the first is a

@@ -1,4 +1,5 @@
-"""Memorization test (llm-4d-goldfish.md section 5): can the model recite a document's end?
+"""Memorization test: can the model recite a document's end? (docs/design/llm-4d-goldfish.md
+section 5)
 
 For each of the first N training documents, tokenised and cut exactly as in training (the
 checkpoint's tokenizer, ``--seq-len`` + 1 tokens, no end-of-text token:

@@ -1,4 +1,5 @@
-"""Performance model of one Plexus 3D GCN epoch (plexus-3d.md sections 2-4, perf-model.md).
+"""Performance model of one Plexus 3D GCN epoch (docs/design/plexus-3d.md sections 2-4,
+docs/design/perf-model.md).
 
 Grid ``X x Y x Z``; layer ``l`` gives the axes the roles (O, I, P) = (x, y, z), (z, x, y),
 (y, z, x) for ``l % 3 = 0, 1, 2``. With ``N`` nodes and widths ``D_l`` padded exactly as
@@ -23,7 +24,7 @@ norm); the evaluation forward after it (``eval_s``) is not modelled.
 
 Compute per rank:
 
-* SpMM is memory-bound (perf-model.md): ``bytes = nnz (b_idx + 4) + (rows + 1) b_idx
+* SpMM is memory-bound (docs/design/perf-model.md): ``bytes = nnz (b_idx + 4) + (rows + 1) b_idx
   + nnz * ceil(4 D / line) line + rows * 4 D``, time = bytes / spmm_bandwidth. The gathered
   row is rounded up to the cache line or sector, the shape penalty that makes narrow (tall and
   skinny) dense operands slow per flop.
@@ -149,7 +150,8 @@ class GCNWorkload:
 
 def ogbn_products(**kw: Any) -> GCNWorkload:
     """ogbn-products: 2,449,029 nodes, 126,167,053 nonzeros with self-loops, 100 features,
-    47 classes; 3 layers, hidden 128 (the Plexus paper's set-up, plexus-3d.md section 8)."""
+    47 classes; 3 layers, hidden 128 (the Plexus paper's set-up, docs/design/plexus-3d.md
+    section 8)."""
     return GCNWorkload(name="ogbn-products", num_nodes=2_449_029, nnz=126_167_053,
                        num_features=100, num_classes=47, **kw)
 

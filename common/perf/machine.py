@@ -29,8 +29,8 @@ or ``auto`` (the cheaper of the two for each call).
 1. a measured fit for (op, ranks on the node, group size) when the profile has one (the CPU
    calibration measures every group size with the same number of ranks the job will launch,
    so oversubscribed cores and loopback contention are inside the numbers), else
-2. the placement of the group (perf-model.md): a group whose ranks share a node rings over the
-   intra-node link; otherwise it uses the node's NICs, ``nics_per_node * inter.bandwidth``,
+2. the placement of the group (docs/design/perf-model.md): a group whose ranks share a node
+   rings over the intra-node link; otherwise it uses the node's NICs, ``nics_per_node * inter.bandwidth``,
    divided among the groups of the node that talk at once (every rank is in one group of the
    axis, and all groups of an axis run together). A ring whose group has ``k`` ranks on each
    node leaves the node once per ring (NCCL spreads its channels over the node's NICs and

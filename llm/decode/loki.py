@@ -1,7 +1,7 @@
 """Loki's offline step: PCA bases of the keys, per layer and kv head, and their storage.
 
 Loki (Singhania et al., NeurIPS 2024, https://arxiv.org/abs/2406.02542; design:
-../shared/design/llm-inference.md) scores the cached keys in the first d directions of a PCA
+docs/design/llm-inference.md) scores the cached keys in the first d directions of a PCA
 basis of keys collected on calibration text. :func:`calibrate_loki` computes the bases of a
 model, :class:`LokiBasis` holds and saves them, and :func:`load_or_calibrate` keeps one with
 its checkpoint (:func:`basis_path`). The decode-time method that uses them is

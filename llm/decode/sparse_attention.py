@@ -4,7 +4,7 @@ Each method is a :class:`llm.decode.kv_cache.DecodeAttention`: pass it to ``KVCa
 or ``GPT.generate(..., method=)`` and every cached single-token decode step calls it with the new
 query and the cached keys and values (keys after RoPE, cached position n is position n). The
 methods select positions per query head and run exact softmax attention over the selected ones
-(design: ../shared/design/llm-inference.md). They simulate the selection densely with a mask, to
+(design: docs/design/llm-inference.md). They simulate the selection densely with a mask, to
 measure quality and memory traffic; they are not fast kernels.
 
 * :class:`TopK` keeps the k highest scores.

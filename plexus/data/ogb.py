@@ -1,7 +1,7 @@
 """OGB node-property datasets through the unmodified ``ogb`` loaders, offline-safe.
 
-Handles the offline pitfalls of ogb 1.3.6 (data.md): the RELEASE_v1.txt prompt on stdin, the
-bare torch.load of its own cache under torch >= 2.6, the network version check, and turns
+Handles the offline pitfalls of ogb 1.3.6 (docs/design/data.md): the RELEASE_v1.txt prompt on
+stdin, the bare torch.load of its own cache under torch >= 2.6, the network version check, and turns
 missing or unreadable files into errors that say what to put where.
 """
 

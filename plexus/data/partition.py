@@ -2,7 +2,7 @@
 
 Pure arithmetic on numpy/scipy (no torch.distributed), so it is tested on its own.
 
-Conventions (plexus-3d.md sections 1-3, 6):
+Conventions (docs/design/plexus-3d.md sections 1-3, 6):
 
 * ``edge_index[0]`` is the source, ``edge_index[1]`` the target; node ``t`` aggregates from its
   in-neighbours: ``Â[t, s] = 1/sqrt(d_t d_s)`` for an edge ``s -> t`` or ``s == t``, with

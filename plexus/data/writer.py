@@ -75,7 +75,7 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
             ``graph_source``, ``edge_file_source``, ``ogb_source``).
         out: output directory; must not exist unless ``force``.
         blocks: k; training grids need axis sizes that divide k.
-        permutation: ``none``, ``single`` or ``double`` (plexus-3d.md section 6).
+        permutation: ``none``, ``single`` or ``double`` (docs/design/plexus-3d.md section 6).
         seed: permutation seed (training with this dataset uses these permutations).
         force: replace an existing ``out`` (only after the new one is complete).
         quiet: no progress bars.
