@@ -29,15 +29,15 @@ or ``auto`` (the cheaper of the two for each call).
 1. a measured fit for (op, ranks on the node, group size) when the profile has one (the CPU
    calibration measures every group size with the same number of ranks the job will launch,
    so oversubscribed cores and loopback contention are inside the numbers), else
-2. the placement of the group (docs/design/perf-model.md): a group whose ranks share a node
-   rings over the intra-node link; otherwise it uses the node's NICs,
-   ``nics_per_node * inter.bandwidth``, divided among the groups of the node that talk at once (every rank is in one group of the
-   axis, and all groups of an axis run together). A ring whose group has ``k`` ranks on each
-   node leaves the node once per ring (NCCL spreads its channels over the node's NICs and
-   GPUs), so the node's ``ranks_per_node / k`` groups share the NICs:
-   ``beta = min(nics_per_node * inter.bandwidth * k / ranks_per_node, intra ring of k)``.
-   Ranks are numbered consecutively on nodes, so the groups of an axis with stride ``s`` and
-   size ``g`` all lie inside nodes exactly when ``s * g`` divides ``ranks_per_node``.
+2. the placement of the group (docs/design/perf-model.md): a group whose ranks share a node rings
+   over the intra-node link; otherwise it uses the node's NICs, ``nics_per_node * inter.bandwidth``,
+   divided among the groups of the node that talk at once (every rank is in one group of the axis,
+   and all groups of an axis run together). A ring whose group has ``k`` ranks on each node leaves
+   the node once per ring (NCCL spreads its channels over the node's NICs and GPUs), so the node's
+   ``ranks_per_node / k`` groups share the NICs: ``beta = min(nics_per_node * inter.bandwidth * k /
+   ranks_per_node, intra ring of k)``. Ranks are numbered consecutively on nodes, so the groups of
+   an axis with stride ``s`` and size ``g`` all lie inside nodes exactly when ``s * g`` divides
+   ``ranks_per_node``.
 
 Inside a node, ``intra.bandwidth`` is what one rank pushes into a ring over the whole node; with
 ``intra_peer_bandwidth`` (fully connected nodes: dedicated links to every peer), a ring of ``k``
