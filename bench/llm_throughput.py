@@ -29,10 +29,11 @@ import torch
 from torch.nn.functional import cross_entropy
 
 from common.grid import ProcessGrid
+from common.parallel import ParallelState
 from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
 from llm.data.batches import BatchIterator, encode_stream, load_documents, split_documents
 from llm.model import GPT, PRESETS, get_preset
-from llm.parallel.gpt import make_groups
+from llm.parallel.gpt import AXIS_SETS
 from llm.trainer import Trainer
 
 
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     optim = OptimConfig()
     total = args.warmup + args.steps
     ours = Trainer(get_preset(args.preset), data, optim, GoldfishConfig(),
-                   RunConfig(steps=total), make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0))
+                   RunConfig(steps=total), ParallelState.single(ProcessGrid.axonn(1, 1, 1, 1),
+                                                                AXIS_SETS))
     base = Baseline(args.preset, data, optim, seed=0)
     for _ in range(args.warmup):
         timed(ours.train_step), timed(base.train_step)

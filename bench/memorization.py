@@ -28,13 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from common.grid import ProcessGrid
+from common.parallel import ParallelState
 from common.run import CheckpointConfig
 from llm import checkpoint
 from llm.config import STRATEGIES, DataConfig, GoldfishConfig, OptimConfig, RunConfig
 from llm.data.batches import decode, load_documents, truncate_docs
 from llm.memorization import memorization
 from llm.model import PRESETS, get_preset
-from llm.parallel.gpt import make_groups
+from llm.parallel.gpt import AXIS_SETS
 from llm.trainer import Trainer, run
 
 
@@ -42,9 +43,9 @@ def train_and_test(args: argparse.Namespace, goldfish: GoldfishConfig, out: Path
     data = DataConfig(docs=args.docs, seq_len=args.seq_len, batch_size=args.batch_size,
                       eval_batches=args.eval_batches, seed=args.seed)
     optim = OptimConfig(lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay)
-    groups = make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0)  # one process, no process group
+    parallel = ParallelState.single(ProcessGrid.axonn(1, 1, 1, 1), AXIS_SETS)  # one process
     trainer = Trainer(get_preset(args.preset), data, optim, goldfish,
-                      RunConfig(epochs=args.epochs), groups, seed=args.seed)
+                      RunConfig(epochs=args.epochs), parallel, seed=args.seed)
     name = f"goldfish k={goldfish.k}" if goldfish.k else "standard"
 
     def progress(row: dict) -> None:

@@ -1,4 +1,5 @@
-"""Plumbing both trainers share: start-up flags, checkpoint flags, metrics, exit on errors.
+"""Plumbing both trainers share: start-up flags, checkpoint flags, metrics, the steady-state
+average of their rows, exit on errors (memory meters: :mod:`common.memory`).
 
 A trainer's CLI (``plexus.train``, ``llm.train``) reads top to bottom with these::
 
@@ -21,20 +22,13 @@ import argparse
 import json
 import os
 import shutil
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
-from common.dist import (
-    COMMS,
-    DistContext,
-    exit_on_comm_failure,
-    fail_all_ranks,
-    init_distributed,
-    is_comm_failure,
-)
+from common.dist import COMMS, DistContext, init_distributed
+from common.failure import exit_on_comm_failure, fail_all_ranks, is_comm_failure
 
 T = TypeVar("T")
 
@@ -259,37 +253,14 @@ def run_or_exit(ctx: DistContext | None, fn: Callable[[], T], *,
         raise
 
 
-def resident_bytes() -> int:
-    """Current resident set size of this process (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
+def steady_mean(rows: Sequence[Mapping[str, Any]], key: str) -> float:
+    """Mean of ``row[key]`` over the steady state: every row but the first, whose time includes
+    the warm-up (allocation, kernel selection, first communicators); the only row when there is
+    one; 0.0 when there is none.
 
-def peak_bytes() -> int:
-    """Peak resident set size of this process since it started or since the last
-    :func:`reset_peak` (Linux ``VmHWM``; elsewhere ``ru_maxrss``, never reset)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    import resource
-
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
-def reset_peak() -> bool:
-    """Start a new peak for :func:`peak_bytes` at the current resident size (Linux: writes
-    5 to ``/proc/self/clear_refs``); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    Both trainers report it: ``epoch_s_mean``, ``comm_s_mean`` (plexus) and tokens per second
+    (llm: ``steady_mean(rows, "tokens") / steady_mean(rows, "step_s")``).
+    """
+    steady = rows[1:] or rows
+    return sum(r[key] for r in steady) / len(steady) if steady else 0.0

@@ -10,8 +10,9 @@
     python -m llm.memorization --checkpoint runs/gf --docs 32 --suffix-len 32
     python -m llm.sample --checkpoint runs/gf --prompt "The assert statement"
 
-This module parses arguments, builds the configs and prints; the loop is
-:func:`llm.trainer.run`. Every rank draws only its shards of the model, keyed by ``--seed``
+This module parses arguments, builds the configs and prints: the grid is
+:func:`common.perf.choose_grid`'s, the trainer, its resume and its loop (:func:`llm.trainer.run`)
+:mod:`llm.trainer`'s. Every rank draws only its shards of the model, keyed by ``--seed``
 (the same model on every grid; no rank holds it all); rank 0 prints, writes ``--metrics``
 (JSON lines) and the checkpoints (``DIR/step-N/``).
 """
@@ -28,9 +29,13 @@ from typing import Any
 
 import torch
 
-from common.dist import DistContext, max_over_ranks, preemption_flag
-from common.grid import AXONN_AXES, ProcessGrid
-from common.perf import auto_grid
+from common.dist import DistContext
+from common.exchange import max_over_ranks
+from common.failure import preemption_flag
+from common.grid import AXONN_AXES
+from common.memory import peak_bytes
+from common.parallel import ParallelState
+from common.perf.choose import choose_grid, parse_grid
 from common.perf.gpt import GPTWorkload
 from common.run import (
     CheckpointConfig,
@@ -39,23 +44,22 @@ from common.run import (
     add_launch_args,
     check_writable,
     checkpoint_config,
-    peak_bytes,
     run_or_exit,
     start,
+    steady_mean,
 )
-from llm.goldfish import STRATEGIES
-from llm.model import PRESETS, GPTConfig, get_preset
-from llm.parallel import make_groups
-from llm.precision import PRECISIONS
-from llm.trainer import (
+from llm.config import (
+    STRATEGIES,
     DataConfig,
     GoldfishConfig,
     OptimConfig,
     PrecisionConfig,
     RunConfig,
-    Trainer,
-    run,
 )
+from llm.model import PRESETS, GPTConfig, get_preset
+from llm.parallel.gpt import AXIS_SETS
+from llm.precision import PRECISIONS
+from llm.trainer import Trainer, run
 
 DEFAULT_PRESET = "tiny"
 
@@ -159,25 +163,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def choose_grid(args: argparse.Namespace, work: GPTWorkload,
-                ctx: DistContext) -> tuple[ProcessGrid, str | None]:
-    """The grid of ``--grid`` (checked against the world size and the model), and the
-    planner's note when it chose (``auto[:PROFILE]``)."""
-    if (args.grid or "").split(":")[0] == "auto":  # the performance model picks
-        grid, plan = auto_grid(work, ctx.world_size, machine=args.grid.partition(":")[2] or None,
-                               ranks_per_node=ctx.local_world_size)
-        note = plan.describe_choice()
-    else:
-        grid = (ProcessGrid.parse(args.grid, AXONN_AXES) if args.grid
-                else ProcessGrid.axonn(ctx.world_size, 1, 1, 1))
-        note = None
-    grid.check(ctx.world_size, work.grid_problems)
-    return grid, note
-
-
-def build(args: argparse.Namespace, ctx: DistContext) -> tuple[Trainer, ProcessGrid, str | None]:
-    """Configs from the command line, the grid, then the trainer (creating groups is
-    collective)."""
+def build(args: argparse.Namespace, ctx: DistContext, checkpoint: CheckpointConfig
+          ) -> tuple[Trainer, str | None]:
+    """Configs from the command line, the grid and its groups (collective), then the trainer;
+    and the planner's note when ``--grid auto`` chose."""
     init, model_config = model_of(args)
     if args.token_file and args.text:
         raise ValueError("give --text or --token-file, not both")
@@ -200,16 +189,16 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[Trainer, ProcessG
                                    micro_batch=args.batch_size, seq_len=args.seq_len,
                                    param_bytes=width, grad_bytes=width, activation_bytes=width,
                                    activation_checkpointing=args.activation_checkpointing)
-    grid, note = choose_grid(args, work, ctx)
+    grid, note = choose_grid(parse_grid(args.grid, ctx.world_size, AXONN_AXES), work,
+                             ctx.world_size, ranks_per_node=ctx.local_world_size)
     precision = PrecisionConfig(precision=args.precision,
                                 activation_checkpointing=args.activation_checkpointing)
-    trainer = Trainer(model_config, data, optim, goldfish, run_cfg, make_groups(grid, ctx.rank,
-                                                                           ctx.transport),
-                      seed=args.seed, device=ctx.device, precision=precision,
-                      transport=ctx.transport)
+    trainer = Trainer(model_config, data, optim, goldfish, run_cfg,
+                      ParallelState.create(ctx, grid, AXIS_SETS), seed=args.seed,
+                      precision=precision, checkpoint=checkpoint)
     if init is not None:
         trainer.init_from(init)
-    return trainer, grid, note
+    return trainer, note
 
 
 def model_of(args: argparse.Namespace) -> tuple[Any, GPTConfig]:
@@ -221,7 +210,7 @@ def model_of(args: argparse.Namespace) -> tuple[Any, GPTConfig]:
     if args.preset is not None or args.vocab_size is not None:
         raise ValueError("--init takes the model's sizes from its config.json: drop --preset "
                          "and --vocab-size")
-    from llm.hf import HFCheckpoint
+    from llm.hf.llama import HFCheckpoint
 
     init = HFCheckpoint(args.init)
     return init, init.config
@@ -259,12 +248,12 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
         check_writable(args.metrics, flag="--metrics")
     if ck.dir:
         check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
-    trainer, grid, note = build(args, ctx)
-    resumed = trainer.resume(ck.dir) if ck.resume else None
+    trainer, note = build(args, ctx, ck)
+    resumed = trainer.resume()  # if --resume and there is a checkpoint
     if ctx.is_main:
         if note:
             print(note, flush=True)
-        print(_header(trainer, args, grid, ctx, ck, resumed), flush=True)
+        print(_header(trainer, args, ctx, resumed), flush=True)
     start_s = time.perf_counter()
     with MetricsWriter(args.metrics, enabled=ctx.is_main, resume=resumed is not None) as metrics:
 
@@ -275,8 +264,7 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
                                 (every and s % every == 0)):
                 print(_format_row(row, trainer), flush=True)
 
-        history = run(trainer, checkpoint=ck, is_main=ctx.is_main, on_row=on_row,
-                      should_stop=preemption_flag())
+        history = run(trainer, on_row=on_row, should_stop=preemption_flag())
         peak = int(max_over_ranks([peak_bytes()], ctx.device, ctx.transport)[0])  # collective
         summary = _summary(history, time.perf_counter() - start_s, trainer, peak)
         metrics.write({"summary": {k: v for k, v in summary.items() if k != "text"}})
@@ -288,9 +276,10 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
         print(summary["text"], flush=True)
 
 
-def _header(trainer: Trainer, args: argparse.Namespace, grid: ProcessGrid, ctx: DistContext,
-            ck: CheckpointConfig, resumed: int | None) -> str:
+def _header(trainer: Trainer, args: argparse.Namespace, ctx: DistContext,
+            resumed: int | None) -> str:
     cfg, data, g = trainer.model_config, trainer.data_cfg, trainer.goldfish
+    grid, ck = trainer.parallel.grid, trainer.checkpoint
     text = (f"{data.docs} documents x {data.seq_len + 1} tokens" if data.docs is not None
             else "a stream of documents")
     if data.source == "pydoc":
@@ -336,8 +325,7 @@ def _summary(history: list[dict[str, Any]], seconds: float, trainer: Trainer,
     if not history:
         return {"steps": trainer.step, "peak_bytes_per_rank_max": peak,
                 "text": f"nothing to do: already at step {trainer.step}"}
-    steady = history[1:] or history  # the first step includes warm-up
-    tokens_per_s = sum(r["tokens"] for r in steady) / sum(r["step_s"] for r in steady)
+    tokens_per_s = steady_mean(history, "tokens") / steady_mean(history, "step_s")
     last = history[-1]
     out = {"steps": trainer.step, "loss": last["loss"], "val_loss": last.get("val_loss"),
            "tokens_per_s": tokens_per_s, "wall_s": seconds, "peak_bytes_per_rank_max": peak}

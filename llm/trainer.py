@@ -1,11 +1,17 @@
-"""One rank's training state, its step and the training loop.
+"""One rank's training state, its step and the training loop (the CLI is ``llm.train``).
 
-Configs (one per component, keyword-only, validated on construction): the model's
-:class:`~llm.model.GPTConfig`, :class:`DataConfig`, :class:`OptimConfig` (AdamW with warmup +
-cosine), :class:`GoldfishConfig`, :class:`RunConfig` (length, cadence, overlap),
-:class:`PrecisionConfig` (bf16, activation checkpointing) and
-:class:`common.run.CheckpointConfig`. :class:`Trainer` holds one rank's shards, optimizer and
-data position; :func:`run` is the loop. The CLI on top is ``python -m llm.train``.
+The same shape as :mod:`plexus.trainer`: :class:`Trainer` sets up one rank's share of a run
+(constructor: shards, optimizer, data position), continues from a checkpoint
+(:meth:`Trainer.resume`), takes one optimizer step (:meth:`Trainer.train_step`) and measures
+the held-out loss (:meth:`Trainer.evaluate`); :func:`run` is the loop::
+
+    parallel = ParallelState.create(ctx, grid, AXIS_SETS)   # common.parallel, llm.parallel.gpt
+    trainer = Trainer(tiny(), DataConfig(), OptimConfig(), GoldfishConfig(), RunConfig(),
+                      parallel, checkpoint=CheckpointConfig(dir="runs/a", resume=True))
+    trainer.resume()                                        # if the checkpoint config says so
+    rows = run(trainer, on_row=print)
+
+The configs live in :mod:`llm.config` (and :class:`common.run.CheckpointConfig`).
 
 Every rank draws the same global batches (the iterator is deterministic), computes the
 goldfish masks and the global token counts itself, and keeps its rows (split over data and
@@ -18,8 +24,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -27,175 +33,34 @@ from torch import Tensor
 
 from common.collectives import all_reduce
 from common.comm_stats import CommStats
-from common.dist import any_rank
-from common.grid import AxisGroup
-from common.mpi import MPITransport
+from common.exchange import any_rank
+from common.parallel import ParallelState
 from common.run import CheckpointConfig
 from llm import checkpoint as ckpt
-from llm.data import BatchIterator, encode_stream, load_documents, split_documents, truncate_docs
-from llm.goldfish import STRATEGIES, goldfish_mask
+from llm.config import (
+    DEFAULT_STEPS,
+    IGNORE,
+    DataConfig,
+    GoldfishConfig,
+    OptimConfig,
+    Overlap,
+    PrecisionConfig,
+    RunConfig,
+)
+from llm.data.batches import (
+    BatchIterator,
+    encode_stream,
+    load_documents,
+    split_documents,
+    truncate_docs,
+)
+from llm.data.streams import open_stream, split_tokens
+from llm.data.tokenizers import load_tokenizer
+from llm.goldfish import drop_mask
 from llm.loss import goldfish_sums, token_losses
 from llm.model import GPT, GPTConfig
-from llm.parallel import ParallelGPT, batch_shard
-from llm.precision import PRECISIONS, compute_dtype
-from llm.streams import open_stream, split_tokens
-from llm.tokenizer import load_tokenizer
-from llm.tp import Overlap
-
-IGNORE = -100
-DEFAULT_STEPS = 200  # when neither steps nor epochs is given
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Text and batches.
-
-    Attributes:
-        source: ``pydoc`` (built in), ``files`` (one document per file; ``.jsonl`` files:
-            one per line's ``text``), ``paragraphs``, or ``tokens`` (one pre-tokenised
-            ``.bin``/``.npy`` file, memory-mapped: ``python -m llm.tokenize`` writes one).
-        paths: text files for ``files`` / ``paragraphs``; the token file for ``tokens``.
-        tokenizer: ``bytes`` or a Hugging Face ``tokenizer.json`` (a path or a model
-            directory holding one; :func:`llm.tokenizer.load_tokenizer`).
-        token_cache: stream mode: tokenize the text once into this directory and
-            memory-map it (:func:`llm.streams.open_stream`) instead of holding it in memory.
-        docs: memorization setting: train on the first ``docs`` documents only, each cut to
-            ``seq_len + 1`` tokens, one sample per document; held-out text is the rest.
-            None: a stream of all training documents (a seeded 10% is held out).
-        seq_len: targets per sample (T).
-        batch_size: global samples per micro-batch (split over data x depth).
-        val_fraction: share of documents held out in stream mode.
-        eval_batches: held-out batches per evaluation.
-        seed: seeds the batch order, the split and the held-out windows.
-    """
-
-    source: str = "pydoc"
-    paths: tuple[str, ...] = ()
-    tokenizer: str = "bytes"
-    token_cache: str | None = None
-    docs: int | None = None
-    seq_len: int = 128
-    batch_size: int = 16
-    val_fraction: float = 0.1
-    eval_batches: int = 4
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.paths = tuple(str(p) for p in self.paths)
-        if self.seq_len < 1 or self.batch_size < 1 or self.eval_batches < 0:
-            raise ValueError(f"need seq_len >= 1, batch_size >= 1, eval_batches >= 0; got "
-                             f"{self.seq_len}, {self.batch_size}, {self.eval_batches}")
-        if self.docs is not None and self.docs < 1:
-            raise ValueError(f"--docs must be >= 1, got {self.docs}")
-        if self.source == "tokens" and (len(self.paths) != 1 or self.docs is not None):
-            raise ValueError("a token file is one stream: give exactly one file, and no --docs "
-                             "(it has no documents)")
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    """AdamW with linear warmup and cosine decay to ``min_lr_ratio * lr``; global-norm clip.
-
-    Weight decay applies to matrices (Linears, embedding), not to RMSNorm weights.
-    ``neftune_alpha > 0``: NEFTune (Jain et al. 2023), uniform noise scaled by
-    ``alpha / sqrt(T d)`` on the token embeddings in training, the same on every grid.
-    """
-
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    neftune_alpha: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0; got "
-                             f"{self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
-        if self.neftune_alpha < 0:
-            raise ValueError(f"--neftune-alpha must be >= 0, got {self.neftune_alpha}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"weight_decay and grad_clip must be >= 0, got "
-                             f"{self.weight_decay}, {self.grad_clip}")
-
-
-@dataclass(kw_only=True)
-class GoldfishConfig:
-    """Goldfish loss (llm-4d-goldfish.md section 4); ``k = 0`` is the standard loss."""
-
-    k: int = 0
-    h: int = 13
-    strategy: str = "hash"
-    start: int = 0
-
-    def __post_init__(self) -> None:
-        if self.k < 0 or self.h < 1 or self.strategy not in STRATEGIES:
-            raise ValueError(f"goldfish needs k >= 0 (0 = off), h >= 1 and a strategy in "
-                             f"{STRATEGIES}; got k={self.k}, h={self.h}, {self.strategy!r}")
-
-    def mask(self, targets: Tensor) -> Tensor:
-        """bool [B, T], True = dropped (all False when k = 0)."""
-        if self.k == 0:
-            return torch.zeros_like(targets, dtype=torch.bool)
-        return goldfish_mask(targets, self.k, self.h, self.strategy, self.start)
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    """Length and cadence of a run (checkpoint cadence: :class:`common.run.CheckpointConfig`).
-
-    Attributes:
-        steps: optimizer steps; or ``epochs`` passes over the training samples (not both;
-            neither: ``DEFAULT_STEPS``).
-        grad_accum: micro-batches per optimizer step.
-        eval_every, log_every: in steps (eval 0: only at the end; log 0: never).
-        overlap: communication overlap, ``all``, ``none`` or a list of ``oar,ors,oag``.
-    """
-
-    steps: int | None = None
-    epochs: float | None = None
-    grad_accum: int = 1
-    eval_every: int = 0
-    log_every: int = 10
-    overlap: str = "all"
-
-    def __post_init__(self) -> None:
-        if self.steps is not None and self.epochs is not None:
-            raise ValueError("give --steps or --epochs, not both")
-        if (self.steps is not None and self.steps < 0) or (
-                self.epochs is not None and self.epochs <= 0) or self.grad_accum < 1:
-            raise ValueError(f"need steps >= 0, epochs > 0, grad_accum >= 1; got "
-                             f"{self.steps}, {self.epochs}, {self.grad_accum}")
-        if self.eval_every < 0 or self.log_every < 0:
-            raise ValueError(f"need eval_every >= 0 and log_every >= 0; got "
-                             f"{self.eval_every}, {self.log_every}")
-        Overlap.parse(self.overlap)
-
-
-@dataclass(kw_only=True)
-class PrecisionConfig:
-    """Numerics and memory of the forward and backward (:mod:`llm.precision`).
-
-    Attributes:
-        precision: ``fp32``, or ``bf16``: bf16 compute and communication, float32 master
-            weights, optimizer state, gradients and loss.
-        activation_checkpointing: keep only each transformer block's input and recompute the
-            block in backward (its collectives included); fp32 results are bit for bit those
-            without it.
-    """
-
-    precision: str = "fp32"
-    activation_checkpointing: bool = False
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r}: choose one of "
-                             f"{', '.join(PRECISIONS)}")
-
-    def __str__(self) -> str:
-        return self.precision + (", activation checkpointing" if self.activation_checkpointing
-                                 else "")
+from llm.parallel.gpt import AXIS_SETS, ParallelGPT, batch_shard
+from llm.precision import compute_dtype
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
@@ -247,24 +112,36 @@ class Trainer:
     Args:
         model_config: the GPT's sizes; each rank draws only its shards of the initial
             weights, keyed by ``seed`` (the same model on every grid: ``GPT(config, seed=seed)``).
-        groups: from :func:`llm.parallel.make_groups` (any grid, 1x1x1x1 included).
-        device: where the shards and batches live.
+        data, optim, goldfish, run: the configs (:mod:`llm.config`).
+        parallel: the grid, its :data:`~llm.parallel.gpt.AXIS_SETS` groups, the device and
+            the transport (``ParallelState.create(ctx, grid, AXIS_SETS)``, or
+            ``ParallelState.single(grid, AXIS_SETS)`` on one process).
         precision: bf16 and activation checkpointing (default: fp32, none).
+        checkpoint: where to save, how often, and whether :meth:`resume` continues.
+
+    Raises:
+        ValueError: the sequences do not fit the model, or ``parallel`` lacks a group.
     """
 
     def __init__(self, model_config: GPTConfig, data: DataConfig, optim: OptimConfig,
-                 goldfish: GoldfishConfig, run: RunConfig, groups: Mapping[str, AxisGroup],
-                 *, seed: int = 0, device: torch.device | str = "cpu",
-                 precision: PrecisionConfig | None = None,
-                 transport: MPITransport | None = None) -> None:
+                 goldfish: GoldfishConfig, run: RunConfig, parallel: ParallelState, *,
+                 seed: int = 0, precision: PrecisionConfig | None = None,
+                 checkpoint: CheckpointConfig | None = None) -> None:
         if data.seq_len > model_config.max_seq_len:
             raise ValueError(f"--seq-len {data.seq_len} exceeds the model's max_seq_len="
                              f"{model_config.max_seq_len}")
+        names = ["+".join((axes,) if isinstance(axes, str) else axes) for axes in AXIS_SETS]
+        missing = [name for name in names if name not in parallel.groups]
+        if missing:
+            raise ValueError(f"the parallel state lacks the groups {missing}: create it with "
+                             "axis_sets=llm.parallel.gpt.AXIS_SETS")
         self.model_config, self.data_cfg, self.optim_cfg = model_config, data, optim
-        self.goldfish, self.run_cfg, self.groups, self.seed = goldfish, run, groups, seed
+        self.goldfish, self.run_cfg, self.seed = goldfish, run, seed
+        self.parallel, self.groups = parallel, parallel.groups
         self.precision = PrecisionConfig() if precision is None else precision
-        self.transport = transport  # job-wide agreements and checkpoints go over MPI with it
-        self.device = torch.device(device)
+        self.checkpoint = checkpoint or CheckpointConfig()
+        self.transport = parallel.transport  # job-wide agreements and checkpoints go over MPI
+        self.device = parallel.device
         self.stats = CommStats()
         torch.manual_seed(seed)
         # built on meta: each rank draws only its shards of the weights keyed by the seed
@@ -272,7 +149,7 @@ class Trainer:
                   compute_dtype=compute_dtype(self.precision.precision),
                   activation_checkpointing=self.precision.activation_checkpointing,
                   neftune_alpha=optim.neftune_alpha)
-        self.model = ParallelGPT(gpt, groups, seed=seed, overlap=Overlap.parse(run.overlap),
+        self.model = ParallelGPT(gpt, self.groups, seed=seed, overlap=Overlap.parse(run.overlap),
                                  stats=self.stats, device=self.device)
         decay = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) > 1]
         rest = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) <= 1]
@@ -294,7 +171,7 @@ class Trainer:
         self.stats.reset()
         self.model.overlapped.reset()
         micro = [next(self.train_iter) for _ in range(self.run_cfg.grad_accum)]
-        masks = [self.goldfish.mask(y) for _, y in micro]
+        masks = [drop_mask(y, self.goldfish) for _, y in micro]
         num_kept = sum(int(((y != IGNORE) & ~m).sum()) for (_, y), m in zip(micro, masks))
         num_dropped = sum(int(((y != IGNORE) & m).sum()) for (_, y), m in zip(micro, masks))
         self.optimizer.zero_grad(set_to_none=True)
@@ -350,7 +227,7 @@ class Trainer:
     @torch.no_grad()
     def init_from(self, source: Any) -> None:
         """Start from pretrained weights: ``source`` has ``config`` and ``read(name, slab)``
-        (an :class:`llm.hf.HFCheckpoint`, a :class:`common.sharded.ShardedCheckpoint`
+        (an :class:`llm.hf.llama.HFCheckpoint`, a :class:`common.sharded.ShardedCheckpoint`
         adapter); each rank reads only its slices.
 
         Raises:
@@ -369,15 +246,18 @@ class Trainer:
                             "goldfish": asdict(self.goldfish),
                             "precision": asdict(self.precision), "seed": self.seed}}
 
-    def resume(self, directory: str) -> int | None:
-        """Load the newest intact checkpoint under ``directory`` (written on any grid; each
-        rank reads only its slices); its step, or None if there is none yet. Collective.
+    def resume(self, directory: str | None = None) -> int | None:
+        """Continue from the newest intact checkpoint under ``directory`` (default: the
+        checkpoint config's, when it says ``resume``), written on any grid; each rank reads
+        only its slices. Its step, or None if there is none yet. Collective.
 
         Raises:
             ValueError: the checkpoint holds another model.
             common.checkpoint.CheckpointError: damaged, foreign or of another format.
         """
-        if not ckpt.has_checkpoint(directory):
+        if directory is None and self.checkpoint.resume:
+            directory = self.checkpoint.dir
+        if not directory or not ckpt.has_checkpoint(directory):
             return None
         state = ckpt.load_into(ckpt.open_checkpoint(directory, group=self.transport), self.model,
                               self.optimizer)
@@ -387,9 +267,12 @@ class Trainer:
         self.step = int(state["step"])
         return self.step
 
-    def save(self, directory: str, *, keep: int, is_main: bool) -> str | None:
+    def save(self, directory: str, *, keep: int = 3, is_main: bool | None = None
+             ) -> str | None:
         """Checkpoint under ``directory`` keeping the newest ``keep``; collective (each rank
-        writes its own shards); the main rank gets the step directory's path."""
+        writes its own shards); the main rank (``is_main``, default: rank 0) gets the step
+        directory's path."""
+        is_main = self.parallel.is_main if is_main is None else is_main
         state = {"step": self.step, "data": self.train_iter.state_dict(),
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         path = ckpt.save(directory, step=self.step, model=self.model, optimizer=self.optimizer,
@@ -397,16 +280,17 @@ class Trainer:
         return str(path) if is_main else None
 
 
-def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None, is_main: bool = True,
+def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None,
         on_row: Callable[[dict[str, Any]], None] | None = None,
         should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
     """The training loop: step, evaluate, checkpoint, report; returns the logged rows.
 
-    Every rank calls it, after :meth:`Trainer.resume` when resuming. ``should_stop`` (a
-    preemption flag) is agreed over all ranks after every step; when it fires, the loop
-    checkpoints (if ``checkpoint.dir``) and returns early, the last row marked ``"preempted"``.
+    Every rank calls it, after :meth:`Trainer.resume` when resuming. ``checkpoint``: default
+    the trainer's. ``should_stop`` (a preemption flag) is agreed over all ranks after every
+    step; when it fires, the loop checkpoints (if ``checkpoint.dir``) and returns early, the
+    last row marked ``"preempted"``. The main rank's rows name the checkpoints they wrote.
     """
-    ck, eval_every = checkpoint or CheckpointConfig(), trainer.run_cfg.eval_every
+    ck, eval_every = checkpoint or trainer.checkpoint, trainer.run_cfg.eval_every
     history = []
     while trainer.step < trainer.total_steps:
         row = trainer.train_step()
@@ -416,7 +300,7 @@ def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None, is_main
         if last or (eval_every and trainer.step % eval_every == 0):
             row.update(trainer.evaluate())
         if ck.dir and (last or (ck.every and trainer.step % ck.every == 0)):
-            path = trainer.save(ck.dir, keep=ck.keep, is_main=is_main)
+            path = trainer.save(ck.dir, keep=ck.keep)
             if path is not None:
                 row["checkpoint"] = path
         if stop:

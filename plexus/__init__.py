@@ -9,11 +9,12 @@ Layout of the package:
     sparse.py   BlockSparse adjacency blocks and the CPU SpMM kernel (kernels.py)
     model.py    the 3D-parallel GCN (maths and its collectives)
     loss.py     cross-entropy and accuracy with the class axis sharded
-    config.py   ModelConfig, OptimConfig, RunConfig
-    trainer.py  the training loop (train_gcn, fit, predictions)
+    config.py   ModelConfig, OptimConfig, RunConfig; gcn_workload (the planner's view)
+    trainer.py  Trainer (set-up, resume, train_step, evaluate) and run(), the loop; fit,
+                train_gcn, predictions
     checkpoint.py  grid-independent checkpoints
     train.py    python -m plexus.train (arguments and printing only)
-    prepare.py  python -m plexus.prepare (see plexus.data.prepare)
+    prepare.py  python -m plexus.prepare (the writer: plexus.data.writer)
 """
 
 

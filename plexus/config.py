@@ -1,8 +1,11 @@
-"""Keyword-only configs of a plexus run, one per component (STYLE.md rule 9).
+"""Keyword-only configs of a plexus run, one per component, validated at construction.
 
     ModelConfig   GCN/SAGE, depth, width, the recipe      -> plexus.model.PlexusGCN
     OptimConfig   Adam (L2 decay) or AdamW, per layer    -> torch.optim.Adam / AdamW
-    RunConfig     epochs, seed, CPU kernel and allocator -> plexus.trainer.train_gcn
+    RunConfig     epochs, seed, CPU kernel and allocator -> plexus.trainer.Trainer
+
+:func:`gcn_workload` is the performance model's view of a run of these configs on a graph
+(``--grid auto``, :func:`common.perf.choose_grid`).
 
 How the graph is partitioned (permutation, padding) belongs to the data source
 (plexus.data.open_source / InMemorySource); checkpoints to common.run.CheckpointConfig.
@@ -14,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from common.perf.gcn import GCNWorkload
 from plexus.sparse import SPMM_KERNELS
 
 MODELS = ("gcn", "sage")
@@ -135,7 +139,8 @@ CONFIGS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig}
 
 def split_config(**fields: Any) -> dict[str, Any]:
     """``{"model": ModelConfig, "optim": OptimConfig, "run": RunConfig}`` from flat keyword
-    fields (``split_config(num_layers=2, lr=0.05, epochs=10)``), for ``train_gcn(**...)``.
+    fields (``split_config(num_layers=2, lr=0.05, epochs=10)``), for ``Trainer(source, parallel,
+    **...)`` and ``train_gcn(**...)``.
 
     Raises:
         TypeError: a field no config has.
@@ -146,3 +151,14 @@ def split_config(**fields: Any) -> dict[str, Any]:
         raise TypeError(f"unknown config field(s) {unknown}; known: {sorted(names)}")
     return {key: cls(**{k: v for k, v in fields.items() if names[k] == key})
             for key, cls in CONFIGS.items()}
+
+
+def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
+    """The planner's view of one epoch of ``model`` on ``source`` (a
+    :class:`~plexus.data.ShardSource`: its name and sizes), as the trainer runs it: the first
+    aggregation is cached when there is no dropout."""
+    return GCNWorkload(name=source.name, model=model.model, num_nodes=source.num_nodes,
+                       nnz=source.nnz, cache_first_aggregation=model.dropout == 0,
+                       dropout=model.dropout, num_features=source.num_features,
+                       num_classes=source.num_classes, num_layers=model.num_layers,
+                       hidden=model.hidden, learn_features=model.learn_features)

@@ -8,26 +8,38 @@
     mpiexec -n 8 python -m plexus.train --dataset ogbn-papers100M --grid 2x2x2   # prepared
         # once into data/prepared/ogbn-papers100M-k8-double-s0, then mapped (plexus.data.cache)
 
-This module parses arguments and prints; the loop is plexus.trainer, the data plexus.data.
-Rank 0 prints and writes ``--metrics``.
+This module parses arguments and prints: the grid is :func:`common.perf.choose_grid`'s, the
+dataset :func:`plexus.data.job.open_dataset`'s, the trainer and its loop
+:mod:`plexus.trainer`'s. Rank 0 prints and writes ``--metrics``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
-import uuid
 from typing import Any
 
 import numpy as np
 
-from common import run
 from common.checkpoint import CheckpointError
-from common.dist import broadcast_object, max_over_ranks, preemption_flag
-from common.grid import ProcessGrid, ceil_div
-from common.run import peak_bytes, resident_bytes
+from common.dist import DistContext
+from common.exchange import max_over_ranks
+from common.failure import preemption_flag
+from common.grid import ProcessGrid
+from common.memory import peak_bytes, resident_bytes
+from common.parallel import ParallelState
+from common.perf.choose import choose_grid, parse_grid
+from common.run import (
+    MetricsWriter,
+    add_checkpoint_args,
+    add_launch_args,
+    check_writable,
+    checkpoint_config,
+    run_or_exit,
+    start,
+    steady_mean,
+)
 from plexus import layout
 from plexus.config import (
     MODELS,
@@ -36,97 +48,15 @@ from plexus.config import (
     ModelConfig,
     OptimConfig,
     RunConfig,
-    aggregation_of,
+    gcn_workload,
 )
-from plexus.data import DatasetCorruptError, ShardSource, available_datasets, open_source
+from plexus.data import DatasetCorruptError, ShardSource, available_datasets
 from plexus.data.cache import PREPARE_MODES, PrepareFailedError
+from plexus.data.job import job_token, open_dataset
 from plexus.data.partition import PERMUTATIONS
 from plexus.data.schema import DEFAULT_ROOT
 from plexus.sparse import SPMM_KERNELS
-from plexus.trainer import TrainResult, split_predictions, train_gcn
-
-
-def default_grid(world_size: int) -> ProcessGrid:
-    """The most cubic X x Y x Z = world_size (largest axis first: y, then x, then z)."""
-    best = None
-    for x in range(1, world_size + 1):
-        for y in range(1, world_size // x + 1):
-            if world_size % (x * y):
-                continue
-            z = world_size // (x * y)
-            key = (max(x, y, z), -y, -x)
-            if best is None or key < best[0]:
-                best = (key, (x, y, z))
-    assert best is not None
-    return ProcessGrid.plexus(*best[1])
-
-
-def choose_grid(spec: str | None, source: ShardSource, model: ModelConfig, ctx) -> ProcessGrid:
-    """``--grid``: ``XxYxZ``, None (the most cubic grid), or ``auto[:PROFILE]``: the grid
-    :mod:`common.perf` predicts fastest for this graph among those the source can use.
-
-    ``auto`` is a pure function of the graph's sizes, the config and the profile, so every
-    rank picks the same grid without communicating; rank 0 logs the choice and runner-up.
-    """
-    if not spec:
-        return default_grid(ctx.world_size)
-    name, _, profile = spec.partition(":")
-    if name != "auto":
-        return ProcessGrid.parse(spec)
-    from common.perf import auto_grid, load_profile
-    from common.perf.gcn import GCNWorkload
-
-    work = GCNWorkload(name=source.name, model=model.model, num_nodes=source.num_nodes,
-                       nnz=source.nnz, cache_first_aggregation=model.dropout == 0,
-                       dropout=model.dropout,
-                       num_features=source.num_features, num_classes=source.num_classes,
-                       num_layers=model.num_layers, hidden=model.hidden,
-                       learn_features=model.learn_features)
-    machine = load_profile(profile or None)
-    grid, plan = auto_grid(work, ctx.world_size, machine=machine,
-                           ranks_per_node=ctx.local_world_size,
-                           constraints=[source.grid_problems])
-    if ctx.is_main:
-        print(f"{plan.describe_choice()} [profile {machine.name}]", flush=True)
-    return grid
-
-
-MIN_BLOCKS = 8  # k of an auto-prepared cache: at least this many blocks per side
-
-
-def default_blocks(spec: str | None, world_size: int) -> int:
-    """``--blocks`` default: the smallest multiple of lcm(X, Y, Z) >= 8 for the grid ``--grid``
-    names (or the default grid of ``world_size``), so every axis divides it; 8 for
-    ``auto`` (the chosen grid is then one whose axes divide 8)."""
-    if spec and spec.partition(":")[0] == "auto":
-        return MIN_BLOCKS
-    grid = ProcessGrid.parse(spec) if spec else default_grid(world_size)
-    step = math.lcm(*grid.shape.values())
-    return step * ceil_div(MIN_BLOCKS, step)
-
-
-def job_token(args: argparse.Namespace, ctx) -> str | None:
-    """One id for this job, the same on every rank (collective): it tells this job's failure
-    marker of a preparation from an earlier job's (plexus.data.cache). Called before any check
-    that may fail on some ranks only, so no rank can be left waiting in it."""
-    if args.prepare == "never" or ctx.world_size == 1:
-        return None
-    return broadcast_object(uuid.uuid4().hex if ctx.is_main else None, ctx.transport)
-
-
-def open_dataset(args: argparse.Namespace, ctx, token: str | None = None) -> ShardSource:
-    """``--dataset`` as a shard source; a big one is prepared once by rank 0 into
-    ``ROOT/prepared`` while the other ranks wait (plexus.data.cache). ``token``:
-    :func:`job_token`."""
-    blocks = args.blocks if args.blocks is not None else default_blocks(args.grid,
-                                                                         ctx.world_size)
-    if blocks < 1:
-        raise ValueError(f"--blocks must be >= 1, got {blocks}")
-    return open_source(args.dataset, root=args.root, permutation=args.permutation,
-                       seed=args.seed, symmetrize=args.symmetrize,
-                       aggregation=aggregation_of(args.model), prepare=args.prepare,
-                       blocks=blocks, is_writer=ctx.rank == 0, verbose=ctx.local_rank == 0,
-                       token=token)
+from plexus.trainer import Trainer, TrainResult, run, split_predictions
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -203,8 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write JSON lines (one per epoch, then a summary) from rank 0")
     p.add_argument("--log-every", type=int, default=10, help="print every N epochs")
-    run.add_launch_args(p)
-    run.add_checkpoint_args(p, unit="epochs")
+    add_launch_args(p)
+    add_checkpoint_args(p, unit="epochs")
     return p.parse_args(argv)
 
 
@@ -219,41 +149,10 @@ def _decays(text: str) -> float | tuple[float, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ctx = run.start(args)
-
-    def prepare() -> tuple[ShardSource, ProcessGrid, dict[str, Any]]:
-        token = job_token(args, ctx)
-        configs = {
-            "model": ModelConfig(model=args.model, num_layers=args.layers, hidden=args.hidden,
-                                 learn_features=args.learn_features, dropout=args.dropout,
-                                 bias=args.bias, norm=args.norm,
-                                 normalize_features=args.normalize_features,
-                                 residual=args.residual),
-            "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
-                                 weight_decay=args.weight_decay),
-            "run": RunConfig(epochs=args.epochs, seed=args.seed, spmm=args.spmm,
-                             retain_freed_memory=args.retain_freed_memory),
-        }
-        configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth
-        if args.runs < 1:
-            raise ValueError(f"--runs must be >= 1, got {args.runs}")
-        ck = run.checkpoint_config(args)
-        if args.runs > 1 and ck.dir:
-            raise ValueError("--runs > 1 trains several models; checkpoints hold one: drop "
-                             "--checkpoint-dir or use --runs 1")
-        if args.metrics:  # every rank checks, so every rank fails alike
-            run.check_writable(args.metrics, flag="--metrics")
-        if ck.dir:
-            run.check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
-        source = open_dataset(args, ctx, token)
-        grid = choose_grid(args.grid, source, configs["model"], ctx)
-        grid.check(ctx.world_size, source.grid_problems)
-        return source, grid, {**configs, "checkpoint": ck}
-
-    source, grid, configs = run.run_or_exit(ctx, prepare, user_errors=(
+    ctx = start(args)
+    source, parallel, configs = run_or_exit(ctx, lambda: build(args, ctx), user_errors=(
         ValueError, OSError, PrepareFailedError))
-    metrics = run.MetricsWriter(args.metrics, enabled=ctx.is_main, resume=args.resume)
-
+    metrics = MetricsWriter(args.metrics, enabled=ctx.is_main, resume=args.resume)
     run_index = 0
 
     def on_epoch(row: dict[str, Any]) -> None:
@@ -267,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"comm {100 * share:4.1f}%", flush=True)
 
     def train() -> TrainResult:
-        cfg = dict(configs)
-        cfg["run"] = dataclasses.replace(configs["run"], seed=args.seed + run_index)
-        return train_gcn(source, grid, ctx.rank, device=ctx.device, on_epoch=on_epoch,
-                         should_stop=preemption_flag(), transport=ctx.transport,
-                         on_setup=lambda shard, model, info: _log_setup(
-                             info, shard, model, ctx, source, grid) if run_index == 0
-                         else None, **cfg)
+        run_cfg = dataclasses.replace(configs["run"], seed=args.seed + run_index)
+        trainer = Trainer(source, parallel, model=configs["model"], optim=configs["optim"],
+                          run=run_cfg, checkpoint=configs["checkpoint"])
+        trainer.resume()  # if --resume and there is a checkpoint
+        if run_index == 0:
+            _log_setup(trainer, ctx)
+        run(trainer, on_row=on_epoch, should_stop=preemption_flag())
+        return trainer.result()
 
     summaries = []
     with metrics:
@@ -281,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             if ctx.is_main and args.runs > 1:
                 print(f"run {run_index + 1}/{args.runs} (seed {args.seed + run_index})",
                       flush=True)
-            result = run.run_or_exit(ctx, train, user_errors=(
+            result = run_or_exit(ctx, train, user_errors=(
                 CheckpointError, FloatingPointError, DatasetCorruptError))
             if ctx.is_main and result.info.get("resumed_from"):
                 print(f"resumed from the checkpoint of epoch {result.info['resumed_from']}",
@@ -292,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{result.history[-1]['epoch']}; rerun with --resume to continue",
                           flush=True)
                 return 0
-            summary = _summary(result, source, grid, ctx)
+            summary = _summary(result, source, parallel.grid, ctx)
             summaries.append(summary)
             if ctx.is_main:
                 _print_summary(summary)
@@ -304,6 +204,43 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n" + overall["text"], flush=True)
                 metrics.write({"runs_summary": overall})
     return 0
+
+
+def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, ParallelState, dict]:
+    """The configs, the dataset, the grid and its groups (collective), from the flags."""
+    token = job_token(ctx, prepare=args.prepare)  # first: no rank may be left waiting in it
+    configs = {
+        "model": ModelConfig(model=args.model, num_layers=args.layers, hidden=args.hidden,
+                             learn_features=args.learn_features, dropout=args.dropout,
+                             bias=args.bias, norm=args.norm,
+                             normalize_features=args.normalize_features,
+                             residual=args.residual),
+        "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
+                             weight_decay=args.weight_decay),
+        "run": RunConfig(epochs=args.epochs, seed=args.seed, spmm=args.spmm,
+                         retain_freed_memory=args.retain_freed_memory),
+    }
+    configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth
+    if args.runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {args.runs}")
+    ck = configs["checkpoint"] = checkpoint_config(args)
+    if args.runs > 1 and ck.dir:
+        raise ValueError("--runs > 1 trains several models; checkpoints hold one: drop "
+                         "--checkpoint-dir or use --runs 1")
+    if args.metrics:  # every rank checks, so every rank fails alike
+        check_writable(args.metrics, flag="--metrics")
+    if ck.dir:
+        check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
+    spec = parse_grid(args.grid, ctx.world_size)
+    source = open_dataset(args.dataset, ctx, grid=spec, blocks=args.blocks, model=args.model,
+                          token=token, root=args.root, permutation=args.permutation,
+                          seed=args.seed, symmetrize=args.symmetrize, prepare=args.prepare)
+    grid, note = choose_grid(spec, gcn_workload(configs["model"], source), ctx.world_size,
+                             ranks_per_node=ctx.local_world_size,
+                             constraints=[source.grid_problems])
+    if note and ctx.is_main:
+        print(note, flush=True)
+    return source, ParallelState.create(ctx, grid), configs
 
 
 def runs_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -324,12 +261,14 @@ def runs_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, grid) -> None:
-    """Block balance per adjacency layout, loading time and per-rank memory (max over ranks).
+def _log_setup(trainer: Trainer, ctx: DistContext) -> None:
+    """Block balance per adjacency layout, loading time and per-rank memory (max over ranks,
+    collective; into ``trainer.info["memory_per_rank_max"]``).
 
     Adjacency bytes count every distinct index/value array once (layers may share a block),
     whether held in memory or memory-mapped from a prepared dataset.
     """
+    shard, model, source, info = trainer.shard, trainer.model, trainer.source, trainer.info
     other = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     adj, feats, res, peak = max_over_ranks(
         [shard.adjacency_bytes(), other, resident_bytes(), peak_bytes()], ctx.device,
@@ -341,8 +280,9 @@ def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, gri
     if not ctx.is_main:
         return
     print(f"graph {source.name}: {source.num_nodes:,} nodes, {source.num_edges:,} edges, "
-          f"{source.num_features} features, {source.num_classes} classes; grid {grid} "
-          f"({ctx.world_size} ranks, {ctx.launcher}, {ctx.comm_label})", flush=True)
+          f"{source.num_features} features, {source.num_classes} classes; grid "
+          f"{trainer.parallel.grid} ({ctx.world_size} ranks, {ctx.launcher}, "
+          f"{ctx.comm_label})", flush=True)
     for lay, blk in sorted(shard.adj.items()):
         o, i, p = layout.roles(lay)
         print(f"  adjacency layout {lay} (O,I,P)=({o},{i},{p}): max/mean nonzeros per "
@@ -354,12 +294,11 @@ def _log_setup(info: dict[str, Any], shard, model, ctx, source: ShardSource, gri
           f"{res / mib:.1f} MiB (peak {peak / mib:.1f} MiB)", flush=True)
 
 
-def _summary(result: TrainResult, source: ShardSource, grid, ctx) -> dict[str, Any]:
+def _summary(result: TrainResult, source: ShardSource, grid: ProcessGrid, ctx: DistContext
+             ) -> dict[str, Any]:
     hist = result.history
     best = result.info.get("best") or {}
-    steady = hist[1:] if len(hist) > 1 else hist  # epoch 1 includes warm-up
-    epoch_s = sum(r["epoch_s"] for r in steady) / max(len(steady), 1)
-    comm_s = sum(r["comm_s"] for r in steady) / max(len(steady), 1)
+    epoch_s, comm_s = steady_mean(hist, "epoch_s"), steady_mean(hist, "comm_s")
     cfg = result.info["config"]
     out = {
         "dataset": source.name, "num_nodes": source.num_nodes, "num_edges": source.num_edges,

@@ -1,13 +1,18 @@
-"""The Plexus training loop, usable from Python on any graph (the CLI is plexus.train).
+"""One rank's training state, its epoch and the training loop (the CLI is plexus.train).
 
-Example (one process, or inside any already-started torch.distributed job)::
+The same shape as :mod:`llm.trainer`: :class:`Trainer` sets up one rank's share of a run
+(constructor), continues from a checkpoint (:meth:`Trainer.resume`), trains one epoch
+(:meth:`Trainer.train_step`: full-graph, so one epoch is one optimizer step) and measures it
+(:meth:`Trainer.evaluate`); :func:`run` is the loop. Every rank of the grid calls each of them::
 
-    from plexus import fit
-    result = fit(graph_or_pyg_data, grid="1x1x1", epochs=100)
-    print(result.history[-1]["test_acc"])
+    parallel = ParallelState.create(ctx, grid)            # common.parallel, in the entry point
+    trainer = Trainer(source, parallel, model=ModelConfig(), run=RunConfig(epochs=100))
+    trainer.resume()                                      # if the checkpoint config says so
+    rows = run(trainer, on_row=print)
+    best = trainer.best                                   # the best validation epoch
 
-Lower level: ``train_gcn(source, grid, rank, model=ModelConfig(...), optim=..., run=...)`` on
-any :class:`~plexus.data.shard.ShardSource` (``plexus.data.open_source``).
+From Python on any graph, one call: ``fit(graph_or_pyg_data, grid="1x1x1", epochs=100)``.
+``train_gcn(source, grid, rank, ...)`` is the same for callers that hold a grid and a rank.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from common import collectives as coll
 from common.alloc import retain_freed_memory
 from common.checkpoint import list_steps
 from common.comm_stats import CommStats
-from common.dist import any_rank
+from common.exchange import any_rank
 from common.grid import AxisGroup, ProcessGrid
 from common.mpi import MPITransport
+from common.parallel import ParallelState
 from common.run import CheckpointConfig
 from plexus import checkpoint as ckpt
 from plexus import layout
@@ -34,6 +40,8 @@ from plexus.config import ModelConfig, OptimConfig, RunConfig, aggregation_of, s
 from plexus.data import SPLITS, DatasetCorruptError, GraphShard, ShardSource
 from plexus.loss import correct_counts, sharded_argmax, sharded_cross_entropy
 from plexus.model import PlexusGCN
+
+BEST_KEYS = ("epoch", "train_acc", "val_acc", "test_acc")
 
 
 @dataclass
@@ -47,33 +55,32 @@ class TrainResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def setup(source: ShardSource, grid: ProcessGrid, rank: int, model: ModelConfig, *,
-          seed: int = 0, device: torch.device | str = "cpu", transport: MPITransport | None = None
-          ) -> tuple[GraphShard, dict[str, AxisGroup], PlexusGCN]:
-    """Create the axis groups (collective; over ``transport`` too, if given), this rank's
-    shard, and the model.
+def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelConfig, *,
+                    seed: int = 0) -> tuple[GraphShard, PlexusGCN]:
+    """This rank's shard of ``source`` and its shards of the model (on the CPU).
 
     If reading the shard fails on any rank (a damaged file may touch some ranks only), every
     rank raises: the failing ones their own error, the others a DatasetCorruptError saying so,
     so that no rank waits in a collective for one that stopped.
     """
-    groups = grid.create_groups(rank, transport=transport)
+    grid = parallel.grid
     widths = layout.layer_widths(source.num_features, model.hidden, model.num_layers,
                                  source.num_classes)
     error: Exception | None = None
     try:
-        shard = source.shard(grid.shape, grid.coords(rank), widths)
+        shard = source.shard(grid.shape, grid.coords(parallel.rank), widths)
     except (ValueError, OSError) as e:
         error = e
-    if any_rank(error is not None, device, transport):
+    if any_rank(error is not None, parallel.device, parallel.transport):
         raise error or DatasetCorruptError(f"another rank could not read its shard of "
                                            f"{source.name} (its error is above)")
-    net = PlexusGCN(shard, groups, model=model.model, learn_features=model.learn_features,
-                    seed=seed, dropout=model.dropout, bias=model.bias, norm=model.norm,
+    net = PlexusGCN(shard, dict(parallel.groups), model=model.model,
+                    learn_features=model.learn_features, seed=seed, dropout=model.dropout,
+                    bias=model.bias, norm=model.norm,
                     normalize_features=model.normalize_features, residual=model.residual)
     # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
     shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))
-    return shard, groups, net
+    return shard, net
 
 
 def make_optimizer(net: PlexusGCN, optim: OptimConfig) -> torch.optim.Optimizer:
@@ -89,35 +96,197 @@ def make_optimizer(net: PlexusGCN, optim: OptimConfig) -> torch.optim.Optimizer:
                lr=optim.lr)
 
 
-def train_gcn(
-    source: ShardSource,
-    grid: ProcessGrid,
-    rank: int,
-    *,
-    model: ModelConfig,
-    optim: OptimConfig | None = None,
-    run: RunConfig | None = None,
-    device: torch.device | str = "cpu",
-    checkpoint: CheckpointConfig | None = None,
-    on_epoch: Callable[[dict[str, Any]], None] | None = None,
-    on_setup: Callable[[GraphShard, PlexusGCN, dict[str, Any]], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    transport: MPITransport | None = None,
-) -> TrainResult:
-    """Train a GCN or GraphSAGE on ``source`` with the Plexus 3D algorithm; every rank of
-    ``grid`` calls this.
+class Trainer:
+    """This rank's share of a run: its shard of the graph, its shards of the model, the
+    optimizer, the epoch counter, the history and the best validation epoch.
 
-    Accuracies of epoch ``e`` are measured as PyG's examples do: a forward pass in eval mode
-    (no dropout, batch norm on its running statistics) on the weights after the epoch's update,
-    so the last epoch's row is the final model (``eval_s`` is its time, apart from
-    ``epoch_s``). Model selection as OGB does it: ``info["best"]`` holds the epoch of best
-    validation accuracy with its accuracies, and the model's shards at that epoch are kept (a
-    copy of this rank's parameters) for :func:`split_predictions` with ``best=True``.
+    Accuracies are measured as PyG's examples do: an eval-mode forward pass (no dropout, batch
+    norm on its running statistics) on the weights after the epoch's update. Model selection
+    as OGB does it: :attr:`best` holds the epoch of best validation accuracy and its
+    accuracies, :attr:`best_state` a copy of this rank's shards at that epoch (None when a
+    resumed run's earlier epoch stays best: those shards are not kept).
 
-    ``should_stop`` (e.g. :func:`common.dist.preemption_flag`) is checked after every epoch and
-    agreed over all ranks; when it fires, the run checkpoints (if configured) and returns
-    with ``info["preempted"] = True``. ``transport`` (``DistContext.transport``): CPU tensors
-    go through MPI.
+    Args:
+        source: the graph (:func:`plexus.data.open_source`, ``InMemorySource``, ...).
+        parallel: the grid and its x, y, z groups (:meth:`ParallelState.create`).
+        model, optim, run: the configs (:mod:`plexus.config`).
+        checkpoint: where to save, how often, and whether :meth:`resume` continues.
+
+    Raises:
+        ValueError: the grid does not suit the source, or the source the model.
+        DatasetCorruptError: a rank could not read its shard (on every rank).
+    """
+
+    def __init__(self, source: ShardSource, parallel: ParallelState, *, model: ModelConfig,
+                 optim: OptimConfig | None = None, run: RunConfig | None = None,
+                 checkpoint: CheckpointConfig | None = None) -> None:
+        t0 = time.perf_counter()
+        self.source, self.parallel, self.model_config = source, parallel, model
+        self.optim_cfg, self.run_cfg = optim or OptimConfig(), run or RunConfig()
+        self.checkpoint = checkpoint or CheckpointConfig()
+        parallel.grid.check(parallel.world_size, source.grid_problems)
+        need, has = aggregation_of(model.model), getattr(source, "aggregation", "gcn")
+        if has != need:
+            raise ValueError(f"model {model.model!r} needs a source built with aggregation="
+                             f"{need!r}; {source.name} has {has!r}")
+        device = parallel.device
+        if device.type == "cpu" and self.run_cfg.retain_freed_memory:
+            retain_freed_memory()  # reuse activation pages every epoch (see common.alloc)
+        self.shard, self.model = shard_and_model(source, parallel, model, seed=self.run_cfg.seed)
+        self.model.to(device)
+        for blk in [*self.shard.adj.values(), *(self.shard.root or {}).values()]:
+            blk.a.to(device, kernel=self.run_cfg.spmm), blk.a_t.to(device, kernel=self.run_cfg.spmm)
+        self.optimizer = make_optimizer(self.model, self.optim_cfg)
+        self.labels = self.shard.labels.to(device)
+        self.masks = {s: m.to(device) for s, m in self.shard.masks.items()}
+        o_ax, _, p_ax = layout.roles(model.num_layers - 1)
+        self.group_o, self.group_p = parallel.groups[o_ax], parallel.groups[p_ax]  # logits
+        self.stats = CommStats()
+        config = {"model": asdict(model), "optim": asdict(self.optim_cfg),
+                  "run": asdict(self.run_cfg), "permutation": source.permutation}
+        self.meta = {**ckpt.identity(self.model, source.name), "config": config,
+                     "grid": str(parallel.grid)}  # what a checkpoint must match
+        self.epoch = 0
+        self.history: list[dict[str, Any]] = []
+        self.best: dict[str, Any] | None = None
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.preempted = False
+        self.info: dict[str, Any] = {"setup_s": time.perf_counter() - t0, "config": config,
+                                     "grid": str(parallel.grid)}
+
+    def resume(self, directory: str | None = None) -> int | None:
+        """Continue from the newest intact checkpoint under ``directory`` (default: the
+        checkpoint config's, when it says ``resume``), written on any grid; its epoch, or None
+        when there is none yet. Collective.
+
+        Raises:
+            common.checkpoint.CheckpointError: damaged, foreign, or of another model.
+        """
+        if directory is None and self.checkpoint.resume:
+            directory = self.checkpoint.dir
+        if not directory or not list_steps(directory):
+            return None
+        self.epoch, history = ckpt.load(directory, self.model, self.optimizer, meta=self.meta,
+                                        group=self.parallel.transport)
+        for row in history:
+            self.record(row, keep_state=False)
+        self.info["resumed_from"] = self.epoch
+        return self.epoch
+
+    def train_step(self) -> dict[str, Any]:
+        """One epoch: a full-graph forward and backward pass and one optimizer step
+        (collective); its row: epoch, loss, time and the communication it took.
+
+        Raises:
+            FloatingPointError: the loss became NaN or infinite.
+        """
+        self.epoch += 1
+        self.stats.reset()
+        start = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.model(self.stats, step=self.epoch)
+        loss = sharded_cross_entropy(logits, self.labels, self.masks["train"],
+                                     num_classes=self.shard.num_classes,
+                                     count=self.shard.split_counts["train"],
+                                     group_o=self.group_o, group_p=self.group_p,
+                                     stats=self.stats)
+        del logits  # the evaluation pass must not find this pass's logits still alive
+        loss.backward()
+        self.optimizer.step()
+        loss_value = loss.item()
+        del loss
+        epoch_s = time.perf_counter() - start
+        if not torch.isfinite(torch.tensor(loss_value)):
+            raise FloatingPointError(f"loss became {loss_value} at epoch {self.epoch}; lower "
+                                     "--lr or check the features")
+        return {"epoch": self.epoch, "loss": loss_value, "epoch_s": epoch_s,
+                "comm_s": self.stats.total_seconds, "comm_bytes": self.stats.total_bytes,
+                "comm_bytes_by_axis": {a: r.bytes for a, r in self.stats.by_axis().items()}}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy on every split of an eval-mode forward pass (collective), and its time."""
+        start = time.perf_counter()
+        self.model.eval()
+        pred = sharded_argmax(self.model(), num_classes=self.shard.num_classes,
+                              group_o=self.group_o)
+        correct = correct_counts(pred, self.labels, self.masks, self.group_p)
+        counts = self.shard.split_counts
+        return {**{f"{s}_acc": correct[s] / max(counts[s], 1) for s in SPLITS},
+                "eval_s": time.perf_counter() - start}
+
+    def record(self, row: dict[str, Any], *, keep_state: bool = True) -> None:
+        """Append an evaluated epoch to the history; if its validation accuracy is the best so
+        far, it becomes :attr:`best` (with a copy of this rank's shards, ``keep_state``)."""
+        self.history.append(row)
+        if self.best is None or row["val_acc"] > self.best["val_acc"]:
+            self.best = {k: row[k] for k in BEST_KEYS}
+            self.best_state = _state(self.model) if keep_state else None
+
+    def save(self, directory: str, *, keep: int = 3) -> None:
+        """Checkpoint this epoch under ``directory`` keeping the newest ``keep``; collective
+        (each rank writes its own shards)."""
+        ckpt.save(directory, self.model, self.optimizer, epoch=self.epoch,
+                  history=self.history, meta=self.meta, keep=keep,
+                  group=self.parallel.transport)
+
+    def result(self) -> TrainResult:
+        """The history, the model and its shard, and ``info``: setup time, config, grid,
+        ``resumed_from``, ``preempted``, ``best`` and ``best_state``."""
+        info = {**self.info, "preempted": self.preempted, "best": self.best,
+                "best_state": self.best_state}
+        return TrainResult(self.history, self.model, self.shard, dict(self.parallel.groups),
+                           info)
+
+
+def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None,
+        on_row: Callable[[dict[str, Any]], None] | None = None,
+        should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """The training loop: train an epoch, evaluate it, record it, report, checkpoint; returns
+    this call's rows (``trainer.history`` holds a resumed run's earlier ones too).
+
+    Every rank calls it, after :meth:`Trainer.resume` when resuming. ``checkpoint``: default
+    the trainer's. ``should_stop`` (a preemption flag) is agreed over all ranks after every
+    epoch; when it fires, the loop checkpoints (if ``checkpoint.dir``), sets
+    ``trainer.preempted`` and returns early.
+    """
+    ck, epochs = checkpoint or trainer.checkpoint, trainer.run_cfg.epochs
+    p = trainer.parallel
+    rows = []
+    while trainer.epoch < epochs:
+        row = trainer.train_step()
+        row.update(trainer.evaluate())
+        trainer.record(row)
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+        stop = should_stop is not None and any_rank(should_stop(), p.device, p.transport)
+        last = stop or trainer.epoch == epochs
+        if ck.dir and (last or (ck.every and trainer.epoch % ck.every == 0)):
+            trainer.save(ck.dir, keep=ck.keep)
+        if stop:
+            trainer.preempted = True
+            break
+    return rows
+
+
+_loop = run  # train_gcn's keyword ``run`` (the RunConfig) hides the function
+
+
+def train_gcn(source: ShardSource, grid: ProcessGrid, rank: int, *, model: ModelConfig,
+              optim: OptimConfig | None = None, run: RunConfig | None = None,
+              device: torch.device | str = "cpu", checkpoint: CheckpointConfig | None = None,
+              on_epoch: Callable[[dict[str, Any]], None] | None = None,
+              on_setup: Callable[[GraphShard, PlexusGCN, dict[str, Any]], None] | None = None,
+              should_stop: Callable[[], bool] | None = None,
+              transport: MPITransport | None = None) -> TrainResult:
+    """Set up, resume (if ``checkpoint.resume``), and run the loop, for callers that hold a
+    grid and a rank rather than a :class:`ParallelState`; every rank of ``grid`` calls this.
+
+    ``transport`` (``DistContext.transport``): CPU tensors go through MPI. ``on_setup(shard,
+    model, info)`` is called once set up and resumed. ``info["preempted"]`` tells whether
+    ``should_stop`` ended the run early.
 
     Raises:
         ValueError: the grid does not match the process count or the source.
@@ -125,90 +294,53 @@ def train_gcn(
         CheckpointError: ``checkpoint.resume`` found a damaged or foreign checkpoint.
         FloatingPointError: the loss became NaN or infinite.
     """
-    optim, run, ck = optim or OptimConfig(), run or RunConfig(), checkpoint or CheckpointConfig()
-    t0 = time.perf_counter()
-    grid.check(dist.get_world_size() if dist.is_initialized() else 1, source.grid_problems)
-    need = aggregation_of(model.model)
-    if getattr(source, "aggregation", "gcn") != need:
-        raise ValueError(f"model {model.model!r} needs a source built with aggregation={need!r}"
-                         f"; {source.name} has {getattr(source, 'aggregation', 'gcn')!r}")
-    if torch.device(device).type == "cpu" and run.retain_freed_memory:
-        retain_freed_memory()  # reuse activation pages every epoch (see common.alloc)
-    shard, groups, net = setup(source, grid, rank, model, seed=run.seed, device=device,
-                               transport=transport)
-    net.to(device)
-    for blk in [*shard.adj.values(), *(shard.root or {}).values()]:
-        blk.a.to(device, kernel=run.spmm), blk.a_t.to(device, kernel=run.spmm)
-    config = {"model": asdict(model), "optim": asdict(optim), "run": asdict(run),
-              "permutation": source.permutation}
-    info = {"setup_s": time.perf_counter() - t0, "config": config, "grid": str(grid)}
-    o_ax, _, p_ax = layout.roles(model.num_layers - 1)
-    g_o, g_p = groups[o_ax], groups[p_ax]
-    labels = shard.labels.to(device)
-    masks = {s: m.to(device) for s, m in shard.masks.items()}
-    opt = make_optimizer(net, optim)
-    stats, history, first = CommStats(), [], 1
-    meta = {**ckpt.identity(net, source.name), "config": config, "grid": str(grid)}
-    if ck.resume and list_steps(ck.dir):
-        done, history = ckpt.load(ck.dir, net, opt, meta=meta, group=transport)
-        first, info["resumed_from"] = done + 1, done
-    if on_setup is not None:  # set up, and resumed if asked
-        on_setup(shard, net, info)
-    info["preempted"] = False
-    best: dict[str, Any] | None = None
-    for row in history:  # a resumed run's earlier epochs (their model shards are not kept)
-        if best is None or row["val_acc"] > best["val_acc"]:
-            best = {k: row[k] for k in ("epoch", "train_acc", "val_acc", "test_acc")}
-    best_state: dict[str, torch.Tensor] | None = None
-    for epoch in range(first, run.epochs + 1):
-        stats.reset()
-        start = time.perf_counter()
-        net.train()
-        opt.zero_grad(set_to_none=True)
-        logits = net(stats, step=epoch)
-        loss = sharded_cross_entropy(logits, labels, masks["train"],
-                                     num_classes=shard.num_classes,
-                                     count=shard.split_counts["train"],
-                                     group_o=g_o, group_p=g_p, stats=stats)
-        del logits  # the evaluation pass below must not find last pass's logits still alive
-        loss.backward()
-        opt.step()
-        loss_value = loss.item()
-        del loss
-        epoch_s = time.perf_counter() - start
-        if not torch.isfinite(torch.tensor(loss_value)):
-            raise FloatingPointError(
-                f"loss became {loss_value} at epoch {epoch}; lower --lr or check the features")
-        start = time.perf_counter()
-        correct = _evaluate(net, labels, masks, g_o, g_p)
-        row = {
-            "epoch": epoch,
-            "loss": loss_value,
-            **{f"{s}_acc": correct[s] / max(shard.split_counts[s], 1) for s in SPLITS},
-            "epoch_s": epoch_s,
-            "eval_s": time.perf_counter() - start,
-            "comm_s": stats.total_seconds,
-            "comm_bytes": stats.total_bytes,
-            "comm_bytes_by_axis": {a: r.bytes for a, r in stats.by_axis().items()},
-        }
-        if best is None or row["val_acc"] > best["val_acc"]:
-            best = {k: row[k] for k in ("epoch", "train_acc", "val_acc", "test_acc")}
-            best_state = _state(net)
-        history.append(row)
-        if on_epoch is not None:
-            on_epoch(row)
-        stop = should_stop is not None and any_rank(should_stop(), device, transport)
-        if ck.dir and (stop or epoch == run.epochs or (ck.every and epoch % ck.every == 0)):
-            ckpt.save(ck.dir, net, opt, epoch=epoch, history=history, meta=meta, keep=ck.keep,
-                      group=transport)
-        if stop:
-            info["preempted"] = True
-            break
-    info["best"] = best
-    info["best_state"] = best_state
-    return TrainResult(history, net, shard, groups, info)
+    parallel = ParallelState.for_rank(grid, rank, transport=transport, device=device)
+    trainer = Trainer(source, parallel, model=model, optim=optim, run=run,
+                      checkpoint=checkpoint)
+    trainer.resume()
+    if on_setup is not None:
+        on_setup(trainer.shard, trainer.model, trainer.info)
+    _loop(trainer, on_row=on_epoch, should_stop=should_stop)
+    return trainer.result()
 
 
+def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str = "cpu",
+        permutation: str = "double", symmetrize: bool = False,
+        on_epoch: Callable[[dict[str, Any]], None] | None = None,
+        **config: Any) -> TrainResult:
+    """Train on a :class:`~plexus.data.Graph`, a PyG ``Data`` (x, y, edge_index, masks) or any
+    :class:`~plexus.data.ShardSource`.
+
+    Starts a single-process ``torch.distributed`` group if none is running; under a launcher
+    call :func:`common.init_distributed` first. ``config`` holds fields of ModelConfig,
+    OptimConfig and RunConfig (``model="sage", num_layers=2, hidden=16, dropout=0.5,
+    optimizer="adam", weight_decay=5e-4, lr=0.01, epochs=200``). ``symmetrize`` adds the
+    reverse of every edge of a graph first (OGB's ``to_symmetric()``). The test accuracy at
+    the best validation epoch is ``result.info["best"]["test_acc"]``.
+    """
+    from common.dist import init_distributed
+    from plexus.data import Graph, InMemorySource
+
+    configs = split_config(**config)
+    if isinstance(data, ShardSource):
+        source = data
+    else:
+        graph = data if isinstance(data, Graph) else Graph.from_pyg(data)
+        if symmetrize:
+            graph = graph.to_undirected()
+        source = InMemorySource(graph, permutation=permutation, seed=configs["run"].seed,
+                                aggregation=aggregation_of(configs["model"].model))
+    grid = ProcessGrid.parse(grid) if isinstance(grid, str) else grid
+    if dist.is_initialized():
+        parallel = ParallelState.for_rank(grid, dist.get_rank(), transport=None, device=device)
+    else:
+        parallel = ParallelState.create(init_distributed(device=device), grid)
+    trainer = Trainer(source, parallel, **configs)
+    run(trainer, on_row=on_epoch)
+    return trainer.result()
+
+
+# ------------------------------------------------------------------ predictions (collective)
 def _state(net: PlexusGCN) -> dict[str, torch.Tensor]:
     """A copy of this rank's shards of every parameter and statistic."""
     return {name: t.detach().clone() for name, t, _, _ in net.sharded_state()}
@@ -218,16 +350,6 @@ def _state(net: PlexusGCN) -> dict[str, torch.Tensor]:
 def _load_state(net: PlexusGCN, state: dict[str, torch.Tensor]) -> None:
     for name, t, _, _ in net.sharded_state():
         t.copy_(state[name])
-
-
-@torch.no_grad()
-def _evaluate(net: PlexusGCN, labels: torch.Tensor, masks: dict[str, torch.Tensor],
-              g_o: AxisGroup, g_p: AxisGroup) -> dict[str, int]:
-    """Correct predictions per split of an eval-mode forward pass (collective)."""
-    net.eval()
-    logits = net()
-    pred = sharded_argmax(logits, num_classes=net.shard.num_classes, group_o=g_o)
-    return correct_counts(pred, labels, masks, g_p)
 
 
 @torch.no_grad()
@@ -275,37 +397,3 @@ def split_predictions(result: TrainResult, *, best: bool = False
     Evaluator). Works on any source: the labels come from the shards, not a whole graph."""
     pred, labels, code, _ = _gathered_outputs(result, best)
     return {s: (labels[code == i], pred[code == i]) for i, s in enumerate(SPLITS, start=1)}
-
-
-def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str = "cpu",
-        permutation: str = "double", symmetrize: bool = False,
-        on_epoch: Callable[[dict[str, Any]], None] | None = None,
-        **config: Any) -> TrainResult:
-    """Train on a :class:`~plexus.data.Graph`, a PyG ``Data`` (x, y, edge_index, masks) or any
-    :class:`~plexus.data.ShardSource`.
-
-    Starts a single-process ``torch.distributed`` group if none is running; under a launcher
-    call :func:`common.init_distributed` first. ``config`` holds fields of ModelConfig,
-    OptimConfig and RunConfig (``model="sage", num_layers=2, hidden=16, dropout=0.5,
-    optimizer="adam", weight_decay=5e-4, lr=0.01, epochs=200``). ``symmetrize`` adds the
-    reverse of every edge of a graph first (OGB's ``to_symmetric()``). The test accuracy at
-    the best validation epoch is ``result.info["best"]["test_acc"]``.
-    """
-    from common.dist import init_distributed
-    from plexus.data import Graph, InMemorySource
-
-    configs = split_config(**config)
-    if isinstance(data, ShardSource):
-        source = data
-    else:
-        graph = data if isinstance(data, Graph) else Graph.from_pyg(data)
-        if symmetrize:
-            graph = graph.to_undirected()
-        source = InMemorySource(graph, permutation=permutation, seed=configs["run"].seed,
-                                aggregation=aggregation_of(configs["model"].model))
-    transport = None
-    if not dist.is_initialized():
-        transport = init_distributed(device=device).transport
-    grid = ProcessGrid.parse(grid) if isinstance(grid, str) else grid
-    return train_gcn(source, grid, dist.get_rank(), device=device, on_epoch=on_epoch,
-                     transport=transport, **configs)

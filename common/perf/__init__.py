@@ -3,7 +3,8 @@
 Pure Python (no torch): :mod:`common.perf.machine` (machine profiles, alpha-beta collectives,
 placement), :mod:`common.perf.model` (collectives, predictions, plans), :mod:`common.perf.gcn`
 (a Plexus GCN epoch), :mod:`common.perf.gpt` (a 4D GPT step), :mod:`common.perf.choose`
-(one :func:`plan` and one :func:`auto_grid` for both workloads), :mod:`common.perf.plan` (the
+(one :func:`plan`, one :func:`auto_grid` and one ``--grid``: :func:`parse_grid`,
+:func:`choose_grid`, for both workloads), :mod:`common.perf.plan` (the
 planning command ``python -m common.perf.plan``) and :mod:`common.perf.paper` (the check
 against the Plexus paper). :mod:`common.perf.calibrate` measures a machine and is the one
 module that imports torch::
@@ -15,12 +16,13 @@ module that imports torch::
 
 """
 
-from common.perf.choose import auto_grid, plan
+from common.perf.choose import GridSpec, auto_grid, choose_grid, default_grid, parse_grid, plan
 from common.perf.gcn import GCNWorkload, plan_gcn, predict_gcn
 from common.perf.gpt import GPTWorkload, plan_gpt, predict_gpt
 from common.perf.machine import MachineProfile, available_profiles, load_profile
 from common.perf.model import Collective, Plan, Prediction, factorizations, spearman
 
-__all__ = ["Collective", "GCNWorkload", "GPTWorkload", "MachineProfile", "Plan", "Prediction",
-           "auto_grid", "available_profiles", "factorizations", "load_profile", "plan",
-           "plan_gcn", "plan_gpt", "predict_gcn", "predict_gpt", "spearman"]
+__all__ = ["Collective", "GCNWorkload", "GPTWorkload", "GridSpec", "MachineProfile", "Plan",
+           "Prediction", "auto_grid", "available_profiles", "choose_grid", "default_grid",
+           "factorizations", "load_profile", "parse_grid", "plan", "plan_gcn", "plan_gpt",
+           "predict_gcn", "predict_gpt", "spearman"]

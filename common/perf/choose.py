@@ -1,9 +1,13 @@
 """Choose a grid: rank every factorization of G ranks for a workload, pick the best.
 
-One :func:`plan` and one :func:`auto_grid` serve both engines (``plexus.train --grid auto`` and
-``llm.train --grid auto``): the engine hands over its workload
-(:class:`~common.perf.gcn.GCNWorkload` or :class:`~common.perf.gpt.GPTWorkload`) and its grid
-constraints (functions ``shape -> [problem, ...]``, as :meth:`ProcessGrid.check` takes).
+One :func:`plan` and one :func:`auto_grid` serve both engines: the engine hands over its
+workload (:class:`~common.perf.gcn.GCNWorkload` or :class:`~common.perf.gpt.GPTWorkload`) and
+its grid constraints (functions ``shape -> [problem, ...]``, as :meth:`ProcessGrid.check`
+takes). Both trainers' ``--grid`` goes through the same two calls, parsed once::
+
+    spec = parse_grid(args.grid, ctx.world_size, axes)     # "2x2x2", "data=2,row=2", "auto:PROFILE"
+    grid, note = choose_grid(spec, work, ctx.world_size, constraints=[source.grid_problems])
+
 Pure Python; the command line is ``python -m common.perf.plan``.
 """
 
@@ -12,14 +16,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from common.grid import Constraint, ProcessGrid
+from common.grid import PLEXUS_AXES, Constraint, ProcessGrid
 from common.perf import gcn as perf_gcn
 from common.perf import gpt as perf_gpt
 from common.perf.machine import MachineProfile, load_profile
 from common.perf.model import Plan, rank_predictions
 
 Workload = perf_gcn.GCNWorkload | perf_gpt.GPTWorkload
+
+
 def _machine(machine: MachineProfile | str | os.PathLike | None) -> MachineProfile:
     return machine if isinstance(machine, MachineProfile) else load_profile(machine)
 
@@ -85,4 +92,96 @@ def auto_grid(work: Workload, num_ranks: int, *,
     return ProcessGrid.axonn(shape["data"], shape["depth"], shape["row"], shape["col"]), ranked
 
 
-# ------------------------------------------------------------------------- command line
+# ------------------------------------------------------------------------- --grid
+@dataclass(frozen=True)
+class GridSpec:
+    """A ``--grid`` value, parsed once (:func:`parse_grid`).
+
+    Attributes:
+        grid: the fixed grid (given, or the default one when ``--grid`` was left out); None
+            for ``auto``.
+        profile: ``auto``'s machine profile, a name or a JSON path (None:
+            ``$HPC_MACHINE_PROFILE``, else ``local-cpu``).
+    """
+
+    grid: ProcessGrid | None = None
+    profile: str | None = None
+
+    @property
+    def auto(self) -> bool:
+        """Whether the performance model picks the grid (``auto[:PROFILE]``)."""
+        return self.grid is None
+
+
+def default_grid(num_ranks: int, axes: Sequence[str] = PLEXUS_AXES) -> ProcessGrid:
+    """The grid when ``--grid`` is left out. Plexus's ``x, y, z``: the most cubic
+    X x Y x Z = ``num_ranks`` (ties: the larger y, then the larger x); any other axes (llm's
+    ``data, depth, row, col``): every rank on the first axis (data parallel)."""
+    axes = tuple(axes)
+    if axes != PLEXUS_AXES:
+        return ProcessGrid.parse(f"{axes[0]}={num_ranks}", axes)
+    best: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
+    for x in range(1, num_ranks + 1):
+        for y in range(1, num_ranks // x + 1):
+            if num_ranks % (x * y):
+                continue
+            z = num_ranks // (x * y)
+            key = (max(x, y, z), -y, -x)
+            if best is None or key < best[0]:
+                best = (key, (x, y, z))
+    assert best is not None
+    return ProcessGrid.plexus(*best[1])
+
+
+def parse_grid(text: str | None, num_ranks: int, axes: Sequence[str] = PLEXUS_AXES
+               ) -> GridSpec:
+    """``--grid`` of either trainer: ``2x2x2`` or ``data=2,row=2`` (sizes along ``axes``),
+    ``auto[:PROFILE]`` (the grid :func:`auto_grid` predicts fastest on a machine profile), or
+    None / empty (:func:`default_grid` of ``num_ranks``).
+
+    Raises:
+        ValueError: a malformed grid, naming the text and the axes.
+    """
+    if not text:
+        return GridSpec(default_grid(num_ranks, axes))
+    name, _, profile = text.partition(":")
+    if name == "auto":
+        return GridSpec(profile=profile or None)
+    return GridSpec(ProcessGrid.parse(text, axes))
+
+
+def choose_grid(spec: GridSpec, work: Workload, num_ranks: int, *,
+                ranks_per_node: int | None = None, constraints: Sequence[Constraint] = ()
+                ) -> tuple[ProcessGrid, str | None]:
+    """The grid a trainer runs on, checked: the fixed grid of ``spec``, or for ``auto`` the
+    one :func:`auto_grid` picks among those that satisfy ``constraints``.
+
+    A pure function of its arguments, so every rank picks the same grid without
+    communicating.
+
+    Args:
+        spec: the parsed ``--grid`` (:func:`parse_grid`).
+        work: the planner's view of the run (its ``grid_problems`` always apply).
+        num_ranks: the processes launched.
+        ranks_per_node: for ``auto``; default: the profile's.
+        constraints: functions ``shape -> problems``, e.g. a data source's
+            ``grid_problems`` (a prepared graph's axes must divide its blocks).
+
+    Returns:
+        The grid, and for ``auto`` one line for rank 0 to log (the choice, the runner-up and
+        the profile); None for a fixed grid.
+
+    Raises:
+        ValueError: the grid does not match ``num_ranks`` (the arithmetic in the message),
+            has problems, or no grid fits (``auto``); an unknown profile.
+    """
+    note = None
+    if spec.grid is not None:
+        grid = spec.grid
+    else:
+        machine = load_profile(spec.profile)
+        grid, ranked = auto_grid(work, num_ranks, machine=machine,
+                                 ranks_per_node=ranks_per_node, constraints=constraints)
+        note = f"{ranked.describe_choice()} [profile {machine.name}]"
+    grid.check(num_ranks, work.grid_problems, *constraints)
+    return grid, note

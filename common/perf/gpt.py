@@ -1,5 +1,6 @@
 """Performance model of one GPT optimizer step on the 4D grid data x depth x row x col
-(llm-4d-goldfish.md sections 1-3; AxoNN, Singh et al. arXiv 2305.13525; llm/parallel.py).
+(docs/design/llm-4d-goldfish.md sections 1-3; AxoNN, Singh et al. arXiv 2305.13525;
+llm/parallel/gpt.py).
 
 Grid ``D x Z x R x C`` (col fastest). A *normal* Linear ``W [out, in]`` keeps the block
 ``[ceil(out/R), ceil(in/C)]``, flattened and split ``1/Z`` over depth (a flat shard of
@@ -57,7 +58,7 @@ from common.perf.model import (
 
 AXES = AXONN_AXES  # ("data", "depth", "row", "col")
 F32 = 4
-ORS_WINDOW = 2  # reduce-scatters of dW in flight at once (llm.tp.DepthGrads)
+ORS_WINDOW = 2  # reduce-scatters of dW in flight at once (llm.parallel.layers.DepthGrads)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,7 +255,7 @@ def gpt_compute(work: GPTWorkload, shape: Mapping[str, int], machine: MachinePro
 
 
 # Saved for backward per token and transformer block, in elements of the activation width,
-# as llm.parallel keeps them (measured with saved_tensors_hooks on four grids:
+# as llm.parallel.gpt keeps them (measured with saved_tensors_hooks on four grids:
 # tests/llm/test_plan.py checks the sum against the trainer): tensors split over col (the
 # residual stream, the norms' inputs and outputs, the inputs of the normal Linears), over row
 # (q, k and v per query head, the attention output and o_proj's input) and d_ff / row (gate,
@@ -269,7 +270,7 @@ def gpt_memory_terms(work: GPTWorkload, shape: Mapping[str, int]) -> dict[str, f
     - ``state``: the shards with gradients and AdamW moments (``bytes_per_param`` each);
     - ``gathered``: the largest depth-gathered weight block twice (in use and prefetched);
     - ``pending_grads``: full dW blocks whose depth reduce-scatter is in flight (ORS keeps
-      at most :data:`ORS_WINDOW` + 1; llm.tp.DepthGrads);
+      at most :data:`ORS_WINDOW` + 1; llm.parallel.layers.DepthGrads);
     - ``activations``: what autograd keeps (the ACT_* coefficients per token and block;
       with activation checkpointing, each block's input plus one block recomputed);
     - ``logits``: float32 logits [m, V/R], their softmax and gradient;

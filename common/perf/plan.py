@@ -13,10 +13,11 @@ Prints, per grid: predicted time split into compute and communication per axis, 
 rank, and whether it fits (see :mod:`common.perf`). ``--collectives`` picks the collective
 algorithm (:mod:`common.perf.machine`: ``ring``, PCCL's ``two-level``, ``auto``: the cheaper per
 call); ``both`` prints the ring and the two-level plan and whether two-level pays. The engines
-hand the planner their workload
-(:class:`~common.perf.gcn.GCNWorkload`, :class:`~common.perf.gpt.GPTWorkload`); the trainers'
-``--grid auto`` call :func:`common.perf.choose.auto_grid`, and ``python -m llm.plan`` adds the
-llm presets on top of this command. Pure Python: imports no engine and no torch.
+hand the planner their workload (:class:`~common.perf.gcn.GCNWorkload`,
+:class:`~common.perf.gpt.GPTWorkload`); the trainers' ``--grid`` goes through
+:func:`common.perf.choose.parse_grid` and :func:`~common.perf.choose.choose_grid` (``auto``:
+:func:`~common.perf.choose.auto_grid`), and ``python -m llm.plan`` adds the llm presets on top
+of this command. Pure Python: imports no engine and no torch.
 """
 
 from __future__ import annotations

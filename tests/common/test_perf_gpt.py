@@ -109,9 +109,10 @@ def _trainer_bytes(ctx, cases):
     import torch
 
     from common.grid import AXONN_AXES, ProcessGrid
+    from common.parallel import ParallelState
     from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
     from llm.model import GPTConfig
-    from llm.parallel.gpt import make_groups
+    from llm.parallel.gpt import AXIS_SETS
     from llm.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -121,8 +122,8 @@ def _trainer_bytes(ctx, cases):
                           DataConfig(seq_len=16, batch_size=batch, eval_batches=0),
                           OptimConfig(lr=1e-2, warmup_steps=2), GoldfishConfig(k=4, h=3),
                           RunConfig(steps=1, grad_accum=accum),
-                          make_groups(ProcessGrid.parse(grid, AXONN_AXES), ctx.rank,
-                                      ctx.transport), seed=5)
+                          ParallelState.create(ctx, ProcessGrid.parse(grid, AXONN_AXES),
+                                               AXIS_SETS), seed=5)
         trainer.train_step()
         out.append({axis: r.bytes for axis, r in trainer.stats.by_axis().items()})
     return out

@@ -1,4 +1,5 @@
-"""The planner: one plan and one auto_grid for both workloads, constraints, the command."""
+"""The planner: one plan and one auto_grid for both workloads, constraints, the command, and
+both trainers' --grid (parse_grid, choose_grid)."""
 
 import subprocess
 import sys
@@ -118,3 +119,49 @@ def test_plan_cli_compares_ring_and_two_level_collectives(capsys):
                  "--machine", "perlmutter-a100", "--collectives", "two-level",
                  "--top", "1"]) == 0
     assert "grid auto: data=" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ --grid, both trainers
+def test_default_grid_is_the_most_cubic_for_plexus_and_data_parallel_for_llm():
+    from common.grid import AXONN_AXES
+    from common.perf import default_grid
+
+    assert str(default_grid(8)) == "2x2x2" and str(default_grid(4)) == "2x2x1"
+    assert str(default_grid(6)) == "2x3x1" and str(default_grid(1)) == "1x1x1"
+    assert default_grid(4, AXONN_AXES) == ProcessGrid.axonn(4, 1, 1, 1)
+
+
+def test_parse_grid_once():
+    from common.grid import AXONN_AXES
+    from common.perf import GridSpec, parse_grid
+
+    assert parse_grid("2x1x2", 4) == GridSpec(ProcessGrid.plexus(2, 1, 2))
+    assert parse_grid(None, 4) == parse_grid("", 4) == GridSpec(ProcessGrid.plexus(2, 2, 1))
+    assert parse_grid("data=2,row=2", 4, AXONN_AXES).grid == ProcessGrid.axonn(2, 1, 2, 1)
+    spec = parse_grid("auto:perlmutter-a100", 4)
+    assert spec.auto and spec.profile == "perlmutter-a100" and parse_grid("auto", 4).profile is None
+    with pytest.raises(ValueError, match="3 sizes but the grid has 4 axes"):
+        parse_grid("2x2x1", 4, AXONN_AXES)
+
+
+def test_choose_grid_checks_a_fixed_grid_and_notes_an_auto_one():
+    from common.grid import AXONN_AXES
+    from common.perf import choose_grid, parse_grid
+
+    grid, note = choose_grid(parse_grid("2x1x2", 4), GCN, 4)
+    assert grid == ProcessGrid.plexus(2, 1, 2) and note is None
+    with pytest.raises(ValueError, match=r"grid x=2 \* y=1 \* z=2 = 4 ranks, but 8 processes"):
+        choose_grid(parse_grid("2x1x2", 4), GCN, 8)
+    with pytest.raises(ValueError, match="heads: num_heads=2 % row=4"):  # the workload's check
+        choose_grid(parse_grid("row=4", 4, AXONN_AXES), gpt_work(num_heads=2, d_model=128), 4)
+    grid, note = choose_grid(parse_grid("auto:local-cpu", 8), GCN, 8)
+    assert grid == auto_grid(GCN, 8, machine="local-cpu")[0]
+    assert note.startswith("grid auto: ") and note.endswith("[profile local-cpu]")
+
+    def no_z(shape):
+        return ["no z"] if shape["z"] > 1 else []
+
+    grid, _ = choose_grid(parse_grid("auto:local-cpu", 8), GCN, 8, constraints=[no_z])
+    assert grid.size("z") == 1
+    with pytest.raises(ValueError, match="no z"):  # constraints apply to a fixed grid too
+        choose_grid(parse_grid("1x1x8", 8), GCN, 8, constraints=[no_z])

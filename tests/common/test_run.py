@@ -1,4 +1,5 @@
-"""common.run: the trainers' shared flags, checkpoint config, metrics writer and exits."""
+"""common.run: the trainers' shared flags, checkpoint config, metrics writer, steady-state
+mean and exits (the memory meters: tests/common/test_memory.py)."""
 
 import argparse
 import json
@@ -16,6 +17,7 @@ from common.run import (
     check_writable,
     checkpoint_config,
     run_or_exit,
+    steady_mean,
 )
 from tests.distributed import launch_env
 
@@ -197,15 +199,9 @@ def test_start_from_the_flags():
     assert bad.returncode == 2 and "error: --dist-timeout must be > 0 seconds" in bad.stderr
 
 
-def test_peak_can_be_reset():
-    import numpy as np
 
-    from common.run import peak_bytes, reset_peak
-
-    block = np.ones(64 << 17)  # 64 MiB, touched
-    high = peak_bytes()
-    assert high >= 64 << 20
-    del block
-    if not reset_peak():
-        pytest.skip("/proc/self/clear_refs is not writable here")
-    assert peak_bytes() < high - (32 << 20)
+def test_steady_mean_leaves_out_the_warm_up_row():
+    rows = [{"s": 10.0}, {"s": 1.0}, {"s": 3.0}]
+    assert steady_mean(rows, "s") == 2.0
+    assert steady_mean(rows[:1], "s") == 10.0  # one row: it is the steady state
+    assert steady_mean([], "s") == 0.0

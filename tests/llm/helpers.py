@@ -32,22 +32,38 @@ def random_tokens(batch: int, length: int, seed: int = 1) -> Any:
     return torch.randint(256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def one_rank(device: str = "cpu") -> Any:
+    """The parallel state of the 1x1x1x1 grid on one process: no process group needed."""
+    from common.parallel import ParallelState
+    from llm.parallel.gpt import AXIS_SETS
+
+    return ParallelState.single(ProcessGrid.axonn(1, 1, 1, 1), AXIS_SETS, device=device)
+
+
+def on_grid(ctx, grid_text: str) -> Any:
+    """The parallel state of ``grid_text`` (data x depth x row x col) on the ranks of ``ctx``;
+    collective."""
+    from common.grid import AXONN_AXES
+    from common.parallel import ParallelState
+    from llm.parallel.gpt import AXIS_SETS
+
+    return ParallelState.create(ctx, ProcessGrid.parse(grid_text, AXONN_AXES), AXIS_SETS)
+
+
 def one_rank_groups() -> dict[str, Any]:
     """Axis groups of the 1x1x1x1 grid: no process group needed."""
-    from llm.parallel.gpt import make_groups
-
-    return make_groups(ProcessGrid.axonn(1, 1, 1, 1), 0)
+    return dict(one_rank().groups)
 
 
-def make_trainer(groups, steps=TRAIN_STEPS, overlap="all", device="cpu"):
-    """:data:`SMALL` on 16-byte windows, goldfish on (k=4, h=3), gradient accumulation 2."""
+def make_trainer(parallel, steps=TRAIN_STEPS, overlap="all"):
+    """:data:`SMALL` on 16-byte windows, goldfish on (k=4, h=3), gradient accumulation 2, on
+    ``parallel`` (:func:`one_rank`, :func:`on_grid`)."""
     from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
     from llm.trainer import Trainer
 
     return Trainer(SMALL, DataConfig(seq_len=16, batch_size=6, eval_batches=1),
                    OptimConfig(lr=1e-2, warmup_steps=3), GoldfishConfig(k=4, h=3),
-                   RunConfig(steps=steps, grad_accum=2, overlap=overlap), groups, seed=5,
-                   device=device)
+                   RunConfig(steps=steps, grad_accum=2, overlap=overlap), parallel, seed=5)
 
 
 def four_rank_checks(ctx) -> dict[str, Any]:

@@ -12,11 +12,11 @@ from common.checkpoint import CheckpointError
 from common.consolidate import consolidate
 from common.consolidate import main as consolidate_main
 from llm import checkpoint
-from tests.llm.helpers import make_trainer, one_rank_groups
+from tests.llm.helpers import make_trainer, one_rank, one_rank_groups
 
 
 def test_layout_plain_model_and_consolidated_file(tmp_path, small_config):
-    trainer = make_trainer(one_rank_groups(), steps=3)
+    trainer = make_trainer(one_rank(), steps=3)
     trainer.train_step()
     path = trainer.save(str(tmp_path / "ck"), keep=3, is_main=True)
     assert path == str(tmp_path / "ck" / "step-00000001")
@@ -46,7 +46,7 @@ def test_layout_plain_model_and_consolidated_file(tmp_path, small_config):
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
-    trainer = make_trainer(one_rank_groups(), steps=4)
+    trainer = make_trainer(one_rank(), steps=4)
     trainer.train_step()
     trainer.save(str(tmp_path), keep=3, is_main=True)
     trainer.train_step()
@@ -54,7 +54,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     shard = tmp_path / newest / "shard-00000.bin"
     shard.write_bytes(shard.read_bytes()[:100])  # truncated, as by a full disk
     assert checkpoint.open_checkpoint(tmp_path).step == 1
-    resumed = make_trainer(one_rank_groups(), steps=4)
+    resumed = make_trainer(one_rank(), steps=4)
     assert resumed.resume(str(tmp_path)) == 1
 
 
@@ -63,9 +63,9 @@ def test_checkpoint_mismatch_is_refused(tmp_path, small_config):
 
     from llm.parallel.gpt import ParallelGPT
 
-    trainer = make_trainer(one_rank_groups(), steps=1)
+    trainer = make_trainer(one_rank(), steps=1)
     trainer.save(str(tmp_path), keep=1, is_main=True)
-    other = make_trainer(one_rank_groups())
+    other = make_trainer(one_rank())
     config = dataclasses.replace(small_config, d_model=2 * small_config.d_model)
     from llm.model import GPT
 

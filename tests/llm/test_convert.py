@@ -23,7 +23,7 @@ from llm.convert import export_hf, import_hf, main, parse_size
 from llm.hf import llama as hf
 from llm.model import GPT
 from tests.common.test_sharded import local_of
-from tests.llm.helpers import SMALL, make_trainer, one_rank_groups
+from tests.llm.helpers import SMALL, make_trainer, one_rank, one_rank_groups
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,7 +152,7 @@ def test_half_precision_weights_widen_exactly(tmp_path):
 
 
 def test_export_of_a_trainer_checkpoint_loads_in_transformers(tmp_path):
-    trainer = make_trainer(one_rank_groups(), steps=2)
+    trainer = make_trainer(one_rank(), steps=2)
     trainer.train_step()
     trainer.save(str(tmp_path / "ck"), keep=1, is_main=True)
     ours, _ = checkpoint.load_model(tmp_path / "ck")

@@ -14,7 +14,7 @@ from llm.data.batches import load_documents, split_documents
 from llm.data.heldout import held_out_split, prompts_from
 from llm.evaluate import agreement, decode_nll, main, parse_budget, perplexity
 from llm.model import GPT
-from tests.llm.helpers import SMALL, make_trainer, one_rank_groups
+from tests.llm.helpers import SMALL, make_trainer, one_rank
 
 
 class ExactFull:
@@ -125,7 +125,7 @@ def test_held_out_split_follows_the_run(tmp_path):
 
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
-    trainer = make_trainer(one_rank_groups(), steps=1)  # SMALL on pydoc, 16-byte windows
+    trainer = make_trainer(one_rank(), steps=1)  # SMALL on pydoc, 16-byte windows
     trainer.train_step()
     root = tmp_path_factory.mktemp("evaluate")
     trainer.save(str(root), keep=1, is_main=True)

@@ -9,7 +9,7 @@ import torch
 
 from llm.trainer import run
 from tests.distributed import launch
-from tests.llm.helpers import make_trainer, one_rank_groups
+from tests.llm.helpers import make_trainer, one_rank
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -22,8 +22,8 @@ def close(a, b, rel):
 
 
 def test_one_cuda_rank_follows_the_cpu_run(tmp_path):
-    cpu = run(make_trainer(one_rank_groups(), steps=STEPS))
-    trainer = make_trainer(one_rank_groups(), steps=STEPS, device="cuda")
+    cpu = run(make_trainer(one_rank(), steps=STEPS))
+    trainer = make_trainer(one_rank("cuda"), steps=STEPS)
     assert all(p.is_cuda for p in trainer.model.shards().values())
     gpu = run(trainer)
     assert [r["step"] for r in gpu] == list(range(1, STEPS + 1))
@@ -36,7 +36,7 @@ def test_one_cuda_rank_follows_the_cpu_run(tmp_path):
     assert close(cpu[-1]["val_loss"], gpu[-1]["val_loss"], 1e-3)
     # a GPU checkpoint (raw bytes per shard) continues on the CPU
     trainer.save(str(tmp_path), keep=1, is_main=True)
-    resumed = make_trainer(one_rank_groups(), steps=STEPS + 1)
+    resumed = make_trainer(one_rank(), steps=STEPS + 1)
     assert resumed.resume(str(tmp_path)) == STEPS
     assert run(resumed)[-1]["step"] == STEPS + 1
 

@@ -9,7 +9,7 @@ import torch
 from llm.hf import llama as hf
 from llm.train import main as train_main
 from tests.distributed import launch, needs_mpi
-from tests.llm.helpers import one_rank_groups
+from tests.llm.helpers import one_rank
 from tests.llm.test_train import _errors
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +52,7 @@ def test_init_loads_the_weights_into_the_shards(hf_dir):
     ck = hf.HFCheckpoint(hf_dir)
     trainer = Trainer(ck.config, DataConfig(seq_len=16, batch_size=2, tokenizer=str(
         hf_dir / "tokenizer.json")), OptimConfig(), GoldfishConfig(), RunConfig(steps=1),
-        one_rank_groups(), seed=3)
+        one_rank(), seed=3)
     trainer.init_from(ck)
     from safetensors.torch import load_file
 

@@ -116,9 +116,9 @@ def test_sampling_with_a_seeded_generator_matches_the_no_cache_loop():
 
 def test_llm_sample_prints_the_same_text_with_and_without_the_cache(tmp_path, capsys):
     from llm.sample import main
-    from tests.llm.helpers import make_trainer, one_rank_groups
+    from tests.llm.helpers import make_trainer, one_rank
 
-    trainer = make_trainer(one_rank_groups(), steps=1)
+    trainer = make_trainer(one_rank(), steps=1)
     trainer.train_step()
     trainer.save(str(tmp_path), keep=1, is_main=True)
     for temperature in ("0", "1.0"):

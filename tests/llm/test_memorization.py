@@ -53,13 +53,13 @@ def test_tiny_model_memorizes_four_documents(tmp_path):
     from llm.data.batches import load_documents, truncate_docs
     from llm.model import GPTConfig
     from llm.trainer import Trainer, run
-    from tests.llm.helpers import one_rank_groups
+    from tests.llm.helpers import one_rank
 
     config = GPTConfig(vocab_size=256, num_layers=2, num_heads=4, d_model=32, d_ff=64,
                        max_seq_len=32)
     trainer = Trainer(config, DataConfig(docs=4, seq_len=32, batch_size=4, eval_batches=0),
                       OptimConfig(lr=1e-2, warmup_steps=10, weight_decay=0.0),
-                      GoldfishConfig(), RunConfig(epochs=120), one_rank_groups())
+                      GoldfishConfig(), RunConfig(epochs=120), one_rank())
     run(trainer, checkpoint=CheckpointConfig(dir=str(tmp_path)))
     model, _ = checkpoint.load_model(tmp_path)
     docs = truncate_docs(load_documents(), 4, 32)

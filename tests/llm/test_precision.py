@@ -11,17 +11,15 @@ tensor-parallel collectives of bf16 move half the bytes of fp32's.
 import pytest
 import torch
 
-from common.grid import AXONN_AXES, ProcessGrid
 from llm import checkpoint
 from llm.config import DataConfig, GoldfishConfig, OptimConfig, PrecisionConfig, RunConfig
 from llm.loss import goldfish_sums
 from llm.model import tiny
-from llm.parallel.gpt import make_groups
 from llm.precision import SavedActivations, compute_dtype
 from llm.train import main as train_main
 from llm.trainer import Trainer
 from tests.distributed import run_ranks
-from tests.llm.helpers import SMALL, one_rank_groups
+from tests.llm.helpers import SMALL, on_grid, one_rank
 
 TINY_STEPS = 4
 GRID = "1x2x2x1"  # data x depth x row x col
@@ -30,20 +28,20 @@ GRID_STEPS = 3
 GRID_RUNS = (("fp32", False), ("fp32", True), ("bf16", True))
 
 
-def tiny_trainer(precision="fp32", checkpointing=False, groups=None):
+def tiny_trainer(precision="fp32", checkpointing=False, parallel=None):
     """The tiny preset on 8 x 64-token windows, goldfish k=4."""
     return Trainer(tiny(), DataConfig(seq_len=64, batch_size=8, eval_batches=0),
                    OptimConfig(warmup_steps=2), GoldfishConfig(k=4), RunConfig(steps=10),
-                   groups or one_rank_groups(), seed=1,
+                   parallel or one_rank(), seed=1,
                    precision=PrecisionConfig(precision=precision,
                                              activation_checkpointing=checkpointing))
 
 
-def small_trainer(groups, precision, checkpointing):
+def small_trainer(parallel, precision, checkpointing):
     """tests.llm.helpers.SMALL on 16-byte windows, gradient accumulation 2."""
     return Trainer(SMALL, DataConfig(seq_len=16, batch_size=8, eval_batches=0),
                    OptimConfig(lr=1e-2, warmup_steps=3), GoldfishConfig(k=4, h=3),
-                   RunConfig(steps=GRID_STEPS, grad_accum=2), groups, seed=5,
+                   RunConfig(steps=GRID_STEPS, grad_accum=2), parallel, seed=5,
                    precision=PrecisionConfig(precision=precision,
                                              activation_checkpointing=checkpointing))
 
@@ -128,8 +126,7 @@ def grid_runs(ctx):
     torch.set_num_threads(1)
     out = {}
     for precision, checkpointing in GRID_RUNS:
-        groups = make_groups(ProcessGrid.parse(GRID, AXONN_AXES), ctx.rank, ctx.transport)
-        trainer = small_trainer(groups, precision, checkpointing)
+        trainer = small_trainer(on_grid(ctx, GRID), precision, checkpointing)
         rows = []
         for _ in range(GRID_STEPS):
             rows.append(trainer.train_step())
@@ -145,7 +142,7 @@ def test_bf16_and_checkpointing_on_a_tensor_parallel_grid():
     runs = run_ranks(grid_runs, 4, timeout=300)
     serial = {}
     for precision in ("fp32", "bf16"):
-        trainer = small_trainer(one_rank_groups(), precision, False)
+        trainer = small_trainer(one_rank(), precision, False)
         serial[precision] = [trainer.train_step()["loss"] for _ in range(GRID_STEPS)]
     for rank, result in enumerate(runs):
         for (precision, checkpointing), run in result.items():

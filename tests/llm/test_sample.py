@@ -8,7 +8,7 @@ from llm import checkpoint
 from llm.data.tokenizers import load_tokenizer
 from llm.sample import main
 from tests.llm import test_init_hf, test_memorization
-from tests.llm.helpers import make_trainer, one_rank_groups
+from tests.llm.helpers import make_trainer, one_rank
 
 hf_dir = test_init_hf.hf_dir  # fixtures: a random HF Llama with a BPE tokenizer.json,
 imported = test_memorization.imported  # and that model through python -m llm.convert import
@@ -16,7 +16,7 @@ imported = test_memorization.imported  # and that model through python -m llm.co
 
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
-    trainer = make_trainer(one_rank_groups(), steps=1)
+    trainer = make_trainer(one_rank(), steps=1)
     trainer.train_step()
     root = tmp_path_factory.mktemp("sample")
     trainer.save(str(root), keep=1, is_main=True)

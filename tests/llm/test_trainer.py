@@ -11,13 +11,11 @@ import os
 import pytest
 import torch
 
-from common.grid import AXONN_AXES, ProcessGrid
 from common.run import CheckpointConfig
 from llm import checkpoint
 from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
-from llm.parallel.gpt import make_groups
 from llm.trainer import lr_at, run
-from tests.llm.helpers import TRAIN_STEPS, make_trainer, one_rank_groups
+from tests.llm.helpers import TRAIN_STEPS, make_trainer, on_grid, one_rank
 
 TRAIN_GRIDS = ("1x2x2x2",)  # depth, row and col; data > 1 is covered by the gradient cases
 OVERLAP_GRID = "1x2x2x1"  # depth 2 (ORS, OAG) and row 2 (OAR) on 4 ranks
@@ -48,13 +46,13 @@ def test_config_errors(kwargs, message):
 
 def test_resume_continues_exactly(tmp_path):
     """6 straight steps == 3 steps, checkpoint, fresh trainer resumed from it, 3 more steps."""
-    straight = make_trainer(one_rank_groups(), steps=6)
+    straight = make_trainer(one_rank(), steps=6)
     expected = run(straight)
-    first = make_trainer(one_rank_groups(), steps=6)
+    first = make_trainer(one_rank(), steps=6)
     for _ in range(3):
         first.train_step()
     first.save(str(tmp_path / "ck"), keep=3, is_main=True)
-    second = make_trainer(one_rank_groups(), steps=6)
+    second = make_trainer(one_rank(), steps=6)
     assert second.resume(str(tmp_path / "ck")) == 3
     resumed = run(second)
     keys = ("step", "loss", "loss_all", "loss_dropped", "grad_norm", "lr", "num_kept")
@@ -66,12 +64,34 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_resume_from_an_empty_directory_starts_fresh(tmp_path):
-    trainer = make_trainer(one_rank_groups(), steps=2)
+    trainer = make_trainer(one_rank(), steps=2)
     assert trainer.resume(str(tmp_path / "none")) is None and trainer.step == 0
 
 
+def test_resume_follows_the_checkpoint_config(tmp_path):
+    """resume() with no directory: the trainer's own CheckpointConfig decides (the CLI's
+    --checkpoint-dir/--resume); run() saves there by default."""
+    trainer = make_trainer(one_rank(), steps=2)
+    trainer.checkpoint = CheckpointConfig(dir=str(tmp_path))
+    assert trainer.resume() is None  # resume=False: never reads
+    assert "checkpoint" in run(trainer)[-1]
+    again = make_trainer(one_rank(), steps=3)
+    again.checkpoint = CheckpointConfig(dir=str(tmp_path))
+    assert again.resume() is None and again.step == 0
+    again.checkpoint = CheckpointConfig(dir=str(tmp_path), resume=True)
+    assert again.resume() == 2 and [r["step"] for r in run(again)] == [3]
+
+
+def test_a_parallel_state_without_the_llm_groups_is_refused():
+    from common.grid import ProcessGrid
+    from common.parallel import ParallelState
+
+    with pytest.raises(ValueError, match="AXIS_SETS"):
+        make_trainer(ParallelState.single(ProcessGrid.axonn(1, 1, 1, 1)))
+
+
 def test_loop_checkpoints_every_n_steps_and_keeps_k(tmp_path):
-    trainer = make_trainer(one_rank_groups(), steps=5)
+    trainer = make_trainer(one_rank(), steps=5)
     rows = run(trainer, checkpoint=CheckpointConfig(dir=str(tmp_path), every=2, keep=2))
     assert [("checkpoint" in r) for r in rows] == [False, True, False, True, True]
     assert sorted(os.listdir(tmp_path)) == ["step-00000004", "step-00000005"]  # keep = 2
@@ -80,7 +100,7 @@ def test_loop_checkpoints_every_n_steps_and_keeps_k(tmp_path):
 
 
 def test_preemption_checkpoints_and_stops(tmp_path):
-    trainer = make_trainer(one_rank_groups(), steps=5)
+    trainer = make_trainer(one_rank(), steps=5)
     rows = run(trainer, checkpoint=CheckpointConfig(dir=str(tmp_path)),
                should_stop=lambda: trainer.step >= 2)
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["preempted"]
@@ -94,9 +114,8 @@ def overlap_runs(ctx):
     rows, and the final full weights (rank 0)."""
     out = {}
     for overlap in ("all", "none"):
-        groups = make_groups(ProcessGrid.parse(OVERLAP_GRID, AXONN_AXES), ctx.rank,
-                             ctx.transport)
-        trainer = make_trainer(groups, steps=OVERLAP_STEPS, overlap=overlap)
+        trainer = make_trainer(on_grid(ctx, OVERLAP_GRID), steps=OVERLAP_STEPS,
+                               overlap=overlap)
         rows = run(trainer)
         weights = trainer.model.full_state_dict()  # collective
         out[overlap] = {"rows": rows, "weights": weights if ctx.rank == 0 else None}
@@ -129,8 +148,7 @@ def train_on_grids(ctx, tmp):
     ``tmp`` after half of them on the first grid."""
     out = {"train": {}}
     for grid_text in TRAIN_GRIDS:
-        trainer = make_trainer(make_groups(ProcessGrid.parse(grid_text, AXONN_AXES), ctx.rank,
-                                           ctx.transport))
+        trainer = make_trainer(on_grid(ctx, grid_text))
         history = []
         for _ in range(TRAIN_STEPS):
             history.append(trainer.train_step())
@@ -151,7 +169,7 @@ def run_trainer(trainer, steps):
 
 @pytest.mark.slow
 def test_training_on_8_ranks_tracks_1_rank(eight_ranks):
-    serial_rows = run_trainer(make_trainer(one_rank_groups()), TRAIN_STEPS)
+    serial_rows = run_trainer(make_trainer(one_rank()), TRAIN_STEPS)
     assert serial_rows[-1]["loss"] < 0.8 * serial_rows[0]["loss"]  # it learns
     assert serial_rows[0]["num_dropped"] > 0
     for grid_text in TRAIN_GRIDS:
@@ -175,7 +193,7 @@ def test_checkpoint_from_8_ranks_continues_on_1_rank(eight_ranks):
     files = sharded.load(path).manifest["files"]
     sizes = [v["bytes"] for k, v in files.items() if k.startswith("shard-")]
     assert len(sizes) == 8 and max(sizes) < 1.5 * sum(sizes) / 8, sizes
-    trainer = make_trainer(one_rank_groups())
+    trainer = make_trainer(one_rank())
     assert trainer.resume(str(path).rsplit("/", 1)[0]) == TRAIN_STEPS // 2
     resumed = run_trainer(trainer, TRAIN_STEPS)
     parallel = eight_ranks[0]["train"][TRAIN_GRIDS[0]][TRAIN_STEPS // 2 :]

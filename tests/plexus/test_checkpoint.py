@@ -54,16 +54,17 @@ def _train_and_save(ctx, grid, ck, model):
 
 def _load_and_predict(ctx, grid, ck, model):
     from common.grid import ProcessGrid
+    from common.parallel import ParallelState
     from plexus import checkpoint
     from plexus.config import ModelConfig, aggregation_of
     from plexus.data import InMemorySource
     from plexus.data.generators import planted_partition
-    from plexus.trainer import setup
+    from plexus.trainer import shard_and_model
 
     source = InMemorySource(planted_partition(num_nodes=301, seed=2), permutation="single",
                             seed=9, aggregation=aggregation_of(model["model"]))
-    _, _, net = setup(source, ProcessGrid.parse(grid), ctx.rank,
-                      ModelConfig(hidden=12, learn_features=True, **model), seed=9)
+    _, net = shard_and_model(source, ParallelState.create(ctx, ProcessGrid.parse(grid)),
+                             ModelConfig(hidden=12, learn_features=True, **model), seed=9)
     opt = torch.optim.AdamW(net.parameters())
     checkpoint.load(ck, net, opt, meta=checkpoint.identity(net, source.name))
     return _full_logits(net)

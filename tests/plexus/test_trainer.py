@@ -1,11 +1,84 @@
-"""plexus.trainer: the loop on several grids, fit() on PyG data, the OGB Evaluator. Accuracy
-against PyG with the same recipe is bench/accuracy.py (tests/bench/test_accuracy_bench.py)."""
+"""plexus.trainer: the Trainer's shape (set-up, resume, train_step, evaluate, run) on one
+process, the loop on several grids, fit() on PyG data, the OGB Evaluator. Accuracy against PyG
+with the same recipe is bench/accuracy.py (tests/bench/test_accuracy_bench.py)."""
 
 import pytest
+import torch
 
+from common.grid import ProcessGrid
+from common.parallel import ParallelState
+from common.run import CheckpointConfig
 from plexus.config import split_config
+from plexus.data import InMemorySource
 from plexus.data.generators import planted_partition
+from plexus.trainer import Trainer, run, train_gcn
 from tests.distributed import run_ranks
+
+CONFIG = {"hidden": 8, "num_layers": 2, "lr": 0.05, "dropout": 0.5, "norm": "batch"}
+
+
+def one_process_trainer(epochs, **checkpoint):
+    source = InMemorySource(planted_partition(num_nodes=97, seed=3), permutation="double")
+    parallel = ParallelState.single(ProcessGrid.plexus(1, 1, 1))
+    return Trainer(source, parallel, **split_config(epochs=epochs, **CONFIG),
+                   checkpoint=CheckpointConfig(**checkpoint))
+
+
+def test_trainer_steps_evaluates_and_keeps_the_best_epoch():
+    trainer = one_process_trainer(6)
+    row = trainer.train_step()
+    assert trainer.epoch == 1 and row["epoch"] == 1 and row["loss"] > 0
+    assert {"epoch_s", "comm_s", "comm_bytes"} <= set(row) and "val_acc" not in row
+    acc = trainer.evaluate()
+    assert set(acc) == {"train_acc", "val_acc", "test_acc", "eval_s"}
+    assert all(0 <= acc[f"{s}_acc"] <= 1 for s in ("train", "val", "test"))
+    trainer.record({**row, **acc})
+    rows = run(trainer)  # the loop goes on from epoch 2
+    assert [r["epoch"] for r in rows] == [2, 3, 4, 5, 6] and len(trainer.history) == 6
+    best = max(trainer.history, key=lambda r: r["val_acc"])  # the first of equals
+    assert trainer.best == {k: best[k] for k in ("epoch", "train_acc", "val_acc", "test_acc")}
+    assert trainer.best_state is not None and not trainer.preempted
+
+
+def test_train_gcn_is_the_trainer_and_its_loop():
+    graph = planted_partition(num_nodes=97, seed=3)
+    res = train_gcn(InMemorySource(graph, permutation="double"), ProcessGrid.plexus(1, 1, 1), 0,
+                    **split_config(epochs=4, **CONFIG))
+    trainer = one_process_trainer(4)
+    run(trainer)
+    keys = ("loss", "train_acc", "val_acc", "test_acc")
+    assert [[r[k] for k in keys] for r in res.history] == \
+        [[r[k] for k in keys] for r in trainer.history]
+    assert res.info["best"] == trainer.best and res.info["preempted"] is False
+
+
+def test_resume_lives_in_the_trainer_and_continues_exactly(tmp_path):
+    """6 straight epochs == 3 epochs, checkpoint, a fresh trainer resumed by its checkpoint
+    config, 3 more epochs; the best epoch is found over the resumed history too."""
+    straight = one_process_trainer(6)
+    run(straight)
+    first = one_process_trainer(3, dir=str(tmp_path))
+    assert first.resume() is None  # resume not asked
+    run(first)
+    second = one_process_trainer(6, dir=str(tmp_path), resume=True)
+    assert second.resume() == 3 and second.info["resumed_from"] == 3
+    assert [r["epoch"] for r in run(second)] == [4, 5, 6]
+    keys = ("epoch", "loss", "train_acc", "val_acc", "test_acc")
+    assert [[r[k] for k in keys] for r in second.history] == \
+        [[r[k] for k in keys] for r in straight.history]
+    assert second.best == straight.best
+    for (name, a, _, _), (_, b, _, _) in zip(second.model.sharded_state(),
+                                             straight.model.sharded_state(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_preemption_checkpoints_and_stops(tmp_path):
+    trainer = one_process_trainer(5, dir=str(tmp_path))
+    rows = run(trainer, should_stop=lambda: trainer.epoch >= 2)
+    assert [r["epoch"] for r in rows] == [1, 2] and trainer.preempted
+    assert trainer.result().info["preempted"]
+    again = one_process_trainer(5, dir=str(tmp_path), resume=True)
+    assert again.resume() == 2
 
 
 def _fit_losses(ctx, grid, epochs, config):
