@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 MPIEXEC ?= $(if $(wildcard $(BIN)/mpiexec),$(BIN)/mpiexec,mpiexec)
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint clean
+.PHONY: setup train test test-fast lint gpu-check clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -41,6 +41,11 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy common
+
+# on a lent GPU: every `pytest -m gpu` test and the benches' GPU variants in 10 minutes, one
+# table (bench/gpu_check.py); without a GPU it says so and exits 0
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -2,6 +2,7 @@
 
     python bench/llm_throughput.py                        # tiny preset, 16 x 128 tokens/step
     python bench/llm_throughput.py --preset small --batch-size 8 --seq-len 256 --steps 10
+    python bench/llm_throughput.py --device cuda --preset small --batch-size 8 --seq-len 256
 
 Both sides train the same model from the same seed on the same batches (the same resumable
 iterator) with the same AdamW settings, weight-decay groups and global-norm clipping. The
@@ -13,6 +14,7 @@ printed: median step time of each (and the quartiles), tokens/s, and the ratio o
 of the median tokens/s (target >= 0.95). One thread by default: on a shared 2-core machine two
 threads per process make single steps stall unpredictably (ratios from 0.4 to 1.9 in
 repeated runs), while one thread gives repeatable numbers; pass ``--threads 2`` to compare.
+``--device cuda`` runs both on one GPU (each step timed after the GPU has finished).
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ from llm.trainer import Trainer
 class Baseline:
     """The plain single-process loop on the same model, optimizer and batches."""
 
-    def __init__(self, preset: str, data: DataConfig, optim: OptimConfig, seed: int) -> None:
-        self.model = GPT(get_preset(preset), seed=seed)  # the trainer's keyed initialisation
+    def __init__(self, preset: str, data: DataConfig, optim: OptimConfig, seed: int,
+                 device: torch.device) -> None:
+        # the trainer's keyed initialisation
+        self.model = GPT(get_preset(preset), seed=seed, device=device)
+        self.device = device
         decay = [p for p in self.model.parameters() if p.dim() > 1]
         rest = [p for p in self.model.parameters() if p.dim() <= 1]
         self.optimizer = torch.optim.AdamW(
@@ -54,6 +59,7 @@ class Baseline:
 
     def train_step(self) -> float:
         x, y = next(self.batches)
+        x, y = x.to(self.device), y.to(self.device)
         logits = self.model(x)
         loss = cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
@@ -63,9 +69,13 @@ class Baseline:
         return loss.item()
 
 
-def timed(step) -> float:
+def timed(step, device: torch.device) -> float:
+    """Seconds of ``step()``, from a device with no work queued to one that has finished it."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
     start = time.perf_counter()
     step()
+    sync()
     return time.perf_counter() - start
 
 
@@ -83,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per side")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where both sides train (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda was asked for, but torch sees no CUDA device")
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     data = DataConfig(batch_size=args.batch_size, seq_len=args.seq_len, eval_batches=0)
@@ -91,20 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     total = args.warmup + args.steps
     ours = Trainer(get_preset(args.preset), data, optim, GoldfishConfig(),
                    RunConfig(steps=total), ParallelState.single(ProcessGrid.axonn(1, 1, 1, 1),
-                                                                AXIS_SETS))
-    base = Baseline(args.preset, data, optim, seed=0)
+                                                                AXIS_SETS, device=device))
+    base = Baseline(args.preset, data, optim, seed=0, device=device)
     for _ in range(args.warmup):
-        timed(ours.train_step), timed(base.train_step)
+        timed(ours.train_step, device), timed(base.train_step, device)
     t_ours, t_base = [], []
     for _ in range(args.steps):  # alternate step by step
-        t_ours.append(timed(ours.train_step))
-        t_base.append(timed(base.train_step))
+        t_ours.append(timed(ours.train_step, device))
+        t_base.append(timed(base.train_step, device))
     tokens = args.batch_size * args.seq_len
     med_ours, med_base = statistics.median(t_ours), statistics.median(t_base)
     config = get_preset(args.preset)
     print(f"GPT {args.preset} ({config.num_params():,} parameters), {args.batch_size} x "
-          f"{args.seq_len} tokens per step, torch threads {torch.get_num_threads()}, "
-          f"{args.steps} alternating steps per side")
+          f"{args.seq_len} tokens per step, on {device}, torch threads "
+          f"{torch.get_num_threads()}, {args.steps} alternating steps per side")
     print(f"{'':24}{'median step':>14}{'quartiles':>24}{'tokens/s':>12}")
     print(f"{'plain PyTorch loop':24}{1000 * med_base:>11.1f} ms{quartiles(t_base):>24}"
           f"{tokens / med_base:>12,.0f}")

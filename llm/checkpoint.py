@@ -7,9 +7,10 @@ manifest whose meta holds the step, the model config and the run's configs. Noth
 gathered: saving and loading hold about one rank's shards, whatever the model size.
 
 Loading on any grid reads only the slices that grid needs; :func:`load_model` reads the full
-tensors into the plain single-process :class:`~llm.model.GPT` (sampling, evaluation: the whole
-model on one process, by design). ``python -m common.consolidate DIR OUT.safetensors`` writes
-one file with the full weights, streaming; :func:`load_model` reads that too.
+tensors into the plain single-process :class:`~llm.model.GPT` on one device (sampling,
+evaluation: the whole model on one process, by design; the CLIs' ``--device``).
+``python -m common.consolidate DIR OUT.safetensors`` writes one file with the full weights,
+streaming; :func:`load_model` reads that too.
 
 Writing is atomic and checksummed (temporary directory, fsync, rename; a SHA-256 per file),
 so a crash leaves the newest complete checkpoint intact; loading verifies the checksums and
@@ -32,6 +33,8 @@ from llm.model import GPT, GPTConfig
 
 FORMAT = 3  # meta["format"]; bump when the layout changes
 STATE_FILE = "state.pt"
+DEVICES = ("auto", "cpu", "cuda")  # --device of the single-process CLIs (resolve_device)
+DEVICE_HELP = "where the model runs: auto (CUDA when torch sees a GPU, else CPU), cpu or cuda"
 
 
 def has_checkpoint(path: str | os.PathLike) -> bool:
@@ -108,9 +111,31 @@ def load_into(ck: sharded.ShardedCheckpoint, model: Any, optimizer: torch.optim.
     return torch.load(io.BytesIO(ck.files[STATE_FILE]), weights_only=True)
 
 
-def load_model(path: str | os.PathLike) -> tuple[GPT, dict[str, Any]]:
+def resolve_device(name: str) -> torch.device:
+    """The device of a single-process CLI's ``--device``: ``auto`` (CUDA when torch sees a
+    GPU, else CPU), ``cpu`` or ``cuda``; any other torch device string is taken as is.
+
+    Raises:
+        ValueError: ``cuda`` was asked for and torch sees no CUDA device.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} was asked for, but torch sees no CUDA device")
+    return device
+
+
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu"
+               ) -> tuple[GPT, dict[str, Any]]:
     """The plain single-process GPT (eval mode) of a checkpoint directory or of a consolidated
-    ``.safetensors`` file, and the checkpoint's meta (step, model_config, configs)."""
+    ``.safetensors`` file, on ``device`` (:func:`resolve_device`'s names, or a torch device),
+    and the checkpoint's meta (step, model_config, configs).
+
+    The weights are read on the CPU and copied once into parameters allocated on ``device``
+    (no throw-away initialisation).
+    """
+    device = resolve_device(device) if isinstance(device, str) else device
     path = Path(path)
     if path.is_file():
         from common.consolidate import read_consolidated
@@ -123,8 +148,8 @@ def load_model(path: str | os.PathLike) -> tuple[GPT, dict[str, Any]]:
         meta = ck.meta
         tensors = {n: ck.read(n, sharded.Slab.whole(ck.shape(n))) for n in ck.names()
                    if not n.endswith(sharded.MOMENT_SUFFIXES)}
-    model = GPT(GPTConfig(**meta["model_config"]))
+    model = GPT(GPTConfig(**meta["model_config"]), device="meta").materialize(device, init=False)
     if model.config.tie_embeddings:  # saved once, under the embedding's name
         tensors.setdefault("lm_head.weight", tensors["tok_emb.weight"])
-    model.load_state_dict(tensors)
+    model.load_state_dict(tensors)  # copies every parameter: none is left uninitialised
     return model.eval(), meta

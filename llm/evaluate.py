@@ -24,6 +24,8 @@ docs/design/llm-inference.md) is measured with full attention in the same run:
   counters over the agreement run's decode steps), the method's and full attention's, and
   their ratio.
 
+The model runs on ``--device`` (default: CUDA when torch sees a GPU, else CPU).
+
 Held-out text (:mod:`llm.data.heldout`): ``--text FILE...``, else the held-out documents of the
 checkpoint's own training run, split exactly as the trainer split them; the documents are
 joined into one token stream as in training.
@@ -189,9 +191,9 @@ def evaluate_method(model: GPT, method: DecodeAttention, tokens: Tensor, prompts
             "kv_bytes_per_token": agree["bytes_read"] / steps,
             "full_kv_bytes_per_token": agree["bytes_full"] / steps,
             "bytes_ratio": agree["bytes_read"] / max(1, agree["bytes_full"]),
-            # wall time of the greedy continuations on this machine, per generated token; the
-            # methods select densely (a mask, not a gather), so this shows their overhead on
-            # a CPU, not the speed-up of a sparse kernel
+            # wall time of the greedy continuations on this device, per generated token (the
+            # counters' .item() waits for a GPU); the methods select densely (a mask, not a
+            # gather), so this shows their overhead, not the speed-up of a sparse kernel
             "ms_per_token": 1e3 * seconds / (agree["num_prompts"] * new_tokens)}
 
 
@@ -286,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="perplexity windows decoded "
                    "together (default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    p.add_argument("--device", choices=checkpoint.DEVICES, default="auto",
+                   help=checkpoint.DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -302,13 +306,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"--sift-refit-every >= 0, got {args.sift_warmup} and "
                          f"{args.sift_refit_every}")
     sift = {"warmup": args.sift_warmup, "refit_every": args.sift_refit_every or None}
-    model, meta = checkpoint.load_model(args.checkpoint)
+    model, meta = checkpoint.load_model(args.checkpoint, args.device)
     c = model.config
     spec = args.tokenizer or spec_of_checkpoint(meta)
     tokenizer = load_tokenizer(spec, vocab_size=c.vocab_size)
     held, train, where = held_out_split(meta, args.text)
     stream = encode_stream(held, tokenizer)  # [S]
-    tokens = stream[: args.tokens]
+    tokens = stream[: args.tokens].to(model.device)  # [N]
     if tokens.numel() < 2:
         raise ValueError(f"the held-out text has {tokens.numel()} token(s) (--tokens "
                          f"{args.tokens}); perplexity needs at least 2")
@@ -320,9 +324,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if prompt_len + args.new_tokens - 1 > c.max_seq_len:
         raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {args.new_tokens} - 1 "
                          f"exceeds max_seq_len={c.max_seq_len}")
-    prompts = prompts_from(stream, args.prompts, prompt_len)  # [K, P]
+    prompts = prompts_from(stream, args.prompts, prompt_len).to(model.device)  # [K, P]
     result: dict[str, Any] = {
         "checkpoint": str(args.checkpoint), "step": meta.get("step"), "tokenizer": spec,
+        "device": str(model.device),
         "max_seq_len": c.max_seq_len, "held_out": where, "tokens": tokens.numel(),
         "prompts": args.prompts, "prompt_len": prompt_len, "new_tokens": args.new_tokens}
     if args.attention == "sift":
@@ -362,9 +367,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_text(r: dict[str, Any]) -> None:
     print(f"checkpoint {r['checkpoint']} (step {r['step']}, window {r['max_seq_len']}, "
-          f"tokenizer {r['tokenizer']})\nheld-out text: {r['held_out']}\nperplexity over "
-          f"{r['tokens']:,} tokens teacher-forced through the decode path; agreement: "
-          f"{r['prompts']} prompts of {r['prompt_len']} tokens + {r['new_tokens']} greedy tokens")
+          f"tokenizer {r['tokenizer']}, on {r['device']})\nheld-out text: {r['held_out']}\n"
+          f"perplexity over {r['tokens']:,} tokens teacher-forced through the decode path; "
+          f"agreement: {r['prompts']} prompts of {r['prompt_len']} tokens + {r['new_tokens']} "
+          f"greedy tokens")
     if "loki_basis" in r:
         b = r["loki_basis"]
         how = (f"calibrated on {b['calibration_tokens']:,} training tokens and saved to"

@@ -13,7 +13,8 @@ suffix tokens.
     python -m llm.memorization --checkpoint llama.safetensors --text a.txt b.txt --docs 2 \\
         --seq-len 256
 
-The checkpoint's full weights are loaded into a single-process GPT (any training grid); the
+The checkpoint's full weights are loaded into a single-process GPT (any training grid) on
+``--device`` (default: CUDA when torch sees a GPU, else CPU); the
 documents default to the checkpoint's corpus, ``--docs`` and ``--seq-len``, the tokenizer to
 the checkpoint's (:func:`llm.data.tokenizers.spec_of_checkpoint`; ``--tokenizer`` overrides it). A
 checkpoint without training configs (``python -m llm.convert import`` of a Hugging Face model)
@@ -61,7 +62,7 @@ def memorization(model: Any, docs: Sequence[Tensor], suffix_len: int,
     Args:
         model: anything with ``generate(idx [B, T0], max_new_tokens) -> [B, T0 + S]``
             (a :class:`llm.model.GPT`).
-        docs: int64 token tensors, each cut as in training.
+        docs: int64 token tensors, each cut as in training, on the model's device.
         suffix_len: S.
         batch_size: documents decoded together (documents of equal length are batched).
 
@@ -104,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, metavar="SPEC",
                    help="bytes, or a Hugging Face tokenizer.json (file or model directory); "
                    "default: the checkpoint's")
+    p.add_argument("--device", choices=checkpoint.DEVICES, default="auto",
+                   help=checkpoint.DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -143,11 +146,11 @@ def documents(args: argparse.Namespace, meta: dict[str, Any], tokenizer: Tokeniz
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        model, state = checkpoint.load_model(args.checkpoint)
+        model, state = checkpoint.load_model(args.checkpoint, args.device)
         spec = args.tokenizer or spec_of_checkpoint(state)
         tokenizer = load_tokenizer(spec, vocab_size=model.config.vocab_size)
         docs, seq_len = documents(args, state, tokenizer)
-        result = memorization(model, docs, args.suffix_len)
+        result = memorization(model, [doc.to(model.device) for doc in docs], args.suffix_len)
     except (ValueError, OSError, ImportError) as e:  # FileNotFoundError is an OSError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -261,16 +261,26 @@ class GPT(nn.Module):
         if device.type != "meta":
             self.materialize(device, seed)
 
-    def materialize(self, device: torch.device | str, seed: int | None = None) -> GPT:
+    def materialize(self, device: torch.device | str, seed: int | None = None, *,
+                    init: bool = True) -> GPT:
         """Allocate the parameters on ``device`` and initialise them (:meth:`reset_parameters`).
 
-        For a model built with ``device="meta"``; returns the model.
+        For a model built with ``device="meta"``; returns the model. ``init=False`` leaves the
+        memory uninitialised, for a caller that loads every parameter next
+        (:func:`llm.checkpoint.load_model`).
         """
         self.to_empty(device=device)
         if self.config.tie_embeddings:  # to_empty allocates each module's tensor apart
             self.lm_head.weight = self.tok_emb.weight
-        self.reset_parameters(seed)
+        if init:
+            self.reset_parameters(seed)
         return self
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (inputs of :meth:`forward` and :meth:`generate` belong
+        there too)."""
+        return self.tok_emb.weight.device
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
@@ -336,6 +346,9 @@ class GPT(nn.Module):
         the no-cache loop's values of a position vary with the window's length in the CPU
         attention kernel's last bits), and bf16 logits (8-bit mantissa) tie more often.
 
+        ``idx`` lives on the model's :attr:`device`; ``generator`` may live elsewhere: a CPU
+        generator with a CUDA model draws on the CPU (:func:`_sample`).
+
         A decode-time attention ``method`` (:class:`llm.decode.kv_cache.DecodeAttention`) replaces
         full attention in the cached single-token steps; the prefill and window-sliding steps
         stay exact.
@@ -359,7 +372,18 @@ class GPT(nn.Module):
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
             else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
+                nxt = _sample(torch.softmax(logits / temperature, dim=-1), generator)  # [B, 1]
             idx = torch.cat((idx, nxt), dim=1)
         return idx
+
+
+def _sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of ``probs`` [B, V] -> [B, 1], on the device of ``probs``.
+
+    Drawn where the generator lives: a CPU generator with a CUDA model copies the
+    probabilities to the CPU and the tokens back, so a seed draws the same tokens on either
+    device (up to rounding of the probabilities), and CPU runs are unchanged.
+    """
+    if generator is None or generator.device == probs.device:
+        return torch.multinomial(probs, 1, generator=generator)
+    return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)

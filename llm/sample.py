@@ -12,7 +12,9 @@ models were trained with it, and Hugging Face's tokenizers add it by default); i
 printed. Special tokens in the generated text are written out.
 
 Decoding keeps a KV cache (:meth:`llm.model.GPT.generate`); ``--no-cache`` reruns the whole
-window at every step instead (the reference loop, same tokens, slower).
+window at every step instead (the reference loop, same tokens, slower). ``--device`` picks
+where the model runs (default: CUDA when torch sees a GPU); the sampling generator stays on
+the CPU, so ``--seed`` draws the same tokens on either device (up to rounding).
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ def main(argv: list[str] | None = None) -> int:
                    "every step")
     p.add_argument("--bos", action="store_true", help="put the tokenizer's begin-of-text "
                    "token (e.g. <s>) before the prompt, as Llama models expect")
+    p.add_argument("--device", choices=checkpoint.DEVICES, default="auto",
+                   help=checkpoint.DEVICE_HELP)
     args = p.parse_args(argv)
     try:
         if args.tokens < 0 or args.temperature < 0:
             raise ValueError("--tokens and --temperature must be >= 0")
-        model, meta = checkpoint.load_model(args.checkpoint)
+        model, meta = checkpoint.load_model(args.checkpoint, args.device)
         tokenizer = load_tokenizer(args.tokenizer or spec_of_checkpoint(meta),
                                    vocab_size=model.config.vocab_size)
         prompt = tokenizer.encode(args.prompt)  # [T0]
@@ -61,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
                              "tokenizer_config.json names a bos_token")
         if args.bos:
             prompt = torch.cat([prompt.new_tensor([bos]), prompt])
-        out = model.generate(prompt[None], args.tokens, temperature=args.temperature,
+        out = model.generate(prompt[None].to(model.device), args.tokens,
+                             temperature=args.temperature,
                              generator=torch.Generator().manual_seed(args.seed),
-                             use_cache=not args.no_cache)  # [1, T0 + tokens]
+                             use_cache=not args.no_cache).cpu()  # [1, T0 + tokens]
     except (ValueError, OSError, ImportError) as e:  # FileNotFoundError is an OSError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -96,9 +96,10 @@ def calibrate_loki(model: GPT, tokens: Tensor | Iterable[Tensor], *,
                    post_rope: bool = True) -> LokiBasis:
     """PCA of every layer's keys, per kv head, over calibration text (Loki's offline step).
 
-    Runs the model without a cache over each int64 [B, T] batch of ``tokens``, capturing the
-    keys with forward hooks on each block's ``attn.k_proj`` (and rotating them with
-    :func:`llm.model.apply_rope` at positions 0..T-1 when ``post_rope``). The PCA is centred,
+    Runs the model without a cache over each int64 [B, T] batch of ``tokens`` (moved to the
+    model's device; the bases come back on the CPU), capturing the keys with forward hooks on
+    each block's ``attn.k_proj`` (and rotating them with :func:`llm.model.apply_rope` at
+    positions 0..T-1 when ``post_rope``). The PCA is centred,
     as in the Loki code (sklearn's PCA, means kept apart): the eigenvectors of the keys'
     covariance, by decreasing eigenvalue. Centring is the right criterion for selection:
     ``q . k_n = q . mu + q . (k_n - mu)`` and ``q . mu`` is the same for every position, so only
@@ -138,7 +139,7 @@ def calibrate_loki(model: GPT, tokens: Tensor | Iterable[Tensor], *,
     try:
         model.eval()
         for batch in batches:
-            model(batch)
+            model(batch.to(device))
     finally:
         model.train(was_training)
         for handle in handles:

@@ -347,9 +347,9 @@ class Sift(_Accounted):
         tiny = torch.finfo(probs.dtype).tiny
         state.log_ns.append(math.log(n))
         state.log_levels.append(quantile.clamp_min(tiny).log() + math.log(probs.shape[-1]))
-        if len(state.log_ns) >= 2:
-            state.log_a, state.b = _fit_log(torch.tensor(state.log_ns),
-                                            torch.stack(state.log_levels))
+        if len(state.log_ns) >= 2:  # the step numbers on the device of the quantiles
+            log_ns = torch.tensor(state.log_ns, device=probs.device)
+            state.log_a, state.b = _fit_log(log_ns, torch.stack(state.log_levels))
         return quantile
 
     def _keep(self, layer: int, scores: Tensor) -> Tensor:

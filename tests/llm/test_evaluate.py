@@ -1,7 +1,7 @@
 """python -m llm.evaluate: perplexity teacher-forced through the decode path equals the plain
 forward's (with the model's own attention and with an exact full-attention method), greedy
 agreement, the held-out split, and the CLI on a tiny checkpoint (both rows, JSON, the Loki
-basis stored with the checkpoint, errors)."""
+basis stored with the checkpoint, errors, ``--device``; the CUDA runs: tests/llm/test_gpu.py)."""
 
 import json
 import math
@@ -132,7 +132,7 @@ def ckpt_dir(tmp_path_factory):
     return root
 
 
-FAST = ["--tokens", "96", "--prompts", "2", "--new-tokens", "6"]
+FAST = ["--tokens", "96", "--prompts", "2", "--new-tokens", "6", "--device", "cpu"]
 
 
 def test_cli_prints_both_rows_and_stores_the_loki_basis(ckpt_dir, capsys):
@@ -148,6 +148,7 @@ def test_cli_prints_both_rows_and_stores_the_loki_basis(ckpt_dir, capsys):
     assert 0 < loki["bytes_ratio"] < 1 and 0 <= loki["token_agreement"] <= 1
     assert loki["budget"] == 0.5 and loki["rank"] == 0.25
     assert result["tokens"] == 96 and result["prompt_len"] == 16 - 6
+    assert result["device"] == "cpu"
     basis = result["loki_basis"]
     assert basis["calibrated"] and basis["rank"] == 2 and basis["head_dim"] == 8
     assert basis["path"] == str(ckpt_dir / "step-00000001" / "loki_basis.safetensors")
@@ -231,3 +232,10 @@ def test_cli_errors(ckpt_dir, tmp_path, capsys, flags, message):
     assert main(["--checkpoint", str(ckpt_dir), *FAST, *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cli_device_cuda_without_a_gpu_is_refused_by_name(ckpt_dir, capsys):
+    assert main(["--checkpoint", str(ckpt_dir), *FAST, "--device", "cuda"]) == 2
+    assert "--device cuda was asked for, but torch sees no CUDA device" in \
+        capsys.readouterr().err

@@ -8,6 +8,9 @@ only differ where two logits are within rounding of each other. In bf16 (8-bit m
 such near-ties happen: small's width with 6 query / 2 key-value heads, 3 prompts, 40 tokens
 flips one token in bf16 on our CPU (fp32 is exact there), so the bf16 token checks use the tiny
 configs and the bf16 logits check bounds the difference instead.
+
+Devices: decoding allocates on the device of its input ("meta" stands in for a GPU here; the
+CUDA runs, a CPU generator with a CUDA model included, are in tests/llm/test_gpu.py).
 """
 
 import dataclasses
@@ -123,8 +126,42 @@ def test_llm_sample_prints_the_same_text_with_and_without_the_cache(tmp_path, ca
     trainer.save(str(tmp_path), keep=1, is_main=True)
     for temperature in ("0", "1.0"):
         args = ["--checkpoint", str(tmp_path), "--prompt", "The ", "--tokens", "30",
-                "--temperature", temperature, "--seed", "3"]
+                "--temperature", temperature, "--seed", "3", "--device", "cpu"]
         assert main(args) == 0
         cached = capsys.readouterr().out
         assert main([*args, "--no-cache"]) == 0  # 4 + 30 bytes: past the 16-byte window
         assert capsys.readouterr().out == cached
+
+
+# ----------------------------------------------------------------------------- devices
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+def test_decoding_allocates_on_the_models_device(use_cache):
+    """A model on "meta" (no data; an op mixing in a CPU tensor raises, as it would with CUDA
+    inputs) decodes greedily past its 16-token window: the cache, the rotary tables and the
+    masks are made on the input's device."""
+    model = GPT(GQA, device="meta").eval()
+    assert model.device == torch.device("meta")
+    idx = torch.zeros(2, 5, dtype=torch.int64, device="meta")
+    out = model.generate(idx, 14, use_cache=use_cache)  # 19 tokens: the window slides
+    assert out.device == model.device and out.shape == (2, 19)
+
+
+def test_materialize_without_init_keeps_the_tie_and_leaves_the_values():
+    tied = dataclasses.replace(tiny(), tie_embeddings=True)
+    model = GPT(tied, device="meta").materialize("cpu", init=False)
+    assert model.device == torch.device("cpu")
+    assert model.lm_head.weight is model.tok_emb.weight
+    seeded = GPT(tied, seed=0)
+    model.load_state_dict(seeded.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), seeded.parameters()))
+
+
+def test_sampling_on_the_generators_device_is_torch_multinomial():
+    """A generator on the probabilities' device draws directly: the tokens are exactly
+    ``torch.multinomial``'s, so CPU runs are bit for bit what they were."""
+    from llm.model import _sample
+
+    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_sample(probs, torch.Generator().manual_seed(4)), want)
+    assert _sample(probs, None).shape == (3, 1)

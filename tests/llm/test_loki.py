@@ -1,6 +1,7 @@
 """Loki's offline step (:mod:`llm.decode.loki`): the bases are PCA bases of the right keys (after or
 before RoPE) and round-trip through a file; where a checkpoint's basis lives, the calibration
-batch, and calibrating once then reading the stored basis."""
+batch, calibrating once then reading the stored basis, and calibration text moved to the
+model's device (the CUDA run: test_gpu.py)."""
 
 import pytest
 import torch
@@ -111,3 +112,23 @@ def test_load_or_calibrate_calibrates_once_then_reads(tmp_path):
 def test_bad_inputs_raise_with_the_value(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+class _StopError(Exception):
+    pass
+
+
+def test_calibration_tokens_go_to_the_models_device():
+    """A model on "meta" (standing in for a GPU) is given CPU calibration text: the forward
+    sees it on the model's device. The first batch is enough; the hook stops there."""
+    model = GPT(GQA, device="meta")
+    seen = []
+
+    def stop(module, args):
+        seen.append(args[0].device)
+        raise _StopError
+
+    model.register_forward_pre_hook(stop)
+    with pytest.raises(_StopError):
+        calibrate_loki(model, [tokens(2, 16), tokens(2, 16, seed=2)])
+    assert seen == [torch.device("meta")]

@@ -1,6 +1,7 @@
 """The memorization protocol with oracle models, a tiny model that memorizes 4 documents
 through the trainer and a checkpoint, and the CLI on a Hugging Face model imported with
-llm.convert (documents from flags, the model's own tokenizer)."""
+llm.convert (documents from flags, the model's own tokenizer, ``--device``; the CUDA runs:
+tests/llm/test_gpu.py)."""
 
 import json
 
@@ -124,7 +125,8 @@ def test_imported_checkpoint_needs_the_documents_and_uses_its_tokenizer(imported
     assert "has no training configs" in err and "missing --text, --docs, --seq-len" in err
     assert main([*base, "--text", *files, "--docs", "2"]) == 2
     assert "missing --seq-len" in capsys.readouterr().err
-    assert main([*base, "--text", *files, "--docs", "2", "--seq-len", "24", "--json"]) == 0
+    assert main([*base, "--text", *files, "--docs", "2", "--seq-len", "24", "--json",
+                 "--device", "cpu"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["tokenizer"] == str(hf_dir.resolve())  # the directory it was imported from
     assert (result["num_docs"], result["seq_len"], result["step"]) == (2, 24, 0)
@@ -137,3 +139,12 @@ def test_imported_checkpoint_needs_the_documents_and_uses_its_tokenizer(imported
     assert main([*base, "--text", *files, "--docs", "2", "--seq-len", "24",
                  "--tokenizer", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cli_device_cuda_without_a_gpu_is_refused_by_name(imported, capsys):
+    from llm.memorization import main
+
+    assert main(["--checkpoint", str(imported), "--device", "cuda"]) == 2
+    assert "--device cuda was asked for, but torch sees no CUDA device" in \
+        capsys.readouterr().err

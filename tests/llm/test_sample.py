@@ -1,8 +1,11 @@
 """python -m llm.sample: continues a prompt from a checkpoint, seeded, with clear errors; the
 checkpoint's tokenizer encodes the prompt and decodes the output (bytes for a model trained on
-them, the tokenizer.json of a Hugging Face model imported with llm.convert)."""
+them, the tokenizer.json of a Hugging Face model imported with llm.convert); ``--device`` reaches
+:func:`llm.checkpoint.load_model`, which builds the model on that device without a throw-away
+initialisation (the CUDA runs: tests/llm/test_gpu.py)."""
 
 import pytest
+import torch
 
 from llm import checkpoint
 from llm.data.tokenizers import load_tokenizer
@@ -25,7 +28,7 @@ def ckpt_dir(tmp_path_factory):
 
 def test_continues_the_prompt_and_is_seeded(ckpt_dir, capsys):
     args = ["--checkpoint", ckpt_dir, "--prompt", "The ", "--tokens", "6",
-            "--temperature", "1.0", "--seed", "3"]
+            "--temperature", "1.0", "--seed", "3", "--device", "cpu"]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert first.startswith("The ")
@@ -58,7 +61,7 @@ def test_tokenizer_flag(ckpt_dir, hf_dir, tmp_path, capsys):
 def test_imported_checkpoint_samples_with_its_tokenizer(imported, hf_dir, capsys):
     prompt = "The assert statement"
     assert main(["--checkpoint", str(imported), "--prompt", prompt, "--tokens", "12",
-                 "--temperature", "0"]) == 0
+                 "--temperature", "0", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     tokenizer = load_tokenizer(hf_dir)
     model, _ = checkpoint.load_model(imported)
@@ -83,7 +86,7 @@ def test_bos_goes_before_the_prompt_and_is_not_printed(imported, hf_dir, tmp_pat
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>"}))
     prompt = "The assert statement"
     assert main(["--checkpoint", str(imported), "--tokenizer", str(tok_dir), "--prompt", prompt,
-                 "--tokens", "8", "--temperature", "0", "--bos"]) == 0
+                 "--tokens", "8", "--temperature", "0", "--bos", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     tokenizer = load_tokenizer(tok_dir)
     assert tokenizer.bos_id is not None
@@ -95,3 +98,58 @@ def test_bos_goes_before_the_prompt_and_is_not_printed(imported, hf_dir, tmp_pat
     assert not torch.equal(want[1:], plain)  # the token changed what the model saw
     assert main(["--checkpoint", str(imported), "--tokenizer", "bytes", "--bos"]) == 2
     assert "--bos: the tokenizer (bytes) has no begin-of-text token" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- --device
+def test_device_flag_reaches_load_model(ckpt_dir, capsys, monkeypatch):
+    """``--device cpu`` is what load_model is given; ``auto`` is CPU when torch sees no GPU and
+    CUDA when it sees one (resolved, not loaded)."""
+    seen = []
+    real = checkpoint.load_model
+
+    def recording(path, device="cpu"):
+        seen.append(device)
+        return real(path, device)
+
+    monkeypatch.setattr(checkpoint, "load_model", recording)
+    args = ["--checkpoint", ckpt_dir, "--prompt", "The ", "--tokens", "4", "--temperature", "0"]
+    assert main([*args, "--device", "cpu"]) == 0
+    pinned = capsys.readouterr().out
+    assert seen == ["cpu"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(args) == 0 and capsys.readouterr().out == pinned
+    assert seen == ["cpu", "auto"]
+    assert checkpoint.resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert checkpoint.resolve_device("auto") == torch.device("cuda")
+    assert checkpoint.resolve_device("cuda") == torch.device("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_device_cuda_without_a_gpu_is_refused_by_name(ckpt_dir, capsys):
+    assert main(["--checkpoint", ckpt_dir, "--device", "cuda"]) == 2
+    assert "--device cuda was asked for, but torch sees no CUDA device" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        checkpoint.load_model(ckpt_dir, device="cuda")
+
+
+@pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter:UserWarning")
+def test_load_model_allocates_on_the_device_and_skips_the_random_init(ckpt_dir, monkeypatch):
+    """The parameters are allocated where asked ("meta" stands in for a GPU: no CPU copy is
+    kept) and filled from the checkpoint only: the keyed random initialisation never runs."""
+    plain, meta = checkpoint.load_model(ckpt_dir)
+    assert plain.device == torch.device("cpu") and not plain.training
+    from llm.model import GPT
+
+    def no_init(self, seed=None):
+        raise AssertionError("load_model initialised weights it then overwrote")
+
+    monkeypatch.setattr(GPT, "reset_parameters", no_init)
+    again, _ = checkpoint.load_model(ckpt_dir, device="cpu")
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), again.parameters()))
+    on_meta, meta_again = checkpoint.load_model(ckpt_dir, device=torch.device("meta"))
+    assert meta_again == meta and on_meta.device == torch.device("meta")
+    assert all(p.is_meta for p in on_meta.parameters())
+    assert [(n, p.shape) for n, p in on_meta.named_parameters()] == \
+        [(n, p.shape) for n, p in plain.named_parameters()]

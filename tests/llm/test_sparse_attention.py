@@ -1,8 +1,10 @@
 """Sparse decode-time attention (:mod:`llm.decode.sparse_attention`): each method at a whole-context
 budget equals full attention through the model's decode path, top-k equals a hand-written
 masked softmax, Loki's scores at full rank and in a pre-RoPE subspace, the byte counts equal
-the module's formulas, and SiftAttention's power law and realised budget, also after a long
-prompt (the Loki bases themselves: test_loki.py)."""
+the module's formulas, SiftAttention's power law and realised budget, also after a long
+prompt, and every method's selection on the device of its inputs (the "meta" device stands in
+for a GPU: a tensor made on the CPU among them raises; the CUDA runs: test_gpu.py; the Loki
+bases themselves: test_loki.py)."""
 
 import math
 
@@ -322,3 +324,23 @@ def test_make_method_builds_each_method():
     sift = make_method("sift", budget=0.125, warmup=32, refit_every=None)
     assert (sift.budget, sift.warmup, sift.refit_every) == (0.125, 32, None)
     assert make_method("sift", budget=0.5, refit_every=1).refit_every == 1
+
+
+@pytest.mark.parametrize("name", ["topk", "loki-post-rope", "loki-pre-rope", "sift"])
+def test_selection_runs_on_the_device_of_its_inputs(setup, name):
+    """Queries and keys on "meta" (no data: an op mixing in a CPU tensor raises, as with CUDA
+    inputs): a prefill-free sequence of decode steps, past Sift's warm-up and refits, selects
+    on meta. Sift once fitted its power law on a CPU tensor of the step numbers."""
+    model, post, pre = setup
+    c = model.config
+    method = {"topk": lambda: TopK(0.25), "loki-post-rope": lambda: Loki(post, 0.25, 0.5),
+              "loki-pre-rope": lambda: Loki(pre, 0.25, 0.5),
+              "sift": lambda: Sift(0.25, warmup=2, refit_every=3)}[name]()
+    q = torch.empty(2, c.num_heads, 1, c.head_dim, device="meta")
+    for length in range(3, 12):  # S = 3, 4, ...: one decode step of one sequence each
+        k = torch.empty(2, c.num_kv_heads, length, c.head_dim, device="meta")
+        keep = method.select(0, q, k)
+        assert keep.device.type == "meta" and keep.shape == (2, c.num_heads, length)
+    if name == "sift":
+        state = method._states[0]
+        assert state.steps == 9 and state.log_a is not None and state.log_a.is_meta

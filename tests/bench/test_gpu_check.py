@@ -1,0 +1,189 @@
+"""bench/gpu_check.py (``make gpu-check``) without a GPU: the commands it runs, the key numbers
+read from the two benches' real output (run here on the CPU with ``--device cpu``), the rows
+read from a real pytest JUnit report, the table, the no-GPU message, and that ``pytest -m gpu``
+collects the GPU tests of both packages."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.distributed import ROOT, launch_env
+
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+# the GPU tests tests/llm/test_gpu.py holds (its parametrizations counted), at least
+NUM_LLM_GPU_TESTS = 23
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load()
+
+
+def test_the_commands_are_every_gpu_test_and_both_benches_on_cuda_within_the_budget(tmp_path):
+    junit = tmp_path / "r.xml"
+    pytest_run, gcn, llm = gpu_check.checks(junit)
+    assert pytest_run.kind == "pytest" and pytest_run.args[:4] == ["-m", "pytest", "-m", "gpu"]
+    assert f"--junitxml={junit}" in pytest_run.args and pytest_run.args[-1] == "tests"
+    assert gcn.args[0] == "bench/gcn_epoch.py" and llm.args[0] == "bench/llm_throughput.py"
+    for bench in (gcn, llm):
+        assert bench.kind == "bench" and bench.key is not None
+        assert bench.args[bench.args.index("--device") + 1] == "cuda"
+        assert (ROOT / bench.args[0]).is_file()
+    # each command's limit and the grace it gets when interrupted, together within 10 minutes
+    limits = [c.timeout_s + gpu_check.GRACE_S for c in (pytest_run, gcn, llm)]
+    assert sum(limits) <= gpu_check.BUDGET_S == 600
+
+
+def _bench(args):
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=launch_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_key_numbers_are_read_from_the_benches_real_output():
+    """The GPU commands with the CPU and tiny sizes swapped in: the same printing code, and
+    ``--device`` of both benches."""
+    def on_cpu(args):
+        args = list(args)
+        args[args.index("--device") + 1] = "cpu"
+        return args
+
+    gcn = _bench(["bench/gcn_epoch.py", *on_cpu(gpu_check.GCN_ARGS), "--nodes", "2000", "--epochs",
+                  "2", "--threads", "1"])
+    assert "on cpu" in gcn
+    key = gpu_check.gcn_key(gcn)
+    assert re.fullmatch(r"ours/PyG [\d.]+, ours [\d.]+ s/epoch", key), key
+    llm = _bench(["bench/llm_throughput.py", *on_cpu(gpu_check.LLM_ARGS), "--preset", "tiny",
+                  "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1",
+                  "--threads", "1"])
+    assert "on cpu" in llm
+    assert re.fullmatch(r"ours [\d,]+ tok/s, ours/plain [\d.]+", gpu_check.llm_key(llm)), \
+        gpu_check.llm_key(llm)
+    assert gpu_check.gcn_key("crashed") == gpu_check.llm_key("") == "?"
+
+
+def test_rows_are_read_from_pytests_junit_report(tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent("""\
+        import pytest
+
+        def test_ok():
+            pass
+
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_param(x):
+            assert x == 1, "two is not one"
+
+        @pytest.mark.skip(reason="needs two GPUs")
+        def test_skipped():
+            pass
+    """))
+    junit = tmp_path / "r.xml"
+    junit.write_text("<stale/>")  # an earlier run's report is never read
+    check = gpu_check.Check("pytest", ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                       f"--junitxml={junit}", "--rootdir", str(tmp_path),
+                                       str(tmp_path)], 120, "pytest")
+    got, out = gpu_check.run_check(check, 600, tmp_path, junit)
+    assert "1 failed, 2 passed, 1 skipped" in out
+    rows = {r.name.rpartition("::")[2]: r for r in got}
+    assert [r.name for r in got] == [r.name for r in gpu_check.junit_rows(junit.read_text())]
+    assert set(rows) == {"test_ok", "test_param[1]", "test_param[2]", "test_skipped"}
+    assert rows["test_ok"].status == rows["test_param[1]"].status == "passed"
+    assert rows["test_param[2]"].status == "failed" and "two is not one" in rows[
+        "test_param[2]"].key
+    assert rows["test_skipped"].status == "skipped" and "needs two GPUs" in rows[
+        "test_skipped"].key
+    assert rows["test_ok"].name.endswith("test_sample.py::test_ok")
+    assert all(r.seconds >= 0 for r in rows.values())
+    assert gpu_check.failed(list(rows.values()))
+    assert not gpu_check.failed([rows["test_ok"], rows["test_skipped"]])  # a skip is no failure
+
+
+def test_the_table_aligns_and_sums():
+    rows = [gpu_check.Row("tests/llm/test_gpu.py::test_a", "passed", "", 1.25),
+            gpu_check.Row("bench/llm_throughput.py --device cuda", "passed",
+                   "ours 1,234 tok/s, ours/plain 0.98", 30.0),
+            gpu_check.Row("x", "timeout", "", 75.04)]
+    lines = gpu_check.format_table(rows).splitlines()
+    assert lines[0].split() == ["check", "status", "key", "seconds"]
+    assert len({len(line) for line in lines[:4]}) == 1  # header and rows equally wide
+    assert lines[2].startswith("bench/llm_throughput.py --device cuda  passed    ours 1,234")
+    assert lines[1].endswith("     1.2") and lines[3].endswith("    75.0")
+    assert lines[4] == "3 rows: 2 passed, 1 timeout; 106 s in all"
+    assert gpu_check.format_table([]).splitlines()[-1] == "0 rows: nothing run; 0 s in all"
+
+
+def test_run_check_reads_a_bench_and_keeps_its_log(tmp_path):
+    ok = gpu_check.Check("ok", ["-c", "print('throughput ratio ours / plain = 0.5')"], 60, "bench",
+                  lambda out: out.split()[-1])
+    rows, out = gpu_check.run_check(ok, 600, tmp_path, tmp_path / "r.xml")
+    assert [(r.name, r.status, r.key) for r in rows] == [("ok", "passed", "0.5")]
+    assert "ratio" in out and (tmp_path / "ok.log").read_text() == out
+    bad = gpu_check.Check("bad", ["-c", "raise SystemExit(3)"], 60, "bench", lambda out: "x")
+    assert gpu_check.run_check(bad, 600, tmp_path, tmp_path / "r.xml")[0][0].status == "failed"
+    left = gpu_check.GRACE_S + 5  # 5 s of the budget left
+    late = gpu_check.run_check(ok, left, tmp_path, tmp_path / "r.xml")[0][0]
+    assert (late.status, late.seconds) == ("not run", 0.0)
+
+
+def test_a_command_past_its_limit_is_interrupted_then_reported():
+    """SIGINT first (pytest writes its report on it), so the command can say what it did."""
+    code = ("import time\nprint('started', flush=True)\ntry:\n    time.sleep(60)\n"
+            "except KeyboardInterrupt:\n    print('interrupted')\n")
+    out, status = gpu_check._run([sys.executable, "-c", code], 2.0)
+    assert status is None and "started" in out and "interrupted" in out
+    out, status = gpu_check._run([sys.executable, "-c", "raise SystemExit(4)"], 30.0)
+    assert status == 4
+
+
+def test_without_a_gpu_it_says_so_and_exits_0(capsys, monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--log-dir", str(tmp_path / "logs")]) == 0
+    assert capsys.readouterr().out == gpu_check.NO_GPU + "\n"
+    assert not (tmp_path / "logs").exists()
+    assert gpu_check.main(["--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 3 and "-m pytest -m gpu" in listed[0]
+    assert "bench/gcn_epoch.py --device cuda" in listed[1]
+
+
+def test_make_gpu_check_runs_the_driver():
+    makefile = (ROOT / "Makefile").read_text()
+    target = re.search(r"^gpu-check:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert target and "bench/gpu_check.py" in target[1]
+    assert re.search(r"^\.PHONY:.*\bgpu-check\b", makefile, re.M)
+
+
+@pytest.mark.slow
+def test_pytest_collects_the_gpu_tests_of_both_packages():
+    """Skipped without a GPU, but collected: ``-m gpu`` selects them in llm and plexus."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", "tests"], cwd=ROOT, env=launch_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    llm = [i for i in ids if i.startswith("tests/llm/")]
+    plexus = [i for i in ids if i.startswith("tests/plexus/")]
+    assert len(llm) >= NUM_LLM_GPU_TESTS, llm
+    assert len(plexus) >= 2, plexus
+    for name in ("test_tensor_parallel_layers_on_one_gpu_over_gloo",
+                 "test_every_decoding_method_on_cuda_follows_the_cpu_run[sift]",
+                 "test_quantspec_on_cuda_accepts_a_draft_that_must_agree",
+                 "test_evaluate_cli_on_cuda_follows_the_cpu_run[loki]",
+                 "test_bf16_on_cuda_follows_the_cpu_bf16_run"):
+        assert f"tests/llm/test_gpu.py::{name}" in ids, name
+    assert {i.partition("::")[0] for i in ids} >= {"tests/llm/test_gpu.py",
+                                                   "tests/plexus/test_gpu.py"}
