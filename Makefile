@@ -2,12 +2,14 @@
 # Overrides:  make setup TORCH="torch==2.13.0"   (e.g. TORCH=torch for the default CUDA build)
 #             make setup MPI=                     (use the cluster's MPI: skip the mpich wheel)
 #             make train NP=8 TRAIN_ARGS="--grid 2x2x2 --epochs 50"
+#             make train DEVICE=auto               (one GPU per rank where there are enough)
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 MPI    ?= mpich
 NP     ?= 4
 TRAIN_ARGS ?=
+DEVICE ?= cpu
 BIN    := $(VENV)/bin
 # the mpich wheel's mpiexec when installed, else the system's (clusters)
 MPIEXEC ?= $(if $(wildcard $(BIN)/mpiexec),$(BIN)/mpiexec,mpiexec)
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(MPIEXEC) -n $(NP) $(BIN)/python -m plexus.train $(TRAIN_ARGS)
+	$(MPIEXEC) -n $(NP) $(BIN)/python -m plexus.train --device $(DEVICE) $(TRAIN_ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

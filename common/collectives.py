@@ -9,7 +9,9 @@ compute issued in between. Buffers are allocated on the input's device.
 Transport: a CPU tensor on a group with an MPI communicator (``group.mpi``, set up when the job
 was started by an MPI launcher; :mod:`common.mpi`) goes through MPI; anything else (CUDA tensors:
 NCCL; jobs without MPI: gloo) through the group's ``torch.distributed`` group. The results and
-the byte counts are the same either way.
+the byte counts are the same either way. Seconds: wall time on the CPU; for CUDA tensors the
+time between CUDA events on the current stream (NCCL's ``wait()`` does not block the CPU),
+resolved when the stats are read.
 
 Shapes (``g`` = group size, ``dim`` = the tensor dimension gathered or scattered):
     all_reduce:      x [*]                       -> [*]
@@ -38,17 +40,13 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class CommHandle:
     """Result of an async collective: call :meth:`wait` to get the tensor.
 
-    The wall time recorded in the stats runs from issue to the end of :meth:`wait`.
+    The time recorded in the stats runs from issue to the end of :meth:`wait`: wall time on
+    the CPU, GPU time on the current stream for CUDA tensors (see :func:`_run`).
     """
 
-    def __init__(
-        self,
-        work: Any,
-        finish: Callable[[], torch.Tensor],
-        record: Callable[[float], None] | None = None,
-        start: float = 0.0,
-    ) -> None:
-        self._work, self._finish, self._record, self._start = work, finish, record, start
+    def __init__(self, work: Any, finish: Callable[[], torch.Tensor],
+                 done: Callable[[], None] | None = None) -> None:
+        self._work, self._finish, self._done = work, finish, done
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
@@ -56,14 +54,39 @@ class CommHandle:
             if self._work is not None:
                 self._work.wait()
             self._result = self._finish()
-            if self._record is not None:
-                self._record(time.perf_counter() - self._start)
+            if self._done is not None:
+                self._done()
         return self._result
 
     @classmethod
     def done(cls, tensor: torch.Tensor) -> CommHandle:
         """A handle that is already complete (the size-1 fast path)."""
         return cls(None, lambda: tensor)
+
+
+def _stream_mark(t: torch.Tensor) -> Callable[[], Any] | None:
+    """How to time a collective on ``t``: None on the CPU (wall clock); for a CUDA tensor, a
+    function that records a timing CUDA event on the device's current stream and returns it.
+
+    NCCL's ``work.wait()`` only makes the current stream wait for the collective, so the wall
+    time around it is the launch time; events on the stream, resolved when the stats are read,
+    time the collective itself (waiting for peers included)."""
+    if not t.is_cuda:
+        return None
+    stream = torch.cuda.current_stream(t.device)
+
+    def mark() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    return mark
+
+
+def _elapsed_s(start: Any, end: Any) -> float:
+    """Seconds between two recorded CUDA events (waits for ``end`` to complete)."""
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _run(
@@ -74,9 +97,13 @@ def _run(
     launch: Callable[[], Any],
     result: torch.Tensor | Callable[[], torch.Tensor],
     async_op: bool,
+    mark: Callable[[], Any] | None = None,
 ) -> torch.Tensor | CommHandle:
     """Launch a collective; ``result`` is the output tensor, or a function that makes it
-    once the collective completed (a view of the buffer)."""
+    once the collective completed (a view of the buffer). ``mark``: :func:`_stream_mark` of
+    the buffer (None: timed by the wall clock)."""
+    if mark is not None and stats is not None:
+        return _run_on_stream(group, op_name, full_bytes, stats, launch, result, async_op, mark)
     start = time.perf_counter()
     work = launch()
     if not async_op:  # the hot path of small messages: no handle, no closures
@@ -86,15 +113,38 @@ def _run(
             stats.record(group.name, op_name, ring_bytes(op_name, full_bytes, group.size),
                          time.perf_counter() - start)
         return out
-    record = None
+    done = None
     if stats is not None:
         nbytes = ring_bytes(op_name, full_bytes, group.size)
 
-        def record(seconds: float) -> None:
-            stats.record(group.name, op_name, nbytes, seconds)
+        def done() -> None:
+            stats.record(group.name, op_name, nbytes, time.perf_counter() - start)
 
     finish = result if callable(result) else (lambda: result)
-    return CommHandle(work, finish, record, start)
+    return CommHandle(work, finish, done)
+
+
+def _run_on_stream(group: AxisGroup, op_name: str, full_bytes: int, stats: CommStats,
+                   launch: Callable[[], Any], result: torch.Tensor | Callable[[], torch.Tensor],
+                   async_op: bool, mark: Callable[[], Any]) -> torch.Tensor | CommHandle:
+    """:func:`_run` timed by events on the stream: one before the launch, one after
+    ``work.wait()`` (which makes the stream wait for the collective); the stats resolve the
+    seconds between them when read, so nothing here synchronizes."""
+    nbytes = ring_bytes(op_name, full_bytes, group.size)
+    begin = mark()
+    work = launch()
+
+    def done() -> None:
+        end = mark()
+        stats.record(group.name, op_name, nbytes, lambda: _elapsed_s(begin, end))
+
+    finish = result if callable(result) else (lambda: result)
+    if not async_op:
+        work.wait()
+        out = finish()
+        done()
+        return out
+    return CommHandle(work, finish, done)
 
 
 def all_reduce(
@@ -121,6 +171,7 @@ def all_reduce(
     return _run(
         group, "all_reduce", buf.nbytes, stats,
         lambda: dist.all_reduce(buf, op=op, group=group.group, async_op=True), buf, async_op,
+        _stream_mark(buf),
     )
 
 
@@ -152,7 +203,8 @@ def all_gather(
     else:
         launch = lambda: _all_gather_single(  # noqa: E731
             buf.view(-1), src.view(-1), group=group.group, async_op=True)
-    return _run(group, "all_gather", buf.nbytes, stats, launch, result, async_op)
+    return _run(group, "all_gather", buf.nbytes, stats, launch, result, async_op,
+                _stream_mark(buf))
 
 
 def reduce_scatter(
@@ -191,7 +243,8 @@ def reduce_scatter(
     else:
         launch = lambda: _reduce_scatter_single(  # noqa: E731
             out.view(-1), src.view(-1), group=group.group, async_op=True)
-    return _run(group, "reduce_scatter", src.nbytes, stats, launch, out, async_op)
+    return _run(group, "reduce_scatter", src.nbytes, stats, launch, out, async_op,
+                _stream_mark(out))
 
 
 def chunk(x: torch.Tensor, group: AxisGroup, *, dim: int = 0) -> torch.Tensor:

@@ -14,6 +14,7 @@ A group of one rank sends nothing and is not recorded.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -43,27 +44,47 @@ class CommRecord:
 
 
 class CommStats:
-    """Accumulates (axis, op) -> calls, bytes sent per rank, wall seconds.
+    """Accumulates (axis, op) -> calls, bytes sent per rank, seconds.
 
     Pass one instance down to the collectives of a step; read it at the end of the step with
-    :meth:`by_axis` or :meth:`table`, then :meth:`reset`.
+    :meth:`by_axis` or :meth:`table`, then :meth:`reset`. Seconds are wall time, or for
+    collectives on a GPU the time between CUDA events on its stream: those are recorded as a
+    function and resolved (waiting for the events) the first time the stats are read.
     """
 
     def __init__(self) -> None:
-        self.records: dict[tuple[str, str], CommRecord] = defaultdict(CommRecord)
+        self._records: dict[tuple[str, str], CommRecord] = defaultdict(CommRecord)
+        self._pending: list[tuple[CommRecord, Callable[[], float]]] = []
 
-    def record(self, axis: str, op: str, nbytes: int, seconds: float) -> None:
-        rec = self.records[(axis, op)]
+    @property
+    def records(self) -> dict[tuple[str, str], CommRecord]:
+        """(axis, op) -> totals, with every pending time resolved."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for rec, seconds in pending:
+                rec.seconds += float(seconds())
+        return self._records
+
+    def record(self, axis: str, op: str, nbytes: int,
+               seconds: float | Callable[[], float]) -> None:
+        """Count one call of ``op`` along ``axis``: ``nbytes`` sent, ``seconds`` taken (or a
+        function that returns them once the collective is done, called when read)."""
+        rec = self._records[(axis, op)]
         rec.calls += 1
         rec.bytes += int(nbytes)
-        rec.seconds += float(seconds)
+        if callable(seconds):
+            self._pending.append((rec, seconds))
+        else:
+            rec.seconds += float(seconds)
 
     def reset(self) -> None:
-        self.records.clear()
+        """Forget everything (pending times unread: nothing waits)."""
+        self._records.clear()
+        self._pending.clear()
 
     @property
     def total_bytes(self) -> int:
-        return sum(r.bytes for r in self.records.values())
+        return sum(r.bytes for r in self._records.values())  # known at once: nothing waits
 
     @property
     def total_seconds(self) -> float:

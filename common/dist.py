@@ -46,16 +46,19 @@ from common.grid import AxisGroup, ProcessGrid
 from common.mpi import MPITransport, cores_available, mpi_world_size
 from common.watchdog import DEFAULT_HEARTBEAT_TIMEOUT_S, Watchdog
 
-__all__ = ["COMMS", "DEFAULT_TIMEOUT_S", "ENV_HEARTBEAT_TIMEOUT", "ENV_MPI_POLITE", "ENV_TIMEOUT",
-           "DistContext", "default_backend", "detect_launcher", "first_slurm_host",
-           "init_distributed", "resolve_timeouts", "shutdown", "split_threads"]
+__all__ = ["COMMS", "DEFAULT_TIMEOUT_S", "DEVICES", "ENV_DEVICE", "ENV_HEARTBEAT_TIMEOUT",
+           "ENV_MPI_POLITE", "ENV_TIMEOUT", "DistContext", "choose_device", "default_backend",
+           "detect_launcher", "first_slurm_host", "gpus_bound_to_rank", "init_distributed",
+           "resolve_timeouts", "shutdown", "split_threads"]
 
 # Defaults of the two timeouts when neither the argument nor the environment sets them. The
 # environment variables are read by init_distributed when it runs, never at import.
 ENV_TIMEOUT, DEFAULT_TIMEOUT_S = "HPC_DIST_TIMEOUT", 300.0
 ENV_HEARTBEAT_TIMEOUT = "HPC_HEARTBEAT_TIMEOUT"  # default: watchdog.DEFAULT_HEARTBEAT_TIMEOUT_S
 ENV_MPI_POLITE = "HPC_MPI_POLITE"  # none / async / all: mpi_polite when the caller gives None
+ENV_DEVICE = "HPC_DEVICE"  # the default of the CLIs' --device (common.run.add_launch_args)
 COMMS = ("auto", "mpi", "torch")
+DEVICES = ("auto", "cpu", "cuda")
 _MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
@@ -72,6 +75,8 @@ class DistContext:
         rank, world_size: this process's global rank and the number of ranks.
         local_rank, local_world_size: the same among the ranks of this node.
         device: the torch device this rank computes on.
+        device_reason: why (:func:`choose_device`): ``"--device cpu"``, ``"local rank 2 of 4
+            on GPU 2 of 4"``, or the reason ``auto`` fell back to the CPU.
         backend: the ``torch.distributed`` backend: ``"gloo"``, or ``"cpu:gloo,cuda:nccl"``
             on GPUs.
         launcher: ``"torchrun"``, ``"srun"``, ``"mpiexec"`` or ``"single"``.
@@ -89,6 +94,7 @@ class DistContext:
     backend: str
     launcher: str
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    device_reason: str = field(default="", compare=False)
     watchdog: Watchdog | None = field(default=None, compare=False, repr=False)
     transport: MPITransport | None = field(default=None, compare=False, repr=False)
 
@@ -203,6 +209,76 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def choose_device(request: str, *, local_rank: int, local_world_size: int, num_gpus: int,
+                  bound: bool = False) -> tuple[torch.device, str]:
+    """This rank's device and why: a GPU of its own, or the CPU; never two ranks on one GPU.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected" at the first collective), so
+    ranks use GPUs only when their node has one per rank. Pure: the caller reads the launcher
+    and torch (:func:`init_distributed`).
+
+    Args:
+        request: ``--device``: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        local_rank, local_world_size: this rank among the ranks of its node.
+        num_gpus: the CUDA devices this rank sees (0 without CUDA).
+        bound: the launcher gave this rank GPUs of its own (:func:`gpus_bound_to_rank`): the
+            ``num_gpus`` it sees are no other rank's, and it takes the first.
+
+    Returns:
+        (device, reason). ``"auto"``: ``cuda:<local_rank>`` when the node has a GPU per rank
+        (``local_world_size <= num_gpus``), else the CPU and the arithmetic that sent it there
+        (``"4 local ranks but 1 GPU: running on CPU ..."``).
+
+    Raises:
+        ValueError: an unknown request; ``"cuda"`` without a GPU, or with fewer GPUs than ranks
+            on the node (``"4 ranks on this node but torch sees 1 GPU (4 > 1) ..."``).
+    """
+    if request not in DEVICES:
+        raise ValueError(f"unknown device {request!r}; use auto, cpu or cuda")
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local rank {local_rank} is not among the {local_world_size} ranks of "
+                         "this node: the launcher's LOCAL_RANK and LOCAL_WORLD_SIZE disagree")
+    assert num_gpus >= 0, num_gpus
+    cpu = torch.device("cpu")
+    if request == "cpu":
+        return cpu, "--device cpu"
+    if num_gpus == 0:
+        if request == "cuda":
+            raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+        return cpu, "torch sees no CUDA device"
+    if bound:
+        return torch.device("cuda", 0), f"GPU 0 of the {_count(num_gpus, 'GPU')} bound to the rank"
+    if local_world_size <= num_gpus:
+        return (torch.device("cuda", local_rank),
+                f"local rank {local_rank} of {local_world_size} on GPU {local_rank} of {num_gpus}")
+    gpus, at_most = _count(num_gpus, "GPU"), _count(num_gpus, "rank")
+    if request == "cuda":
+        raise ValueError(
+            f"--device cuda: {local_world_size} ranks on this node but torch sees {gpus} "
+            f"({local_world_size} > {num_gpus}; NCCL needs one GPU per rank): launch at most "
+            f"{at_most} per node, or use --device cpu")
+    return cpu, (f"{local_world_size} local ranks but {gpus}: running on CPU (NCCL needs one "
+                 f"GPU per rank); launch at most {at_most} per node to use "
+                 f"{'it' if num_gpus == 1 else 'them'}, or pass --device cpu")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def gpus_bound_to_rank(num_gpus: int, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher bound the GPUs this rank sees to it alone.
+
+    Slurm's ``srun --gpus-per-task N`` (``SLURM_GPUS_PER_TASK``, ``N`` or ``type:N``) binds N
+    GPUs to each task, which then sees only its own: all its ranks see ``cuda:0``, each a
+    different GPU. A rank that sees more than its N (``--gpu-bind=none``) sees the node's, and
+    its local rank picks one.
+    """
+    env = os.environ if env is None else env
+    count = env.get("SLURM_GPUS_PER_TASK", "").rpartition(":")[2]
+    return "SLURM_STEP_ID" in env and count.isdigit() and num_gpus == int(count) > 0
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -270,7 +346,9 @@ def init_distributed(
     interpreter exits, so a script needs no explicit shutdown under any launcher.
 
     Args:
-        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``.
+        device: ``"auto"``: a GPU per rank of the node when there are enough, else the CPU
+            (saying why on the node's first rank); ``"cuda"``: a GPU per rank or an error;
+            ``"cpu"``. See :func:`choose_device`.
         backend: default ``"nccl"`` on CUDA, ``"gloo"`` on CPU.
         launcher: force a launcher instead of detecting it.
         timeout_s: collective timeout: a lost or stuck peer raises after this long. None:
@@ -294,7 +372,8 @@ def init_distributed(
 
     Raises:
         ValueError: an unknown device, launcher, comm, or a bad timeout; ``comm="mpi"`` in
-            a job MPI did not start.
+            a job MPI did not start; ``device="cuda"`` with fewer GPUs than ranks on the node
+            (before any process group starts).
     """
     timeout_s, heartbeat_timeout_s = resolve_timeouts(timeout_s, heartbeat_timeout_s)
     if mpi_polite is None and os.environ.get(ENV_MPI_POLITE):
@@ -302,21 +381,23 @@ def init_distributed(
         if mpi_polite not in ("none", "async", "all"):
             raise ValueError(f"{ENV_MPI_POLITE}={mpi_polite!r}: use none, async or all")
     launcher = launcher or detect_launcher()
-    if device not in ("auto", "cpu", "cuda"):
+    if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
+    num_gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    if device == "cuda" and num_gpus == 0:
         raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
     if comm not in COMMS:
         raise ValueError(f"unknown comm {comm!r}; use one of {', '.join(COMMS)}")
     rank, world, local_rank, local_world, addr, port = _rendezvous(launcher)
-    use_mpi = _use_mpi(comm, launcher, world)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+    # before any process group: a node with too few GPUs is refused (cuda) or runs on the
+    # CPU (auto) here, not with "Duplicate GPU detected" at NCCL's first collective
+    dev, reason = choose_device(device, local_rank=local_rank, local_world_size=local_world,
+                                num_gpus=num_gpus, bound=gpus_bound_to_rank(num_gpus))
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
+    elif device == "auto" and num_gpus and local_rank == 0:  # once per node
+        print(f"[rank {rank}] note: {reason}", file=sys.stderr, flush=True)
+    use_mpi = _use_mpi(comm, launcher, world)
     backend = backend or default_backend(dev.type)
     if set_threads:
         split_threads(local_world)
@@ -341,7 +422,8 @@ def init_distributed(
     transport = (MPITransport(two_level=two_level, ranks_per_node=ranks_per_node,
                               polite=mpi_polite) if use_mpi else None)
     ctx = DistContext(rank, world, local_rank, local_world, dev, backend, launcher,
-                      heartbeat_timeout_s=heartbeat_timeout_s, watchdog=dog, transport=transport)
+                      heartbeat_timeout_s=heartbeat_timeout_s, device_reason=reason,
+                      watchdog=dog, transport=transport)
     atexit.register(ctx._at_exit)
     return ctx
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
-from common.dist import COMMS, DistContext, init_distributed
-from common.failure import exit_on_comm_failure, fail_all_ranks, is_comm_failure
+from common.dist import COMMS, DEVICES, ENV_DEVICE, DistContext, init_distributed
+from common.failure import classify_failure, exit_on_failure, fail_all_ranks
 
 T = TypeVar("T")
 
@@ -63,10 +63,13 @@ class CheckpointConfig:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    """``--device {auto,cpu,cuda}``, ``--comm {auto,mpi,torch}``, ``--two-level``,
-    ``--dist-timeout S``, ``--heartbeat-timeout S``."""
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: CUDA when torch sees a GPU, else CPU (default: auto)")
+    """``--device {auto,cpu,cuda}`` (default ``$HPC_DEVICE``, else auto), ``--comm
+    {auto,mpi,torch}``, ``--two-level``, ``--dist-timeout S``, ``--heartbeat-timeout S``."""
+    default_device = os.environ.get(ENV_DEVICE) or "auto"  # read now, when the CLI builds
+    parser.add_argument("--device", choices=DEVICES, default=default_device,
+                        help="auto: a GPU per rank when the node has one for each local rank, "
+                        "else CPU (saying why); cuda: a GPU per rank or an error (default: "
+                        f"${ENV_DEVICE}, else auto)")
     parser.add_argument("--comm", choices=COMMS, default="auto",
                         help="transport of CPU tensors: mpi (mpi4py; the default when mpiexec "
                         "started the job) or torch (gloo; the default under torchrun/srun). "
@@ -85,8 +88,11 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
 def start(args: argparse.Namespace) -> DistContext:
     """:func:`~common.dist.init_distributed` from the :func:`add_launch_args` flags.
 
-    A bad flag (ValueError) is reported on every rank, which exit with status 2.
+    A bad flag (ValueError) is reported on every rank, which exit with status 2: among them
+    ``--device cuda`` on a node with fewer GPUs than ranks, before any process group starts.
     """
+    if args.device not in DEVICES:  # argparse checks the flag, not its default from the env
+        fail_all_ranks(f"{ENV_DEVICE}={args.device!r}: use auto, cpu or cuda", None)
     for flag, seconds in (("--dist-timeout", args.dist_timeout),
                           ("--heartbeat-timeout", args.heartbeat_timeout)):
         if seconds is not None and not seconds > 0:
@@ -234,11 +240,13 @@ def run_or_exit(ctx: DistContext | None, fn: Callable[[], T], *,
                 user_errors: tuple[type[BaseException], ...]) -> T:
     """Call ``fn()`` and return its result; turn the errors every rank sees into exits.
 
-    * a lost peer (:func:`~common.dist.is_comm_failure`): the watchdog names it and this rank
-      exits 1 (:func:`~common.dist.exit_on_comm_failure`);
+    * a lost peer: the watchdog names it and this rank exits 1; a CUDA, NCCL or memory error
+      (out of memory, "Duplicate GPU detected", "invalid usage", ...): reported at once with
+      its cause on this rank and every other, which exit 1
+      (:func:`~common.failure.classify_failure`, :func:`~common.failure.exit_on_failure`);
     * a user error (an instance of ``user_errors``: ValueError, CheckpointError,
       FloatingPointError, ...): every rank prints it and exits 2
-      (:func:`~common.dist.fail_all_ranks`);
+      (:func:`~common.failure.fail_all_ranks`);
     * anything else propagates (a bug: its traceback is wanted).
 
     A ``SystemExit`` raised inside ``fn`` (e.g. by a nested :func:`run_or_exit`) propagates.
@@ -246,12 +254,12 @@ def run_or_exit(ctx: DistContext | None, fn: Callable[[], T], *,
     try:
         return fn()
     except Exception as e:
-        if is_comm_failure(e):
-            exit_on_comm_failure(e, ctx)
+        failure = classify_failure(e)
+        if failure is not None:
+            exit_on_failure(e, failure, ctx)
         if isinstance(e, user_errors):
             fail_all_ranks(str(e), ctx)
         raise
-
 
 
 def steady_mean(rows: Sequence[Mapping[str, Any]], key: str) -> float:

@@ -39,25 +39,51 @@ class Watchdog:
         self.thread = threading.Thread(target=self._run, name="hpc-watchdog", daemon=True)
         self.thread.start()
 
-    def _die(self, message: str, lost: int | None = None) -> None:
-        if self.stopped.wait(2 * self.interval_s):  # a clean shutdown raced us: stay quiet
+    def _die(self, message: str, lost: int | None = None, *, grace: bool = True) -> None:
+        # grace: a clean shutdown may race a rank declared lost; stay quiet if it wins. A rank
+        # that failed and said why (abort) needs none.
+        if self.stopped.wait(2 * self.interval_s if grace else 0):
             return
         self._wait_for_peers(lost, "told")
         print(f"[rank {self.rank}] error: {message}; exiting", file=sys.stderr, flush=True)
         self._wait_for_peers(lost, "said")
         os._exit(1)
 
-    def _wait_for_peers(self, lost: int | None, stage: str) -> None:
-        """Wait (at most ``2 * interval_s``) until every other surviving rank has reached
-        ``stage`` too: ``"told"`` (about to report the abort, so that all report at once) and
-        ``"said"`` (reported it, so that none exits before the others have spoken). Launchers
-        end the whole job as soon as one rank exits (torchrun, mpiexec's Hydra with
-        ``-disable-auto-cleanup``) or, for Hydra, writes output after a rank died; a rank that
-        had not reported by then would die without a word."""
+    def abort(self, message: str) -> None:
+        """This rank failed (an out-of-memory, a CUDA or NCCL error): tell every other rank to
+        exit 1 with ``message`` now, and wait until they have said it (at most
+        ``4 * interval_s + 1`` s), so that no launcher ends a rank before it has spoken.
+
+        Each other rank's heartbeat thread sees the message within ``interval_s`` and prints
+        ``[rank R] error: <message>; exiting``, without the heartbeat timeout. This rank's
+        heartbeat stops; the first rank to abort names the cause, and only it waits.
+        """
+        self.stopped.set()
+        try:
+            first = not self.store.check(["hpc/abort"])
+            if first:
+                self.store.set("hpc/lost", str(self.rank))  # before the abort its readers need
+                self.store.set("hpc/failed", str(self.rank))
+                self.store.set("hpc/abort", message)
+            for stage in ("told", "said"):  # this rank has spoken: no peer waits for it
+                self.store.set(f"hpc/{stage}/{self.rank}", "1")
+        except Exception:  # the store's host is gone: the peers find out by themselves
+            return
+        if first:  # a later one (all ranks fail alike: a duplicate GPU) leaves it to the first
+            self._wait_for_peers(self.rank, "said", seconds=4 * self.interval_s + 1)
+
+    def _wait_for_peers(self, lost: int | None, stage: str, seconds: float | None = None
+                        ) -> None:
+        """Wait (at most ``seconds``, default ``2 * interval_s``) until every other surviving
+        rank has reached ``stage`` too: ``"told"`` (about to report the abort, so that all
+        report at once) and ``"said"`` (reported it, so that none exits before the others have
+        spoken). Launchers end the whole job as soon as one rank exits (torchrun, mpiexec's
+        Hydra with ``-disable-auto-cleanup``) or, for Hydra, writes output after a rank died; a
+        rank that had not reported by then would die without a word."""
         if lost is None:  # the store is gone: nothing to coordinate through
             return
         others = [f"hpc/{stage}/{r}" for r in range(self.world) if r not in (self.rank, lost)]
-        deadline = time.monotonic() + 2 * self.interval_s
+        deadline = time.monotonic() + (2 * self.interval_s if seconds is None else seconds)
         try:
             self.store.set(f"hpc/{stage}/{self.rank}", "1")
             while others and time.monotonic() < deadline:
@@ -76,7 +102,8 @@ class Watchdog:
                 if self.store.check(["hpc/abort"]):
                     lost = (int(self.store.get("hpc/lost").decode())
                             if self.store.check(["hpc/lost"]) else None)
-                    return self._die(self.store.get("hpc/abort").decode(), lost)
+                    return self._die(self.store.get("hpc/abort").decode(), lost,
+                                     grace=not self.store.check(["hpc/failed"]))
                 key = f"hpc/hb/{succ}"
                 value = self.store.get(key) if self.store.check([key]) else None
                 done = self.store.check([f"hpc/done/{succ}"])

@@ -10,6 +10,15 @@ import pytest
 from tests.distributed import require_mpiexec
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu_test(request, monkeypatch) -> None:
+    """Tests mean the CPU unless marked ``gpu``: ``--device`` defaults to ``$HPC_DEVICE``
+    (common.run), so on a GPU host an in-process ``train_main([...])`` would otherwise pick
+    ``auto`` and a GPU."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("HPC_DEVICE", "cpu")
+
+
 @pytest.fixture
 def mpiexec() -> str:
     """Path of ``mpiexec`` (beside sys.executable first, then PATH); skips without one."""

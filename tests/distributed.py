@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from common.dist import ENV_MPI_POLITE
+from common.dist import ENV_DEVICE, ENV_MPI_POLITE
 from common.mpi import cores_available
 from common.spawn import find_mpiexec
 
@@ -55,9 +55,11 @@ def require_mpiexec() -> str:
 
 def launch_env(env: Mapping[str, str] | None = None, *, pythonpath: str | None = str(ROOT)
                ) -> dict[str, str]:
-    """The environment of a launched test process: one OpenMP thread per rank, the repository
-    on ``PYTHONPATH`` (None: no ``PYTHONPATH`` at all), then ``env``."""
-    out = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """The environment of a launched test process: one OpenMP thread per rank, the CPU as the
+    CLIs' default device (``HPC_DEVICE=cpu``: on a host with a GPU a test that means the CPU
+    must not pick CUDA; GPU tests pass ``--device cuda``, which wins), the repository on
+    ``PYTHONPATH`` (None: no ``PYTHONPATH`` at all), then ``env``."""
+    out = {**os.environ, "OMP_NUM_THREADS": "1", ENV_DEVICE: "cpu"}
     out.pop("PYTHONPATH", None)
     if pythonpath is not None:
         out["PYTHONPATH"] = pythonpath
@@ -218,7 +220,7 @@ def kill_one_rank_and_collect(args: list[str], world: int, victim: int, ready: s
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "OMP_NUM_THREADS": "1", "HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s),
-               "PYTHONPATH": str(ROOT)}
+               ENV_DEVICE: "cpu", "PYTHONPATH": str(ROOT)}
         procs.append(subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = {}

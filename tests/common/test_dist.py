@@ -208,4 +208,5 @@ def test_watchdog_survivors_report_together_within_a_bound(stage):
 def test_dist_context_fields():
     names = list(DistContext.__dataclass_fields__)
     assert names == ["rank", "world_size", "local_rank", "local_world_size", "device",
-                     "backend", "launcher", "heartbeat_timeout_s", "watchdog", "transport"]
+                     "backend", "launcher", "heartbeat_timeout_s", "device_reason", "watchdog",
+                     "transport"]
