@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
-from common.dist import COMMS, DEVICES, ENV_DEVICE, DistContext, init_distributed
+from common.device import DEVICES
+from common.dist import COMMS, ENV_DEVICE, DistContext, init_distributed
 from common.failure import classify_failure, exit_on_failure, fail_all_ranks
 
 T = TypeVar("T")

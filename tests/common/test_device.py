@@ -1,4 +1,4 @@
-"""common.dist.choose_device: a GPU of its own for every rank or the CPU, never two ranks on one
+"""common.device.choose_device: a GPU of its own for every rank or the CPU, never two ranks on one
 GPU (NCCL's "Duplicate GPU detected"); checked exhaustively on the pure function, then on the
 start-up path with torch's device count faked to one GPU for four local ranks (in process, and
 four real ranks under torchrun): ``--device auto`` runs on the CPU and says why, ``--device
@@ -12,7 +12,8 @@ import re
 import pytest
 import torch
 
-from common.dist import DEVICES, ENV_DEVICE, choose_device, gpus_bound_to_rank
+from common.device import DEVICES, choose_device, gpus_bound_to_rank
+from common.dist import ENV_DEVICE
 from common.run import add_launch_args, start
 from tests.distributed import launch, launch_env
 
