@@ -29,7 +29,8 @@ def parser(unit: str = "steps") -> argparse.ArgumentParser:
     return p
 
 
-def test_flags_parse_to_the_config(tmp_path):
+def test_flags_parse_to_the_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("HPC_DEVICE")  # the suite pins the CPU (tests/conftest.py)
     args = parser().parse_args([
         "--device", "cpu", "--dist-timeout", "12", "--heartbeat-timeout", "4",
         "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5", "--keep-checkpoints", "2",
