@@ -7,13 +7,16 @@
                                        # 1 rank prepares, 1 rank reuses, 8 ranks (2x2x2)
     python bench/memory.py llm         # gpt1b: build on 8 ranks, save, load on 4, generate
     python bench/memory.py plexus --scale 16 --edge-factor 16 --features 32   # a quick run
+    python bench/memory.py plexus --device cuda --ranks 1   # GPU peaks beside the RSS ones
 
 Every step runs in fresh ranks under ``mpiexec`` (``python bench/memory.py --worker ...``).
 Each rank resets its peak (``common.memory.reset_peak``: Linux's ``clear_refs``) before a step
 and reads it after (``VmHWM``), and rank 0 prints the maximum over ranks, so a step's figure is
 that step's own peak, including everything the process already held. Resident memory counts
-the pages of memory-mapped block files a rank has touched. Results are appended to
-bench/results/memory.jsonl.
+the pages of memory-mapped block files a rank has touched. With ``--device cuda`` (plexus and
+ogb; one GPU per rank) each step also reports the CUDA caching allocator's peaks, allocated and
+reserved (``common.memory.gpu_peaks``), reset with the resident one; the llm case runs on the
+CPU. Results are appended to bench/results/memory.jsonl.
 
 Checks (issue "Memory per rank at scale"):
   plexus: features and optimizer state per rank fall as 1/G (within 10%); neither the save
@@ -47,16 +50,20 @@ PLEXUS_GRIDS = {1: ("1x1x1", "1x1x1"), 2: ("2x1x1", "1x2x1"), 4: ("2x2x1", "1x2x
 # ----------------------------------------------------------------------------- workers
 
 
-def _phase_peaks():
-    """A recorder of per-step peaks: ``mark(name)`` closes the step since the last mark."""
-    from common.memory import peak_bytes, reset_peak
+def _phase_peaks(device="cpu"):
+    """A recorder of per-step peaks: ``mark(name)`` closes the step since the last mark and
+    records ``peak_NAME`` (resident) and, on a CUDA device, ``gpu_peak_allocated_NAME`` and
+    ``gpu_peak_reserved_NAME``."""
+    from common.memory import peaks as read_peaks
+    from common.memory import reset_peaks
 
     peaks: dict[str, int] = {}
 
     def mark(name: str | None) -> None:
         if name is not None:
-            peaks[name] = peak_bytes()
-        reset_peak()
+            for key, value in read_peaks(device).items():
+                peaks[key.replace("_bytes", "") + f"_{name}"] = value
+        reset_peaks(device)
 
     mark(None)
     return peaks, mark
@@ -85,8 +92,8 @@ def worker_plexus(args) -> None:
     from plexus.data import PreparedGraph
     from plexus.trainer import train_gcn
 
-    ctx = init_distributed(device="cpu")
-    peaks, mark = _phase_peaks()
+    ctx = init_distributed(device=args.device)
+    peaks, mark = _phase_peaks(ctx.device)
     source = PreparedGraph(args.data)
     state = {}
     resume = args.phase == "resume"
@@ -103,12 +110,11 @@ def worker_plexus(args) -> None:
                                       num_layers=3, learn_features=True, dropout=0.0),
                        checkpoint=CheckpointConfig(dir=args.checkpoint, resume=resume),
                        on_setup=on_setup, on_epoch=lambda row: mark("epoch"),
-                       transport=ctx.transport)
+                       device=ctx.device, transport=ctx.transport)
     if not resume:
         mark("save")
     assert result.history, "no epoch ran"
-    _report(ctx, {**{f"peak_{k}": v for k, v in peaks.items()}, **state,
-                  "loss": result.history[-1]["loss"]})
+    _report(ctx, {**peaks, **state, "loss": result.history[-1]["loss"]})
     del torch
 
 
@@ -142,7 +148,7 @@ def worker_llm(args) -> None:
         out = model.generate_greedy(torch.tensor([[1, 2, 3, 4]]), args.tokens)
         mark("generate")
         values["tokens"] = float(out[0, -1])
-    _report(ctx, {**{f"peak_{k}": v for k, v in peaks.items()}, **values})
+    _report(ctx, {**peaks, **values})
 
 
 # ----------------------------------------------------------------------------- driver
@@ -184,7 +190,7 @@ def plexus_case(args) -> bool:
         ck = data.parent / f"ck-{g}"
         shutil.rmtree(ck, ignore_errors=True)
         common = ["plexus", "--data", str(data), "--hidden", str(args.hidden),
-                  "--checkpoint", str(ck)]
+                  "--checkpoint", str(ck), "--device", args.device]
         a = _launch(g, [*common, "--phase", "train", "--grid", train_grid])
         b = _launch(g, [*common, "--phase", "resume", "--grid", resume_grid])
         shape = dict(zip("xyz", (int(v) for v in train_grid.split("x"))))
@@ -216,8 +222,22 @@ def plexus_case(args) -> bool:
           "(set-up + checkpoint load, one epoch)")
     print("checks: feat+Adam x G=1 within 10% of 1/G; save and load peaks <= 1.10 x the "
           f"epoch's on the same grid: {'met' if ok else 'NOT met'}")
+    if "gpu_peak_allocated_epoch" in base:
+        print(f"\nGPU peaks, MiB per rank (max), allocated/reserved\n{'G':>2} {'setup':>11} "
+              f"{'epoch':>11} {'save':>11} | {'load':>11} {'epoch':>11}")
+        for r in rows:
+            cells = [_gpu_cell(r, step) for step in ("setup", "epoch", "save")]
+            cells += [_gpu_cell(r, step, "resume_") for step in ("setup_and_load", "epoch")]
+            print(f"{r['ranks']:>2} {cells[0]:>11} {cells[1]:>11} {cells[2]:>11} | "
+                  f"{cells[3]:>11} {cells[4]:>11}")
     _record("plexus", rows, ok)
     return ok
+
+
+def _gpu_cell(row: dict[str, Any], step: str, prefix: str = "") -> str:
+    """``allocated/reserved`` MiB of a step's GPU peaks in a result row."""
+    return (f"{row[f'{prefix}gpu_peak_allocated_{step}'] / MIB:.0f}/"
+            f"{row[f'{prefix}gpu_peak_reserved_{step}'] / MIB:.0f}")
 
 
 def _train_cli(ranks: int, cli: list[str], metrics: Path) -> tuple[dict[str, Any], float]:
@@ -253,12 +273,13 @@ def ogb_case(args) -> bool:
         write_papers100m_like(root, num_nodes=args.ogb_nodes, num_features=args.ogb_features,
                               avg_degree=2 * args.ogb_edges / args.ogb_nodes, num_classes=16)
     shutil.rmtree(root / "prepared", ignore_errors=True)  # the first run must prepare
+    from common.memory import GPU_PEAK_KEYS
     from plexus.data.sources import ogb_sizes
 
     nodes, edges, feats = ogb_sizes(raw.parent)
     data_bytes = nodes * feats * 4 + edges * 16
     cli = ["--dataset", "ogbn-papers100M", "--root", str(root), "--epochs", "1", "--hidden",
-           "64", "--layers", "3"]
+           "64", "--layers", "3", "--device", args.device]
     rows = []
     for label, ranks, extra in (("1 rank, prepares", 1, []), ("1 rank, reuses", 1, []),
                                 ("8 ranks 2x2x2", 8, ["--grid", "2x2x2"])):
@@ -269,7 +290,8 @@ def ogb_case(args) -> bool:
                      "peak_bytes": mem["peak_bytes"] if ranks > 1 else child_peak,
                      "features_weights_bytes": mem["features_weights_bytes"],
                      "adjacency_bytes": mem["adjacency_bytes"],
-                     "storage": mem.get("adjacency_storage")})
+                     "storage": mem.get("adjacency_storage"),
+                     **{k: mem[k] for k in GPU_PEAK_KEYS if k in mem}})
     one = max(rows[0]["peak_bytes"], rows[1]["peak_bytes"])
     eight = rows[2]
     ok = one <= 2.5 * data_bytes and eight["peak_bytes"] <= 0.5 * one
@@ -277,12 +299,15 @@ def ogb_case(args) -> bool:
     ok &= split <= 1.1 / 8
     print(f"\nogbn-papers100M format: {nodes:,} nodes, {edges:,} edges, {feats} features: "
           f"{data_bytes / MIB:,.0f} MiB of data")
+    gpu = all(k in r for r in rows for k in GPU_PEAK_KEYS)
     print(f"{'run':>18} {'peak MiB':>9} {'x data':>7} {'feat+W MiB':>11} {'adj MiB':>8} "
-          f"{'storage':>14} {'wall s':>7}")
+          f"{'storage':>14} {'wall s':>7}" + (f" {'GPU alloc/resv MiB':>19}" if gpu else ""))
     for r in rows:
+        cell = (f" {r['gpu_peak_allocated_bytes'] / MIB:>9.0f}/"
+                f"{r['gpu_peak_reserved_bytes'] / MIB:<9.0f}" if gpu else "")
         print(f"{r['run']:>18} {r['peak_bytes'] / MIB:>9.0f} {r['peak_bytes'] / data_bytes:>7.2f} "
               f"{r['features_weights_bytes'] / MIB:>11.1f} {r['adjacency_bytes'] / MIB:>8.1f} "
-              f"{r['storage']!s:>14} {r['wall_s']:>7.1f}")
+              f"{r['storage']!s:>14} {r['wall_s']:>7.1f}{cell}")
     print(f"checks: 1-rank peak <= 2.5 x data ({one / data_bytes:.2f}); 8-rank peak <= 0.5 x "
           f"1-rank ({eight['peak_bytes'] / one:.2f}); features and weights per rank at 8 ranks "
           f"x{split:.3f} of 1 rank (1/8 = 0.125): {'met' if ok else 'NOT met'}")
@@ -330,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         w.add_argument("--hidden", type=int, default=64)
         w.add_argument("--preset", default="gpt1b")
         w.add_argument("--tokens", type=int, default=4)
+        w.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
         wa = w.parse_args(argv[1:])
         (worker_plexus if wa.kind == "plexus" else worker_llm)(wa)
         return 0
@@ -347,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ogb-nodes", type=int, default=1_000_000, help="ogb: nodes")
     p.add_argument("--ogb-edges", type=int, default=8_000_000, help="ogb: directed edges")
     p.add_argument("--ogb-features", type=int, default=128, help="ogb: feature width")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="plexus and ogb: train on this device (cuda: one GPU per rank; the "
+                   "GPU peaks are reported beside the resident ones)")
     p.add_argument("--preset", default="gpt1b", help="llm: model preset")
     p.add_argument("--tokens", type=int, default=4, help="llm: tokens to generate")
     p.add_argument("--checkpoint-dir", default="data/memory/llm-ck", help="llm: checkpoint")

@@ -6,7 +6,8 @@
 Layout of the package:
     data/       everything up to a rank's shard (graphs, datasets, preparation, sources)
     layout.py   which grid axis plays which role in each layer; padding (pure)
-    sparse.py   BlockSparse adjacency blocks and the CPU SpMM kernel (kernels.py)
+    sparse.py   BlockSparse adjacency blocks and the CPU SpMM kernels (kernels.py)
+    spmm.py     cache blocking for the CPU SpMM: slice widths, per-block plans
     model.py    the 3D-parallel GCN (maths and its collectives)
     loss.py     cross-entropy and accuracy with the class axis sharded
     config.py   ModelConfig, OptimConfig, RunConfig; gcn_workload (the planner's view)

@@ -117,7 +117,9 @@ class RunConfig:
     Attributes:
         epochs: full-graph epochs (>= 0).
         seed: weight seed (same seed, same numbers on any grid).
-        spmm: CPU SpMM kernel: ``auto`` (numba if installed), ``numba`` or ``torch``.
+        spmm: CPU SpMM kernel: ``auto`` (numba if installed), ``numba`` (both the
+            cache-blocked kernel, plexus.spmm), ``numba-rows`` (the row kernel) or
+            ``torch``.
         retain_freed_memory: keep large freed buffers in the heap on CPU (common.alloc), so
             every epoch reuses its activation pages.
     """

@@ -1,8 +1,16 @@
-"""numba kernels behind plexus.sparse (imported only when numba is installed)."""
+"""numba kernels behind plexus.sparse and plexus.spmm (imported only when numba is installed).
+
+Shapes legend (SpMM): ``rows`` output rows of one CSR block, ``m`` its columns, ``d`` the width
+of X, ``S`` column slices, ``T`` feature tiles of width ``t`` (``d = T * t``), ``K`` row chunks.
+"""
 
 from __future__ import annotations
 
 import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 
 # fastmath "contract" only: fused multiply-adds, but no reassociation, so the sum over a row's
@@ -26,6 +34,117 @@ def csr_spmm(indptr, indices, values, x, out, accumulate):  # pragma: no cover -
             xr = x[indices[j]]
             for k in range(d):
                 acc[k] += v * xr[k]
+
+
+@intrinsic
+def _prefetch(typingctx, row):  # pragma: no cover - compiled
+    """Prefetch every cache line of a contiguous 1-D array view (``x[r]``) into all cache
+    levels (``llvm.prefetch``, read, locality 3); a hint only, it changes no result."""
+    if not isinstance(row, types.Array) or row.ndim != 1:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        base = builder.bitcast(ary.data, i8p)
+        nbytes = builder.mul(builder.extract_value(ary.shape, 0), ary.itemsize)
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            "llvm.prefetch.p0")
+        flags = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+        line = context.get_constant(types.intp, 64)
+        with cgutils.for_range_slice(builder, context.get_constant(types.intp, 0), nbytes,
+                                     line) as (off, _):
+            builder.call(fn, [builder.gep(base, [off]), *flags])
+        return context.get_dummy_value()
+
+    return types.void(row), codegen
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def csr_slice_cuts(indptr, indices, starts, cuts):  # pragma: no cover - compiled
+    """``cuts[s - 1, i]``: the first nonzero of row ``i`` whose column is >= ``starts[s]``.
+
+    Column slice ``s`` (columns ``starts[s] .. starts[s + 1]``) of row ``i`` is then the
+    nonzeros ``lo .. hi`` with ``lo = indptr[i]`` (s = 0) or ``cuts[s - 1, i]`` and
+    ``hi = cuts[s, i]`` or ``indptr[i + 1]`` (last slice). Columns must be sorted within a row
+    (CSR as scipy and plexus.data write it). ``cuts`` is ``[S - 1, rows]``, ``starts`` ``[S + 1]``.
+    """
+    for i in numba.prange(indptr.shape[0] - 1):
+        j = indptr[i]
+        end = indptr[i + 1]
+        for s in range(1, starts.shape[0] - 1):
+            while j < end and indices[j] < starts[s]:
+                j += 1
+            cuts[s - 1, i] = j
+
+
+@numba.njit(inline="always", fastmath={"contract"})
+def _spmm_chunk(lo, hi, r0, r1, indices, values, x, out, q, zero, lookahead):  # pragma: no cover
+    """Rows ``r0 .. r1`` of one column slice and feature tile ``q``: ``out[i, q] (+)= sum over
+    j in lo[i] .. hi[i] of values[j] * x[indices[j], q]``, in nonzero order.
+
+    A cursor walks ``lookahead`` nonzeros ahead through the same rows and slice and prefetches
+    the X rows they will read: the rows are random, so the hardware prefetcher cannot guess them.
+    """
+    t = x.shape[2]
+    pr = r0  # the cursor: row pr, its next nonzero pj, the end pe of its segment
+    pj = lo[r0]
+    pe = hi[r0]
+    for _ in range(lookahead):
+        while pj == pe and pr + 1 < r1:
+            pr += 1
+            pj = lo[pr]
+            pe = hi[pr]
+        if pj < pe:
+            _prefetch(x[indices[pj], q])
+            pj += 1
+    for i in range(r0, r1):
+        acc = out[i, q]
+        if zero:
+            for k in range(t):
+                acc[k] = 0.0
+        for j in range(lo[i], hi[i]):
+            while pj == pe and pr + 1 < r1:
+                pr += 1
+                pj = lo[pr]
+                pe = hi[pr]
+            if pj < pe:
+                _prefetch(x[indices[pj], q])
+                pj += 1
+            v = values[j]
+            xr = x[indices[j], q]
+            for k in range(t):
+                acc[k] += v * xr[k]
+
+
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
+def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
+                    lookahead):  # pragma: no cover - compiled
+    """Cache-blocked ``out (+)= A @ x``: column slice by column slice, row chunks in parallel.
+
+    ``x`` is ``[m, T, t]`` and ``out`` ``[rows, T, t]`` (a free reshape of ``[m, d]`` and
+    ``[rows, d]``); ``cuts`` ``[S - 1, rows]`` from :func:`csr_slice_cuts` (same dtype and
+    writeability as ``indptr``); ``chunks`` ``[K + 1]`` row boundaries. For each feature tile,
+    slice ``s`` adds its nonzeros into the output rows before slice ``s + 1`` starts, so the X
+    rows of one slice stay in cache while every output row takes its terms from them.
+
+    Exactness: each output element is one float accumulator in ``out`` receiving the row's
+    nonzeros in index order (slices ascend in column, columns ascend within a row), starting
+    from 0 (``accumulate=False``: the first slice zeroes) or from ``out`` -- the same terms in
+    the same order as :func:`csr_spmm`, so the result is bit-identical to it.
+    """
+    num_slices = cuts.shape[0] + 1
+    for q in range(x.shape[1]):
+        for s in range(num_slices):
+            lo = indptr[:-1] if s == 0 else cuts[s - 1]
+            hi = indptr[1:] if s == num_slices - 1 else cuts[s]
+            zero = s == 0 and not accumulate
+            for c in numba.prange(chunks.shape[0] - 1):
+                if chunks[c] < chunks[c + 1]:
+                    _spmm_chunk(lo, hi, chunks[c], chunks[c + 1], indices, values, x, out, q,
+                                zero, lookahead)
 
 
 @numba.njit(inline="always")

@@ -108,7 +108,7 @@ def shard(full: torch.Tensor, spec: ShardMap, groups: Mapping[str, AxisGroup]) -
             continue
         g = groups[axis]
         if dim == 0 and spec.order is not None:
-            x = x[node_chunk(spec.order, g)]
+            x = x[node_chunk(spec.order, g).to(x.device)]
         else:
             x = x.chunk(g.size, dim)[g.rank]
     if spec.flat is None:
@@ -132,7 +132,7 @@ def gather(local: torch.Tensor, spec: ShardMap, groups: Mapping[str, AxisGroup]
             x = coll.all_gather(x, groups[axis], dim=dim)
     if spec.order is not None:
         out = torch.empty_like(x)
-        out[torch.from_numpy(spec.order)] = x
+        out[torch.from_numpy(spec.order).to(x.device)] = x
         x = out
     return x[tuple(slice(0, n) for n in spec.shape)]
 

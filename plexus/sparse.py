@@ -5,12 +5,13 @@ A :class:`BlockSparse` is an ``[n, m]`` matrix kept as a grid of CSR blocks: row
 block; a prepared dataset (plexus.data.mapped) gives one block per ``k x k`` file block the
 rank owns, each memory-mapped from disk, so loading copies and concatenates nothing.
 
-``A @ X`` on CPU runs a numba kernel, parallel over rows, that writes each output row once:
-no zero-fill pass and no result copy (torch's CSR matmul does both on CPU), and the blocks of a
-block row accumulate into the same output rows. On the 200K-node bench graph it is about 2.7x
-faster than ``torch.mm`` on a CSR tensor (bench/gcn_epoch.py prints both). Without numba, on
-a GPU, or with ``kernel="torch"`` (``plexus.train --spmm torch``), each block goes through
-``torch.sparse`` instead.
+``A @ X`` on CPU runs a numba kernel that accumulates straight into the output: no zero-fill
+pass and no result copy (torch's CSR matmul does both on CPU), and the blocks of a block row
+accumulate into the same output rows. By default (``auto``, ``numba``) it is cache-blocked
+(plexus.spmm: column slices sized to the cache, planned once per block, X rows prefetched);
+``numba-rows`` is the plain row-parallel kernel, bit-identical to it (bench/spmm.py times both
+and torch's). Without numba, on a GPU, or with ``kernel="torch"`` (``plexus.train --spmm
+torch``), each block goes through ``torch.sparse`` instead.
 
 Shapes:
     CSRBlock:  indptr [rows+1] int32/int64, indices [nnz] int32/int64, values [nnz] float32
@@ -20,14 +21,17 @@ Shapes:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 
-SPMM_KERNELS = ("auto", "numba", "torch")
+from plexus import spmm
+from plexus.spmm import ColumnSlicing
+
+SPMM_KERNELS = ("auto", "numba", "numba-rows", "torch")
 
 
 @dataclass
@@ -38,6 +42,9 @@ class CSRBlock:
     indices: np.ndarray
     values: np.ndarray
     shape: tuple[int, int]
+    # the blocked kernel's plans, by slice width, built on first use (plexus.spmm)
+    slicings: dict[int, ColumnSlicing] = field(default_factory=dict, init=False, repr=False,
+                                               compare=False)
 
     @property
     def nnz(self) -> int:
@@ -58,7 +65,9 @@ class CSRBlock:
         return sp.csr_matrix((self.values, self.indices, self.indptr), shape=self.shape)
 
     def to_torch(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A torch CSR tensor on ``device`` (shares memory with the arrays on CPU)."""
+        """A torch CSR tensor on ``device``: one copy of the arrays there (none on the CPU,
+        where it shares memory with them; none either when the arrays already live on
+        ``device``, as after :meth:`BlockSparse.to`)."""
         with warnings.catch_warnings():  # "sparse CSR support is in beta"; non-writable maps
             warnings.simplefilter("ignore", UserWarning)
             return torch.sparse_csr_tensor(
@@ -129,14 +138,28 @@ class BlockSparse:
                                            dtype=np.float32)
         return sp.bmat(grid, format="csr", dtype=np.float32)
 
-    def to(self, device: torch.device | str, *, kernel: str | None = None) -> BlockSparse:
+    def to(self, device: torch.device | str, *, kernel: str | None = None,
+           uploaded: dict | None = None) -> BlockSparse:
         """Use ``device`` for :meth:`matmul`; off CPU the blocks become torch CSR tensors there.
+
+        Off CPU each block is copied to the device once and its host arrays are let go: the
+        block in :attr:`blocks` becomes a :class:`CSRBlock` whose arrays are the device
+        tensor's (so ``nnz``, ``nbytes`` and :meth:`arrays` still answer, for the device
+        copy). Matrices that share a block (the layers of one parity, a symmetric dataset's
+        transposes, the same block file mapped twice) share its device copy when they are
+        moved with the same ``uploaded`` dict. Moving back to the CPU copies device blocks to
+        host arrays; on the CPU nothing is copied.
 
         Args:
             device: where :meth:`matmul` runs.
             kernel: the CPU SpMM: ``"auto"`` (numba when installed, else torch), ``"numba"``
                 (ImportError without numba) or ``"torch"`` (torch.sparse); None keeps it.
+            uploaded: blocks already on ``device``, keyed by their arrays (the file of a
+                mapped array, else its identity), shared by the calls of one set-up; it holds
+                the host blocks too, so let it go once every matrix is moved.
         """
+        import mmap
+
         if kernel is not None:
             if kernel not in SPMM_KERNELS:
                 raise ValueError(f"unknown SpMM kernel {kernel!r}; choose from {SPMM_KERNELS}")
@@ -145,21 +168,72 @@ class BlockSparse:
                                   "use --spmm torch")
             self.kernel = kernel
         self.device = torch.device(device)
-        self._torch = ({} if self.device.type == "cpu" else
-                       {(r, c): b.to_torch(self.device) for r, c, b in self.present()})
+        self._torch = {}
+        cache: dict = {} if uploaded is None else uploaded
+
+        def block_key(b: CSRBlock) -> tuple:  # a whole-file map by its file, else by identity
+            return tuple((a.filename, a.offset) if isinstance(getattr(a, "base", None),
+                                                              mmap.mmap)
+                         else id(a) for a in (b.indptr, b.indices, b.values))
+
+        for r, c, b in list(self.present()):
+            if self.device.type == "cpu" and not isinstance(b.indptr, torch.Tensor):
+                continue  # host arrays stay as they are: nothing to copy
+            k = (self.device, block_key(b))
+            if k not in cache:
+                if self.device.type == "cpu":  # a device block back to host arrays
+                    t = None
+                    moved = CSRBlock(*(a.cpu().numpy() for a in (b.indptr, b.indices,
+                                                                  b.values)), b.shape)
+                else:
+                    t = b.to_torch(self.device)  # the one copy of this block
+                    moved = CSRBlock(t.crow_indices(), t.col_indices(), t.values(), b.shape)
+                # b stays in the cache while it lives, so no other array can take its id
+                cache[k] = cache[self.device, block_key(moved)] = (b, moved, t)
+            _, self.blocks[r][c], t = cache[k]
+            if t is not None:
+                self._torch[r, c] = t
         return self
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``self @ x``: [n, m] @ [m, d] -> a new [n, d] tensor (no autograd)."""
+    def matmul(self, x: torch.Tensor, *, slice_cols: int | None = None,
+               feature_tile: int | None = None, cache_bytes: int | None = None) -> torch.Tensor:
+        """``self @ x``: [n, m] @ [m, d] -> a new [n, d] tensor (no autograd).
+
+        On CPU with numba (kernel ``auto`` or ``numba``) every block runs the cache-blocked
+        kernel of :mod:`plexus.spmm`; ``numba-rows`` runs the row kernel
+        (:func:`plexus.kernels.csr_spmm`). Both give bit-identical results. The blocks of a
+        block row accumulate into the same output rows, in column order.
+
+        Args:
+            x: [m, d].
+            slice_cols: columns per slice of the blocked kernel (default: sized to the cache,
+                :func:`plexus.spmm.slice_cols`; a block whose X rows fit gets one slice).
+            feature_tile: cut X's d columns into tiles of this width, each tile running all
+                slices (must divide d; default d, no tiling).
+            cache_bytes: the cache the default slices are sized for (default:
+                :func:`plexus.spmm.cache_bytes`, ``$PLEXUS_SPMM_CACHE_BYTES`` or sysfs).
+
+        Shapes:
+            x: [m, d] -> [n, d]
+        """
         if x.shape[0] != self.shape[1]:
             raise ValueError(f"matmul of a {self.shape} matrix with a {tuple(x.shape)} one")
         x = x.detach().contiguous()
-        out = torch.empty(self.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-        kernel = (_load_numba() if x.device.type == "cpu" and self.kernel != "torch"
-                  else None)
-        if kernel is not None:
+        d = x.shape[1]
+        tile = d if feature_tile is None else feature_tile
+        if d and (tile < 1 or d % tile):
+            raise ValueError(f"feature_tile={feature_tile} must divide the width d={d}")
+        out = torch.empty(self.shape[0], d, dtype=x.dtype, device=x.device)
+        kernels = (_load_numba() if x.device.type == "cpu" and self.kernel != "torch"
+                   else None)
+        if kernels is None and self.kernel == "numba-rows" and x.device.type == "cpu":
+            raise ImportError("the numba-rows SpMM kernel needs numba: pip install numba")
+        if kernels is not None:
             _set_numba_threads()
+            tile = max(tile, 1)
             xn, outn = x.numpy(), out.numpy()
+            row_bytes = tile * x.element_size()
+            cache = spmm.cache_bytes(cache_bytes) if slice_cols is None else 0
         ro, co = self.row_offsets, self.col_offsets
         for r, row in enumerate(self.blocks):
             rows = slice(ro[r], ro[r + 1])
@@ -168,8 +242,18 @@ class BlockSparse:
                 if b is None:
                     continue
                 cols = slice(co[c], co[c + 1])
-                if kernel is not None:
-                    kernel(b.indptr, b.indices, b.values, xn[cols], outn[rows], not first)
+                if kernels is not None and self.kernel == "numba-rows":
+                    kernels.csr_spmm(b.indptr, b.indices, b.values, xn[cols], outn[rows],
+                                     not first)
+                elif kernels is not None:
+                    width = (spmm.slice_cols(b.shape, b.nnz, row_bytes, cache)
+                             if slice_cols is None else slice_cols)
+                    plan = spmm.block_slicing(b, width)
+                    x3 = xn[cols].reshape(b.shape[1], d // tile, tile)  # [m, T, t]: free views
+                    out3 = outn[rows].reshape(b.shape[0], d // tile, tile)  # [rows, T, t]
+                    kernels.csr_spmm_sliced(b.indptr, plan.cuts, plan.chunks, b.indices,
+                                            b.values, x3, out3, not first,
+                                            spmm.lookahead(row_bytes))
                 else:
                     t = self._torch.get((r, c))
                     t = b.to_torch(x.device) if t is None else t
@@ -183,11 +267,12 @@ class BlockSparse:
 
 @cache
 def _load_numba():
+    """plexus.kernels, or None without numba."""
     try:
-        from plexus.kernels import csr_spmm
+        from plexus import kernels
     except ImportError:
         return None
-    return csr_spmm
+    return kernels
 
 
 def _set_numba_threads() -> None:

@@ -27,7 +27,7 @@ from common.dist import DistContext
 from common.exchange import max_over_ranks
 from common.failure import preemption_flag
 from common.grid import ProcessGrid
-from common.memory import peak_bytes, resident_bytes
+from common.memory import describe_peaks, peaks, peaks_per_rank_max, release, resident_bytes
 from common.parallel import ParallelState
 from common.perf.choose import choose_grid, parse_grid
 from common.run import (
@@ -125,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="load-balancing permutation (default: double; a prepared "
                    "dataset's own)")
     p.add_argument("--spmm", choices=SPMM_KERNELS, default=r.spmm,
-                   help="CPU SpMM kernel: numba (auto when installed) or torch.sparse")
+                   help="CPU SpMM kernel: numba, cache-blocked (auto when numba is installed), "
+                   "numba-rows (row-parallel, no column slices) or torch.sparse")
     p.add_argument("--no-retain-freed-memory", dest="retain_freed_memory",
                    action="store_false",
                    help="give large freed buffers back to the OS (default: keep them, so "
@@ -194,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             summary = _summary(result, source, parallel.grid, ctx)
             summaries.append(summary)
+            # free this run's model, shards and optimizer state (and on a GPU hand their
+            # memory back) before the next run sets up: two runs never hold memory at once
+            del result
+            release(parallel.device)
             if ctx.is_main:
                 _print_summary(summary)
                 metrics.write({"summary": summary} if args.runs == 1 else
@@ -270,13 +275,15 @@ def _log_setup(trainer: Trainer, ctx: DistContext) -> None:
     """
     shard, model, source, info = trainer.shard, trainer.model, trainer.source, trainer.info
     other = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    adj, feats, res, peak = max_over_ranks(
-        [shard.adjacency_bytes(), other, resident_bytes(), peak_bytes()], ctx.device,
+    mine = peaks(ctx.device)  # and on a GPU its allocator's peaks
+    adj, feats, res, *high = max_over_ranks(
+        [shard.adjacency_bytes(), other, resident_bytes(), *mine.values()], ctx.device,
         ctx.transport)
+    after = {f"{k}_after_setup": int(v) for k, v in zip(mine, high)}
     info["memory_per_rank_max"] = {
         "adjacency_bytes": int(adj), "adjacency_storage": source.storage,
         "features_weights_bytes": int(feats), "resident_bytes_after_setup": int(res),
-        "peak_bytes_after_setup": int(peak)}
+        **after}
     if not ctx.is_main:
         return
     print(f"graph {source.name}: {source.num_nodes:,} nodes, {source.num_edges:,} edges, "
@@ -289,9 +296,16 @@ def _log_setup(trainer: Trainer, ctx: DistContext) -> None:
               f"block {blk.balance.max_nnz:,}/{blk.balance.mean_nnz:,.0f} = "
               f"{blk.balance.ratio:.3f}", flush=True)
     mib = 2.0**20
+    gpu = ""
+    if "gpu_peak_allocated_bytes_after_setup" in after:
+        gpu = (f"; GPU peak {after['gpu_peak_allocated_bytes_after_setup'] / mib:.1f} MiB "
+               f"allocated, {after['gpu_peak_reserved_bytes_after_setup'] / mib:.1f} MiB "
+               "reserved")
+    storage = source.storage if ctx.device.type == "cpu" else f"on {ctx.device}"
     print(f"  setup {info['setup_s']:.2f} s; per rank (max): adjacency {adj / mib:.1f} MiB "
-          f"({source.storage}), features and weights {feats / mib:.1f} MiB, resident "
-          f"{res / mib:.1f} MiB (peak {peak / mib:.1f} MiB)", flush=True)
+          f"({storage}), features and weights {feats / mib:.1f} MiB, resident "
+          f"{res / mib:.1f} MiB (peak {after['peak_bytes_after_setup'] / mib:.1f} MiB){gpu}",
+          flush=True)
 
 
 def _summary(result: TrainResult, source: ShardSource, grid: ProcessGrid, ctx: DistContext
@@ -309,8 +323,7 @@ def _summary(result: TrainResult, source: ShardSource, grid: ProcessGrid, ctx: D
         "comm_share": comm_s / epoch_s if epoch_s else 0.0,
         "comm_bytes_per_epoch": hist[-1]["comm_bytes"] if hist else 0,
         "memory_per_rank_max": {**result.info.get("memory_per_rank_max", {}),
-                                "peak_bytes": int(max_over_ranks([peak_bytes()], ctx.device,
-                                                                  ctx.transport)[0])},
+                                **peaks_per_rank_max(ctx.device, ctx.transport)},
         "final": {k: hist[-1][k] for k in ("loss", "train_acc", "val_acc", "test_acc")}
         if hist else {},
         "best_val": {"epoch": best.get("epoch"), "val_acc": best.get("val_acc"),
@@ -337,8 +350,7 @@ def _print_summary(s: dict[str, Any]) -> None:
                   f"{m['residual']}, permutation "
                   f"{c['permutation']}, learn features {m['learn_features']}"),
         ("epochs", f"{c['run']['epochs']} (setup {s['setup_s']:.2f} s)"),
-        ("peak memory", f"{s['memory_per_rank_max']['peak_bytes'] / 2**20:,.0f} MiB resident "
-                        "per rank (max)"),
+        ("peak memory", describe_peaks(s["memory_per_rank_max"])),
         ("epoch time", f"{1000 * s['epoch_s_mean']:.1f} ms, communication "
                        f"{100 * s['comm_share']:.1f}%, {s['comm_bytes_per_epoch'] / 2**20:.2f} "
                        "MiB per rank by the ring formula"),

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -83,6 +84,22 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
     return shard, net
 
 
+def upload_adjacency(shard: GraphShard, device: torch.device | str, *,
+                     kernel: str | None = None) -> None:
+    """Put every adjacency and root block of ``shard`` where the SpMMs run.
+
+    Off the CPU each distinct block is copied once and shared by every layer that uses it (a
+    3-layer 1x1x1 run holds the two matrices of the two parities, not one per layer), and
+    its host arrays are let go (a prepared dataset's maps are unmapped, an in-memory one's
+    arrays freed). On the CPU nothing is copied; ``kernel`` picks the CPU SpMM
+    (:meth:`plexus.sparse.BlockSparse.to`).
+    """
+    uploaded: dict = {}  # dropped on return: then nothing holds the host blocks any more
+    for blk in [*shard.adj.values(), *(shard.root or {}).values()]:
+        blk.a.to(device, kernel=kernel, uploaded=uploaded)
+        blk.a_t.to(device, kernel=kernel, uploaded=uploaded)
+
+
 def make_optimizer(net: PlexusGCN, optim: OptimConfig) -> torch.optim.Optimizer:
     """Adam or AdamW over ``net``'s parameters, one group per layer with that layer's weight
     decay (the input features, if trained, join layer 0)."""
@@ -134,8 +151,7 @@ class Trainer:
             retain_freed_memory()  # reuse activation pages every epoch (see common.alloc)
         self.shard, self.model = shard_and_model(source, parallel, model, seed=self.run_cfg.seed)
         self.model.to(device)
-        for blk in [*self.shard.adj.values(), *(self.shard.root or {}).values()]:
-            blk.a.to(device, kernel=self.run_cfg.spmm), blk.a_t.to(device, kernel=self.run_cfg.spmm)
+        upload_adjacency(self.shard, device, kernel=self.run_cfg.spmm)
         self.optimizer = make_optimizer(self.model, self.optim_cfg)
         self.labels = self.shard.labels.to(device)
         self.masks = {s: m.to(device) for s, m in self.shard.masks.items()}
@@ -304,7 +320,7 @@ def train_gcn(source: ShardSource, grid: ProcessGrid, rank: int, *, model: Model
     return trainer.result()
 
 
-def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str = "cpu",
+def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str | None = None,
         permutation: str = "double", symmetrize: bool = False,
         on_epoch: Callable[[dict[str, Any]], None] | None = None,
         **config: Any) -> TrainResult:
@@ -317,15 +333,23 @@ def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str = "cpu",
     optimizer="adam", weight_decay=5e-4, lr=0.01, epochs=200``). ``symmetrize`` adds the
     reverse of every edge of a graph first (OGB's ``to_symmetric()``). The test accuracy at
     the best validation epoch is ``result.info["best"]["test_acc"]``.
+
+    A graph on a GPU is taken as it is: it is copied to the CPU, where it is cut into shards
+    (the caller's object is left untouched), and ``device`` (None: ``"cuda"`` for a graph on a
+    GPU, else ``"cpu"``) is where the model trains.
     """
     from common.dist import init_distributed
     from plexus.data import Graph, InMemorySource
 
     configs = split_config(**config)
+    if device is None:
+        x = getattr(data, "x", None)
+        device = "cuda" if isinstance(x, torch.Tensor) and x.device.type == "cuda" else "cpu"
     if isinstance(data, ShardSource):
         source = data
     else:
-        graph = data if isinstance(data, Graph) else Graph.from_pyg(data)
+        graph = _graph_on_cpu(data) if isinstance(data, Graph) else Graph.from_pyg(
+            _pyg_on_cpu(data))
         if symmetrize:
             graph = graph.to_undirected()
         source = InMemorySource(graph, permutation=permutation, seed=configs["run"].seed,
@@ -338,6 +362,24 @@ def fit(data: Any, *, grid: str | ProcessGrid = "1x1x1", device: str = "cpu",
     trainer = Trainer(source, parallel, **configs)
     run(trainer, on_row=on_epoch)
     return trainer.result()
+
+
+# what Graph.from_pyg reads of a PyG Data
+_PYG_KEYS = ("x", "y", "edge_index", "train_mask", "val_mask", "test_mask")
+
+
+def _pyg_on_cpu(data: Any) -> SimpleNamespace:
+    """The attributes of a PyG ``Data`` that :meth:`Graph.from_pyg` reads, on the CPU (copies
+    of tensors on a GPU; ``Data.cpu()`` would move the caller's own object)."""
+    return SimpleNamespace(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                              for k in _PYG_KEYS if (v := getattr(data, k, None)) is not None})
+
+
+def _graph_on_cpu(graph: Any) -> Any:
+    """``graph`` with every tensor on the CPU (itself when they are already there)."""
+    moved = {f.name: v.cpu() for f in fields(graph)
+             if isinstance(v := getattr(graph, f.name), torch.Tensor) and v.device.type != "cpu"}
+    return replace(graph, **moved) if moved else graph
 
 
 # ------------------------------------------------------------------ predictions (collective)

@@ -113,7 +113,15 @@ class PreparedGraph:
                 f"dataset is damaged: run python -m plexus.prepare --verify {self.path}")
         return arr
 
-    def _csr(self, mat: str, r: int, c: int, transposed: bool) -> CSRBlock:
+    def _csr(self, mat: str, r: int, c: int, transposed: bool,
+             mapped: dict[tuple, CSRBlock] | None = None) -> CSRBlock:
+        """Block (r, c) of ``mat`` (its transpose's files with ``transposed``), mapped once per
+        ``mapped`` dict: layers that read the same files share the block object (and so its
+        device copy, ``BlockSparse.to``)."""
+        if mapped is not None:
+            if (mat, r, c, transposed) not in mapped:
+                mapped[mat, r, c, transposed] = self._csr(mat, r, c, transposed)
+            return mapped[mat, r, c, transposed]
         pre = f"{mat}/{r}_{c}/" + ("t_" if transposed else "")
         indptr = self._load(pre + "indptr.npy")
         indices = self._load(pre + "indices.npy")
@@ -125,18 +133,20 @@ class PreparedGraph:
                                       "dataset again")
         return CSRBlock(indptr, indices, values, (bs, bs))
 
-    def _matrix(self, layer: int, rows: range, cols: range) -> tuple[BlockSparse, BlockSparse]:
+    def _matrix(self, layer: int, rows: range, cols: range,
+                mapped: dict[tuple, CSRBlock] | None = None
+                ) -> tuple[BlockSparse, BlockSparse]:
         """(A_l block, its transpose) over file row blocks ``rows`` and column blocks
-        ``cols`` of layer ``l``'s matrix."""
+        ``cols`` of layer ``l``'s matrix (blocks shared through ``mapped``, :meth:`_csr`)."""
         odd = layer % 2 == 1
         if odd and self.symmetric:  # A'' (R, C) = A' (C, R)^T
             def get(r, c, t):
-                return self._csr("even", c, r, not t)
+                return self._csr("even", c, r, not t, mapped)
         else:
             mat = "odd" if odd else "even"
 
             def get(r, c, t):
-                return self._csr(mat, r, c, t)
+                return self._csr(mat, r, c, t, mapped)
         bs = self.block_size
         a = BlockSparse([[get(r, c, False) for c in cols] for r in rows],
                         [bs] * len(rows), [bs] * len(cols))
@@ -172,9 +182,10 @@ class PreparedGraph:
             return range(coords[axis] * per, (coords[axis] + 1) * per)
 
         adj = {}
+        mapped: dict[tuple, CSRBlock] = {}  # each block file once, whichever layers read it
         for layer in range(min(6, num_layers)):
             o_ax, _, p_ax = layout.roles(layer)
-            a, a_t = self._matrix(layer, chunk(p_ax), chunk(o_ax))
+            a, a_t = self._matrix(layer, chunk(p_ax), chunk(o_ax), mapped)
             adj[layer] = AdjBlock(a, a_t, a.nnz, self._balance(layer, shape[p_ax], shape[o_ax]))
 
         # features: rows chunk x (Pc order), columns chunk y of the padded width

@@ -142,15 +142,25 @@ def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[s
 def _blocks(mats, shape: Mapping[str, int], coords: Mapping[str, int],
             num_layers: int) -> dict[int, AdjBlock]:
     """This rank's block (and its transpose) of ``mats[l % 2]`` for every layer layout
-    ``l % 6``, with the balance over all ranks' blocks of that layout."""
+    ``l % 6``, with the balance over all ranks' blocks of that layout.
+
+    Layouts that cut the same rows and columns of the same matrix (every layout of one parity
+    on a 1x1x1 grid, for instance) share one :class:`BlockSparse` pair: one host copy, and
+    one device copy after ``BlockSparse.to``.
+    """
     out: dict[int, AdjBlock] = {}
+    cut: dict[tuple[int, ...], AdjBlock] = {}  # (parity, P, p, O, o) -> the layout's block
     for lay in range(min(6, num_layers)):
         o_ax, _, p_ax = layout.roles(lay)
-        a_l = mats[lay % 2]
-        counts = part.block_nnz(a_l, shape[p_ax], shape[o_ax])
-        blk = part.block(a_l, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax])
-        out[lay] = AdjBlock(BlockSparse.single(blk), BlockSparse.single(blk.T.tocsr()), blk.nnz,
-                            part.Balance(int(counts.max()), float(counts.mean())))
+        key = (lay % 2, shape[p_ax], coords[p_ax], shape[o_ax], coords[o_ax])
+        if key not in cut:
+            a_l = mats[lay % 2]
+            counts = part.block_nnz(a_l, shape[p_ax], shape[o_ax])
+            blk = part.block(a_l, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax])
+            cut[key] = AdjBlock(BlockSparse.single(blk), BlockSparse.single(blk.T.tocsr()),
+                                blk.nnz, part.Balance(int(counts.max()), float(counts.mean())))
+        same = cut[key]  # the balance depends on (parity, P, O) only: the same too
+        out[lay] = AdjBlock(same.a, same.a_t, same.nnz, same.balance)
     return out
 
 

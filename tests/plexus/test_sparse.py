@@ -32,9 +32,232 @@ def test_block_sparse_matmul_matches_scipy():
         BlockSparse([[one]], [4], [5])
 
 
+def _uploads(monkeypatch, device=None):
+    """Record the blocks copied off the CPU (CSRBlock.to_torch); with ``device``, the copy
+    lands there instead (a fake device move: "cpu" keeps the data readable)."""
+    calls = []
+    to_torch = CSRBlock.to_torch
+
+    def counted(self, target="cpu"):
+        if torch.device(target).type != "cpu":
+            calls.append(id(self))
+        return to_torch(self, target if device is None else device)
+
+    monkeypatch.setattr(CSRBlock, "to_torch", counted)
+    return calls
+
+
+def test_a_block_shared_by_two_matrices_is_copied_once(monkeypatch):
+    """issue 29, finding 5: one device copy per distinct block, shared, host arrays let go."""
+    import gc
+    import weakref
+
+    shared = CSRBlock.from_scipy(sp.random(4, 4, 0.5, format="csr", random_state=1))
+    own = CSRBlock.from_scipy(sp.random(4, 4, 0.5, format="csr", random_state=2))
+    a = BlockSparse([[shared, own]], [4], [4, 4])
+    b = BlockSparse([[None], [shared]], [4, 4], [4])
+    refs = [weakref.ref(shared), weakref.ref(own)]
+    del shared, own
+    calls = _uploads(monkeypatch)
+    uploaded: dict = {}
+    a.to("meta", uploaded=uploaded)
+    b.to("meta", uploaded=uploaded)
+    assert len(calls) == 2  # shared once, own once
+    assert b._torch[1, 0] is a._torch[0, 0] and b.blocks[1][0] is a.blocks[0][0]
+    assert a.blocks[0][0].indptr.device.type == "meta" and a.device.type == "meta"
+    a.to("meta", uploaded=uploaded)  # already there: nothing more to copy
+    assert len(calls) == 2
+    del uploaded
+    gc.collect()
+    assert [r() for r in refs] == [None, None]  # the host blocks are gone
+    without = BlockSparse([[CSRBlock.from_scipy(sp.identity(3, format="csr"))]], [3], [3])
+    without.to("meta")  # no shared dict: each call copies its own blocks
+    assert len(calls) == 3
+
+
+def test_a_block_file_mapped_twice_is_copied_once(tmp_path, monkeypatch):
+    m = sp.random(5, 5, 0.4, format="csr", random_state=3)
+    blk = CSRBlock.from_scipy(m)
+    for name in ("indptr", "indices", "values"):
+        np.save(tmp_path / f"{name}.npy", getattr(blk, name))
+
+    def mapped():
+        return CSRBlock(*(np.load(tmp_path / f"{n}.npy", mmap_mode="r")
+                          for n in ("indptr", "indices", "values")), (5, 5))
+
+    calls = _uploads(monkeypatch)
+    uploaded: dict = {}
+    one, two = BlockSparse([[mapped()]], [5], [5]), BlockSparse([[mapped()]], [5], [5])
+    one.to("meta", uploaded=uploaded)
+    two.to("meta", uploaded=uploaded)
+    assert len(calls) == 1 and two._torch[0, 0] is one._torch[0, 0]
+    views = CSRBlock(*(np.load(tmp_path / f"{n}.npy", mmap_mode="r")[:] for n in (
+        "indptr", "indices", "values")), (5, 5))  # views of maps: not known to be the file
+    BlockSparse([[views]], [5], [5]).to("meta", uploaded=uploaded)
+    assert len(calls) == 2
+
+
+def test_to_a_device_and_back_keeps_the_matrix(monkeypatch):
+    """Off the CPU the blocks hold the device tensors (here a fake device whose copies land on
+    the CPU); back on the CPU they are host arrays again, the same matrix, and the numba and
+    torch kernels run on them; on the CPU nothing is copied."""
+    m = BlockSparse.single(sp.random(6, 4, 0.5, format="csr", random_state=4, dtype=np.float32))
+    full = m.to_scipy().toarray()
+    host = m.blocks[0][0]
+    calls = _uploads(monkeypatch, device="cpu")
+    assert m.to("cpu").blocks[0][0] is host and calls == []
+    m.to("meta")
+    assert len(calls) == 1 and isinstance(m.blocks[0][0].indptr, torch.Tensor)
+    assert m.nnz == host.nnz and m.nbytes == host.nbytes
+    m.to("cpu")
+    assert isinstance(m.blocks[0][0].indptr, np.ndarray) and m.blocks[0][0] is not host
+    np.testing.assert_array_equal(m.to_scipy().toarray(), full)
+    x = torch.ones(4, 2)
+    for kernel in ("numba", "torch"):
+        np.testing.assert_allclose(m.to("cpu", kernel=kernel).matmul(x).numpy(),
+                                   full @ np.ones((4, 2)), rtol=1e-6)
 
 
 def test_unknown_kernel_is_refused():
     m = BlockSparse.single(sp.identity(3, format="csr", dtype=np.float32))
     with pytest.raises(ValueError, match="unknown SpMM kernel"):
         m.to("cpu", kernel="cusparse")
+
+
+# --- the cache-blocked kernel (plexus.spmm): bit-identical to the row kernel -------------------
+
+
+def _random_csr(rows: int, cols: int, density: float, seed: int, *, empty_rows: int = 0,
+                index_dtype=np.int32) -> CSRBlock:
+    """A random CSR block with ``empty_rows`` rows emptied (sorted columns in every row)."""
+    m = sp.random(rows, cols, density, format="csr", random_state=seed, dtype=np.float32)
+    m = m.tolil()
+    for i in np.random.default_rng(seed).choice(rows, empty_rows, replace=False):
+        m.rows[i], m.data[i] = [], []
+    m = m.tocsr()
+    m.sort_indices()
+    return CSRBlock(m.indptr.astype(index_dtype), m.indices.astype(index_dtype),
+                    m.data.astype(np.float32), (rows, cols))
+
+
+def _both(m: BlockSparse, x: torch.Tensor, **blocked) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row kernel, blocked kernel) results of ``m @ x``."""
+    rows = m.to("cpu", kernel="numba-rows").matmul(x)
+    return rows, m.to("cpu", kernel="numba").matmul(x, **blocked)
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_blocked_spmm_is_bit_identical_for_every_slice_width(index_dtype):
+    block = _random_csr(300, 257, 0.05, seed=5, empty_rows=40, index_dtype=index_dtype)
+    m = BlockSparse([[block]], [300], [257])
+    rng = np.random.default_rng(0)
+    for d, dtype in ((128, torch.float32), (17, torch.float32), (3, torch.float64)):
+        x = torch.from_numpy(rng.standard_normal((257, d))).to(dtype)
+        for width in (1, 3, 64, 128, 256, 257, 10_000):  # 257 slices .. a single slice
+            rows, blocked = _both(m, x, slice_cols=width)
+            assert torch.equal(blocked, rows), (d, dtype, width)
+        np.testing.assert_allclose(rows.double().numpy(),
+                                   block.to_scipy().toarray() @ x.double().numpy(),
+                                   rtol=1e-5, atol=1e-5)
+    assert {w: p.num_slices for w, p in block.slicings.items()} == {
+        1: 257, 3: 86, 64: 5, 128: 3, 256: 2, 257: 1}  # 10_000 columns: the same as 257
+    assert block.slicings[64].cuts.dtype == index_dtype
+
+
+def test_blocked_spmm_feature_tiles_are_bit_identical():
+    m = BlockSparse([[_random_csr(90, 70, 0.1, seed=6, empty_rows=9)]], [90], [70])
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(1))
+    for tile in (1, 8, 32, 64):
+        for width in (5, 70):
+            rows, blocked = _both(m, x, slice_cols=width, feature_tile=tile)
+            assert torch.equal(blocked, rows), (tile, width)
+    with pytest.raises(ValueError, match="must divide the width"):
+        m.matmul(x, feature_tile=48)
+
+
+def test_blocked_spmm_accumulates_across_the_blocks_of_a_block_row():
+    """A 3 x 3 grid with missing blocks and an empty block row: each block row's blocks add
+    into the same output rows, slice after slice, block after block, bit-identically."""
+    row_sizes, col_sizes = [40, 0, 33], [25, 31, 19]
+    present = {(0, 0), (0, 2), (2, 0), (2, 1), (2, 2)}
+    blocks = [[_random_csr(row_sizes[r], col_sizes[c], 0.2, seed=10 * r + c, empty_rows=3)
+               if (r, c) in present else None for c in range(3)] for r in range(3)]
+    m = BlockSparse(blocks, row_sizes, col_sizes)
+    x = torch.randn(75, 24, generator=torch.Generator().manual_seed(2))
+    full = m.to_scipy().toarray() @ x.double().numpy()
+    for width in (2, 7, 19, None):
+        rows, blocked = _both(m, x, slice_cols=width)
+        assert torch.equal(blocked, rows), width
+        np.testing.assert_allclose(blocked.double().numpy(), full, rtol=1e-5, atol=1e-5)
+    alone = BlockSparse([[blocks[2][1]]], [33], [31]).matmul(torch.zeros(31, 24))
+    assert torch.equal(alone, torch.zeros(33, 24))  # overwrites: the output starts from 0
+
+
+def test_blocked_spmm_reads_prepared_memory_mapped_blocks(tmp_path):
+    """Read-only int64 maps, as plexus.data.mapped opens them: same result, no copy of A."""
+    blk = _random_csr(120, 120, 0.08, seed=7, empty_rows=12, index_dtype=np.int64)
+    for name in ("indptr", "indices", "values"):
+        np.save(tmp_path / f"{name}.npy", getattr(blk, name))
+    mapped = CSRBlock(*(np.load(tmp_path / f"{n}.npy", mmap_mode="r")
+                        for n in ("indptr", "indices", "values")), (120, 120))
+    assert not mapped.indptr.flags.writeable
+    m = BlockSparse([[mapped, None], [None, mapped]], [120, 120], [120, 120])
+    x = torch.randn(240, 32, generator=torch.Generator().manual_seed(3))
+    for width in (9, 60, 120):
+        rows, blocked = _both(m, x, slice_cols=width)
+        assert torch.equal(blocked, rows), width
+    plan = mapped.slicings[9]
+    assert plan.cuts.shape == (13, 120) and plan.nbytes == plan.cuts.nbytes + plan.chunks.nbytes
+
+
+def test_column_slicing_cuts_each_row_where_its_columns_cross_a_slice():
+    from plexus.spmm import block_slicing
+
+    blk = _random_csr(50, 40, 0.3, seed=8, empty_rows=5)
+    plan = block_slicing(blk, 7)
+    assert block_slicing(blk, 7) is plan  # built once, kept on the block
+    for i in range(50):
+        cols = blk.indices[blk.indptr[i]:blk.indptr[i + 1]]
+        for s in range(1, plan.num_slices):
+            assert plan.cuts[s - 1, i] == blk.indptr[i] + np.searchsorted(cols, 7 * s)
+    assert plan.cuts.nbytes == (plan.num_slices - 1) * 50 * 4  # int32 positions
+    assert plan.chunks[0] == 0 and plan.chunks[-1] == 50 and np.all(np.diff(plan.chunks) >= 0)
+
+
+def test_slice_width_follows_the_cache(tmp_path, monkeypatch):
+    from plexus import spmm
+
+    for level, kind, size in ((1, "Data", "48K"), (1, "Instruction", "64K"),
+                              (2, "Unified", "2048K"), (3, "Unified", "32M")):
+        d = tmp_path / f"index{level}{kind[0]}"
+        d.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (d / name).write_text(f"{value}\n")
+    assert spmm.last_level_cache_bytes(tmp_path) == 32 << 20
+    assert spmm.last_level_cache_bytes(tmp_path / "missing") is None
+    assert spmm.parse_size("491520K") == 480 << 20 and spmm.parse_size("2097152") == 2 << 20
+    monkeypatch.setenv(spmm.CACHE_ENV, "1M")
+    assert spmm.cache_bytes() == 1 << 20 and spmm.cache_bytes(4096) == 4096
+    monkeypatch.setenv(spmm.CACHE_ENV, "lots")
+    with pytest.raises(ValueError, match="cannot read a cache size"):
+        spmm.cache_bytes()
+    budget_rows = (32 << 20) // spmm.CACHE_SHARE // 512  # X rows of 128 float32
+    assert spmm.slice_cols((10, 200_000), 6_400_000, 512, 32 << 20) == budget_rows
+    assert spmm.slice_cols((10, budget_rows), 10**6, 512, 32 << 20) == budget_rows  # X fits
+    assert spmm.slice_cols((10, 200_000), 100, 512, 32 << 20) == 200_000  # few rows referenced
+
+
+def test_default_cpu_kernel_is_blocked_where_x_exceeds_the_cache(monkeypatch):
+    from plexus import spmm
+
+    blk = _random_csr(64, 64, 0.2, seed=9)
+    m = BlockSparse([[blk]], [64], [64])
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(4))
+    rows = m.to("cpu", kernel="numba-rows").matmul(x)
+    monkeypatch.setenv(spmm.CACHE_ENV, str(1 << 20))  # X (4 KiB) fits: one slice
+    assert torch.equal(m.to("cpu", kernel="auto").matmul(x), rows)
+    assert [p.num_slices for p in blk.slicings.values()] == [1]
+    budget = 1024 * spmm.CACHE_SHARE  # 16 X rows of 64 bytes: 4 slices
+    monkeypatch.setenv(spmm.CACHE_ENV, str(budget))
+    assert torch.equal(m.matmul(x), rows)
+    assert blk.slicings[16].num_slices == 4

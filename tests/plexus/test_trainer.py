@@ -1,7 +1,13 @@
 """plexus.trainer: the Trainer's shape (set-up, resume, train_step, evaluate, run) on one
 process, the loop on several grids, fit() on PyG data, the OGB Evaluator. Accuracy against PyG
-with the same recipe is bench/accuracy.py (tests/bench/test_accuracy_bench.py)."""
+with the same recipe is bench/accuracy.py (tests/bench/test_accuracy_bench.py).
 
+Device placement, checked on the CPU (issue 29; the CUDA runs are tests/plexus/test_gpu.py):
+each distinct adjacency block is uploaded once ("meta" standing in for a GPU) and nothing is
+copied on the CPU, sharding allocates on the input's device, ``--runs`` frees each run before
+the next sets up, and fit takes a Data whose tensors are on a GPU (a fake CUDA tensor)."""
+
+import numpy as np
 import pytest
 import torch
 
@@ -160,3 +166,178 @@ def test_ogb_evaluator_agrees_with_our_counting(tmp_path):
         for s in evaluator:
             assert abs(evaluator[s] - counted[s]) < 1e-12, (s, evaluator, counted)
         assert counted["train"] > 0.5, counted  # learned something: the numbers are not trivial
+
+
+# ------------------------------------------------------------------ devices, on the CPU
+def _count_uploads(monkeypatch):
+    """The ids of the blocks copied to a device (CSRBlock.to_torch off the CPU), in order."""
+    from plexus.sparse import CSRBlock
+
+    calls = []
+    to_torch = CSRBlock.to_torch
+
+    def counted(self, device="cpu"):
+        if torch.device(device).type != "cpu":
+            calls.append(id(self))
+        return to_torch(self, device)
+
+    monkeypatch.setattr(CSRBlock, "to_torch", counted)
+    return calls
+
+
+def _host_blocks(shard):
+    """{id: weakref} of every distinct CSR block of a shard's matrices."""
+    import weakref
+
+    return {id(b): weakref.ref(b) for blk in shard.adj.values() for m in (blk.a, blk.a_t)
+            for _, _, b in m.present()}
+
+
+@pytest.mark.parametrize("storage", ["in memory", "prepared"])
+def test_each_distinct_block_is_uploaded_once_and_shared_by_its_layers(tmp_path, monkeypatch,
+                                                                         storage):
+    """A 3-layer 1x1x1 run: layers 0 and 2 use the same matrix, so the device holds the
+    blocks of two matrices (4 CSR blocks; 2 for a symmetric prepared dataset, whose odd
+    layers read the even files transposed), not 6; the host blocks are let go after the
+    upload. ("meta" stands in for a GPU: the copy is real, the memory is not.)"""
+    import gc
+
+    from plexus.data import PreparedGraph
+    from plexus.data.sources import graph_source
+    from plexus.data.writer import prepare
+    from plexus.trainer import upload_adjacency
+
+    graph = planted_partition(num_nodes=97, seed=3)  # symmetric
+    if storage == "prepared":
+        prepare(graph_source(graph), tmp_path / "p", blocks=1, quiet=True)
+        source = PreparedGraph(tmp_path / "p")
+    else:
+        source = InMemorySource(graph)
+    one = {"x": 1, "y": 1, "z": 1}
+    shard = source.shard(one, {"x": 0, "y": 0, "z": 0},
+                         [graph.num_features, 8, 8, graph.num_classes])
+    host = _host_blocks(shard)
+    distinct = 2 if storage == "prepared" else 4
+    assert len(host) == distinct  # the sources share the blocks of equal layouts already
+    uploads = _count_uploads(monkeypatch)
+    upload_adjacency(shard, "meta")
+    assert len(uploads) == len(set(uploads)) == distinct
+    gc.collect()
+    assert all(ref() is None for ref in host.values())  # no host copy left behind
+    adj = shard.adj
+    assert adj[0].a._torch[0, 0] is adj[2].a._torch[0, 0]
+    assert adj[0].a_t._torch[0, 0] is adj[2].a_t._torch[0, 0]
+    assert adj[0].a.blocks[0][0] is adj[2].a.blocks[0][0]
+    assert adj[0].a.blocks[0][0].indptr.device.type == "meta"
+    if storage == "prepared":  # A'' = A'^T: layer 1's matrix is layer 0's transpose's files
+        assert adj[1].a._torch[0, 0] is adj[0].a_t._torch[0, 0]
+
+
+def test_on_the_cpu_the_trainer_copies_no_block(monkeypatch):
+    uploads = _count_uploads(monkeypatch)
+    source = InMemorySource(planted_partition(num_nodes=97, seed=3), permutation="double")
+    trainer = Trainer(source, ParallelState.single(ProcessGrid.plexus(1, 1, 1)),
+                      **split_config(epochs=1, hidden=8, num_layers=3, residual=True))
+    run(trainer)
+    assert uploads == []
+    assert all(isinstance(b.indptr, np.ndarray) for blk in trainer.shard.adj.values()
+               for _, _, b in blk.a.present())
+
+
+def test_sharding_allocates_on_the_tensors_device():
+    """flat_shard and the shard maps allocate on the input's device, never a hidden CPU one
+    (issue 29, finding 7; "meta" stands in for a GPU)."""
+    from common import flat
+    from plexus import shards
+
+    assert flat.flat_shard(torch.ones(3, 5, device="meta"), 2, 1).device.type == "meta"
+    source = InMemorySource(planted_partition(num_nodes=97, seed=3))
+    grid = ProcessGrid.plexus(1, 1, 1)
+    shard = source.shard(grid.shape, grid.coords(0), [4, 8, 3])
+    groups = grid.create_groups(0, None, transport=None)
+    maps = shards.shard_maps(shard)
+    for (kind, layer), spec in maps.items():
+        local = shards.shard(torch.ones(spec.shape, device="meta"), spec, groups)
+        assert local.device.type == "meta", (kind, layer)
+
+
+def _runs_free_the_previous_model(ctx, argv):
+    """plexus.train's --runs loop, watched: each set-up checks that no earlier run's model or
+    trainer is still alive (weak references, no gc.collect of its own)."""
+    import weakref
+
+    import plexus.train as cli
+
+    alive = []
+
+    class Watched(cli.Trainer):
+        def __init__(self, *args, **kwargs):
+            alive.append([name for name, ref in refs if ref() is not None])
+            super().__init__(*args, **kwargs)
+            refs.extend([("model", weakref.ref(self.model)), ("trainer", weakref.ref(self))])
+
+    refs: list = []
+    cli.Trainer = Watched
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        cli.Trainer = Watched.__base__
+    return alive
+
+
+def test_runs_free_the_previous_run_before_the_next_set_up(tmp_path):
+    """issue 29, finding 7: --runs N kept the previous run's model, shards and optimizer state
+    (on a GPU: its memory) alive while the next run set up."""
+    argv = ["--epochs", "2", "--runs", "3", "--hidden", "8", "--layers", "2", "--device",
+            "cpu", "--log-every", "100", "--metrics", str(tmp_path / "m.jsonl")]
+    (alive,) = run_ranks(_runs_free_the_previous_model, 1, argv)
+    assert alive == [[], [], []], alive
+
+
+class _FakeCudaTensor(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:0 and, as a CUDA tensor does, refuses numpy;
+    ``.cpu()`` gives the plain tensor (what a copy to the host gives)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() "
+                        "to copy the tensor to host memory first.")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_fit_takes_a_pyg_data_on_a_gpu_and_leaves_it_there():
+    """issue 29, finding 7: fit refused a Data on CUDA (its edges went to numpy); now it is
+    copied to the CPU for sharding and the caller's object is untouched."""
+    _, fake = _data_on_cpu_and_fake_gpu()
+    assert fake.x.device.type == "cuda"
+    with pytest.raises(TypeError, match="numpy"):  # what the old fit ran into
+        fake.edge_index.numpy()
+    got = run_ranks(_fit_both, 1)[0]
+    assert got["fake"] == got["plain"] and len(got["plain"]) == 3
+    assert got["still_on_gpu"]  # the caller's Data is not moved in place
+
+
+def _data_on_cpu_and_fake_gpu():
+    from torch_geometric.data import Data
+
+    g = planted_partition(num_nodes=97, seed=3)
+    masks = {f"{s}_mask": g.mask(s) for s in ("train", "val", "test")}
+    plain = Data(x=g.x, y=g.y, edge_index=g.edge_index, **masks)
+    fake = Data(**{k: v.as_subclass(_FakeCudaTensor) for k, v in plain.to_dict().items()})
+    return plain, fake
+
+
+def _fit_both(ctx):
+    from plexus.trainer import fit
+
+    plain, fake = _data_on_cpu_and_fake_gpu()
+    cfg = dict(grid="1x1x1", device="cpu", epochs=3, num_layers=2, hidden=8, lr=0.05)
+    losses = {name: [r["loss"] for r in fit(data, **cfg).history]
+              for name, data in (("plain", plain), ("fake", fake))}
+    return {**losses, "still_on_gpu": all(type(getattr(fake, k)) is _FakeCudaTensor
+                                          for k in ("x", "y", "edge_index", "train_mask"))}

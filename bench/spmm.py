@@ -1,0 +1,248 @@
+"""CPU SpMM ``A @ X``: the row kernel, the cache-blocked kernel and torch's CSR matmul, in one run.
+
+    python bench/spmm.py                          # 200K uniform + R-MAT scale 18, width 128
+    python bench/spmm.py --nodes 20000 --nnz 320000 --rmat-scale 14 --reps 3   # quick
+    python bench/spmm.py --json spmm.json         # also every timing it printed
+
+Kernels (same thread count for all: numba's threads are set to torch's, and printed):
+
+- ``rows``: plexus's row-parallel numba kernel (``BlockSparse`` kernel ``numba-rows``,
+  :func:`plexus.kernels.csr_spmm`), each output row written once;
+- ``blocked``: the cache-blocked kernel with the default slice width (``BlockSparse`` kernel
+  ``numba``, :mod:`plexus.spmm`): column slices sized to the cache, prefetching;
+- ``torch CSR``: ``torch.sparse_csr_tensor(...) @ X`` on the same arrays;
+- ``blocked S=k`` (``--sweep-slices``) and ``blocked t=w`` (``--feature-tiles``): the blocked
+  kernel with ``k`` slices of equal width, or with X's columns in tiles of width ``w``.
+
+Cases: (a) ``uniform``: ``--nodes`` x ``--nodes`` with ``--nnz`` uniform random positions
+(duplicates summed) and (b) ``rmat``: the Graph500 R-MAT edge stream of
+:func:`plexus.data.generators.rmat_edges` (``2**--rmat-scale`` nodes, ``--rmat-edge-factor``
+edges per node, duplicates summed), values uniform in [0, 1), X ``[m, --width]`` float32.
+
+Bytes moved, per SpMM: the compulsory traffic, each array read or written once::
+
+    bytes = indptr + indices + values (their nbytes) + 4 d * (distinct columns with a nonzero)
+            + 4 d * n (the output)
+
+``GB/s = bytes / time``, and ``of copy`` divides it by the copy bandwidth measured in the same
+run (``torch`` copy of ``--copy-mib`` MiB: read + written bytes / time). ``gather GB/s`` counts
+one X row per nonzero instead (``indices + values + 4 d nnz + 4 d n``), the convention of
+bench/gcn_epoch.py. Timing: ``--warmup`` calls of each, then ``--reps`` rounds, each round
+calling every kernel once (and the copy) so all see the same background load; a kernel's time
+is the median over rounds. Target (issue 28): on the ``uniform`` case the blocked kernel moves
+bytes at >= 1.5x the row kernel's rate (``blocked/rows``, the ratio of their times). Timings are
+reported, never asserted: the exit code is 1 only when a blocked variant's output is not
+bit-identical (``torch.equal``) to the row kernel's. ``--json PATH`` writes every round's time
+next to the printed values (tests/bench/test_spmm_bench.py recomputes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from plexus import spmm
+from plexus.data.generators import rmat_edges
+from plexus.sparse import BlockSparse, CSRBlock
+
+TARGET_CASE, TARGET_RATIO = "uniform", 1.5
+
+
+def uniform_matrix(n: int, nnz: int, seed: int) -> sp.csr_matrix:
+    rng = np.random.default_rng(seed)
+    rows, cols = rng.integers(0, n, nnz), rng.integers(0, n, nnz)
+    return sp.csr_matrix((rng.random(nnz, dtype=np.float32), (rows, cols)), shape=(n, n))
+
+
+def rmat_matrix(scale: int, edge_factor: int, seed: int) -> sp.csr_matrix:
+    edges = np.concatenate(list(rmat_edges(scale, edge_factor, seed)), axis=1)  # [2, E]
+    vals = np.random.default_rng(seed).random(edges.shape[1], dtype=np.float32)
+    n = 1 << scale
+    return sp.csr_matrix((vals, (edges[0], edges[1])), shape=(n, n))
+
+
+def compulsory_bytes(block: CSRBlock, width: int) -> int:
+    """indptr + indices + values + referenced X rows once + the output (float32)."""
+    referenced = int(np.count_nonzero(np.bincount(block.indices, minlength=block.shape[1])))
+    return block.nbytes + 4 * width * (referenced + block.shape[0])
+
+
+def gather_bytes(block: CSRBlock, width: int) -> int:
+    """indices + values + one X row per nonzero + the output (bench/gcn_epoch.py's count)."""
+    return (block.indices.nbytes + block.values.nbytes
+            + 4 * width * (block.nnz + block.shape[0]))
+
+
+def copy_round(src: torch.Tensor, dst: torch.Tensor) -> float:
+    t = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t
+
+
+def run_case(name: str, m: sp.csr_matrix, args, copy: tuple[torch.Tensor, torch.Tensor],
+             copy_times: list[float]) -> dict:
+    """Time every kernel on ``m @ X`` in interleaved rounds; check bit-identity."""
+    block = CSRBlock.from_scipy(m)
+    a = BlockSparse([[block]], [m.shape[0]], [m.shape[1]])
+    x = torch.from_numpy(np.random.default_rng(args.seed + 1).standard_normal(
+        (m.shape[1], args.width), dtype=np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+        csr = block.to_torch()
+    cache = spmm.cache_bytes(args.cache_bytes)
+    default_cols = spmm.slice_cols(block.shape, block.nnz, 4 * args.width, cache)
+    t = time.perf_counter()
+    plan = spmm.block_slicing(block, default_cols)
+    build_s = time.perf_counter() - t
+
+    def blocked(cols=None, tile=None):
+        return lambda: a.to("cpu", kernel="numba").matmul(x, slice_cols=cols,
+                                                          feature_tile=tile,
+                                                          cache_bytes=args.cache_bytes)
+
+    kernels = {"rows": lambda: a.to("cpu", kernel="numba-rows").matmul(x),
+               "blocked": blocked(),
+               "torch CSR": lambda: csr @ x}
+    for k in args.sweep_slices:
+        kernels[f"blocked S={k}"] = blocked(cols=math.ceil(m.shape[1] / k))
+    for w in args.feature_tiles:
+        kernels[f"blocked t={w}"] = blocked(tile=w)
+    outputs = {}
+    for kname, fn in kernels.items():  # warm-up (compiles, builds the plans)
+        for _ in range(args.warmup):
+            outputs[kname] = fn()
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    for _ in range(args.reps):
+        copy_times.append(copy_round(*copy))
+        for kname, fn in kernels.items():
+            t = time.perf_counter()
+            outputs[kname] = fn()
+            times[kname].append(time.perf_counter() - t)
+    ref = outputs["rows"]
+    identical = {k: bool(torch.equal(out, ref)) for k, out in outputs.items()
+                 if k.startswith("blocked")}
+    torch_diff = float((outputs["torch CSR"] - ref).abs().max()) if ref.numel() else 0.0
+    return {"name": name, "rows": m.shape[0], "cols": m.shape[1], "nnz": block.nnz,
+            "index_dtype": str(block.indices.dtype), "width": args.width,
+            "bytes": compulsory_bytes(block, args.width),
+            "gather_bytes": gather_bytes(block, args.width),
+            "cache_bytes": cache, "slice_cols": plan.slice_cols,
+            "num_slices": plan.num_slices, "plan_bytes": plan.nbytes,
+            "plan_build_s": build_s, "kernels": {k: {"times_s": v} for k, v in times.items()},
+            "identical": identical, "torch_max_abs_diff": torch_diff}
+
+
+def summarise(case: dict, copy_gbps: float) -> None:
+    """Fill in each kernel's ms, GB/s, gather GB/s, fraction of copy; the blocked/rows ratio."""
+    for k in case["kernels"].values():
+        sec = statistics.median(k["times_s"])
+        k.update(ms=1e3 * sec, gbps=case["bytes"] / sec / 1e9,
+                 gather_gbps=case["gather_bytes"] / sec / 1e9)
+        k["of_copy"] = k["gbps"] / copy_gbps
+    case["ratio"] = case["kernels"]["blocked"]["gbps"] / case["kernels"]["rows"]["gbps"]
+
+
+def print_case(case: dict) -> None:
+    mib = case["cache_bytes"] / 2**20
+    print(f"\n# {case['name']}: {case['rows']:,} x {case['cols']:,}, {case['nnz']:,} nonzeros "
+          f"({case['index_dtype']} indices), X [{case['cols']:,}, {case['width']}] float32")
+    print(f"# bytes = indptr + indices + values + referenced X rows once + output = "
+          f"{case['bytes'] / 1e6:.1f} MB (one X row per nonzero: "
+          f"{case['gather_bytes'] / 1e6:.1f} MB)")
+    print(f"# blocked: cache {mib:.1f} MiB -> {case['slice_cols']:,} columns per slice, "
+          f"{case['num_slices']} slice(s); plan {case['plan_bytes'] / 1e6:.2f} MB, built in "
+          f"{1e3 * case['plan_build_s']:.1f} ms")
+    print(f"{'kernel':16}{'ms':>10}{'GB/s':>9}{'of copy':>9}{'gather GB/s':>13}  identical")
+    for kname, k in case["kernels"].items():
+        same = case["identical"].get(kname)
+        mark = "-" if same is None else ("yes" if same else "NO")
+        print(f"{kname:16}{k['ms']:10.2f}{k['gbps']:9.3f}{k['of_copy']:9.3f}"
+              f"{k['gather_gbps']:13.2f}  {mark}")
+    print(f"blocked/rows = {case['ratio']:.3f}x bytes/s; torch CSR max |diff| vs rows "
+          f"{case['torch_max_abs_diff']:.3g}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=200_000, help="uniform case: n = m")
+    p.add_argument("--nnz", type=int, default=6_400_000, help="uniform case: nonzeros drawn")
+    p.add_argument("--rmat-scale", type=int, default=18, help="R-MAT case: 2**scale nodes")
+    p.add_argument("--rmat-edge-factor", type=int, default=24, help="R-MAT edges per node")
+    p.add_argument("--width", type=int, default=128, help="d, the columns of X")
+    p.add_argument("--reps", type=int, default=5, help="timed rounds")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="default: torch's default")
+    p.add_argument("--cache-bytes", type=int, default=None,
+                   help=f"size the slices for this cache (default: ${spmm.CACHE_ENV}, sysfs)")
+    p.add_argument("--sweep-slices", type=lambda s: [int(v) for v in s.split(",") if v],
+                   default=[1, 2, 4, 8], help="extra rows: the blocked kernel with k slices")
+    p.add_argument("--feature-tiles", type=lambda s: [int(v) for v in s.split(",") if v],
+                   default=[64, 32], help="extra rows: feature tiles of these widths")
+    p.add_argument("--cases", type=lambda s: [v for v in s.split(",") if v],
+                   default=["uniform", "rmat"], help="which cases to run (the target needs "
+                   f"{TARGET_CASE})")
+    p.add_argument("--copy-mib", type=int, default=256, help="copy bandwidth buffer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the measurements here")
+    args = p.parse_args()
+    if any(w < 1 or args.width % w for w in args.feature_tiles):
+        p.error(f"--feature-tiles {args.feature_tiles}: each must divide --width {args.width}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import numba
+
+    from plexus.sparse import _set_numba_threads
+
+    _set_numba_threads()
+    threads = torch.get_num_threads()
+    print(f"threads: torch {threads}, numba {numba.get_num_threads()}; "
+          f"{args.reps} rounds after {args.warmup} warm-up; time = median over rounds")
+    spmm.column_slicing(np.array([0, 1, 2]), np.array([0, 1]), 2, 1)  # load the kernel once,
+    # so that a case's "built in" is the planning alone
+    src = torch.ones((args.copy_mib << 20) // 4)
+    copy = (src, torch.empty_like(src))
+    copy_round(*copy)
+    copy_times: list[float] = []
+    make = {"uniform": lambda: uniform_matrix(args.nodes, args.nnz, args.seed),
+            "rmat": lambda: rmat_matrix(args.rmat_scale, args.rmat_edge_factor, args.seed)}
+    if not args.cases or set(args.cases) - set(make):
+        p.error(f"--cases: choose from {sorted(make)}")
+    results = [run_case(name, make[name](), args, copy, copy_times) for name in args.cases]
+    copy_gbps = 2 * src.numel() * 4 / statistics.median(copy_times) / 1e9
+    print(f"copy bandwidth: {copy_gbps:.2f} GB/s (read + write of {args.copy_mib} MiB, median "
+          f"of {len(copy_times)} copies between the rounds)")
+    for case in results:
+        summarise(case, copy_gbps)
+        print_case(case)
+    target = next((c for c in results if c["name"] == TARGET_CASE), None)
+    ratio = None if target is None else target["ratio"]
+    met = None if ratio is None else ratio >= TARGET_RATIO
+    identical = all(all(c["identical"].values()) for c in results)
+    print(f"\ntarget ({TARGET_CASE}): blocked/rows >= {TARGET_RATIO}x bytes/s: "
+          + ("not run" if ratio is None else f"{'met' if met else 'MISSED'} ({ratio:.3f}x)"))
+    print(f"bit-identical to the row kernel: {'yes' if identical else 'NO'}")
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"threads": threads, "numba_threads": numba.get_num_threads(), "reps": args.reps,
+             "warmup": args.warmup, "copy_bytes": 2 * src.numel() * 4,
+             "copy_times_s": copy_times, "copy_gbps": copy_gbps, "cases": results,
+             "target": {"case": TARGET_CASE, "min_ratio": TARGET_RATIO,
+                        "ratio": ratio, "met": met},
+             "identical": identical}, indent=1))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
