@@ -30,10 +30,9 @@ from typing import Any
 import torch
 
 from common.dist import DistContext
-from common.exchange import max_over_ranks
 from common.failure import preemption_flag
 from common.grid import AXONN_AXES
-from common.memory import peak_bytes
+from common.memory import describe_peaks, peaks_per_rank_max
 from common.parallel import ParallelState
 from common.perf.choose import choose_grid, parse_grid
 from common.perf.gpt import GPTWorkload
@@ -265,8 +264,8 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
                 print(_format_row(row, trainer), flush=True)
 
         history = run(trainer, on_row=on_row, should_stop=preemption_flag())
-        peak = int(max_over_ranks([peak_bytes()], ctx.device, ctx.transport)[0])  # collective
-        summary = _summary(history, time.perf_counter() - start_s, trainer, peak)
+        peaks = peaks_per_rank_max(ctx.device, ctx.transport)  # collective
+        summary = _summary(history, time.perf_counter() - start_s, trainer, peaks)
         metrics.write({"summary": {k: v for k, v in summary.items() if k != "text"}})
     if ctx.is_main:
         if history and history[-1].get("preempted"):
@@ -320,19 +319,20 @@ def _format_row(row: dict[str, Any], trainer: Trainer) -> str:
 
 
 def _summary(history: list[dict[str, Any]], seconds: float, trainer: Trainer,
-             peak: int) -> dict:
-    """The run's summary; ``peak`` is the peak resident bytes per rank (max over ranks)."""
+             peaks: dict[str, int]) -> dict:
+    """The run's summary; ``peaks`` (:func:`common.memory.peaks_per_rank_max`): the peak
+    resident bytes per rank and, on a GPU, the allocator's peaks (max over ranks)."""
+    memory = {f"{k}_per_rank_max": v for k, v in peaks.items()}
     if not history:
-        return {"steps": trainer.step, "peak_bytes_per_rank_max": peak,
+        return {"steps": trainer.step, **memory,
                 "text": f"nothing to do: already at step {trainer.step}"}
     tokens_per_s = steady_mean(history, "tokens") / steady_mean(history, "step_s")
     last = history[-1]
     out = {"steps": trainer.step, "loss": last["loss"], "val_loss": last.get("val_loss"),
-           "tokens_per_s": tokens_per_s, "wall_s": seconds, "peak_bytes_per_rank_max": peak}
+           "tokens_per_s": tokens_per_s, "wall_s": seconds, **memory}
     val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
     out["text"] = (f"done: {trainer.step} steps in {seconds:.1f} s, loss {last['loss']:.4f}"
-                   f"{val}, {tokens_per_s:,.0f} tokens/s, peak memory "
-                   f"{peak / 2**20:,.0f} MiB resident per rank (max)")
+                   f"{val}, {tokens_per_s:,.0f} tokens/s, peak memory {describe_peaks(peaks)}")
     return out
 
 
