@@ -1,10 +1,12 @@
 """Cross-entropy and accuracy with the class axis sharded (docs/design/plexus-3d.md
 section 5).
 
-The logits block is [N/P, C_pad/O] (rows chunk p of the output order, classes chunk o),
-replicated over I. Padded classes count as -inf; padded rows and rows outside the mask
-contribute nothing. The loss is the sum over masked rows divided by the global number of
-masked rows, identical (replicated) on every rank.
+The logits block is [rows, C_pad/O]: rows of chunk p of the output order (all N/P, or only the
+labelled ones when the model's last layer computes those; ``PlexusGCN.output_rows`` selects
+the labels and masks of the same rows), classes chunk o, replicated over I. Padded classes
+count as -inf; padded rows and rows outside the mask contribute nothing. The loss is the sum
+over masked rows divided by the global number of masked rows, identical (replicated) on every
+rank.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def sharded_cross_entropy(
     """Mean cross-entropy over the masked rows of the whole graph.
 
     Args:
-        logits: [N/P, C_pad/O] local block.
-        labels: int64 [N/P] global class ids (-1 where unlabeled or padding).
-        mask: bool [N/P] rows that count (e.g. the training split).
+        logits: [rows, C_pad/O] local block (rows: N/P, or the model's labelled rows).
+        labels: int64 [rows] global class ids (-1 where unlabeled or padding).
+        mask: bool [rows] rows that count (e.g. the training split).
         num_classes: C; classes >= C are padding.
         count: number of masked rows in the whole graph (the divisor).
         group_o, group_p: the groups splitting classes and rows.
@@ -47,12 +49,12 @@ def sharded_cross_entropy(
         A scalar, the same on every rank.
     """
     # the softmax runs on the masked rows only (the same rows on every rank of group_o), so
-    # its temporaries and what backward keeps are [rows, C/O], not [N/P, C/O]; the per-row
-    # all-reduces keep their [N/P] size (common.perf.gcn counts them so)
+    # its temporaries and what backward keeps are [masked, C/O], not [rows, C/O]; the per-row
+    # all-reduces keep the logits' row count (common.perf.gcn counts them so)
     rows = mask.nonzero()[:, 0]
     n = logits.shape[0]
 
-    def full(v: torch.Tensor, fill: float) -> torch.Tensor:  # [rows] -> [N/P]
+    def full(v: torch.Tensor, fill: float) -> torch.Tensor:  # [masked] -> [n]
         return v.new_full((n,), fill).index_put((rows,), v)
 
     sel, lab = logits.index_select(0, rows), labels.index_select(0, rows)
@@ -78,7 +80,7 @@ def sharded_argmax(
     logits: torch.Tensor, *, num_classes: int, group_o: AxisGroup,
     stats: CommStats | None = None,
 ) -> torch.Tensor:
-    """Predicted class of every local row: int64 [N/P]; ties go to the lowest class id."""
+    """Predicted class of every local row: int64 [rows]; ties go to the lowest class id."""
     cls = _class_ids(logits, group_o)
     padded = cls >= num_classes
     z = logits.masked_fill(padded, float("-inf")) if bool(padded.any()) else logits

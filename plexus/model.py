@@ -8,6 +8,9 @@ Layer ``l`` with roles (O, I, P) on rank (o, i, p)::
     Q_l = H_l W_l          [N/P, D_l+1/O], partial over I -> all-reduce over I          (4)
     F_l+1 = relu(Q_l)      (no activation after the last layer)
 
+The last layer can compute only the R output rows of labelled nodes (``labelled_rows_only``):
+its H and Q are [R, D_l/I] and [R, C/O], from the rows of A_l (and S_l) gathered once.
+
 Backward: re-gather W over P (5), reduce-scatter dW over P (6), all-reduce dH over O (7),
 dF = A_l^T dH: reduce-scatter over P at layer 0 (only with trainable features), all-reduce
 over P for layers >= 1 (8); plexus.ops has the operators with both passes written out. The
@@ -25,6 +28,7 @@ from common import autograd, flat
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
+from common.perf.gcn import labelled_rows_pay
 from common.slab import Slab
 from plexus import layout, ops, shards
 from plexus.config import MODELS, NORMS
@@ -78,10 +82,23 @@ class PlexusGCN(nn.Module):
             same ``S`` block as GraphSAGE's root term (built from the permutations if the
             shard has none); its columns, split over I, are placed at their place in the
             output's O split and summed over I: one all-reduce of Q's size, nothing full-size.
+        labelled_rows_only: the last layer computes only the output rows of nodes in a split
+            (train, val or test; :attr:`labelled_rows`), which are all that the loss and the
+            accuracies read: its SpMM runs over those rows of ``A`` (and ``S``), gathered once
+            (:meth:`GraphShard.restrict_last_layer`), and its H, Q, logits and collectives (2),
+            (4), (7) shrink to them. None (default): when at most half the nodes are labelled
+            (:func:`common.perf.gcn.labelled_rows_pay`; on a fully labelled graph the
+            gathered rows would copy the whole block for nothing). ``forward(all_rows=True)``
+            computes every row (:func:`plexus.trainer.predictions`).
+
+    Each logit row is the same sum in the same order either way, so the logits, the loss and
+    the accuracies agree bit for bit where the all-reduces over O and I add two operands
+    (groups of 1 or 2); the last layer's ``dW = H^T dQ`` runs over fewer rows (the others are
+    zero), so it agrees to float rounding (tests/plexus/test_model.py).
 
     Shapes:
-        forward() -> logits [N/P, C_pad/O] of the last layer's roles, rows in output order,
-        replicated over I.
+        forward() -> logits [R, C_pad/O] of the last layer's roles (R: :attr:`labelled_rows`,
+        or all N/P rows), rows in output order, replicated over I.
     """
 
     def __init__(
@@ -97,6 +114,7 @@ class PlexusGCN(nn.Module):
         norm: str = "none",
         normalize_features: bool = False,
         residual: bool = False,
+        labelled_rows_only: bool | None = None,
     ) -> None:
         super().__init__()
         if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
@@ -144,24 +162,35 @@ class PlexusGCN(nn.Module):
         # a second [N/P, D_0/I] block (common.perf.gcn counts the cache the same way).
         self.cache_first_aggregation = not learn_features and dropout == 0
         self._h0: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._h0_rows_only = False  # a one-layer model caches the rows its pass computed
         self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        labelled = sum(shard.split_counts.values()) / max(shard.num_nodes, 1)
+        self.labelled_rows: torch.Tensor | None  # int64 [R]: output rows the logits hold
+        rows = None
+        if labelled_rows_pay(labelled, labelled_rows_only):
+            shard.restrict_last_layer(root=model == "sage")
+            rows = shard.labelled_rows()
+        self.register_buffer("labelled_rows", rows, persistent=False)
 
     # ------------------------------------------------------------------ the layer
-    def forward(self, stats: CommStats | None = None, *, step: int = 0) -> torch.Tensor:
-        """Logits (class docstring); ``step`` keys the dropout masks (the epoch).
+    def forward(self, stats: CommStats | None = None, *, step: int = 0,
+                all_rows: bool = False) -> torch.Tensor:
+        """Logits (class docstring); ``step`` keys the dropout masks (the epoch); ``all_rows``
+        computes every output row even with :attr:`labelled_rows` (predictions of every node).
 
         One line per equation. Each name is rebound or cleared as soon as its tensor is spent,
         so a layer's input is freed once aggregated and H once multiplied (peak memory).
         """
         f = None
         for layer in range(self.num_layers):
-            if layer == 0 and self._h0 is not None:  # fixed F_0, no dropout: H_0 of a past pass
-                (h, r), skip = self._h0, None
+            rows_only = self._rows_only(layer, all_rows)   # last layer: labelled rows only
+            if layer == 0 and self._h0 is not None and self._h0_rows_only == rows_only:
+                (h, r), skip = self._h0, None              # fixed F_0, no dropout: a past H_0
             else:
                 f = self._input(layer, f, stats)           # F_l, replicated over P    (1) or (8)
                 skip = self._skip(layer, f, stats)         # F_l in Q's layout (residual) or None
                 f = self._dropout(layer, f, step)          # F' = dropout(F_l)
-                h, r = self._aggregate(layer, f, stats)    # H = A F', R = S F' (SAGE)  (2), (7)
+                h, r = self._aggregate(layer, f, stats, rows_only)  # H = A F', R = S F' (2), (7)
                 f = None
             q = self._matmul(layer, h, self.weights, stats)                # H W_l   (3), (5), (6)
             h = None
@@ -190,14 +219,40 @@ class PlexusGCN(nn.Module):
             return f
         return apply_dropout(f, self._keep_mask(layer, step, f.device), self.dropout)
 
-    def _aggregate(self, layer: int, f: torch.Tensor, stats: CommStats | None):
-        """(H, R): ``A_l F'`` and, for SAGE, ``S_l F'``; kept for the next passes at layer 0
-        when :attr:`cache_first_aggregation`."""
-        h = self._spmm_o(self.shard.adj, layer, f, stats)
-        r = self._spmm_o(self.shard.root, layer, f, stats) if self.kind == "sage" else None
+    def _rows_only(self, layer: int, all_rows: bool) -> bool:
+        return self.labelled_rows is not None and not all_rows and layer == self.num_layers - 1
+
+    def _aggregate(self, layer: int, f: torch.Tensor, stats: CommStats | None,
+                   rows_only: bool = False):
+        """(H, R): ``A_l F'`` and, for SAGE, ``S_l F'`` ([N/P, D_l/I], or the labelled rows
+        [R, D_l/I] with ``rows_only``); kept for the next passes at layer 0 when
+        :attr:`cache_first_aggregation`."""
+        adj, root = self.shard.adj, self.shard.root
+        if rows_only:
+            adj, root = self._labelled_blocks(layer)
+        h = self._spmm_o(adj, layer, f, stats)
+        r = self._spmm_o(root, layer, f, stats) if self.kind == "sage" else None
         if layer == 0 and self.cache_first_aggregation:
             self._h0 = (h.detach(), None if r is None else r.detach())
+            self._h0_rows_only = rows_only
         return h, r
+
+    def _labelled_blocks(self, layer: int):
+        """({layer % 6: the labelled rows of A_l}, the same of S_l or None), on the device and
+        with the kernel of the full blocks (moved on first use: ``BlockSparse.to`` after the
+        trainer uploads the full ones)."""
+        sh, key = self.shard, layer % 6
+        out = []
+        for sub, full in ((sh.labelled_adj, sh.adj), (sh.labelled_root, sh.root)):
+            if sub is None or full is None:
+                out.append(None)
+                continue
+            ref = full[key].a
+            for m in (sub.a, sub.a_t):
+                if m.device != ref.device or m.kernel != ref.kernel:
+                    m.to(ref.device, kernel=ref.kernel)
+            out.append({key: sub})
+        return out[0], out[1]
 
     def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None):
         """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
@@ -245,6 +300,16 @@ class PlexusGCN(nn.Module):
         part, left = (r[:, lo - lo_in: hi - lo_in], lo - lo_out) if hi > lo else (r[:, :0], 0)
         placed = torch.nn.functional.pad(part, (left, w_out - left - part.shape[1]))
         return autograd.all_reduce_identity(placed, g[i_ax], stats)
+
+    def output_rows(self, t: torch.Tensor, *, all_rows: bool = False) -> torch.Tensor:
+        """The rows of a per-output-row tensor ``t`` [N/P, ...] (labels, split masks) that the
+        logits of ``forward(all_rows=all_rows)`` hold: ``t`` itself, or its labelled rows.
+
+        Shapes: [N/P, ...] -> [R, ...]
+        """
+        if all_rows or self.labelled_rows is None:
+            return t
+        return t.index_select(0, self.labelled_rows.to(t.device))
 
     # ------------------------------------------------------------------ set-up helpers
     def _input_ids(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

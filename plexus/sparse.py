@@ -13,9 +13,15 @@ accumulate into the same output rows. By default (``auto``, ``numba``) it is cac
 and torch's). Without numba, on a GPU, or with ``kernel="torch"`` (``plexus.train --spmm
 torch``), each block goes through ``torch.sparse`` instead.
 
+``take_rows`` and ``transpose`` copy a row subset of a matrix and its transpose, once, for a
+layer that computes only some output rows (the last layer on the labelled rows,
+plexus.data.shard.GraphShard.restrict_last_layer); the subset's rows multiply bit for bit as
+the full matrix's.
+
 Shapes:
     CSRBlock:  indptr [rows+1] int32/int64, indices [nnz] int32/int64, values [nnz] float32
     matmul:    [n, m] @ [m, d] -> [n, d]
+    take_rows: [n, m] -> [R, m] (one row band)
 """
 
 from __future__ import annotations
@@ -63,6 +69,50 @@ class CSRBlock:
 
     def to_scipy(self) -> sp.csr_matrix:
         return sp.csr_matrix((self.values, self.indices, self.indptr), shape=self.shape)
+
+    def take_rows(self, rows: np.ndarray) -> CSRBlock:
+        """Rows ``rows`` (ascending local row ids) gathered into a new block, each row's
+        nonzeros in their stored order: a copy of ``len(rows) + 1`` indptr entries and of the
+        rows' nonzeros (the source arrays, mapped or not, are only read).
+
+        Shapes: [rows_in, m] -> [len(rows), m]
+        """
+        indptr = _host(self.indptr)
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = indptr[rows].astype(np.int64)
+        lengths = indptr[rows + 1].astype(np.int64) - starts
+        out_ptr = np.zeros(rows.size + 1, dtype=indptr.dtype)
+        np.cumsum(lengths, out=out_ptr[1:])
+        take = np.repeat(starts - out_ptr[:-1], lengths) + np.arange(int(out_ptr[-1]))
+        return CSRBlock(out_ptr, np.asarray(_host(self.indices))[take],
+                        np.asarray(_host(self.values))[take],
+                        (int(rows.size), self.shape[1]))
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int]) -> CSRBlock:
+        """A block of ``shape`` without nonzeros."""
+        return cls(np.zeros(shape[0] + 1, dtype=np.int32), np.zeros(0, dtype=np.int32),
+                   np.zeros(0, dtype=np.float32), shape)
+
+    @classmethod
+    def vstack(cls, parts: list[CSRBlock]) -> CSRBlock:
+        """The blocks ``parts`` (equal widths) one above the other, as one block (a copy)."""
+        dtype = np.result_type(*(p.indptr.dtype for p in parts), *(p.indices.dtype
+                                                                  for p in parts))
+        nnz = np.cumsum([0] + [p.nnz for p in parts])
+        indptr = np.concatenate([np.zeros(1, dtype=dtype)] + [
+            np.asarray(p.indptr[1:], dtype=dtype) - p.indptr[0] + off
+            for p, off in zip(parts, nnz)])
+        return cls(indptr, np.concatenate([np.asarray(p.indices, dtype=dtype) for p in parts]),
+                   np.concatenate([p.values for p in parts]),
+                   (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    def transpose(self) -> CSRBlock:
+        """The CSR of this block's transpose, columns ascending in every row (as the
+        transposed blocks of plexus.data are stored). Shapes: [n, m] -> [m, n]"""
+        m = sp.csr_matrix((_host(self.values), _host(self.indices), _host(self.indptr)),
+                          shape=self.shape)
+        return CSRBlock.from_scipy(m.T.tocsr())
 
     def to_torch(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """A torch CSR tensor on ``device``: one copy of the arrays there (none on the CPU,
@@ -126,6 +176,43 @@ class BlockSparse:
         """Yield every index and value array (to count distinct memory across matrices)."""
         for _, _, b in self.present():
             yield from (b.indptr, b.indices, b.values)
+
+    def take_rows(self, rows: np.ndarray) -> BlockSparse:
+        """The rows ``rows`` (ascending) of this matrix as a new ``[len(rows), m]`` matrix of
+        one row band and the same column bands: each column band's block stacks the rows of
+        ``rows`` from the blocks above each other (:meth:`CSRBlock.take_rows`; a copy of those
+        rows only). Every output row sums the same nonzeros in the same order as here, so
+        :meth:`matmul` gives bit-identical rows, and the transpose has one column band.
+
+        Shapes: [n, m] -> [len(rows), m]
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (np.any(np.diff(rows) <= 0) or rows[0] < 0 or rows[-1] >= self.shape[0]):
+            raise ValueError(f"rows must ascend within [0, {self.shape[0]})")
+        ro, co = self.row_offsets, self.col_offsets
+        cuts = np.searchsorted(rows, ro)  # rows[cuts[r]:cuts[r + 1]] fall in row band r
+        bands = [rows[cuts[r]:cuts[r + 1]] - ro[r] for r in range(len(self.blocks))]
+        stacked: list[CSRBlock | None] = []
+        for c in range(len(co) - 1):
+            column = [row[c] for row in self.blocks]
+            if all(b is None for b in column):
+                stacked.append(None)
+                continue
+            stacked.append(CSRBlock.vstack([
+                CSRBlock.empty((band.size, co[c + 1] - co[c])) if b is None
+                else b.take_rows(band) for b, band in zip(column, bands)]))
+        out = BlockSparse([stacked], [int(rows.size)], np.diff(co).tolist())
+        out.kernel = self.kernel
+        return out
+
+    def transpose(self) -> BlockSparse:
+        """The transpose ``[m, n]``, block by block (:meth:`CSRBlock.transpose`; a copy)."""
+        blocks = [[None if b is None else b.transpose() for b in col]
+                  for col in zip(*self.blocks)]
+        out = BlockSparse(blocks, np.diff(self.col_offsets).tolist(),
+                          np.diff(self.row_offsets).tolist())
+        out.kernel = self.kernel
+        return out
 
     def to_scipy(self) -> sp.csr_matrix:
         """The whole matrix, assembled (tests and small graphs only)."""
@@ -263,6 +350,11 @@ class BlockSparse:
             if first:  # an empty block row
                 out[rows].zero_()
         return out
+
+
+def _host(a) -> np.ndarray:
+    """A block array as numpy: itself, or a device tensor's host copy."""
+    return a.cpu().numpy() if isinstance(a, torch.Tensor) else a
 
 
 @cache

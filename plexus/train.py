@@ -110,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learn-features", action="store_true",
                    help="make the input features trainable parameters")
     p.add_argument("--epochs", type=int, default=r.epochs)
+    p.add_argument("--eval-every", type=int, default=r.eval_every, metavar="N",
+                   help="evaluate (an eval-mode forward, accuracies on every split) after "
+                   "every N-th epoch and the last; the best validation epoch is chosen among "
+                   "the evaluated ones (PyG's examples evaluate every epoch)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=o.optimizer,
                    help="adam: weight decay as an L2 term (PyG/OGB examples); adamw: decoupled")
     p.add_argument("--lr", type=float, default=o.lr)
@@ -161,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         e = row["epoch"]
         if ctx.is_main and (e == 1 or e % max(args.log_every, 1) == 0 or e == args.epochs):
             share = row["comm_s"] / row["epoch_s"] if row["epoch_s"] else 0.0
-            print(f"epoch {e:>4}/{args.epochs}  loss {row['loss']:.4f}  "
-                  f"train {100 * row['train_acc']:5.2f}%  val {100 * row['val_acc']:5.2f}%  "
-                  f"test {100 * row['test_acc']:5.2f}%  {1000 * row['epoch_s']:8.1f} ms/epoch  "
-                  f"comm {100 * share:4.1f}%", flush=True)
+            acc = (f"train {100 * row['train_acc']:5.2f}%  val {100 * row['val_acc']:5.2f}%  "
+                   f"test {100 * row['test_acc']:5.2f}%  " if "val_acc" in row else
+                   f"{'(not evaluated)':<39}")  # --eval-every: the columns stay aligned
+            print(f"epoch {e:>4}/{args.epochs}  loss {row['loss']:.4f}  {acc}"
+                  f"{1000 * row['epoch_s']:8.1f} ms/epoch  comm {100 * share:4.1f}%",
+                  flush=True)
 
     def train() -> TrainResult:
         run_cfg = dataclasses.replace(configs["run"], seed=args.seed + run_index)
@@ -222,7 +228,8 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
                              residual=args.residual),
         "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
                              weight_decay=args.weight_decay),
-        "run": RunConfig(epochs=args.epochs, seed=args.seed, spmm=args.spmm,
+        "run": RunConfig(epochs=args.epochs, eval_every=args.eval_every, seed=args.seed,
+                         spmm=args.spmm,
                          retain_freed_memory=args.retain_freed_memory),
     }
     configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth
@@ -324,10 +331,12 @@ def _summary(result: TrainResult, source: ShardSource, grid: ProcessGrid, ctx: D
         "comm_bytes_per_epoch": hist[-1]["comm_bytes"] if hist else 0,
         "memory_per_rank_max": {**result.info.get("memory_per_rank_max", {}),
                                 **peaks_per_rank_max(ctx.device, ctx.transport)},
-        "final": {k: hist[-1][k] for k in ("loss", "train_acc", "val_acc", "test_acc")}
-        if hist else {},
+        "final": {k: hist[-1].get(k) for k in ("loss", "train_acc", "val_acc", "test_acc")}
+        if hist else {},  # accuracies None only if a resumed run's last epoch was not evaluated
         "best_val": {"epoch": best.get("epoch"), "val_acc": best.get("val_acc"),
-                     "test_acc": best.get("test_acc")},
+                     "test_acc": best.get("test_acc"),  # among the evaluated epochs
+                     "evaluated_epochs": sum("val_acc" in r for r in hist),
+                     "eval_every": cfg["run"]["eval_every"]},
     }
     if source.name.startswith("ogbn-") and hist:
         from plexus.data.ogb import ogb_accuracy
@@ -357,10 +366,15 @@ def _print_summary(s: dict[str, Any]) -> None:
     ]
     if s["final"]:
         f, b = s["final"], s["best_val"]
-        rows.append(("final", f"loss {f['loss']:.4f}, train {100 * f['train_acc']:.2f}%, "
-                              f"val {100 * f['val_acc']:.2f}%, test {100 * f['test_acc']:.2f}%"))
-        rows.append(("best val", f"epoch {b['epoch']}: val {100 * b['val_acc']:.2f}%, "
-                                 f"test {100 * b['test_acc']:.2f}%"))
+        acc = (f", train {100 * f['train_acc']:.2f}%, val {100 * f['val_acc']:.2f}%, test "
+               f"{100 * f['test_acc']:.2f}%" if f["val_acc"] is not None else " (not evaluated)")
+        rows.append(("final", f"loss {f['loss']:.4f}{acc}"))
+        if b["epoch"] is not None:
+            n, every = b["evaluated_epochs"], b["eval_every"]
+            rows.append(("best val", f"epoch {b['epoch']}: val {100 * b['val_acc']:.2f}%, "
+                                     f"test {100 * b['test_acc']:.2f}% (over the {n} evaluated "
+                                     f"epoch{'s' * (n != 1)}, "
+                                     f"{'every epoch' if every == 1 else f'every {every}'})"))
     for key, label in (("ogb_evaluator", "OGB Evaluator"),
                        ("ogb_evaluator_best_val", "  at best val")):
         if key in s:

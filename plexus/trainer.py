@@ -118,8 +118,9 @@ class Trainer:
     optimizer, the epoch counter, the history and the best validation epoch.
 
     Accuracies are measured as PyG's examples do: an eval-mode forward pass (no dropout, batch
-    norm on its running statistics) on the weights after the epoch's update. Model selection
-    as OGB does it: :attr:`best` holds the epoch of best validation accuracy and its
+    norm on its running statistics) on the weights after the epoch's update, every
+    ``run.eval_every`` epochs and after the last (:func:`run`). Model selection as OGB does it,
+    among the evaluated epochs: :attr:`best` holds the epoch of best validation accuracy and its
     accuracies, :attr:`best_state` a copy of this rank's shards at that epoch (None when a
     resumed run's earlier epoch stays best: those shards are not kept).
 
@@ -201,8 +202,10 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        logits = self.model(self.stats, step=self.epoch)
-        loss = sharded_cross_entropy(logits, self.labels, self.masks["train"],
+        logits = self.model(self.stats, step=self.epoch)  # the rows of model.output_rows
+        net = self.model
+        loss = sharded_cross_entropy(logits, net.output_rows(self.labels),
+                                     net.output_rows(self.masks["train"]),
                                      num_classes=self.shard.num_classes,
                                      count=self.shard.split_counts["train"],
                                      group_o=self.group_o, group_p=self.group_p,
@@ -225,17 +228,22 @@ class Trainer:
         """Accuracy on every split of an eval-mode forward pass (collective), and its time."""
         start = time.perf_counter()
         self.model.eval()
-        pred = sharded_argmax(self.model(), num_classes=self.shard.num_classes,
-                              group_o=self.group_o)
-        correct = correct_counts(pred, self.labels, self.masks, self.group_p)
+        net = self.model
+        pred = sharded_argmax(net(), num_classes=self.shard.num_classes, group_o=self.group_o)
+        correct = correct_counts(pred, net.output_rows(self.labels),
+                                 {s: net.output_rows(m) for s, m in self.masks.items()},
+                                 self.group_p)
         counts = self.shard.split_counts
         return {**{f"{s}_acc": correct[s] / max(counts[s], 1) for s in SPLITS},
                 "eval_s": time.perf_counter() - start}
 
     def record(self, row: dict[str, Any], *, keep_state: bool = True) -> None:
-        """Append an evaluated epoch to the history; if its validation accuracy is the best so
-        far, it becomes :attr:`best` (with a copy of this rank's shards, ``keep_state``)."""
+        """Append an epoch's row to the history. If it was evaluated (it has ``val_acc``; with
+        ``eval_every`` > 1 most are not) and its validation accuracy is the best so far, it
+        becomes :attr:`best` (with a copy of this rank's shards, ``keep_state``)."""
         self.history.append(row)
+        if "val_acc" not in row:
+            return
         if self.best is None or row["val_acc"] > self.best["val_acc"]:
             self.best = {k: row[k] for k in BEST_KEYS}
             self.best_state = _state(self.model) if keep_state else None
@@ -259,26 +267,31 @@ class Trainer:
 def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None,
         on_row: Callable[[dict[str, Any]], None] | None = None,
         should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
-    """The training loop: train an epoch, evaluate it, record it, report, checkpoint; returns
-    this call's rows (``trainer.history`` holds a resumed run's earlier ones too).
+    """The training loop: train an epoch, evaluate it (every ``run_cfg.eval_every`` epochs and
+    the last), record it, report, checkpoint; returns this call's rows (``trainer.history``
+    holds a resumed run's earlier ones too). Rows of epochs not evaluated have no ``*_acc`` and
+    no ``eval_s`` (as llm's rows without ``val_loss``).
 
     Every rank calls it, after :meth:`Trainer.resume` when resuming. ``checkpoint``: default
     the trainer's. ``should_stop`` (a preemption flag) is agreed over all ranks after every
-    epoch; when it fires, the loop checkpoints (if ``checkpoint.dir``), sets
-    ``trainer.preempted`` and returns early.
+    epoch; when it fires, the loop evaluates that epoch, checkpoints (if ``checkpoint.dir``),
+    sets ``trainer.preempted`` and returns early.
     """
     ck, epochs = checkpoint or trainer.checkpoint, trainer.run_cfg.epochs
-    p = trainer.parallel
+    p, every = trainer.parallel, trainer.run_cfg.eval_every
     rows = []
     while trainer.epoch < epochs:
         row = trainer.train_step()
-        row.update(trainer.evaluate())
+        stop = should_stop is not None and any_rank(should_stop(), p.device, p.transport)
+        last = stop or trainer.epoch == epochs
+        if last or trainer.epoch % every == 0:
+            # draws no random numbers (dropout masks are hashed) and only reads batch norm's
+            # running statistics: training is the same whether or not an epoch is evaluated
+            row.update(trainer.evaluate())
         trainer.record(row)
         rows.append(row)
         if on_row is not None:
             on_row(row)
-        stop = should_stop is not None and any_rank(should_stop(), p.device, p.transport)
-        last = stop or trainer.epoch == epochs
         if ck.dir and (last or (ck.every and trainer.epoch % ck.every == 0)):
             trainer.save(ck.dir, keep=ck.keep)
         if stop:
@@ -395,11 +408,13 @@ def _load_state(net: PlexusGCN, state: dict[str, torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def _gathered_outputs(result: TrainResult, best: bool = False) -> tuple[torch.Tensor, ...]:
+def _gathered_outputs(result: TrainResult, best: bool = False, all_rows: bool = False
+                      ) -> tuple[torch.Tensor, ...]:
     """(predicted class, label, split code, original node id) of every padded output row,
     gathered over P onto every rank: int64 [N_pad] each (node id -1 on padding). One forward
     pass in eval mode, on the final weights (or, with ``best``, those of the best validation
-    epoch, when this run kept them)."""
+    epoch, when this run kept them). A model on labelled rows only predicts the rows in a
+    split (the others get -1) unless ``all_rows``: then the pass computes every row."""
     o_ax, _, p_ax = layout.roles(result.model.num_layers - 1)
     shard, g_p, net = result.shard, result.groups[p_ax], result.model
     saved = result.info.get("best_state") if best else None
@@ -407,10 +422,14 @@ def _gathered_outputs(result: TrainResult, best: bool = False) -> tuple[torch.Te
     if saved:
         final = _state(net)
         _load_state(net, saved)
-    logits = net()
+    logits = net(all_rows=all_rows)
     if saved:
         _load_state(net, final)
     pred = sharded_argmax(logits, num_classes=shard.num_classes, group_o=result.groups[o_ax])
+    held = None if all_rows else net.labelled_rows
+    if held is not None:  # labelled rows only: -1 on the others
+        pred = torch.full(shard.labels.shape, -1, dtype=pred.dtype,
+                          device=pred.device).index_copy_(0, held.to(pred.device), pred)
     code = torch.zeros_like(shard.labels)
     for i, s in enumerate(SPLITS, start=1):
         code[shard.masks[s]] = i
@@ -423,9 +442,11 @@ def _gathered_outputs(result: TrainResult, best: bool = False) -> tuple[torch.Te
 def predictions(result: TrainResult) -> torch.Tensor:
     """Predicted class of every node in original order, on every rank (collective).
 
-    Gathers the [N/P] prediction vectors over P; costs one forward pass.
+    Gathers the [N/P] prediction vectors over P; costs one forward pass over every row
+    (``forward(all_rows=True)``: on a model whose last layer runs on the labelled rows, this
+    pass alone holds the logits of every node).
     """
-    pred, _, _, rows = _gathered_outputs(result)
+    pred, _, _, rows = _gathered_outputs(result, all_rows=True)
     out = torch.full((result.shard.num_nodes,), -1, dtype=torch.int64)
     real = rows >= 0
     out[rows[real]] = pred[real]
@@ -436,6 +457,8 @@ def split_predictions(result: TrainResult, *, best: bool = False
                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{split: (labels, predicted classes)}`` of every split's nodes under the final model
     (or the best validation epoch's, with ``best``), on every rank (collective; for the OGB
-    Evaluator). Works on any source: the labels come from the shards, not a whole graph."""
+    Evaluator). Works on any source: the labels come from the shards, not a whole graph. The
+    forward pass computes the split rows only when the model's last layer does (the same
+    logits, so the same Evaluator numbers)."""
     pred, labels, code, _ = _gathered_outputs(result, best)
     return {s: (labels[code == i], pred[code == i]) for i, s in enumerate(SPLITS, start=1)}

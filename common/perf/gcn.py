@@ -18,9 +18,16 @@ a second weight: (2), (3), (5), (6) and (7) run twice; (1), (4) and (8) once.
 With fixed features ``H_0`` is cached after the first epoch, so a steady
 epoch skips (1), (2) and the layer-0 SpMM, and nothing flows back into layer 0's aggregation:
 (5), (7), (8) and the SpMM with ``A_0^T`` are skipped too. The trainer adds the sharded loss
-(plexus/loss.py): three all-reduces of ``[N/P]`` over O and one scalar over P. An epoch is the
+(plexus/loss.py): three all-reduces of ``[R]`` over O and one scalar over P. An epoch is the
 training step the trainer times (``epoch_s``), of the paper's bare model (no bias, dropout or
 norm); the evaluation forward after it (``eval_s``) is not modelled.
+
+The last layer computes only the ``R`` output rows of labelled nodes when at most half the
+nodes are labelled (:func:`labelled_rows_pay`, as plexus.model does): its SpMM reads those
+rows of ``A`` (about ``R / (N/P)`` of the block's nonzeros), its ``H``, ``Q`` and the loss
+are ``R`` rows, and the gathered rows and their transpose are kept beside the full block.
+``R = round(labelled_fraction * num_nodes / P)``, the mean over the ranks; otherwise
+``R = N/P``.
 
 Compute per rank:
 
@@ -58,6 +65,7 @@ from common.perf.model import (
 )
 
 AXES: tuple[str, ...] = ("x", "y", "z")
+LABELLED_ROWS_MAX_SHARE = 0.5  # labelled_rows_pay: above it the gathered rows cost more
 ROLES: tuple[tuple[str, str, str], ...] = (("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"))
 F32 = 4
 
@@ -65,6 +73,15 @@ F32 = 4
 def roles(layer: int) -> tuple[str, str, str]:
     """(outer, inner, depth) axes of ``layer`` (same rotation as plexus.partition.roles)."""
     return ROLES[layer % 3]
+
+
+def labelled_rows_pay(labelled_fraction: float, option: bool | None = None) -> bool:
+    """Whether the last layer runs on the labelled rows only (plexus.model.PlexusGCN's
+    ``labelled_rows_only``): ``option`` when given, else when at most
+    :data:`LABELLED_ROWS_MAX_SHARE` of the nodes are labelled. Gathering the labelled rows of
+    the last layer's block copies ``labelled_fraction`` of it (twice, with the transpose),
+    which near 1 costs more memory than the skipped rows of H and the logits save."""
+    return labelled_fraction <= LABELLED_ROWS_MAX_SHARE if option is None else option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +103,10 @@ class GCNWorkload:
         imbalance: max/mean nonzeros per adjacency block (about 1 with the double
             permutation); scales the SpMM time of the slowest rank.
         index_bytes: CSR index width; None picks int32 when it fits, as plexus.shard does.
+        labelled_fraction: share of the nodes in a split (train, val or test): 1.0 for
+            ogbn-products, 0.014 for ogbn-papers100M.
+        labelled_rows_only: the model's option of that name (None: :func:`labelled_rows_pay`
+            decides from ``labelled_fraction``).
     """
 
     name: str = "graph"
@@ -101,6 +122,8 @@ class GCNWorkload:
     dropout: float = 0.0
     imbalance: float = 1.0
     index_bytes: int | None = None
+    labelled_fraction: float = 1.0
+    labelled_rows_only: bool | None = None
 
     def __post_init__(self) -> None:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
@@ -112,6 +135,9 @@ class GCNWorkload:
             raise ValueError(f"imbalance is max/mean nonzeros, >= 1; got {self.imbalance}")
         if self.index_bytes not in (None, 4, 8):
             raise ValueError(f"index_bytes must be 4, 8 or None, got {self.index_bytes}")
+        if not 0 <= self.labelled_fraction <= 1:
+            raise ValueError(f"labelled_fraction is a share of the nodes, in [0, 1]; got "
+                             f"{self.labelled_fraction}")
 
     @property
     def widths(self) -> list[int]:
@@ -136,6 +162,15 @@ class GCNWorkload:
         """Aggregations (and weights) per layer: 1 for GCN, 2 for GraphSAGE (mean + root)."""
         return 2 if self.model == "sage" else 1
 
+    def output_rows(self, shape: Mapping[str, int]) -> int:
+        """R, the last layer's output rows per rank: the labelled ones when
+        :func:`labelled_rows_pay`, else all ``N/P`` (padded)."""
+        n, _ = self.padded(shape)
+        num_p = shape[roles(self.num_layers - 1)[2]]
+        if not labelled_rows_pay(self.labelled_fraction, self.labelled_rows_only):
+            return n // num_p
+        return min(n // num_p, round(self.labelled_fraction * self.num_nodes / num_p))
+
     def index_width(self) -> int:
         if self.index_bytes is not None:
             return self.index_bytes
@@ -157,7 +192,9 @@ def ogbn_products(**kw: Any) -> GCNWorkload:
 
 
 def ogbn_papers100m(**kw: Any) -> GCNWorkload:
-    """ogbn-papers100M: 111,059,956 nodes, 1,726,745,828 nonzeros, 128 features, 172 classes."""
+    """ogbn-papers100M: 111,059,956 nodes, 1,726,745,828 nonzeros, 128 features, 172 classes;
+    1,546,782 nodes (1.4%) in the train, valid and test splits."""
+    kw.setdefault("labelled_fraction", 1_546_782 / 111_059_956)
     return GCNWorkload(name="ogbn-papers100M", num_nodes=111_059_956, nnz=1_726_745_828,
                        num_features=128, num_classes=172, **kw)
 
@@ -179,13 +216,15 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
     def flat(numel: int, g: int) -> int:
         return round_up(numel, g) * F32
 
+    last_rows = work.output_rows(shape)
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
         O, I, P = shape[o], shape[i], shape[p]  # noqa: N806 - the paper's names
         f_block = (n // O) * (w[layer] // I)
         w_flat = flat((w[layer] // I) * (w[layer + 1] // O), P)
-        h_bytes = (n // P) * (w[layer] // I) * F32
-        q_bytes = (n // P) * (w[layer + 1] // O) * F32
+        rows = last_rows if layer == work.num_layers - 1 else n // P
+        h_bytes = rows * (w[layer] // I) * F32
+        q_bytes = rows * (w[layer + 1] // O) * F32
         forward, backward = work._runs(layer, first_epoch)
         if layer == 0 and forward:
             out.append(Collective(p, "all_gather", flat(f_block, P)))  # (1)
@@ -204,8 +243,7 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
                 out.append(Collective(p, "all_reduce", f_block * F32))  # (8)
     if loss:
         o, _, p = roles(work.num_layers - 1)
-        rows = n // shape[p]
-        out.append(Collective(o, "all_reduce", rows * F32, count=3))  # max, sum-exp, target
+        out.append(Collective(o, "all_reduce", last_rows * F32, count=3))  # max, sum-exp, target
         out.append(Collective(p, "all_reduce", F32))  # the loss sum
     return out
 
@@ -229,12 +267,16 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
     idx, line = work.index_width(), machine.cache_line
     spmm = gemm = moved = 0.0
     params = 0
+    last_rows = work.output_rows(shape)
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
         O, I, P = shape[o], shape[i], shape[p]  # noqa: N806
         a, b, rows = w[layer] // I, w[layer + 1] // O, n // P
-        nnz = work.imbalance * work.nnz / (P * O)
-        root = work.num_nodes / (P * O)  # GraphSAGE's S block
+        kept = 1.0  # share of the block's rows (and so nonzeros) the layer computes
+        if layer == work.num_layers - 1:
+            kept, rows = last_rows / rows, last_rows
+        nnz = kept * work.imbalance * work.nnz / (P * O)
+        root = kept * work.num_nodes / (P * O)  # GraphSAGE's S block
         k = work.terms
         forward, backward = work._runs(layer, first_epoch)
         for blk in [nnz, root][:k]:
@@ -252,7 +294,7 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
             moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
         params += k * round_up(a * b, P) // P
     o, _, p = roles(work.num_layers - 1)
-    moved += 12 * (n // shape[p]) * (w[-1] // shape[o]) * F32  # loss, softmax, argmax passes
+    moved += 12 * last_rows * (w[-1] // shape[o]) * F32  # loss, softmax, argmax passes
     params += round_up((n // shape["x"]) * (w[0] // shape["y"]), shape["z"]) // shape["z"] * (
         work.learn_features)
     moved += 7 * params * F32  # AdamW: read param, grad, 2 moments; write param, 2 moments
@@ -261,10 +303,12 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
 
 
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
-    """Bytes per rank: adjacency (+ transposes), features, weights with AdamW state,
-    activations kept for backward, and the largest transient buffer."""
+    """Bytes per rank: adjacency (+ transposes, + the last layer's labelled rows), features,
+    weights with AdamW state, activations kept for backward, and the largest transient
+    buffer."""
     n, w = work.padded(shape)
     idx, k = work.index_width(), work.terms
+    last, last_rows = work.num_layers - 1, work.output_rows(shape)
     total = 0.0
     for layer in range(min(6, work.num_layers)):
         o, _, p = roles(layer)
@@ -273,21 +317,26 @@ def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
             nnz += work.num_nodes / (shape[p] * shape[o])
         rows_a, rows_t = n // shape[p], n // shape[o]
         total += 2 * nnz * (idx + F32) + k * (rows_a + rows_t + 2) * idx
+        if layer == last % 6 and last_rows < rows_a:  # the labelled rows and their transpose
+            total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
+                last_rows + rows_t + 2) * idx
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
     total += round_up(f0, shape["z"]) // shape["z"] * F32 * (4 if work.learn_features else 1)
     transient = f0 * F32  # gathered F_0
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
         a, b, rows = w[layer] // shape[i], w[layer + 1] // shape[o], n // shape[p]
+        rows = last_rows if layer == last else rows
         total += k * 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 Adam moments
         total += k * rows * a * F32  # H_l (and R_l) kept for dW
-        last = layer == work.num_layers - 1  # logits kept; hidden layers keep relu's bool mask
-        total += rows * b * (F32 if last else 1)
+        # logits kept; hidden layers keep relu's bool mask
+        total += rows * b * (F32 if layer == last else 1)
         if work.dropout > 0:  # the dropout's bool keep-mask of F_l [N/O, D_l/I]
             total += (n // shape[o]) * a
         transient = max(transient, a * b * F32 * 2, 2 * rows * max(a, b) * F32)
     if not work.learn_features and work.cache_first_aggregation:
-        total += k * (n // shape["z"]) * (w[0] // shape["y"]) * F32  # cached H_0 (R_0)
+        rows = last_rows if last == 0 else n // shape["z"]
+        total += k * rows * (w[0] // shape["y"]) * F32  # cached H_0 (R_0)
     return total + transient
 
 

@@ -26,6 +26,8 @@ Shapes (N = padded nodes; roles (O, I, P) of layer l, see plexus.layout):
     features_block   [N/X, D_0/Y]  rows chunk x of the Pc order, columns chunk y
     labels, masks    [N/P_last]  rows chunk p of the output order (labels -1 on padding)
     out_rows         [N/P_last]  original node id of each output row (-1 on padding)
+    labelled_adj.a   [R, N/O_last]  the last layer's adj rows of the R labelled output rows
+    labelled_adj.a_t [N/O_last, R]  its transpose (labelled_root: the same of root)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from plexus.data.partition import Balance
+from plexus.data.schema import SPLITS
 from plexus.sparse import BlockSparse
 
 
@@ -72,12 +75,41 @@ class GraphShard:
     info: dict[str, float] = field(default_factory=dict)
     # layer % 6 -> S block of the permuted identity (mean aggregation); None for GCN
     root: dict[int, AdjBlock] | None = None
+    # the last layer's adj (and root) blocks restricted to the labelled output rows
+    # (:meth:`restrict_last_layer`, called by plexus.model.PlexusGCN); None until then
+    labelled_adj: AdjBlock | None = None
+    labelled_root: AdjBlock | None = None
+
+    def labelled_rows(self) -> torch.Tensor:
+        """int64 [R]: positions in the output rows (``labels``, ``masks``) of the nodes in
+        a split (train, val or test), ascending."""
+        return torch.stack([self.masks[s] for s in SPLITS]).any(0).nonzero()[:, 0]
+
+    def restrict_last_layer(self, *, root: bool = False) -> None:
+        """Set :attr:`labelled_adj` (and, with ``root``, :attr:`labelled_root`): the last
+        layer's block with only the rows of :meth:`labelled_rows`, gathered once, and the CSR
+        of its transpose. Memory: those rows' nonzeros twice (block and transpose) and
+        ``R + N/O + 2`` indptr entries; the full blocks stay (``forward(all_rows=True)``)."""
+        rows = self.labelled_rows().numpy()
+        last = (len(self.widths) - 2) % 6
+
+        def restricted(blk: AdjBlock) -> AdjBlock:
+            a = blk.a.take_rows(rows)
+            return AdjBlock(a, a.transpose(), a.nnz, blk.balance)
+
+        if self.labelled_adj is None:
+            self.labelled_adj = restricted(self.adj[last])
+        if root and self.labelled_root is None:
+            assert self.root is not None, "root blocks are needed to restrict them"
+            self.labelled_root = restricted(self.root[last])
 
     def adjacency_bytes(self) -> int:
-        """Bytes of the distinct index/value arrays of all blocks, root blocks included
-        (mapped or in memory); a block that several layers share counts once."""
+        """Bytes of the distinct index/value arrays of all blocks, root blocks and the
+        labelled-row blocks included (mapped or in memory); a block that several layers share
+        counts once."""
         seen: dict[object, int] = {}
-        for b in [*self.adj.values(), *(self.root or {}).values()]:
+        extra = [b for b in (self.labelled_adj, self.labelled_root) if b is not None]
+        for b in [*self.adj.values(), *(self.root or {}).values(), *extra]:
             for m in (b.a, b.a_t):
                 for arr in m.arrays():
                     seen[getattr(arr, "filename", None) or id(arr)] = arr.nbytes

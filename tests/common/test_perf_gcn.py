@@ -59,21 +59,65 @@ def test_fixed_features_skip_layer_zero_aggregation_after_the_first_epoch():
     assert no_cache == first
 
 
+def test_last_layer_on_labelled_rows():
+    """R rows in the last layer when at most half the nodes are labelled (or when asked):
+    fewer bytes, less time and less memory; 1.0 (old callers) and above half change nothing."""
+    s = {"x": 2, "y": 1, "z": 4}  # last layer (3 layers): roles (y, z, x), P = x = 2
+    machine = load_profile("local-cpu")
+    for frac in (1.0, 0.6):
+        assert small(labelled_fraction=frac).output_rows(s) == 204 // 2  # N pads to 204
+        assert gcn.predict_gcn(small(labelled_fraction=frac), s, machine) == \
+            gcn.predict_gcn(small(labelled_rows_only=False), s, machine)
+    few = small(labelled_fraction=0.2)
+    assert few.output_rows(s) == round(0.2 * 203 / 2) == 20
+    assert small(labelled_fraction=0.6, labelled_rows_only=True).output_rows(s) == 61
+    wide = {"num_nodes": 20000, "nnz": 200000, "num_features": 64, "num_classes": 40}
+    on, off = (gcn.predict_gcn(gcn.GCNWorkload(**wide, labelled_fraction=0.2,
+                                               labelled_rows_only=rows_only), s, machine)
+               for rows_only in (None, False))
+    assert on.memory < off.memory and sum(on.compute.values()) < sum(off.compute.values())
+    assert on.comm_bytes["x"] == off.comm_bytes["x"]  # P: weights and dF, not the rows
+    assert on.comm_bytes["z"] < off.comm_bytes["z"]  # I: Q of R rows
+    with pytest.raises(ValueError, match="labelled_fraction"):
+        small(labelled_fraction=1.5)
+
+
+def test_papers100m_memory_counts_the_labelled_rows():
+    """ogbn-papers100M labels 1.4% of its nodes: one rank's [N, 172] logits and last-layer H
+    (111M rows) give way to 1.5M rows plus the gathered adjacency rows."""
+    paper = gcn.ogbn_papers100m()
+    assert paper.labelled_fraction == pytest.approx(0.0139, abs=1e-4)
+    one = {"x": 1, "y": 1, "z": 1}
+    assert paper.output_rows(one) == 1_546_782
+    every = gcn.ogbn_papers100m(labelled_rows_only=False)
+    saved = gcn.gcn_memory(every, one) - gcn.gcn_memory(paper, one)
+    n, rows = 111_059_956, 1_546_782
+    activations = (n - rows) * (128 + 172) * 4  # H_2 [N, 128] and the logits [N, 172]
+    gathered = 2 * 1_726_745_828 * rows / n * 8 + (rows + n + 2) * 4  # rows, transpose
+    # the largest transient, a copy for an all-reduce, was [N, 172], now [N, 128]
+    transient = 2 * n * (172 - 128) * 4
+    assert saved == pytest.approx(activations - gathered + transient, rel=1e-9)
+    assert saved > 160e9
+
+
 def _trainer_bytes(ctx, cases):
     from common.grid import ProcessGrid
     from plexus.config import ModelConfig, RunConfig
     from plexus.data import InMemorySource
     from plexus.trainer import train_gcn
     from tests.plexus.data.shards import small_graph
+    from tests.plexus.test_model import few_labels_graph
 
-    graph = InMemorySource(small_graph())
+    graphs = {"small": InMemorySource(small_graph()), "few": InMemorySource(few_labels_graph())}
     out = []
-    for grid, layers, learn in cases:
+    for grid, layers, learn, name in cases:
         model = ModelConfig(num_layers=layers, hidden=6, learn_features=learn, dropout=0.0,
                             bias=False)  # the paper's bare model, which common.perf models
-        res = train_gcn(graph, ProcessGrid.parse(grid), ctx.rank, model=model,
+        res = train_gcn(graphs[name], ProcessGrid.parse(grid), ctx.rank, model=model,
                         run=RunConfig(epochs=2), transport=ctx.transport)
-        out.append([row["comm_bytes_by_axis"] for row in res.history])
+        rows = res.model.labelled_rows
+        out.append(([row["comm_bytes_by_axis"] for row in res.history],
+                    None if rows is None else rows.numel()))
     return out
 
 
@@ -84,18 +128,31 @@ GRIDS = {4: ["2x2x1", "1x2x2", "4x1x1", "1x1x4"], 8: ["2x2x2", "1x2x4", "4x1x2",
 @pytest.mark.parametrize("world", [4, 8])
 def test_trainer_counted_bytes_equal_the_model(world):
     """plexus.trainer.train_gcn counts, per axis, exactly the model's volumes: epoch 1 and a
-    steady epoch, fixed and trainable features, loss collectives included."""
+    steady epoch, fixed and trainable features, loss collectives included, every row of the
+    last layer (small_graph: 90% labelled) or its labelled rows only (20% labelled: the
+    model given each rank's own share R P / N)."""
     from tests.distributed import run_ranks
+    from tests.plexus.test_model import few_labels_graph
 
-    cases = [(g, 3 + i % 2, i in (1, 2)) for i, g in enumerate(GRIDS[world])]
+    cases = [(g, 3 + i % 2, i in (1, 2), "small") for i, g in enumerate(GRIDS[world])]
+    cases += [(g, 3 + i % 2, i == 0, "few") for i, g in enumerate(GRIDS[world][:2])]
     results = run_ranks(_trainer_bytes, world, cases)
-    for k, (grid, layers, learn) in enumerate(cases):
+    few = few_labels_graph()
+    labelled = sum(few.split_idx(s).numel() for s in ("train", "val", "test")) / 203
+    for k, (grid, layers, learn, name) in enumerate(cases):
         s = dict(zip("xyz", map(int, grid.split("x"))))
-        work = small(num_layers=layers, learn_features=learn)
-        for epoch, first in ((0, True), (1, False)):
-            want = gcn.predict_gcn(work, s, load_profile("local-cpu"), first_epoch=first)
-            for rank, per_rank in enumerate(results):
-                assert per_rank[k][epoch] == want.comm_bytes, (grid, layers, learn, epoch, rank)
+        num_p = s[gcn.roles(layers - 1)[2]]
+        for rank, per_rank in enumerate(results):
+            counted, rows = per_rank[k]
+            assert (rows is None) == (name == "small"), (grid, name)
+            share = 1.0 if rows is None else rows * num_p / 203
+            if rows is not None:
+                assert abs(share - labelled) < 0.1, (grid, rank, rows)
+            work = small(num_layers=layers, learn_features=learn, labelled_fraction=share)
+            for epoch, first in ((0, True), (1, False)):
+                want = gcn.predict_gcn(work, s, load_profile("local-cpu"), first_epoch=first)
+                assert counted[epoch] == want.comm_bytes, (grid, layers, learn, name, epoch,
+                                                           rank)
 
 
 def test_memory_filter_and_no_fitting_grid():

@@ -2,7 +2,13 @@
 
 For every grid, permutation mode and a node count that needs padding: the loss, the full
 logits, every weight gradient and the trainable-feature gradient match plain dense torch
-autograd to 1e-5 relative (norm-wise). Several grids run in one launch per world size.
+autograd to 1e-5 relative (norm-wise), with the last layer on the labelled rows and on every
+row. The labelled-row path against the all-row path (test_labelled_rows_equal_all_rows): the
+same loss, logits, accuracies and Evaluator pairs, bit for bit where the last layer's O and I
+groups have at most 2 ranks (a sum of two floats does not depend on the order; larger ring
+all-reduces sum in an order that depends on the buffer's length), else to 1e-6; gradients bit
+for bit below the last layer there, the last layer's ``dW``/``db`` (a sum over fewer rows) to
+1e-6. Several grids run in one launch per world size.
 """
 
 import numpy as np
@@ -37,7 +43,7 @@ def serial_reference(graph, num_layers, hidden, seed):
 def _parallel(ctx, cases):
     torch.manual_seed(0)
     out = []
-    for grid_text, mode, num_layers, learn in cases:
+    for grid_text, mode, num_layers, learn, rows_only in cases:
         graph = small_graph()
         grid = ProcessGrid.parse(grid_text)
         grid.check(ctx.world_size)
@@ -46,7 +52,8 @@ def _parallel(ctx, cases):
         widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
         shard = InMemorySource(graph, permutation=mode, seed=11).shard(grid.shape, coords,
                                                                          widths)
-        model = PlexusGCN(shard, groups, learn_features=learn, seed=5)
+        model = PlexusGCN(shard, groups, learn_features=learn, seed=5,
+                          labelled_rows_only=rows_only)
         if not learn:  # fixed features: the first pass caches H_0, the second must reuse it
             model()
             assert model._h0 is not None
@@ -54,19 +61,23 @@ def _parallel(ctx, cases):
         logits = model(stats)
         o_ax, _, p_ax = ("x", "y", "z") if (num_layers - 1) % 3 == 0 else (
             ("z", "x", "y") if (num_layers - 1) % 3 == 1 else ("y", "z", "x"))
-        loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
+        loss = sharded_cross_entropy(logits, model.output_rows(shard.labels),
+                                     model.output_rows(shard.masks["train"]),
                                      num_classes=graph.num_classes,
                                      count=shard.split_counts["train"],
                                      group_o=groups[o_ax], group_p=groups[p_ax])
         loss.backward()
+        with torch.no_grad():
+            every_row = model(all_rows=True)
+        held = model.output_rows(torch.from_numpy(shard.out_rows)).numpy()
         out.append({
             "bytes": {k: v["bytes"] for k, v in stats.as_dict().items()},
             "shape": grid.shape, "n_pad": shard.num_nodes_padded,
-            "widths_pad": shard.widths_padded,
-            "case": (grid_text, mode, num_layers, learn),
+            "widths_pad": shard.widths_padded, "rows_last": logits.shape[0],
+            "case": (grid_text, mode, num_layers, learn, rows_only),
             "loss": loss.item(),
-            "logits": logits.detach(),
-            "rows": shard.out_rows,
+            "logits": logits.detach(), "every_row": every_row, "all_rows": shard.out_rows,
+            "rows": held,
             "class_offset": groups[o_ax].rank * logits.shape[1],
             "wgrads": model.full_weights(grads=True),
             "xgrad": model.full_features(grads=True) if learn else None,
@@ -82,33 +93,52 @@ def rel(a, b):
 def _assert_matches(results):
     graph = small_graph()
     refs = {}
+    labelled = graph.mask("train") | graph.mask("val") | graph.mask("test")
     for per_rank in zip(*results):  # one case, every rank
-        grid_text, mode, num_layers, learn = per_rank[0]["case"]
-        tag = f"grid {grid_text} permutation {mode} layers {num_layers} learn {learn}"
+        grid_text, mode, num_layers, learn, rows_only = per_rank[0]["case"]
+        tag = (f"grid {grid_text} permutation {mode} layers {num_layers} learn {learn} "
+               f"labelled rows only {rows_only}")
         if num_layers not in refs:
             refs[num_layers] = serial_reference(graph, num_layers, HIDDEN, seed=5)
         ref = refs[num_layers]
-        logits = torch.full_like(ref["logits"], float("nan"))
+        logits = full_logits(per_rank, "logits", "rows", ref["logits"], graph.num_classes)
+        every_row = full_logits(per_rank, "every_row", "all_rows", ref["logits"],
+                                graph.num_classes)
         for r in per_rank:
             assert abs(r["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), tag
-            real = r["rows"] >= 0
-            c0 = r["class_offset"]
-            width = min(r["logits"].shape[1], graph.num_classes - c0)
-            if width > 0:
-                logits[torch.from_numpy(r["rows"][real]), c0:c0 + width] = \
-                    r["logits"][torch.from_numpy(real), :width].double()
             for lw, (got, want) in enumerate(zip(r["wgrads"], ref["wgrads"])):
                 assert rel(got, want) < 1e-5, f"{tag}: grad of W_{lw} differs ({rel(got, want)})"
             if learn:
                 assert rel(r["xgrad"], ref["xgrad"]) < 1e-5, f"{tag}: feature gradient differs"
-                assert r["bytes"] == expected_bytes(r["shape"], r["n_pad"], r["widths_pad"]), tag
-        assert not torch.isnan(logits).any(), f"{tag}: some logits not held by any rank"
-        assert rel(logits, ref["logits"]) < 1e-5, f"{tag}: logits differ"
+                assert r["bytes"] == expected_bytes(r["shape"], r["n_pad"], r["widths_pad"],
+                                                    r["rows_last"]), tag
+        held = labelled if rows_only else torch.ones_like(labelled)
+        assert not torch.isnan(logits[held]).any(), f"{tag}: some logits not held by any rank"
+        assert torch.isnan(logits[~held]).all(), f"{tag}: logits of unlabelled nodes computed"
+        assert rel(logits[held], ref["logits"][held]) < 1e-5, f"{tag}: logits differ"
+        assert not torch.isnan(every_row).any(), f"{tag}: all_rows logits not held by any rank"
+        assert rel(every_row, ref["logits"]) < 1e-5, f"{tag}: all_rows logits differ"
 
 
-def expected_bytes(shape, n, widths):
+def full_logits(per_rank, key, rows_key, like, num_classes):
+    """The [N, C] logits assembled from every rank's block ``key`` whose rows are the node
+    ids ``rows_key`` (-1: padding); NaN where no rank holds a node."""
+    full = torch.full_like(like, float("nan"))
+    for r in per_rank:
+        rows = r[rows_key]
+        real = rows >= 0
+        c0 = r["class_offset"]
+        width = min(r[key].shape[1], num_classes - c0)
+        if width > 0:
+            full[torch.from_numpy(rows[real]), c0:c0 + width] = \
+                r[key][torch.from_numpy(real), :width].double()
+    return full
+
+
+def expected_bytes(shape, n, widths, rows_last=None):
     """Ring volumes per rank of docs/design/plexus-3d.md section 4, summed per (axis, op),
-    float32, trainable features (so collective 8 runs at layer 0 too)."""
+    float32, trainable features (so collective 8 runs at layer 0 too); the last layer's H and
+    Q have ``rows_last`` rows (its labelled rows; default all N/P)."""
     roles = [("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x")]
     out = {}
 
@@ -127,8 +157,11 @@ def expected_bytes(shape, n, widths):
         d_in, d_out = widths[layer], widths[layer + 1]
         f_block = (n // shape[o]) * (d_in // shape[i])
         w_block = (d_in // shape[i]) * (d_out // shape[o])
-        h_bytes = (n // shape[p]) * (d_in // shape[i]) * 4
-        q_bytes = (n // shape[p]) * (d_out // shape[o]) * 4
+        rows = n // shape[p]
+        if layer == len(widths) - 2 and rows_last is not None:
+            rows = rows_last
+        h_bytes = rows * (d_in // shape[i]) * 4
+        q_bytes = rows * (d_out // shape[o]) * 4
         if layer == 0:
             add(p, "all_gather", flat(f_block, shape[p]))        # (1)
             add(p, "reduce_scatter", flat(f_block, shape[p]))    # (8) trainable features
@@ -147,10 +180,13 @@ MODES = ("none", "single", "double")
 
 
 def _cases(grids):
-    """Every permutation mode with trainable features (3 or 4 layers), plus the cached
-    fixed-feature path once per grid."""
-    return [(g, m, 3 if i % 2 == 0 else 4, True) for g in grids for i, m in enumerate(MODES)] \
-        + [(g, "double", 4, False) for g in grids]
+    """Every permutation mode with trainable features (3 or 4 layers) and the last layer on
+    the labelled rows, the same on every row once, plus the cached fixed-feature path once per
+    grid (the default: on this graph, 90% labelled, every row)."""
+    return [(g, m, 3 if i % 2 == 0 else 4, True, True) for g in grids
+            for i, m in enumerate(MODES)] \
+        + [(g, "double", 3, True, False) for g in grids[:1]] \
+        + [(g, "double", 4, False, None) for g in grids]
 
 
 @pytest.mark.parametrize("world, grids, comm", [
@@ -165,6 +201,267 @@ def _cases(grids):
 @pytest.mark.slow
 def test_plexus_equals_serial(world, grids, comm):
     _assert_matches(run_ranks(_parallel, world, _cases(grids), comm=comm))
+
+
+def few_labels_graph():
+    """small_graph's size with 20% of the nodes in a split: the default runs the last layer
+    on the labelled rows."""
+    from plexus.data.generators import planted_partition
+
+    return planted_partition(num_nodes=203, num_classes=5, num_features=7, avg_degree=5,
+                             split_fractions=(0.1, 0.05, 0.05), seed=3)
+
+
+# (graph, model, layers, trainable features, dropout, norm): the recipe's parts around the
+# last layer; fixed features without dropout cache H_0 (a one-layer model caches the labelled
+# rows, and its all-rows pass, predictions(), recomputes every row)
+ON_OFF_CASES = [
+    ("small", "gcn", 3, True, 0.5, "batch"),
+    ("few", "sage", 2, False, 0.0, "layer"),
+    ("few", "gcn", 1, False, 0.0, "none"),
+]
+
+
+def _on_off(ctx, grids):
+    """Every ON_OFF_CASES case on each grid, the last layer on the labelled rows (on) and on
+    every row (off): loss, logits of the labelled rows, correct counts, the Evaluator's pairs,
+    every node's prediction, every gradient and the bytes moved."""
+    from common.grid import ProcessGrid
+    from plexus.layout import roles
+    from plexus.loss import correct_counts, sharded_argmax
+    from plexus.trainer import TrainResult, predictions, split_predictions
+
+    graphs = {"small": small_graph(), "few": few_labels_graph()}
+    out = []
+    for grid_text in grids:
+        grid = ProcessGrid.parse(grid_text)
+        groups = ctx.create_groups(grid)
+        for case in ON_OFF_CASES:
+            name, kind, num_layers, learn, dropout, norm = case
+            graph = graphs[name]
+            widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
+            source = InMemorySource(graph, permutation="double", seed=11,
+                                    aggregation="mean" if kind == "sage" else "gcn")
+            o_ax, i_ax, p_ax = roles(num_layers - 1)
+            per = {}
+            for rows_only in (True, False):
+                shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
+                model = PlexusGCN(shard, groups, model=kind, learn_features=learn, seed=5,
+                                  dropout=dropout, bias=True, norm=norm,
+                                  labelled_rows_only=rows_only)
+                assert (model.labelled_rows is not None) == rows_only
+                if model.cache_first_aggregation:
+                    model()  # cache H_0 (predictions() below switches the rows it caches)
+                stats = CommStats()
+                logits = model(stats, step=3)
+                loss = sharded_cross_entropy(logits, model.output_rows(shard.labels),
+                                             model.output_rows(shard.masks["train"]),
+                                             num_classes=graph.num_classes,
+                                             count=shard.split_counts["train"],
+                                             group_o=groups[o_ax], group_p=groups[p_ax],
+                                             stats=stats)
+                loss.backward()
+                model.eval()
+                with torch.no_grad():
+                    pred = sharded_argmax(model(), num_classes=graph.num_classes,
+                                          group_o=groups[o_ax])
+                    correct = correct_counts(pred, model.output_rows(shard.labels),
+                                             {s: model.output_rows(m)
+                                              for s, m in shard.masks.items()}, groups[p_ax])
+                result = TrainResult([], model, shard, dict(groups))
+                labelled = shard.labelled_rows()
+                per[rows_only] = {
+                    "loss": loss.detach(), "correct": correct,
+                    "logits": logits.detach() if rows_only else logits.detach()[labelled],
+                    "splits": split_predictions(result), "every": predictions(result),
+                    "grads": {n: model.gather(k, t.grad, layer)
+                              for n, t, k, layer in model.sharded_state()
+                              if t.grad is not None},
+                    "bytes": stats.total_bytes}
+            out.append({"case": (grid_text, *case), "last": num_layers - 1,
+                        "exact": groups[o_ax].size <= 2 and groups[i_ax].size <= 2,
+                        "on": per[True], "off": per[False]})
+    return out
+
+
+def _assert_on_equals_off(results):
+    for per_rank in zip(*results):
+        for r in per_rank:
+            tag = f"case {r['case']}"
+            on, off = r["on"], r["off"]
+            assert on["correct"] == off["correct"], tag
+            for s in off["splits"]:
+                for a, b in zip(on["splits"][s], off["splits"][s], strict=True):
+                    assert torch.equal(a, b), f"{tag}: Evaluator pairs of {s} differ"
+            assert torch.equal(on["every"], off["every"]), f"{tag}: predictions differ"
+            assert on["bytes"] <= off["bytes"], tag  # (2), (4), (7) and the loss: R rows
+            assert sorted(on["grads"]) == sorted(off["grads"]), tag
+            if r["exact"]:
+                assert torch.equal(on["loss"], off["loss"]), tag
+                assert torch.equal(on["logits"], off["logits"]), tag
+            else:
+                assert abs(on["loss"] - off["loss"]) <= 1e-6 * abs(off["loss"]), tag
+                assert rel(on["logits"], off["logits"]) < 1e-6, tag
+            for name, want in off["grads"].items():
+                got = on["grads"][name]
+                last = name in (f"w{r['last']}", f"root{r['last']}", f"b{r['last']}")
+                if r["exact"] and not last:
+                    assert torch.equal(got, want), f"{tag}: grad of {name} not bit-identical"
+                else:  # the last layer's dW, db: a sum over fewer rows
+                    assert rel(got, want) < 1e-6 or (got - want).norm() < 1e-7, \
+                        f"{tag}: grad of {name} differs ({rel(got, want)})"
+
+
+@pytest.mark.parametrize("world, grids", [
+    (1, ["1x1x1"]),
+    pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], marks=pytest.mark.slow),
+])
+def test_labelled_rows_equal_all_rows(world, grids):
+    """The last layer on the labelled rows only against every row, on graphs with nodes in no
+    split (module docstring for what is bit-identical and what within 1e-6)."""
+    _assert_on_equals_off(run_ranks(_on_off, world, grids))
+
+
+def _lone_labels(ctx):
+    """A graph with two labelled nodes on a grid whose last layer splits rows over P = 2 and
+    classes over O = 2: a rank's row chunk may hold no labelled row (empty SpMM, all-reduces
+    and loss terms)."""
+    from common.grid import ProcessGrid
+    from plexus.data import Graph
+    from plexus.data.generators import planted_partition
+    from plexus.layout import roles
+    from plexus.loss import correct_counts, sharded_argmax
+    from plexus.trainer import TrainResult, split_predictions
+
+    g = planted_partition(num_nodes=101, num_classes=3, num_features=5, avg_degree=4, seed=1)
+    g = Graph.from_edge_index(g.edge_index.numpy(), g.x.numpy(), g.y.numpy(), num_classes=3,
+                              train_idx=np.array([7]), val_idx=np.array([11]),
+                              test_idx=np.array([], dtype=np.int64))
+    grid = ProcessGrid.parse("1x2x2")
+    groups = ctx.create_groups(grid)
+    o_ax, _, p_ax = roles(1)
+    out = []
+    for rows_only in (True, False):
+        shard = InMemorySource(g).shard(grid.shape, grid.coords(ctx.rank),
+                                        layer_widths(5, 4, 2, 3))
+        model = PlexusGCN(shard, groups, learn_features=True, bias=True,
+                          labelled_rows_only=rows_only)
+        logits = model()
+        loss = sharded_cross_entropy(logits, model.output_rows(shard.labels),
+                                     model.output_rows(shard.masks["train"]), num_classes=3,
+                                     count=1, group_o=groups[o_ax], group_p=groups[p_ax])
+        loss.backward()
+        with torch.no_grad():
+            pred = sharded_argmax(model(), num_classes=3, group_o=groups[o_ax])
+            correct = correct_counts(pred, model.output_rows(shard.labels),
+                                     {s: model.output_rows(m) for s, m in shard.masks.items()},
+                                     groups[p_ax])
+        splits = split_predictions(TrainResult([], model, shard, dict(groups)))
+        out.append({"rows": logits.shape[0], "loss": loss.item(), "correct": correct,
+                    "grads": model.full_weights(grads=True), "splits": splits})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm", ["torch", pytest.param("mpi", marks=needs_mpi)])
+def test_a_rank_without_labelled_rows(comm):
+    results = run_ranks(_lone_labels, 4, comm=comm)
+    rows = [on["rows"] for on, _ in results]  # each row is held by the 2 ranks of its O
+    assert min(rows) == 0 and sum(rows) == 4, rows
+    for on, off in results:
+        assert on["loss"] == off["loss"] and on["correct"] == off["correct"]
+        for got, want in zip(on["grads"], off["grads"], strict=True):
+            assert rel(got, want) < 1e-6
+        for s, (y, p) in off["splits"].items():
+            assert torch.equal(y, on["splits"][s][0]) and torch.equal(p, on["splits"][s][1])
+
+
+def test_labelled_rows_of_a_prepared_dataset(tmp_path):
+    """Mapped 4 x 4 block files (the labelled rows gathered from several blocks into one
+    band): on and off agree as on an in-memory graph, and both sources give the same
+    numbers bit for bit."""
+    from common.grid import ProcessGrid
+    from common.parallel import ParallelState
+    from plexus.data import PreparedGraph
+    from plexus.data.sources import graph_source
+    from plexus.data.writer import prepare
+    from plexus.layout import roles
+
+    graph = few_labels_graph()
+    prepare(graph_source(graph), tmp_path / "p", blocks=4, seed=0, quiet=True)
+    groups = dict(ParallelState.single(ProcessGrid.plexus(1, 1, 1)).groups)
+    o_ax, _, p_ax = roles(2)
+    runs = {}
+    for name, source in (("mapped", PreparedGraph(tmp_path / "p")),
+                         ("memory", InMemorySource(graph, seed=0, pad_multiple=4))):
+        for rows_only in (True, False):
+            shard = source.shard({"x": 1, "y": 1, "z": 1}, {"x": 0, "y": 0, "z": 0},
+                                 layer_widths(7, HIDDEN, 3, 5))
+            model = PlexusGCN(shard, groups, learn_features=True, seed=5, bias=True,
+                              labelled_rows_only=rows_only)
+            logits = model()
+            loss = sharded_cross_entropy(logits, model.output_rows(shard.labels),
+                                         model.output_rows(shard.masks["train"]),
+                                         num_classes=5, count=shard.split_counts["train"],
+                                         group_o=groups[o_ax], group_p=groups[p_ax])
+            loss.backward()
+            if not rows_only:
+                logits = logits[shard.labelled_rows()]
+            runs[name, rows_only] = {"loss": loss.detach(), "logits": logits.detach(),
+                                     **{n: t.grad for n, t, _, _ in model.sharded_state()}}
+    assert len(PreparedGraph(tmp_path / "p").shard(
+        {"x": 1, "y": 1, "z": 1}, {"x": 0, "y": 0, "z": 0}, [7, 5]).adj[0].a.blocks) == 4
+    for name in ("mapped", "memory"):
+        on, off = runs[name, True], runs[name, False]
+        for key, want in off.items():  # the last layer's dW, db: a sum over fewer rows
+            same = rel(on[key], want) < 1e-6 if key in ("w2", "b2") else \
+                torch.equal(on[key], want)
+            assert same, (name, key)
+    for key, want in runs["memory", True].items():
+        assert torch.equal(runs["mapped", True][key], want), key
+
+
+@pytest.mark.parametrize("spmm", ["auto", "torch"])
+def test_trainer_runs_the_last_layer_on_labelled_rows(monkeypatch, spmm):
+    """On a graph with 20% of its nodes in a split the trainer's model runs the last layer on
+    those rows by default, with the CPU kernel the trainer gave the full blocks: its first loss
+    and every accuracy equal the all-row model's, the losses after it agree to float rounding
+    (the last layer's dW differs in the last bits), and split_predictions and predictions give
+    the same classes."""
+    import functools
+
+    from common.grid import ProcessGrid
+    from common.parallel import ParallelState
+    from plexus import trainer as trainer_module
+    from plexus.config import split_config
+    from plexus.trainer import Trainer, predictions, run, split_predictions
+
+    def train(**model):
+        if model:
+            monkeypatch.setattr(trainer_module, "PlexusGCN",
+                                functools.partial(PlexusGCN, **model))
+        t = Trainer(InMemorySource(few_labels_graph()),
+                    ParallelState.single(ProcessGrid.plexus(1, 1, 1)),
+                    **split_config(epochs=4, hidden=8, num_layers=2, lr=0.05, dropout=0.5,
+                                   spmm=spmm))
+        run(t)
+        return t
+
+    on, off = train(), train(labelled_rows_only=False)
+    assert on.model.labelled_rows is not None and off.model.labelled_rows is None
+    assert on.shard.labelled_adj.a.kernel == on.shard.labelled_adj.a_t.kernel == \
+        on.shard.adj[1].a.kernel == ("torch" if spmm == "torch" else "auto")
+    assert on.model.labelled_rows.numel() == sum(on.shard.split_counts.values())
+    assert on.history[0]["loss"] == off.history[0]["loss"]
+    for a, b in zip(on.history, off.history, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"]
+        assert [a[f"{s}_acc"] for s in ("train", "val", "test")] == \
+            [b[f"{s}_acc"] for s in ("train", "val", "test")]
+    res_on, res_off = on.result(), off.result()
+    for s, (y, p) in split_predictions(res_off, best=True).items():
+        y_on, p_on = split_predictions(res_on, best=True)[s]
+        assert torch.equal(y, y_on) and torch.equal(p, p_on), s
+    assert torch.equal(predictions(res_on), predictions(res_off))
 
 
 def test_serial_reference_agrees_with_pyg(tiny_graph):

@@ -2,21 +2,21 @@
 grid.
 
 Bias, dropout (grid-independent masks), batch and layer norm, feature normalisation, residual
-connections, GCN and GraphSAGE: the loss, the logits of a training pass and of an eval-mode
-pass after it, and the gradient of every weight, root weight, bias and norm parameter match
-plain dense float64 autograd to 1e-5 (norm-wise relative), on lopsided grids and a node count
-that pads.
+connections, GCN and GraphSAGE: the loss, the logits of a training pass (the last layer on the
+labelled rows) and of an eval-mode pass after it (every row), and the gradient of every
+weight, root weight, bias and norm parameter match plain dense float64 autograd to 1e-5
+(norm-wise relative), on lopsided grids and a node count that pads.
 """
 
 import pytest
 import torch
 
 from plexus.layers import dropout_mask
-from plexus.layout import layer_widths
+from plexus.layout import layer_widths, roles
 from plexus.reference import SerialGCN
 from tests.distributed import run_ranks
 from tests.plexus.data.shards import small_graph
-from tests.plexus.test_model import rel
+from tests.plexus.test_model import full_logits, rel
 
 HIDDEN, SEED, STEP = 6, 5, 3
 
@@ -50,7 +50,6 @@ def _parallel(ctx, grids):
     from common.comm_stats import CommStats
     from common.grid import ProcessGrid
     from plexus.data.memory import InMemorySource
-    from plexus.layout import roles
     from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
@@ -67,37 +66,29 @@ def _parallel(ctx, grids):
             shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
             model = PlexusGCN(shard, groups, model=model_kind, learn_features=learn, seed=SEED,
                               dropout=dropout, bias=bias, norm=norm,
-                              normalize_features=normalize, residual=residual)
+                              normalize_features=normalize, residual=residual,
+                              labelled_rows_only=True)
             o_ax, _, p_ax = roles(num_layers - 1)
             stats = CommStats()  # the model's collectives only (the loss gets none)
-            logits = model(stats, step=STEP)
-            loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
+            logits = model(stats, step=STEP)  # the labelled rows
+            loss = sharded_cross_entropy(logits, model.output_rows(shard.labels),
+                                         model.output_rows(shard.masks["train"]),
                                          num_classes=graph.num_classes,
                                          count=shard.split_counts["train"],
                                          group_o=groups[o_ax], group_p=groups[p_ax])
             loss.backward()
             model.eval()
             with torch.no_grad():
-                eval_logits = model()
+                eval_logits = model(all_rows=True)
+            held = model.output_rows(torch.from_numpy(shard.out_rows)).numpy()
             grads = {name: model.gather(kind, t.grad, layer)
                      for name, t, kind, layer in model.sharded_state() if t.grad is not None}
             out.append({"case": (grid_text, *case), "loss": loss.item(), "shape": grid.shape,
                         "bytes": {k: v["bytes"] for k, v in stats.as_dict().items()},
-                        "logits": logits.detach(), "eval": eval_logits, "rows": shard.out_rows,
+                        "logits": logits.detach(), "eval": eval_logits, "rows": held,
+                        "all_rows": shard.out_rows, "rows_last": logits.shape[0],
                         "class_offset": groups[o_ax].rank * logits.shape[1], "grads": grads})
     return out
-
-
-def _full_logits(per_rank, key, like, num_classes):
-    full = torch.full_like(like, float("nan"))
-    for r in per_rank:
-        real = r["rows"] >= 0
-        c0 = r["class_offset"]
-        width = min(r[key].shape[1], num_classes - c0)
-        if width > 0:
-            full[torch.from_numpy(r["rows"][real]), c0:c0 + width] = \
-                r[key][torch.from_numpy(real), :width].double()
-    return full
 
 
 def _assert_matches(results):
@@ -119,21 +110,28 @@ def _assert_matches(results):
             from common.perf.model import bytes_by_axis
 
             shape = per_rank[0]["shape"]
-            work = GCNWorkload(model="sage", num_nodes=graph.num_nodes, nnz=1,
-                               num_features=graph.num_features, num_classes=graph.num_classes,
-                               num_layers=case[1], hidden=HIDDEN, learn_features=True)
-            want = {k: v for k, v in bytes_by_axis(gcn_collectives(work, shape, loss=False),
-                                                   shape).items() if v}
-            for r in per_rank:
+            for r in per_rank:  # R labelled rows of this rank: a share R P / N of the nodes
+                share = r["rows_last"] * shape[roles(case[1] - 1)[2]] / graph.num_nodes
+                work = GCNWorkload(model="sage", num_nodes=graph.num_nodes, nnz=1,
+                                   num_features=graph.num_features,
+                                   num_classes=graph.num_classes, num_layers=case[1],
+                                   hidden=HIDDEN, learn_features=True,
+                                   labelled_fraction=share, labelled_rows_only=True)
+                assert work.output_rows(shape) == r["rows_last"], tag
+                want = {k: v for k, v in bytes_by_axis(gcn_collectives(work, shape, loss=False),
+                                                       shape).items() if v}
                 got = {}
                 for key, b in r["bytes"].items():
                     got[key.split("/")[0]] = got.get(key.split("/")[0], 0) + b
                 got = {k: v for k, v in got.items() if v}
                 assert got == want, f"{tag}: bytes {got} != model {want}"
-        for key in ("logits", "eval"):
-            got = _full_logits(per_rank, key, ref[key], graph.num_classes)
-            assert not torch.isnan(got).any(), f"{tag}: {key} not held by any rank"
-            assert rel(got, ref[key]) < 1e-5, f"{tag}: {key} differ"
+        labelled = graph.mask("train") | graph.mask("val") | graph.mask("test")
+        got = full_logits(per_rank, "logits", "rows", ref["logits"], graph.num_classes)
+        assert not torch.isnan(got[labelled]).any(), f"{tag}: logits not held by any rank"
+        assert rel(got[labelled], ref["logits"][labelled]) < 1e-5, f"{tag}: logits differ"
+        got = full_logits(per_rank, "eval", "all_rows", ref["eval"], graph.num_classes)
+        assert not torch.isnan(got).any(), f"{tag}: eval logits not held by any rank"
+        assert rel(got, ref["eval"]) < 1e-5, f"{tag}: eval logits differ"
 
 
 def test_recipe_serial_reference_agrees_with_pyg_sage():

@@ -261,3 +261,34 @@ def test_default_cpu_kernel_is_blocked_where_x_exceeds_the_cache(monkeypatch):
     monkeypatch.setenv(spmm.CACHE_ENV, str(budget))
     assert torch.equal(m.matmul(x), rows)
     assert blk.slicings[16].num_slices == 4
+
+
+def test_take_rows_and_transpose_give_bit_identical_rows():
+    """The last layer's labelled rows (plexus.data.shard.restrict_last_layer): the rows of a
+    banded matrix with empty blocks, stacked into one row band, multiply to exactly the full
+    product's rows; the transpose of those rows times dH gives exactly the full transpose
+    times dH with zeros in the other rows (those terms add nothing)."""
+    rng = np.random.default_rng(4)
+    row_sizes, col_sizes = [9, 0, 13, 6], [7, 11]
+    blocks = [[_random_csr(9, 7, 0.4, 1), None], [None, None],
+              [_random_csr(13, 7, 0.3, 2, empty_rows=3), _random_csr(13, 11, 0.5, 3)],
+              [None, _random_csr(6, 11, 0.4, 4)]]
+    m = BlockSparse(blocks, row_sizes, col_sizes)
+    m_t = BlockSparse([[None if b is None else b.transpose() for b in col]
+                       for col in zip(*blocks)], col_sizes, row_sizes)
+    rows = np.array([0, 4, 8, 9, 12, 15, 21, 23, 27])
+    sub = m.take_rows(rows)
+    assert sub.shape == (9, 18) and len(sub.blocks) == 1
+    assert sub.to_scipy().toarray().tolist() == m.to_scipy()[rows].toarray().tolist()
+    x = torch.from_numpy(rng.standard_normal((18, 5)).astype(np.float32))
+    dh = torch.from_numpy(rng.standard_normal((9, 5)).astype(np.float32))
+    scattered = torch.zeros(28, 5).index_copy_(0, torch.from_numpy(rows), dh)
+    for kernel in ("numba", "numba-rows"):
+        for a in (m, m_t, sub):
+            a.to("cpu", kernel=kernel)
+        assert torch.equal(sub.matmul(x), m.matmul(x)[rows]), kernel
+        assert torch.equal(sub.transpose().to("cpu", kernel=kernel).matmul(dh),
+                           m_t.matmul(scattered)), kernel
+    assert m.take_rows(np.array([], dtype=np.int64)).matmul(x).shape == (0, 5)
+    with pytest.raises(ValueError, match="ascend"):
+        m.take_rows(np.array([3, 2]))

@@ -72,8 +72,53 @@ def test_help_lists_the_flags():
                  "--device", "--spmm", "--no-retain-freed-memory", "--dist-timeout",
                  "--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--resume",
                  "--model", "--dropout", "--no-bias", "--norm", "--normalize-features",
-                 "--symmetrize", "--optimizer", "--runs"):
+                 "--symmetrize", "--optimizer", "--runs", "--eval-every"):
         assert flag in r.stdout
+
+
+def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_says_so(tmp_path):
+    """--eval-every 3 over 7 epochs and 2 runs: the same losses as evaluating every epoch, the
+    same accuracies at epochs 3, 6 and 7 and none at the others (in the metrics and the printed
+    lines), the best validation epoch one of those, the summary counting them, and the mean
+    +- std over the runs; --eval-every 0 is refused (exit 2, no traceback, no metrics)."""
+    base = ["--hidden", "16", "--epochs", "7", "--runs", "2", "--log-every", "1"]
+    jobs = {n: [*base, "--eval-every", str(n), "--metrics", str(tmp_path / f"{n}.jsonl")]
+            for n in (1, 3)}
+    jobs[0] = ["--eval-every", "0", "--metrics", str(tmp_path / "0.jsonl")]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        out = dict(zip(jobs, pool.map(lambda args: cli(args, timeout=120), jobs.values())))
+    assert out[0].returncode == 2, out[0].stdout + out[0].stderr
+    assert "need eval_every >= 1" in out[0].stderr and "Traceback" not in out[0].stderr
+    assert not (tmp_path / "0.jsonl").exists()
+    lines = {}
+    for n in (1, 3):
+        assert out[n].returncode == 0, out[n].stdout + out[n].stderr
+        lines[n] = [json.loads(x) for x in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+    rows = {n: {(r["run"], r["epoch"]): r for r in lines[n] if "epoch" in r} for n in (1, 3)}
+    assert sorted(rows[3]) == sorted(rows[1]) == [(r, e) for r in (0, 1) for e in range(1, 8)]
+    accs = ("train_acc", "val_acc", "test_acc")
+    for key, row in rows[3].items():
+        assert row["loss"] == rows[1][key]["loss"], key  # evaluating does not change training
+        if key[1] in (3, 6, 7):
+            assert [row[k] for k in accs] == [rows[1][key][k] for k in accs], key
+        else:
+            assert not set(row) & {*accs, "eval_s"}, row
+    assert out[3].stdout.count("(not evaluated)") == 8
+    assert out[3].stdout.count("(over the 3 evaluated epochs, every 3)") == 2
+    assert out[1].stdout.count("(over the 7 evaluated epochs, every epoch)") == 2
+    summaries = [x["summary"] for x in lines[3] if "summary" in x]
+    for run_index, s in enumerate(summaries):
+        best = s["best_val"]
+        assert best["evaluated_epochs"] == 3 and best["eval_every"] == 3
+        assert best["epoch"] in (3, 6, 7)
+        pick = max((rows[3][(run_index, e)] for e in (3, 6, 7)), key=lambda r: r["val_acc"])
+        assert (best["val_acc"], best["test_acc"]) == (pick["val_acc"], pick["test_acc"])
+        assert s["final"]["val_acc"] == rows[3][(run_index, 7)]["val_acc"]
+    overall = lines[3][-1]["runs_summary"]
+    tests = [s["best_val"]["test_acc"] for s in summaries]
+    assert overall["runs"] == 2 and overall["best_val.test_acc"]["mean"] == pytest.approx(
+        sum(tests) / 2)
+    assert "2 runs:" in out[3].stdout and "at best val" in out[3].stdout
 
 
 @pytest.mark.slow

@@ -341,3 +341,92 @@ def _fit_both(ctx):
               for name, data in (("plain", plain), ("fake", fake))}
     return {**losses, "still_on_gpu": all(type(getattr(fake, k)) is _FakeCudaTensor
                                           for k in ("x", "y", "edge_index", "train_mask"))}
+
+
+# ------------------------------------------------------------------ --eval-every
+def eval_every_trainer(epochs, eval_every, **checkpoint):
+    """one_process_trainer's run (dropout and batch norm on) with ``eval_every``."""
+    source = InMemorySource(planted_partition(num_nodes=97, seed=3), permutation="double")
+    parallel = ParallelState.single(ProcessGrid.plexus(1, 1, 1))
+    return Trainer(source, parallel,
+                   **split_config(epochs=epochs, eval_every=eval_every, **CONFIG),
+                   checkpoint=CheckpointConfig(**checkpoint))
+
+
+ACC_KEYS = ("train_acc", "val_acc", "test_acc", "eval_s")
+
+
+def test_eval_every_trains_the_same_and_picks_the_best_among_evaluated_epochs():
+    """--eval-every 4 over 10 epochs evaluates 4, 8 and the last, 10. Evaluation draws no
+    random numbers and leaves batch norm's running statistics alone, so the losses and the
+    weights are those of evaluating every epoch, bit for bit, and so are the accuracies of the
+    evaluated epochs; the best epoch and its kept shards are chosen among those only (here
+    not the best of all epochs, 6)."""
+    every = eval_every_trainer(10, 1)
+    run(every)
+    sparse = eval_every_trainer(10, 4)
+    rows = run(sparse)
+    assert [r["epoch"] for r in rows] == list(range(1, 11)) and sparse.history == rows
+    evaluated = [r["epoch"] for r in rows if "val_acc" in r]
+    assert evaluated == [4, 8, 10] and every.best["epoch"] not in evaluated
+    for r in rows:  # an epoch not evaluated carries no accuracy at all, not even its time
+        assert (r["epoch"] in evaluated) == all(k in r for k in ACC_KEYS) == any(
+            k in r for k in ACC_KEYS), r
+    assert [r["loss"] for r in rows] == [r["loss"] for r in every.history]
+    for r in rows:
+        if r["epoch"] in evaluated:
+            assert all(r[k] == every.history[r["epoch"] - 1][k] for k in ACC_KEYS[:3]), r
+    for (name, a, _, _), (_, b, _, _) in zip(sparse.model.sharded_state(),
+                                             every.model.sharded_state(), strict=True):
+        assert torch.equal(a, b), name
+    best = max((every.history[e - 1] for e in evaluated), key=lambda r: r["val_acc"])
+    assert sparse.best == {k: best[k] for k in ("epoch", "train_acc", "val_acc", "test_acc")}
+    # the kept shards are those of that epoch: a run stopped there has the same weights
+    assert sparse.best["epoch"] == 8
+    at_best = eval_every_trainer(best["epoch"], 4)
+    run(at_best)
+    for name, t, _, _ in at_best.model.sharded_state():
+        assert torch.equal(sparse.best_state[name], t), name
+
+
+def test_eval_every_larger_than_the_run_still_evaluates_the_last_epoch():
+    trainer = eval_every_trainer(4, 100)
+    rows = run(trainer)
+    assert [("val_acc" in r) for r in rows] == [False, False, False, True]
+    assert trainer.best["epoch"] == 4 and trainer.best_state is not None
+
+
+def test_eval_every_resumes_over_a_mixed_history(tmp_path):
+    """6 epochs (evaluated: 3, 6), a checkpoint, a resumed run to 10 (evaluated: 9, 10) ==
+    10 straight epochs with --eval-every 3: the rows without accuracies go through the
+    checkpoint's history as they are, and the best is found over the whole of it."""
+    straight = eval_every_trainer(10, 3)
+    run(straight)
+    run(eval_every_trainer(6, 3, dir=str(tmp_path)))
+    second = eval_every_trainer(10, 3, dir=str(tmp_path), resume=True)
+    assert second.resume() == 6
+    assert [("val_acc" in r) for r in second.history] == [False, False, True] * 2
+    assert [r["epoch"] for r in run(second)] == [7, 8, 9, 10]
+    keys = ("epoch", "loss", *ACC_KEYS[:3])
+    assert [[r.get(k) for k in keys] for r in second.history] == \
+        [[r.get(k) for k in keys] for r in straight.history]
+    assert second.best == straight.best
+    for (name, a, _, _), (_, b, _, _) in zip(second.model.sharded_state(),
+                                             straight.model.sharded_state(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_eval_every_evaluates_the_epoch_a_preemption_stops_at(tmp_path):
+    trainer = eval_every_trainer(10, 4, dir=str(tmp_path))
+    rows = run(trainer, should_stop=lambda: trainer.epoch >= 2)
+    assert [r["epoch"] for r in rows] == [1, 2] and trainer.preempted
+    assert "val_acc" not in rows[0] and "val_acc" in rows[1]
+    assert trainer.best["epoch"] == 2
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_eval_every_must_be_at_least_one(bad):
+    from plexus.config import RunConfig
+
+    with pytest.raises(ValueError, match=f"need eval_every >= 1 .*got {bad}"):
+        RunConfig(eval_every=bad)
