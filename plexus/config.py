@@ -45,6 +45,9 @@ class ModelConfig:
         norm: ``none``, ``batch`` or ``layer`` normalisation after every hidden layer.
         normalize_features: row-normalise the input features (PyG's NormalizeFeatures).
         residual: ``F_l+1 = relu(norm(Q_l)) + F_l`` in the hidden-to-hidden layers.
+        labelled_rows_only: the last layer computes only the rows of nodes in a split: None
+            (auto: where at most half the nodes are labelled,
+            :func:`common.perf.gcn.labelled_rows_pay`), True or False. Exact either way.
     """
 
     model: str = "gcn"
@@ -56,6 +59,7 @@ class ModelConfig:
     norm: str = "none"
     normalize_features: bool = False
     residual: bool = False
+    labelled_rows_only: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.hidden < 1:
@@ -173,4 +177,5 @@ def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
                        dropout=model.dropout, num_features=source.num_features,
                        num_classes=source.num_classes, num_layers=model.num_layers,
                        hidden=model.hidden, learn_features=model.learn_features,
-                       labelled_fraction=min(1.0, labelled))
+                       labelled_fraction=min(1.0, labelled),
+                       labelled_rows_only=model.labelled_rows_only)

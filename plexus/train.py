@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "reduced over the ranks, so any grid trains the serial model)")
     p.add_argument("--residual", action="store_true",
                    help="residual connections in the hidden-to-hidden layers")
+    p.add_argument("--labelled-rows", choices=("auto", "on", "off"), default="auto",
+                   help="last layer on the rows of labelled nodes only (exact): auto where at "
+                   "most half the nodes are in a split")
     p.add_argument("--normalize-features", action="store_true",
                    help="row-normalise the input features (PyG's NormalizeFeatures)")
     p.add_argument("--symmetrize", action="store_true",
@@ -225,7 +228,9 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
                              learn_features=args.learn_features, dropout=args.dropout,
                              bias=args.bias, norm=args.norm,
                              normalize_features=args.normalize_features,
-                             residual=args.residual),
+                             residual=args.residual,
+                             labelled_rows_only={"auto": None, "on": True,
+                                                 "off": False}[args.labelled_rows]),
         "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
                              weight_decay=args.weight_decay),
         "run": RunConfig(epochs=args.epochs, eval_every=args.eval_every, seed=args.seed,

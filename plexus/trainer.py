@@ -78,7 +78,8 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
     net = PlexusGCN(shard, dict(parallel.groups), model=model.model,
                     learn_features=model.learn_features, seed=seed, dropout=model.dropout,
                     bias=model.bias, norm=model.norm,
-                    normalize_features=model.normalize_features, residual=model.residual)
+                    normalize_features=model.normalize_features, residual=model.residual,
+                    labelled_rows_only=model.labelled_rows_only)
     # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
     shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))
     return shard, net

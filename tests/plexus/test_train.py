@@ -72,8 +72,26 @@ def test_help_lists_the_flags():
                  "--device", "--spmm", "--no-retain-freed-memory", "--dist-timeout",
                  "--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--resume",
                  "--model", "--dropout", "--no-bias", "--norm", "--normalize-features",
-                 "--symmetrize", "--optimizer", "--runs", "--eval-every"):
+                 "--symmetrize", "--optimizer", "--runs", "--eval-every", "--labelled-rows"):
         assert flag in r.stdout
+
+
+def test_labelled_rows_on_and_off_print_the_same_run(tmp_path):
+    """--labelled-rows on and off: the same losses and accuracies on the built-in graph (its
+    nodes outside every split make the row subset real); a bad value exits 2."""
+    rows = {}
+    for mode in ("on", "off"):
+        path = tmp_path / f"{mode}.jsonl"
+        r = cli(["--epochs", "3", "--labelled-rows", mode, "--metrics", str(path)], timeout=120)
+        assert r.returncode == 0, r.stderr
+        rows[mode] = [json.loads(line) for line in path.read_text().splitlines()]
+    keys = ("loss", "train_acc", "val_acc", "test_acc")
+    epochs = {m: [[row[k] for k in keys] for row in rs if "epoch" in row and "loss" in row]
+              for m, rs in rows.items()}
+    assert len(epochs["on"]) == 3 and epochs["on"][0] == epochs["off"][0]
+    for a, b in zip(epochs["on"], epochs["off"]):  # later epochs: dW to float rounding
+        assert b[1:] == a[1:] and abs(a[0] - b[0]) <= 1e-5 * abs(b[0])
+    assert cli(["--labelled-rows", "sometimes"], timeout=60).returncode == 2
 
 
 def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_says_so(tmp_path):
