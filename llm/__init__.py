@@ -1,17 +1,18 @@
 """GPT training with the goldfish loss on a 4D (data x depth x row x col) grid.
 
-Maths (no communication): ``config`` (GPTConfig and the presets), ``model`` (the GPT),
-``goldfish`` (which targets the goldfish loss drops), ``data`` (byte tokenizer, offline corpus,
-resumable batches), ``rouge`` (ROUGE-L).
+Maths (no communication): ``config`` (GPTConfig, the presets and every run config), ``model``
+(the GPT), ``goldfish`` (which targets the goldfish loss drops), ``neftune`` (NEFTune's
+embedding noise, the same on every grid), ``rouge`` (ROUGE-L), ``precision`` (bf16 names and
+the saved-activation meter).
 
-Parallelism: ``tp`` (the 3D tensor-parallel Linear, embedding and RMSNorm, with the OAR / ORS /
-OAG overlaps), ``parallel`` (``ParallelGPT``: draws only this rank's shards of a meta-device
-GPT from the keyed initialisation of ``init``, gradient sync and clipping, gathering full
-tensors back), ``loss`` (vocabulary-sharded cross-entropy).
+Sub-packages: ``parallel/`` (``gpt``: ``ParallelGPT`` and its layout table; ``layers``: the 3D
+tensor-parallel Linear, embedding and RMSNorm with the OAR / ORS / OAG overlaps;
+``keyed_init``: any block of a parameter, the same values on every grid), ``data/``
+(``batches``, ``streams``, ``tokenizers``, ``heldout``), ``hf/`` (``llama``: Hugging Face
+Llama names, configs and slices), ``decode/`` (the KV cache and the decode-time methods:
+top-k, Loki, SiftAttention, QuantSpec).
 
-Training: ``trainer`` (one config dataclass per component, AdamW with warmup + cosine, the
-step, evaluation, grid-independent state, and the loop ``run``), ``checkpoint`` (atomic files),
-``train`` (the CLI ``python -m llm.train``: arguments, configs, printing), ``plan`` (the
-performance model's grid ranking for a preset, ``python -m llm.plan``), ``memorization``
-(``python -m llm.memorization``), ``sample`` (``python -m llm.sample``).
+Training: ``loss`` (vocabulary-sharded cross-entropy), ``trainer`` (``Trainer``: set-up,
+resume, step, evaluation, checkpoints; the loop ``run``), ``checkpoint`` (sharded files).
+Command lines: ``python -m llm.train|sample|evaluate|memorization|convert|tokenize|plan``.
 """

@@ -6,7 +6,8 @@ grouped-query attention when ``num_kv_heads < num_heads`` (Ainslie et al.,
 https://arxiv.org/abs/2305.13245); final RMSNorm and an LM head.
 
 Tensor parallelism is applied later by a separate function that swaps every ``nn.Linear`` for a
-parallel Linear holding a shard of ``out_features``. So: q, k, v, o and gate, up, down are
+3D tensor-parallel Linear (:mod:`llm.parallel.layers`) holding a row x col block of W,
+flat-sharded over depth. So: q, k, v, o and gate, up, down are
 separate Linears without bias; attention takes its number of (local) heads from the tensor
 shapes, never from the config; SwiGLU is elementwise on the two projections.
 

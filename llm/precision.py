@@ -1,6 +1,6 @@
 """Mixed precision names and a meter of the memory autograd saves for backward.
 
-``--precision bf16`` (:class:`llm.trainer.PrecisionConfig`) is bf16 compute AND
+``--precision bf16`` (:class:`llm.config.PrecisionConfig`) is bf16 compute AND
 communication with float32 master weights: the parameters (this rank's flat shards) and the
 AdamW moments stay float32; each forward casts the weights to bf16 at use (on a
 tensor-parallel grid: before the depth all-gather, :mod:`llm.parallel.layers`), so the GEMMs, the

@@ -13,8 +13,8 @@
 This module parses arguments, builds the configs and prints: the grid is
 :func:`common.perf.choose_grid`'s, the trainer, its resume and its loop (:func:`llm.trainer.run`)
 :mod:`llm.trainer`'s. Every rank draws only its shards of the model, keyed by ``--seed``
-(the same model on every grid; no rank holds it all); rank 0 prints, writes ``--metrics``
-(JSON lines) and the checkpoints (``DIR/step-N/``).
+(the same model on every grid; no rank holds it all); rank 0 prints and writes ``--metrics``
+(JSON lines); every rank writes its shards of the checkpoints (``DIR/step-N/``).
 """
 
 from __future__ import annotations

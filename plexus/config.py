@@ -122,8 +122,7 @@ class RunConfig:
         epochs: full-graph epochs (>= 0).
         eval_every: evaluate after every N-th epoch (>= 1) and always after the last one (and
             at a preemption stop); model selection sees the evaluated epochs only. 1 (every
-            epoch) as PyG's examples; on a big graph the evaluation forward costs about a third
-            of an epoch.
+            epoch) as PyG's examples; the evaluation is one whole forward pass.
         seed: weight seed (same seed, same numbers on any grid).
         spmm: CPU SpMM kernel: ``auto`` (numba if installed), ``numba`` (both the
             cache-blocked kernel, plexus.spmm), ``numba-rows`` (the row kernel) or

@@ -3,7 +3,7 @@ docs/design/perf-model.md).
 
 Grid ``X x Y x Z``; layer ``l`` gives the axes the roles (O, I, P) = (x, y, z), (z, x, y),
 (y, z, x) for ``l % 3 = 0, 1, 2``. With ``N`` nodes and widths ``D_l`` padded exactly as
-:mod:`plexus.partition` pads them, a rank of layer ``l`` holds
+:mod:`plexus.layout` pads them, a rank of layer ``l`` holds
 ``A_l [N/P, N/O]`` (``nnz / (P O)`` nonzeros), ``F_l [N/O, D_l/I]``, ``W_l [D_l/I, D_l+1/O]``
 (flattened, ``1/P`` of it), ``H_l [N/P, D_l/I]`` and ``Q_l [N/P, D_l+1/O]``.
 
@@ -71,7 +71,7 @@ F32 = 4
 
 
 def roles(layer: int) -> tuple[str, str, str]:
-    """(outer, inner, depth) axes of ``layer`` (same rotation as plexus.partition.roles)."""
+    """(outer, inner, depth) axes of ``layer`` (same rotation as plexus.layout.roles)."""
     return ROLES[layer % 3]
 
 
@@ -102,7 +102,7 @@ class GCNWorkload:
         dropout: the dropout rate (memory only: its keep-masks are kept for backward).
         imbalance: max/mean nonzeros per adjacency block (about 1 with the double
             permutation); scales the SpMM time of the slowest rank.
-        index_bytes: CSR index width; None picks int32 when it fits, as plexus.shard does.
+        index_bytes: CSR index width; None picks int32 when it fits, as plexus.data.shard does.
         labelled_fraction: share of the nodes in a split (train, val or test): 1.0 for
             ogbn-products, 0.014 for ogbn-papers100M.
         labelled_rows_only: the model's option of that name (None: :func:`labelled_rows_pay`
@@ -145,7 +145,7 @@ class GCNWorkload:
         return [self.num_features] + [self.hidden] * (self.num_layers - 1) + [self.num_classes]
 
     def padded(self, shape: Mapping[str, int]) -> tuple[int, list[int]]:
-        """(padded N, padded widths), as plexus.partition.padded_num_nodes/padded_widths."""
+        """(padded N, padded widths), as plexus.layout.padded_num_nodes/padded_widths."""
         n = round_up(self.num_nodes, math.lcm(*shape.values()))
         w = self.widths
         out = [round_up(d, shape[roles(layer)[1]]) for layer, d in enumerate(w[:-1])]

@@ -21,6 +21,7 @@ Modules:
     writer      prepare(): a graph into k x k block files, streaming (CLI: plexus.prepare)
     mapped      PreparedGraph: a prepared dataset, memory-mapped per rank
     cache       big datasets prepared once under ROOT/prepared on first use, then mapped
+    job         opening a dataset on every rank of a job: the cache's k, the job token
     errors      DatasetNotFoundError, DatasetCorruptError
 
 Importing this package loads only the light modules; sources and the writer load on use.
