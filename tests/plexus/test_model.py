@@ -422,32 +422,27 @@ def test_labelled_rows_of_a_prepared_dataset(tmp_path):
 
 
 @pytest.mark.parametrize("spmm", ["auto", "torch"])
-def test_trainer_runs_the_last_layer_on_labelled_rows(monkeypatch, spmm):
+def test_trainer_runs_the_last_layer_on_labelled_rows(spmm):
     """On a graph with 20% of its nodes in a split the trainer's model runs the last layer on
     those rows by default, with the CPU kernel the trainer gave the full blocks: its first loss
     and every accuracy equal the all-row model's, the losses after it agree to float rounding
     (the last layer's dW differs in the last bits), and split_predictions and predictions give
     the same classes."""
-    import functools
 
     from common.grid import ProcessGrid
     from common.parallel import ParallelState
-    from plexus import trainer as trainer_module
     from plexus.config import split_config
     from plexus.trainer import Trainer, predictions, run, split_predictions
 
     def train(**model):
-        if model:
-            monkeypatch.setattr(trainer_module, "PlexusGCN",
-                                functools.partial(PlexusGCN, **model))
         t = Trainer(InMemorySource(few_labels_graph()),
                     ParallelState.single(ProcessGrid.plexus(1, 1, 1)),
                     **split_config(epochs=4, hidden=8, num_layers=2, lr=0.05, dropout=0.5,
-                                   spmm=spmm))
+                                   spmm=spmm, **model))
         run(t)
         return t
 
-    on, off = train(), train(labelled_rows_only=False)
+    on, off = train(), train(labelled_rows_only=False)  # ModelConfig's option (auto: on here)
     assert on.model.labelled_rows is not None and off.model.labelled_rows is None
     assert on.shard.labelled_adj.a.kernel == on.shard.labelled_adj.a_t.kernel == \
         on.shard.adj[1].a.kernel == ("torch" if spmm == "torch" else "auto")
