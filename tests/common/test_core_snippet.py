@@ -53,8 +53,9 @@ def test_snippet_groups_get_the_mpi_transport_under_mpiexec(tmp_path):
     script = tmp_path / "core_snippet.py"
     script.write_text(SNIPPET.read_text() + (
         "\nfrom common.mpi import MPIGroup\n"
-        "print('rank', ctx.rank, 'comm', ctx.comm, 'mpi groups', sorted(\n"
-        "    n for n, g in groups.items() if g.size > 1 and isinstance(g.mpi, MPIGroup)))\n"))
+        "mpi = sorted(n for n, g in groups.items() if g.size > 1 and isinstance(g.mpi, MPIGroup))\n"
+        "# one write per line, so the two ranks' lines cannot interleave inside a line\n"
+        "print(f'rank {ctx.rank} comm {ctx.comm} mpi groups {mpi}', flush=True)\n"))
     r = launch([str(script)], ranks=2, launcher="mpiexec", cwd=tmp_path, pythonpath=None,
                timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
