@@ -29,11 +29,11 @@ import torch
 
 from common import checkpoint as ckpt
 from common import sharded
+from common.device import DEVICES as DEVICES  # re-exported: the one-process CLIs' --device
 from llm.model import GPT, GPTConfig
 
 FORMAT = 3  # meta["format"]; bump when the layout changes
 STATE_FILE = "state.pt"
-DEVICES = ("auto", "cpu", "cuda")  # --device of the single-process CLIs (resolve_device)
 DEVICE_HELP = "where the model runs: auto (CUDA when torch sees a GPU, else CPU), cpu or cuda"
 
 
