@@ -159,9 +159,9 @@ CHOICE = """
 from common.dist import init_distributed
 try:
     ctx = init_distributed(device="cpu", comm="{comm}")
-    print("rank", ctx.rank, "comm", ctx.comm, flush=True)
+    print(f"rank {{ctx.rank}} comm {{ctx.comm}}", flush=True)  # one write: lines never interleave
 except ValueError as e:
-    print("error:", e, flush=True)
+    print(f"error: {{e}}", flush=True)
     raise SystemExit(2)
 """
 
