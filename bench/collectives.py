@@ -27,7 +27,7 @@ Timing: ``--warmup`` calls of each, then ``--repeats`` rounds; a round times one
 ``--iters`` back-to-back calls of ours, then one of MPI, each after an MPI barrier. A block's
 time is the **max over ranks of the per-rank mean** (as in nccl-tests); the reported time is
 the **median over the rounds** of that (alternating rounds let both see the same background
-load). Above 1 MiB the counts shrink in proportion to size (at least 2 timed calls per block and
+load). Above 1 MiB the counts shrink in proportion to size (at least 4 timed calls per block and
 1 warm-up) so the 64 MiB end stays short. Bandwidths follow nccl-tests, with ``M`` the full
 buffer (all-reduce input, all-gather output, reduce-scatter input) and ``n`` ranks::
 
@@ -74,6 +74,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n}
 SCALE_ABOVE = 1 << 20  # iterations shrink in proportion to size above 1 MiB
+MIN_ITERS = 4  # but a block keeps at least 4 timed calls (2 left one slow call deciding a row)
 TIMING = "median over rounds of (max over ranks of mean per call)"
 COLUMNS = ("op", "ranks", "bytes", "iters", "ours_us", "ours_busbw", "mpi_us", "mpi_busbw",
            "ratio", "target_met", "mpi_reused_us")
@@ -146,13 +147,16 @@ def time_blocks(
 ) -> dict[str, list[float]]:
     """Per callable: ``repeats`` block times, each the max over ranks of the mean seconds per
     call (the caller takes their median). Blocks of the callables alternate, so all see the
-    same background load."""
+    same background load, and each round starts with the next callable (round r runs them in
+    the order rotated by r), so none is always the first after a size change and a barrier."""
     for _ in range(warmup):
         for fn in calls.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, fn in calls.items():
+    names = list(calls)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = calls[name]
             comm.Barrier()
             start = time.perf_counter()
             for _ in range(iters):
@@ -167,7 +171,8 @@ def iterations(nbytes: int, iters: int, warmup: int) -> tuple[int, int]:
     if nbytes <= SCALE_ABOVE:
         return iters, warmup
     scale = SCALE_ABOVE / nbytes
-    return max(min(iters, 2), round(iters * scale)), max(min(warmup, 1), round(warmup * scale))
+    return max(min(iters, MIN_ITERS), round(iters * scale)), max(min(warmup, 1),
+                                                                round(warmup * scale))
 
 
 def bench_one(

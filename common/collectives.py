@@ -157,11 +157,20 @@ def all_reduce(
     inplace: bool = False,
 ) -> torch.Tensor | CommHandle:
     """All-reduce ``x`` over ``group`` (sum by default). Out of place unless ``inplace``."""
-    if group.size == 1:
+    g = group.size
+    if g == 1:
         return CommHandle.done(x) if async_op else x
     if inplace and not x.is_contiguous():
         raise ValueError("in-place all_reduce needs a contiguous tensor")
     mpi = group.mpi
+    if mpi is not None and not async_op:  # the lean synchronous MPI path
+        start = time.perf_counter()
+        out = mpi.all_reduce_now(x.contiguous(), op, inplace)
+        if out is not None:
+            if stats is not None:
+                stats.record(group.name, "all_reduce", ring_bytes("all_reduce", out.nbytes, g),
+                             time.perf_counter() - start)
+            return out
     if mpi is not None and mpi.supports(x, op):  # MPI reduces out of place: no copy of x first
         src = x.contiguous()
         out = x if inplace else torch.empty_like(src)
@@ -187,6 +196,15 @@ def all_gather(
     g = group.size
     if g == 1:
         return CommHandle.done(x) if async_op else x
+    mpi = group.mpi
+    if mpi is not None and not async_op and dim == 0:  # the lean synchronous MPI path
+        start = time.perf_counter()
+        out = mpi.all_gather_now(x)
+        if out is not None:
+            if stats is not None:
+                stats.record(group.name, "all_gather", ring_bytes("all_gather", out.nbytes, g),
+                             time.perf_counter() - start)
+            return out
     shape = tuple(x.shape)
     dim = dim % len(shape) if shape else 0
     src = x.contiguous()
@@ -229,6 +247,16 @@ def reduce_scatter(
             f"reduce_scatter over axis {group.name!r}: dimension {dim} has size {shape[dim]}, "
             f"not divisible by the group size {g}; pad it to a multiple of {g}"
         )
+    mpi = group.mpi
+    if mpi is not None and not async_op and dim == 0:  # the lean synchronous MPI path
+        start = time.perf_counter()
+        out = mpi.reduce_scatter_now(x)
+        if out is not None:
+            if stats is not None:
+                stats.record(group.name, "reduce_scatter",
+                             ring_bytes("reduce_scatter", x.nbytes, g),
+                             time.perf_counter() - start)
+            return out
     chunk = shape[dim] // g
     out_shape = (*shape[:dim], chunk, *shape[dim + 1:])
     if dim == 0:  # chunk i is already the i-th contiguous block
@@ -237,7 +265,6 @@ def reduce_scatter(
         src = x.reshape((*shape[:dim], g, chunk, *shape[dim + 1:])).movedim(dim, 0).contiguous()
     out = src.new_empty(*out_shape)
     sum_op = ReduceOp.SUM
-    mpi = group.mpi
     if mpi is not None and mpi.supports(src, sum_op):
         launch = lambda: mpi.reduce_scatter(src, out, sum_op, async_op)  # noqa: E731
     else:

@@ -127,6 +127,7 @@ class MPIGroup:
         self._reduce_types, self._gather_types = _types(mpi)
         # whether sync collectives may call MPI's blocking routine directly (:meth:`_now`)
         self._direct = polite != "all" and node is None
+        self.size = comm.Get_size()
 
     @property
     def two_level(self) -> bool:
@@ -149,6 +150,55 @@ class MPIGroup:
     def _msg(self, t: torch.Tensor, types: dict) -> list:
         """The mpi4py message for a contiguous CPU tensor's memory (no copy, no numpy)."""
         return [self._address(t.data_ptr(), t.nbytes), types.get(t.dtype, self._byte)]
+
+    # The synchronous fast path (:mod:`common.collectives` calls these first): the collective
+    # on this thread, output allocated here, or None when it must go through the queue (an
+    # async collective pending, polite "all", two-level, a dtype MPI cannot reduce). One Python
+    # call between the API and MPI: at 64 KiB every microsecond is 3% of the collective.
+    def all_reduce_now(self, x: torch.Tensor, op: Any, inplace: bool) -> torch.Tensor | None:
+        """All-reduce of contiguous ``x`` (into ``x`` itself when ``inplace``; else a new
+        tensor, MPI reading ``x`` directly), or None (see above)."""
+        if (self.progress.pending or not self._direct or not x.is_cpu
+                or x.dtype not in self._reduce_types or not (op is _SUM or op in self._ops)):
+            return None
+        kind = self._reduce_types[x.dtype]
+        address = self._address
+        out = x if inplace else torch.empty_like(x)
+        send = self._in_place if inplace else [address(x.data_ptr(), x.nbytes), kind]
+        self.comm.Allreduce(send, [address(out.data_ptr(), out.nbytes), kind],
+                            self._mpi_sum if op is _SUM else self._ops[op])
+        return out
+
+    def all_gather_now(self, x: torch.Tensor) -> torch.Tensor | None:
+        """All-gather of ``x`` [s, ...] along dim 0 -> [g * s, ...], or None (see above)."""
+        if self.progress.pending or not self._direct or not x.is_cpu or not x.dim():
+            return None
+        src = x.contiguous()
+        out = src.new_empty(self.size * src.numel())  # flat: a shape tuple costs 1.5 us
+        if src.dim() > 1:
+            out = out.view(-1, *src.shape[1:])
+        kind = self._gather_types.get(src.dtype, self._byte)
+        address = self._address
+        self.comm.Allgather([address(src.data_ptr(), src.nbytes), kind],
+                            [address(out.data_ptr(), out.nbytes), kind])
+        return out
+
+    def reduce_scatter_now(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Sum-reduce-scatter of ``x`` [g * s, ...] along dim 0 -> [s, ...] (the caller checked
+        that g divides), or None (see above)."""
+        if (self.progress.pending or not self._direct or not x.is_cpu
+                or x.dtype not in self._reduce_types):
+            return None
+        src = x.contiguous()
+        out = src.new_empty(src.numel() // self.size)
+        if src.dim() > 1:
+            out = out.view(-1, *src.shape[1:])
+        kind = self._reduce_types[src.dtype]
+        address = self._address
+        self.comm.Reduce_scatter_block([address(src.data_ptr(), src.nbytes), kind],
+                                       [address(out.data_ptr(), out.nbytes), kind],
+                                       self._mpi_sum)
+        return out
 
     # Each method returns a Work; the out buffers are the caller's, filled when it completes.
     # Inputs and outputs are contiguous; their shapes do not matter, only their sizes.

@@ -32,6 +32,10 @@ def _results(groups, dtype) -> dict[str, torch.Tensor]:
             continue
         x = _data(grp.members[grp.rank], (grp.size * 3, 5), dtype)
         out[f"{name}/all_reduce"] = coll.all_reduce(x, grp)
+        y = x.clone()
+        if coll.all_reduce(y, grp, inplace=True) is not y:
+            raise AssertionError("an in-place all-reduce returned a new tensor")
+        out[f"{name}/all_reduce_inplace"] = y
         if dtype in (torch.float32, torch.int64):
             out[f"{name}/max"] = coll.all_reduce(x, grp, op=coll.ReduceOp.MAX)
         h = coll.all_gather(x, grp, dim=1, async_op=True)  # queued: the sync call waits its turn
