@@ -45,17 +45,18 @@ class CommHandle:
     """
 
     def __init__(self, work: Any, finish: Callable[[], torch.Tensor],
-                 done: Callable[[], None] | None = None) -> None:
+                 done: Callable[[float], None] | None = None) -> None:
         self._work, self._finish, self._done = work, finish, done
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
+            start = time.perf_counter()
             if self._work is not None:
                 self._work.wait()
             self._result = self._finish()
             if self._done is not None:
-                self._done()
+                self._done(time.perf_counter() - start)
         return self._result
 
     @classmethod
@@ -117,8 +118,8 @@ def _run(
     if stats is not None:
         nbytes = ring_bytes(op_name, full_bytes, group.size)
 
-        def done() -> None:
-            stats.record(group.name, op_name, nbytes, time.perf_counter() - start)
+        def done(blocked: float) -> None:  # blocked: the seconds spent inside wait()
+            stats.record(group.name, op_name, nbytes, time.perf_counter() - start, blocked)
 
     finish = result if callable(result) else (lambda: result)
     return CommHandle(work, finish, done)
@@ -134,7 +135,7 @@ def _run_on_stream(group: AxisGroup, op_name: str, full_bytes: int, stats: CommS
     begin = mark()
     work = launch()
 
-    def done() -> None:
+    def done(blocked: float = 0.0) -> None:  # GPU time: its exposure is not known here
         end = mark()
         stats.record(group.name, op_name, nbytes, lambda: _elapsed_s(begin, end))
 

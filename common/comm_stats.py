@@ -41,6 +41,9 @@ class CommRecord:
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    # the part of ``seconds`` the caller spent blocked (a synchronous call: all of it; an
+    # async one: the time inside ``wait()``); what overlap could not hide
+    exposed: float = 0.0
 
 
 class CommStats:
@@ -61,21 +64,27 @@ class CommStats:
         """(axis, op) -> totals, with every pending time resolved."""
         if self._pending:
             pending, self._pending = self._pending, []
-            for rec, seconds in pending:
-                rec.seconds += float(seconds())
+            for rec, seconds in pending:  # GPU times: exposure unknown, counted whole
+                value = float(seconds())
+                rec.seconds += value
+                rec.exposed += value
         return self._records
 
     def record(self, axis: str, op: str, nbytes: int,
-               seconds: float | Callable[[], float]) -> None:
+               seconds: float | Callable[[], float], exposed: float | None = None) -> None:
         """Count one call of ``op`` along ``axis``: ``nbytes`` sent, ``seconds`` taken (or a
-        function that returns them once the collective is done, called when read)."""
+        function that returns them once the collective is done, called when read), of which
+        ``exposed`` the caller waited (None: all of them, as for a synchronous call)."""
         rec = self._records[(axis, op)]
         rec.calls += 1
         rec.bytes += int(nbytes)
         if callable(seconds):
             self._pending.append((rec, seconds))
+            if exposed is not None:
+                rec.exposed += float(exposed)
         else:
             rec.seconds += float(seconds)
+            rec.exposed += float(seconds if exposed is None else exposed)
 
     def reset(self) -> None:
         """Forget everything (pending times unread: nothing waits)."""
@@ -90,6 +99,11 @@ class CommStats:
     def total_seconds(self) -> float:
         return sum(r.seconds for r in self.records.values())
 
+    @property
+    def exposed_seconds(self) -> float:
+        """Seconds the caller was blocked in collectives (the communication not overlapped)."""
+        return sum(r.exposed for r in self.records.values())
+
     def by_axis(self) -> dict[str, CommRecord]:
         """Totals per axis over all ops."""
         out: dict[str, CommRecord] = defaultdict(CommRecord)
@@ -98,12 +112,14 @@ class CommStats:
             o.calls += r.calls
             o.bytes += r.bytes
             o.seconds += r.seconds
+            o.exposed += r.exposed
         return dict(out)
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        """JSON-friendly ``{"axis/op": {"calls", "bytes", "seconds"}}``."""
+        """JSON-friendly ``{"axis/op": {"calls", "bytes", "seconds", "exposed"}}``."""
         return {
-            f"{axis}/{op}": {"calls": r.calls, "bytes": r.bytes, "seconds": r.seconds}
+            f"{axis}/{op}": {"calls": r.calls, "bytes": r.bytes, "seconds": r.seconds,
+                             "exposed": r.exposed}
             for (axis, op), r in sorted(self.records.items())
         }
 

@@ -48,6 +48,12 @@ class ModelConfig:
         labelled_rows_only: the last layer computes only the rows of nodes in a split: None
             (auto: where at most half the nodes are labelled,
             :func:`common.perf.gcn.labelled_rows_pay`), True or False. Exact either way.
+        overlap: run each aggregation in row blocks whose all-reduces (and the weight's
+            all-gather) travel while the next block computes (plexus.ops.BlockedAggregation):
+            None (auto: where some axis has more than one rank,
+            :func:`common.perf.gcn.overlap_pays`), True or False.
+        aggregation_blocks: row blocks of the blocked aggregation; None: 4 with overlap, else
+            1 (the unblocked layer). Blocks without overlap give the overlapped bits.
     """
 
     model: str = "gcn"
@@ -60,8 +66,12 @@ class ModelConfig:
     normalize_features: bool = False
     residual: bool = False
     labelled_rows_only: bool | None = None
+    overlap: bool | None = None
+    aggregation_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.aggregation_blocks is not None and self.aggregation_blocks < 1:
+            raise ValueError(f"need aggregation_blocks >= 1, got {self.aggregation_blocks}")
         if self.num_layers < 1 or self.hidden < 1:
             raise ValueError(f"need num_layers >= 1 and hidden >= 1; got num_layers="
                              f"{self.num_layers}, hidden={self.hidden}")

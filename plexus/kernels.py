@@ -121,7 +121,7 @@ def _spmm_chunk(lo, hi, r0, r1, indices, values, x, out, q, zero, lookahead):  #
 
 @numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
 def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
-                    lookahead):  # pragma: no cover - compiled
+                    lookahead, s_lo, s_hi):  # pragma: no cover - compiled
     """Cache-blocked ``out (+)= A @ x``: column slice by column slice, row chunks in parallel.
 
     ``x`` is ``[m, T, t]`` and ``out`` ``[rows, T, t]`` (a free reshape of ``[m, d]`` and
@@ -134,10 +134,14 @@ def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
     nonzeros in index order (slices ascend in column, columns ascend within a row), starting
     from 0 (``accumulate=False``: the first slice zeroes) or from ``out`` -- the same terms in
     the same order as :func:`csr_spmm`, so the result is bit-identical to it.
+
+    Only slices ``s_lo .. s_hi`` run (all: ``0, S``); running the ranges of a partition of the
+    slices one after the other, in increasing order, adds the same terms in the same order as
+    one call (the overlapped backward of plexus.ops.BlockedAggregation).
     """
     num_slices = cuts.shape[0] + 1
     for q in range(x.shape[1]):
-        for s in range(num_slices):
+        for s in range(s_lo, s_hi):
             lo = indptr[:-1] if s == 0 else cuts[s - 1]
             hi = indptr[1:] if s == num_slices - 1 else cuts[s]
             zero = s == 0 and not accumulate

@@ -28,7 +28,7 @@ from common import autograd, flat
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
-from common.perf.gcn import labelled_rows_pay
+from common.perf.gcn import AGGREGATION_BLOCKS, labelled_rows_pay, overlap_pays
 from common.slab import Slab
 from plexus import layout, ops, shards
 from plexus.config import MODELS, NORMS
@@ -90,6 +90,14 @@ class PlexusGCN(nn.Module):
             (:func:`common.perf.gcn.labelled_rows_pay`; on a fully labelled graph the
             gathered rows would copy the whole block for nothing). ``forward(all_rows=True)``
             computes every row (:func:`plexus.trainer.predictions`).
+        overlap: aggregate in ``aggregation_blocks`` row blocks whose all-reduces over O
+            (2, 7) travel while the next block computes (:class:`plexus.ops.BlockedAggregation`)
+            and start each weight's all-gather over P (3) before the aggregation, waiting for
+            it after. None (default): where some axis has more than one rank
+            (:func:`common.perf.gcn.overlap_pays`).
+        aggregation_blocks: row blocks (None: :data:`common.perf.gcn.AGGREGATION_BLOCKS` with
+            overlap, else 1). Blocks > 1 without overlap run the same collectives
+            synchronously: the same bits as with overlap.
 
     Each logit row is the same sum in the same order either way, so the logits, the loss and
     the accuracies agree bit for bit where the all-reduces over O and I add two operands
@@ -115,6 +123,8 @@ class PlexusGCN(nn.Module):
         normalize_features: bool = False,
         residual: bool = False,
         labelled_rows_only: bool | None = None,
+        overlap: bool | None = None,
+        aggregation_blocks: int | None = None,
     ) -> None:
         super().__init__()
         if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
@@ -171,6 +181,9 @@ class PlexusGCN(nn.Module):
             shard.restrict_last_layer(root=model == "sage")
             rows = shard.labelled_rows()
         self.register_buffer("labelled_rows", rows, persistent=False)
+        self.overlap = overlap_pays(sizes, overlap)
+        self.aggregation_blocks = (aggregation_blocks if aggregation_blocks is not None
+                                   else AGGREGATION_BLOCKS if self.overlap else 1)
 
     # ------------------------------------------------------------------ the layer
     def forward(self, stats: CommStats | None = None, *, step: int = 0,
@@ -184,6 +197,7 @@ class PlexusGCN(nn.Module):
         f = None
         for layer in range(self.num_layers):
             rows_only = self._rows_only(layer, all_rows)   # last layer: labelled rows only
+            w = self._prefetch(layer, stats)               # W_l's all-gather in flight (3)
             if layer == 0 and self._h0 is not None and self._h0_rows_only == rows_only:
                 (h, r), skip = self._h0, None              # fixed F_0, no dropout: a past H_0
             else:
@@ -192,10 +206,10 @@ class PlexusGCN(nn.Module):
                 f = self._dropout(layer, f, step)          # F' = dropout(F_l)
                 h, r = self._aggregate(layer, f, stats, rows_only)  # H = A F', R = S F' (2), (7)
                 f = None
-            q = self._matmul(layer, h, self.weights, stats)                # H W_l   (3), (5), (6)
+            q = self._matmul(layer, h, self.weights, stats, w[0])          # H W_l   (3), (5), (6)
             h = None
             if r is not None:
-                q = q + self._matmul(layer, r, self.root_weights, stats)   # + R R_l
+                q = q + self._matmul(layer, r, self.root_weights, stats, w[1])  # + R R_l
                 r = None
             q = self._sum_inner(layer, q, stats)           # Q summed over I (4), + b_l
             if layer < self.num_layers - 1:
@@ -256,18 +270,32 @@ class PlexusGCN(nn.Module):
 
     def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None):
         """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
-        all-reduced over O in both passes (collectives 2 and 7)."""
-        blk = blocks[layer % 6]
+        all-reduced over O in both passes (collectives 2 and 7): in row blocks, overlapped
+        with the SpMM, when :attr:`aggregation_blocks` > 1."""
+        blk, group = blocks[layer % 6], self.groups[layout.roles(layer)[0]]
+        if self.aggregation_blocks > 1 and group.size > 1:
+            return ops.BlockedAggregation.apply(blk.a, blk.a_t, x, group, stats,
+                                                self.aggregation_blocks, self.overlap)
         h = ops.SpMM.apply(blk.a, blk.a_t, x)  # a fresh tensor: reduced in place
-        return autograd.all_reduce_all_reduce(h, self.groups[layout.roles(layer)[0]], stats,
-                                              inplace=True)
+        return autograd.all_reduce_all_reduce(h, group, stats, inplace=True)
+
+    def _prefetch(self, layer: int, stats: CommStats | None) -> tuple:
+        """With :attr:`overlap`, the handles of W_l's (and R_l's) all-gather over P (3),
+        issued now so that they travel during the aggregation; else (None, None)."""
+        p_group = self.groups[layout.roles(layer)[2]]
+        if not self.overlap or p_group.size == 1:
+            return None, None
+        shape = self.block_shapes[layer]
+        return tuple(flat.gather(ws[layer].detach(), p_group, shape, stats=stats, async_op=True)
+                     if len(ws) else None for ws in (self.weights, self.root_weights))
 
     def _matmul(self, layer: int, h: torch.Tensor, weights: nn.ParameterList,
-                stats: CommStats | None) -> torch.Tensor:
-        """``H W`` [N/P, D_l+1/O], partial over I, with ``W`` gathered over P (3, 5, 6)."""
+                stats: CommStats | None, gathered=None) -> torch.Tensor:
+        """``H W`` [N/P, D_l+1/O], partial over I, with ``W`` gathered over P (3, 5, 6);
+        ``gathered``: the handle of that all-gather, issued by :meth:`_prefetch`."""
         p_group = self.groups[layout.roles(layer)[2]]
         return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
-                                        stats)
+                                        stats, gathered)
 
     def _sum_inner(self, layer: int, q: torch.Tensor, stats: CommStats | None):
         """Q summed over I (collective 4, in place: q is fresh), then ``+ b_l`` in place (the

@@ -6,14 +6,16 @@ memory kept for backward are explicit: plexus.model composes them into the layer
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 
+from common import collectives as coll
 from common import flat
 from common.grid import AxisGroup
 
-__all__ = ["GatheredMatmul", "ReLU", "SpMM"]
+__all__ = ["BlockedAggregation", "GatheredMatmul", "ReLU", "SpMM"]
 
 
 class SpMM(torch.autograd.Function):
@@ -28,6 +30,65 @@ class SpMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dh):
         return None, None, ctx.a_t.matmul(dh) if ctx.needs_input_grad[2] else None
+
+
+class BlockedAggregation(torch.autograd.Function):
+    """``H = A @ F`` all-reduced over ``group`` (collective 2), in row blocks; backward ``dH``
+    all-reduced over ``group`` (7) in the same blocks and ``dF = A^T dH`` accumulated block by
+    block (docs/design/plexus-3d.md section 10).
+
+    Forward: block ``b``'s rows of H are computed, then their all-reduce is started; with
+    ``overlap`` it is asynchronous, so it travels while block ``b + 1`` computes (the MPI
+    transport's communication thread on CPU, NCCL's stream on GPU); all are waited on at the
+    end. Backward: every block's all-reduce of ``dH`` is started at once, and the columns of
+    ``A^T`` that block ``b`` feeds are multiplied as soon as its all-reduce is done, while the
+    later blocks' are still in flight. Without ``overlap`` the same collectives run
+    synchronously in the same order: the two give the same bits.
+
+    Exactness: each row of H is the row kernel's sum; on the numba kernels the backward's
+    column ranges of ``A^T`` add each row's terms in column order, so dF has the bits of one
+    unblocked ``A^T @ dH``. What may differ from the unblocked layer is the all-reduce's
+    summation order, which MPI and NCCL may choose by message size (never for 2 ranks).
+
+    Shapes: f [m, d] -> [n, d]; backward dh [n, d] -> df [m, d]
+    """
+
+    @staticmethod
+    def forward(ctx: Any, a, a_t, f, group: AxisGroup, stats, num_blocks: int,
+                overlap: bool):
+        bounds, parts = a.row_blocks(num_blocks)
+        f = f.detach()
+        out = torch.empty(a.shape[0], f.shape[1], dtype=f.dtype, device=f.device)
+        handles = []
+        for (lo, hi), part in zip(itertools.pairwise(bounds), parts):
+            part.matmul(f, out=out[lo:hi])
+            handles.append(coll.all_reduce(out[lo:hi], group, stats=stats, async_op=overlap,
+                                           inplace=True))
+        if overlap:
+            for h in handles:
+                h.wait()
+        ctx.a_t, ctx.bounds, ctx.group, ctx.stats, ctx.overlap = a_t, bounds, group, stats, overlap
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dh):
+        bounds, group, stats, overlap = ctx.bounds, ctx.group, ctx.stats, ctx.overlap
+        red = dh.contiguous().clone()  # reduced in place, block by block
+        ranges = list(itertools.pairwise(bounds))
+        handles = [coll.all_reduce(red[lo:hi], group, stats=stats, async_op=overlap,
+                                   inplace=True) for lo, hi in ranges]
+        df = None
+        if ctx.needs_input_grad[2]:
+            a_t = ctx.a_t
+            df = torch.zeros(a_t.shape[0], red.shape[1], dtype=red.dtype, device=red.device)
+            for (lo, hi), h in zip(ranges, handles):
+                if overlap:
+                    h.wait()
+                a_t.matmul(red, out=df, cols=(lo, hi, tuple(bounds)))
+        elif overlap:
+            for h in handles:
+                h.wait()
+        return None, None, df, None, None, None, None
 
 
 class ReLU(torch.autograd.Function):
@@ -60,10 +121,14 @@ class GatheredMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats):
+    def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats, gathered=None):
+        """``gathered``: the handle of this W's all-gather issued earlier (async, so that it
+        travels during the aggregation), or None to gather now."""
         ctx.group, ctx.shape, ctx.stats = group, shape, stats
         ctx.save_for_backward(h, w_shard)
-        return h @ flat.gather(w_shard, group, shape, stats=stats)
+        w = (flat.gather(w_shard, group, shape, stats=stats) if gathered is None
+             else gathered.wait())
+        return h @ w
 
     @staticmethod
     def backward(ctx: Any, dq):
@@ -72,4 +137,4 @@ class GatheredMatmul(torch.autograd.Function):
         dh = None
         if ctx.needs_input_grad[0]:
             dh = dq @ flat.gather(w_shard, group, shape, stats=stats).t()
-        return dh, flat.reduce_scatter(h.t() @ dq, group, stats=stats), None, None, None
+        return dh, flat.reduce_scatter(h.t() @ dq, group, stats=stats), None, None, None, None

@@ -26,6 +26,7 @@ Shapes:
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass, field
 from functools import cache
@@ -54,7 +55,14 @@ class CSRBlock:
 
     @property
     def nnz(self) -> int:
-        return int(self.indices.shape[0])
+        return int(self.indptr[-1] - self.indptr[0])  # a row-range view shares the arrays
+
+    def row_range(self, lo: int, hi: int) -> CSRBlock:
+        """Rows ``lo .. hi`` as a block: indptr rebased (a copy of ``hi - lo + 1`` entries),
+        indices and values views of this block's (numpy, memory-mapped or device arrays)."""
+        start, end = int(self.indptr[lo]), int(self.indptr[hi])
+        return CSRBlock(self.indptr[lo:hi + 1] - self.indptr[lo], self.indices[start:end],
+                        self.values[start:end], (hi - lo, self.shape[1]))
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +158,7 @@ class BlockSparse:
         self.device = torch.device("cpu")
         self.kernel = "auto"
         self._torch: dict[tuple[int, int], torch.Tensor] = {}
+        self._row_blocks: dict[int, tuple[list[int], list[BlockSparse]]] = {}
 
     @classmethod
     def single(cls, m: sp.csr_matrix) -> BlockSparse:
@@ -205,6 +214,34 @@ class BlockSparse:
         out.kernel = self.kernel
         return out
 
+    def row_blocks(self, num: int) -> tuple[list[int], list[BlockSparse]]:
+        """(bounds, parts): ``num`` row ranges of equal height (so every rank with the same
+        rows cuts them alike: the ranks of a group all-reduce the same ranges) and their
+        matrices (``parts[b]`` = rows ``bounds[b] .. bounds[b + 1]``, same column bands;
+        :meth:`CSRBlock.row_range` views, on this matrix's device), built once per ``num``
+        and dropped by :meth:`to`. Each row of a part multiplies bit for bit as here.
+        """
+        num = max(1, min(int(num), self.shape[0]))
+        if num in self._row_blocks:
+            return self._row_blocks[num]
+        bounds = [self.shape[0] * b // num for b in range(num + 1)]
+        parts = [self._rows(lo, hi) for lo, hi in itertools.pairwise(bounds)]
+        self._row_blocks[num] = (bounds, parts)
+        return bounds, parts
+
+    def _rows(self, lo: int, hi: int) -> BlockSparse:
+        """Rows ``lo .. hi`` as a matrix of views (:meth:`row_blocks`)."""
+        ro = self.row_offsets
+        bands = [(r, max(lo, ro[r]) - ro[r], min(hi, ro[r + 1]) - ro[r])
+                 for r in range(len(self.blocks)) if ro[r] < hi and ro[r + 1] > lo]
+        blocks = [[None if b is None else b.row_range(a, z) for b in self.blocks[r]]
+                  for r, a, z in bands]
+        out = BlockSparse(blocks, [z - a for _, a, z in bands], np.diff(self.col_offsets).tolist())
+        out.kernel, out.device = self.kernel, self.device
+        if self.device.type != "cpu":
+            out._torch = {(r, c): b.to_torch(self.device) for r, c, b in out.present()}
+        return out
+
     def transpose(self) -> BlockSparse:
         """The transpose ``[m, n]``, block by block (:meth:`CSRBlock.transpose`; a copy)."""
         blocks = [[None if b is None else b.transpose() for b in col]
@@ -256,6 +293,7 @@ class BlockSparse:
             self.kernel = kernel
         self.device = torch.device(device)
         self._torch = {}
+        self._row_blocks = {}
         cache: dict = {} if uploaded is None else uploaded
 
         def block_key(b: CSRBlock) -> tuple:  # a whole-file map by its file, else by identity
@@ -283,7 +321,9 @@ class BlockSparse:
         return self
 
     def matmul(self, x: torch.Tensor, *, slice_cols: int | None = None,
-               feature_tile: int | None = None, cache_bytes: int | None = None) -> torch.Tensor:
+               feature_tile: int | None = None, cache_bytes: int | None = None,
+               out: torch.Tensor | None = None,
+               cols: tuple[int, int, tuple[int, ...]] | None = None) -> torch.Tensor:
         """``self @ x``: [n, m] @ [m, d] -> a new [n, d] tensor (no autograd).
 
         On CPU with numba (kernel ``auto`` or ``numba``) every block runs the cache-blocked
@@ -299,10 +339,22 @@ class BlockSparse:
                 slices (must divide d; default d, no tiling).
             cache_bytes: the cache the default slices are sized for (default:
                 :func:`plexus.spmm.cache_bytes`, ``$PLEXUS_SPMM_CACHE_BYTES`` or sysfs).
+            out: write the product into this contiguous [n, d] tensor (returned).
+            cols: ``(lo, hi, bounds)``: only the columns ``lo .. hi`` of this matrix (so
+                only the rows ``lo .. hi`` of ``x`` are read), *added* into ``out`` (zero it
+                before the first range). ``bounds`` lists every range boundary of the
+                caller's partition, so that each block is planned once. Running the ranges of
+                a partition in increasing order gives, on the numba kernels, the bits of one
+                full :meth:`matmul` (each row's terms in column order); torch's kernel sums
+                each range's product instead.
 
         Shapes:
             x: [m, d] -> [n, d]
         """
+        if cols is not None:
+            if out is None:
+                raise ValueError("matmul(cols=...) adds into out: pass out")
+            return self._matmul_cols(x, out, *cols, slice_cols, cache_bytes)
         if x.shape[0] != self.shape[1]:
             raise ValueError(f"matmul of a {self.shape} matrix with a {tuple(x.shape)} one")
         x = x.detach().contiguous()
@@ -310,7 +362,10 @@ class BlockSparse:
         tile = d if feature_tile is None else feature_tile
         if d and (tile < 1 or d % tile):
             raise ValueError(f"feature_tile={feature_tile} must divide the width d={d}")
-        out = torch.empty(self.shape[0], d, dtype=x.dtype, device=x.device)
+        if out is None:
+            out = torch.empty(self.shape[0], d, dtype=x.dtype, device=x.device)
+        elif tuple(out.shape) != (self.shape[0], d) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {(self.shape[0], d)} tensor")
         kernels = (_load_numba() if x.device.type == "cpu" and self.kernel != "torch"
                    else None)
         if kernels is None and self.kernel == "numba-rows" and x.device.type == "cpu":
@@ -340,7 +395,7 @@ class BlockSparse:
                     out3 = outn[rows].reshape(b.shape[0], d // tile, tile)  # [rows, T, t]
                     kernels.csr_spmm_sliced(b.indptr, plan.cuts, plan.chunks, b.indices,
                                             b.values, x3, out3, not first,
-                                            spmm.lookahead(row_bytes))
+                                            spmm.lookahead(row_bytes), 0, plan.num_slices)
                 else:
                     t = self._torch.get((r, c))
                     t = b.to_torch(x.device) if t is None else t
@@ -350,6 +405,50 @@ class BlockSparse:
             if first:  # an empty block row
                 out[rows].zero_()
         return out
+
+    def _matmul_cols(self, x: torch.Tensor, out: torch.Tensor, lo: int, hi: int,
+                     bounds: tuple[int, ...], slice_cols: int | None,
+                     cache_bytes: int | None) -> torch.Tensor:
+        """``out += self[:, lo:hi] @ x`` (:meth:`matmul` with ``cols``)."""
+        x = x.detach().contiguous()
+        d = x.shape[1]
+        if x.shape[0] != self.shape[1] or tuple(out.shape) != (self.shape[0], d):
+            raise ValueError(f"columns {lo}..{hi} of a {self.shape} matrix with a "
+                             f"{tuple(x.shape)} x into a {tuple(out.shape)} out")
+        # numba-rows too runs the sliced kernel here (bit-identical to the row kernel)
+        kernels = _load_numba() if x.device.type == "cpu" and self.kernel != "torch" else None
+        if kernels is not None:
+            _set_numba_threads()
+            xn, outn = x.numpy(), out.numpy()
+            row_bytes = d * x.element_size()
+            cache = spmm.cache_bytes(cache_bytes) if slice_cols is None else 0
+        ro, co = self.row_offsets, self.col_offsets
+        for r, c, b in self.present():
+            a, z = max(lo, co[c]), min(hi, co[c + 1])
+            if a >= z:
+                continue
+            rows = slice(ro[r], ro[r + 1])
+            if kernels is not None:
+                width = (spmm.slice_cols(b.shape, b.nnz, row_bytes, cache)
+                         if slice_cols is None else slice_cols)
+                local = tuple(int(v) - co[c] for v in bounds if co[c] < v < co[c + 1])
+                plan = spmm.block_slicing(b, width, local)
+                s_lo, s_hi = plan.slice_range(a - co[c], z - co[c])
+                x3 = xn[co[c]:co[c + 1]].reshape(b.shape[1], 1, d)
+                kernels.csr_spmm_sliced(b.indptr, plan.cuts, plan.chunks, b.indices, b.values,
+                                        x3, outn[rows].reshape(b.shape[0], 1, d), True,
+                                        spmm.lookahead(row_bytes), s_lo, s_hi)
+            else:
+                t = self._torch.get((r, c))
+                t = b.to_torch(x.device) if t is None else t
+                sub = _torch_cols(t, a - co[c], z - co[c])
+                out[rows].add_(torch.mm(sub.to(x.dtype), x[a:z]))
+        return out
+
+
+def _torch_cols(t: torch.Tensor, a: int, z: int) -> torch.Tensor:
+    """Columns ``a .. z`` of a torch CSR matrix (a copy)."""
+    return t.to_sparse_coo().index_select(1, torch.arange(a, z, device=t.device)).to_sparse_csr()
 
 
 def _host(a) -> np.ndarray:

@@ -124,6 +124,15 @@ class ColumnSlicing:
     slice_cols: int
     cuts: np.ndarray
     chunks: np.ndarray
+    starts: np.ndarray  # [S + 1] first column of each slice, then the column count
+
+    def slice_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """The slices ``(s_lo, s_hi)`` that make up columns ``lo .. hi`` (both must be slice
+        boundaries: the block's ``bounds``)."""
+        s_lo, s_hi = np.searchsorted(self.starts, [lo, hi])
+        if self.starts[s_lo] != lo or self.starts[s_hi] != hi:
+            raise ValueError(f"columns {lo}..{hi} are not slice boundaries of this plan")
+        return int(s_lo), int(s_hi)
 
     @property
     def num_slices(self) -> int:
@@ -136,15 +145,20 @@ class ColumnSlicing:
 
 
 def column_slicing(indptr: np.ndarray, indices: np.ndarray, num_cols: int,
-                   width: int) -> ColumnSlicing:
-    """Plan slices of ``width`` columns over a CSR block (sorted columns in each row)."""
+                   width: int, bounds: tuple[int, ...] = ()) -> ColumnSlicing:
+    """Plan slices of ``width`` columns over a CSR block (sorted columns in each row), also
+    cut at the columns ``bounds`` (:attr:`ColumnSlicing.starts` tells which slices a column
+    range covers)."""
     from plexus.kernels import csr_slice_cuts
 
     if width < 1:
         raise ValueError(f"slice width must be >= 1 column, got {width}")
     rows = indptr.shape[0] - 1
-    num_slices = max(1, math.ceil(num_cols / width))
-    starts = np.minimum(np.arange(num_slices + 1, dtype=np.int64) * width, num_cols)
+    even = np.arange(0, num_cols, width, dtype=np.int64)
+    starts = np.union1d(even, np.clip(np.asarray(bounds, dtype=np.int64), 0, num_cols))
+    starts = np.append(starts[starts < num_cols], num_cols) if num_cols else np.zeros(2,
+                                                                                     np.int64)
+    num_slices = starts.size - 1
     cuts = np.empty((num_slices - 1, rows), dtype=indptr.dtype)
     if num_slices > 1 and rows > 0:
         csr_slice_cuts(indptr, indices, starts.astype(indptr.dtype), cuts)
@@ -154,7 +168,7 @@ def column_slicing(indptr: np.ndarray, indices: np.ndarray, num_cols: int,
     num_chunks = max(1, min(CHUNKS_PER_BLOCK, rows))
     chunks = np.searchsorted(work, np.linspace(0, work[-1], num_chunks + 1)).astype(np.int64)
     chunks[0], chunks[-1] = 0, rows
-    return ColumnSlicing(int(width), cuts, chunks)
+    return ColumnSlicing(int(width), cuts, chunks, starts)
 
 
 def lookahead(row_bytes: int) -> int:
@@ -162,12 +176,13 @@ def lookahead(row_bytes: int) -> int:
     return int(min(16, max(4, LOOKAHEAD_BYTES // max(1, row_bytes))))
 
 
-def block_slicing(block, width: int) -> ColumnSlicing:
+def block_slicing(block, width: int, bounds: tuple[int, ...] = ()) -> ColumnSlicing:
     """The :class:`ColumnSlicing` of a :class:`~plexus.sparse.CSRBlock` for slices of
-    ``width`` columns, built on first use and kept in ``block.slicings``."""
+    ``width`` columns (also cut at ``bounds``), built on first use and kept in
+    ``block.slicings``."""
     width = max(1, min(int(width), block.shape[1]))
-    plan = block.slicings.get(width)
+    plan = block.slicings.get((width, bounds))
     if plan is None:
-        plan = column_slicing(block.indptr, block.indices, block.shape[1], width)
-        block.slicings[width] = plan
+        plan = column_slicing(block.indptr, block.indices, block.shape[1], width, bounds)
+        block.slicings[width, bounds] = plan
     return plan

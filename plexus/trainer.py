@@ -79,7 +79,8 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
                     learn_features=model.learn_features, seed=seed, dropout=model.dropout,
                     bias=model.bias, norm=model.norm,
                     normalize_features=model.normalize_features, residual=model.residual,
-                    labelled_rows_only=model.labelled_rows_only)
+                    labelled_rows_only=model.labelled_rows_only, overlap=model.overlap,
+                    aggregation_blocks=model.aggregation_blocks)
     # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
     shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))
     return shard, net
@@ -221,7 +222,9 @@ class Trainer:
             raise FloatingPointError(f"loss became {loss_value} at epoch {self.epoch}; lower "
                                      "--lr or check the features")
         return {"epoch": self.epoch, "loss": loss_value, "epoch_s": epoch_s,
-                "comm_s": self.stats.total_seconds, "comm_bytes": self.stats.total_bytes,
+                "comm_s": self.stats.total_seconds,
+                "comm_exposed_s": self.stats.exposed_seconds,
+                "comm_bytes": self.stats.total_bytes,
                 "comm_bytes_by_axis": {a: r.bytes for a, r in self.stats.by_axis().items()}}
 
     @torch.no_grad()

@@ -84,6 +84,17 @@ def labelled_rows_pay(labelled_fraction: float, option: bool | None = None) -> b
     return labelled_fraction <= LABELLED_ROWS_MAX_SHARE if option is None else option
 
 
+AGGREGATION_BLOCKS = 4  # row blocks of an overlapped aggregation (plexus.ops.BlockedAggregation)
+
+
+def overlap_pays(shape: Mapping[str, int], option: bool | None = None) -> bool:
+    """Whether plexus overlaps its aggregation all-reduces (2), (7) and weight all-gathers
+    (3) with the SpMM (plexus.model.PlexusGCN's ``overlap``): ``option`` when given, else
+    when some axis has more than one rank, so that a layer has a collective to hide
+    (:func:`overlap_hidden_seconds` is what it hides)."""
+    return any(size > 1 for size in shape.values()) if option is None else option
+
+
 @dataclass(frozen=True, kw_only=True)
 class GCNWorkload:
     """A full-graph GCN training run, as the model sees it.

@@ -161,7 +161,7 @@ def test_blocked_spmm_is_bit_identical_for_every_slice_width(index_dtype):
                                    rtol=1e-5, atol=1e-5)
     assert {w: p.num_slices for w, p in block.slicings.items()} == {
         1: 257, 3: 86, 64: 5, 128: 3, 256: 2, 257: 1}  # 10_000 columns: the same as 257
-    assert block.slicings[64].cuts.dtype == index_dtype
+    assert block.slicings[64, ()].cuts.dtype == index_dtype
 
 
 def test_blocked_spmm_feature_tiles_are_bit_identical():
@@ -206,7 +206,7 @@ def test_blocked_spmm_reads_prepared_memory_mapped_blocks(tmp_path):
     for width in (9, 60, 120):
         rows, blocked = _both(m, x, slice_cols=width)
         assert torch.equal(blocked, rows), width
-    plan = mapped.slicings[9]
+    plan = mapped.slicings[9, ()]
     assert plan.cuts.shape == (13, 120) and plan.nbytes == plan.cuts.nbytes + plan.chunks.nbytes
 
 
@@ -260,7 +260,7 @@ def test_default_cpu_kernel_is_blocked_where_x_exceeds_the_cache(monkeypatch):
     budget = 1024 * spmm.CACHE_SHARE  # 16 X rows of 64 bytes: 4 slices
     monkeypatch.setenv(spmm.CACHE_ENV, str(budget))
     assert torch.equal(m.matmul(x), rows)
-    assert blk.slicings[16].num_slices == 4
+    assert blk.slicings[16, ()].num_slices == 4
 
 
 def test_take_rows_and_transpose_give_bit_identical_rows():
