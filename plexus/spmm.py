@@ -38,7 +38,6 @@ Shapes:
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from functools import cache

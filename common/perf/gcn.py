@@ -61,6 +61,7 @@ from common.perf.model import (
     bytes_by_axis,
     comm_seconds,
     factorizations,
+    group_stride,
     rank_predictions,
 )
 
@@ -118,6 +119,8 @@ class GCNWorkload:
             ogbn-products, 0.014 for ogbn-papers100M.
         labelled_rows_only: the model's option of that name (None: :func:`labelled_rows_pay`
             decides from ``labelled_fraction``).
+        overlap: the model's option of that name (None: :func:`overlap_pays` decides from
+            the grid); :func:`overlap_hidden_seconds` is what it hides.
     """
 
     name: str = "graph"
@@ -135,6 +138,7 @@ class GCNWorkload:
     index_bytes: int | None = None
     labelled_fraction: float = 1.0
     labelled_rows_only: bool | None = None
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
@@ -313,6 +317,55 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
             "elementwise": moved / rate.memory_bandwidth}
 
 
+def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
+                           machine: MachineProfile, *, node_ranks: int,
+                           first_epoch: bool = False,
+                           blocks: int = AGGREGATION_BLOCKS) -> float:
+    """Seconds of one epoch's communication that the overlapped aggregation hides
+    (plexus.ops.BlockedAggregation, docs/design/plexus-3d.md section 10).
+
+    Per layer and term, with the SpMM times ``s_f`` (forward) and ``s_b`` (backward), the
+    all-reduce times ``c2``, ``c7`` over O and the weight all-gather ``c3`` over P, and
+    ``k`` row blocks (a two-stage pipeline of equal blocks hides ``(k-1)/k`` of the shorter
+    stage): forward ``(k-1)/k min(s_f, c2) + min(c3, s_f / k)`` (the weight travels during
+    the first block), backward ``(k-1)/k min(s_b, c7)``. Zero where the model does not
+    overlap (:func:`overlap_pays`)."""
+    if not overlap_pays(shape, work.overlap):
+        return 0.0
+    grid = ProcessGrid.plexus(shape["x"], shape["y"], shape["z"])
+    rate = machine.compute_at(node_ranks)
+    n, w = work.padded(shape)
+    idx, line, k = work.index_width(), machine.cache_line, max(1, blocks)
+    last_rows = work.output_rows(shape)
+
+    def coll(op: str, axis: str, nbytes: int) -> float:
+        g = shape[axis]
+        return 0.0 if g == 1 else machine.collective_time(
+            op, nbytes, g, stride=group_stride(grid, axis), node_ranks=node_ranks)
+
+    hidden = 0.0
+    for layer in range(work.num_layers):
+        o, i, p = roles(layer)
+        O, I, P = shape[o], shape[i], shape[p]  # noqa: N806
+        a, rows = w[layer] // I, n // P
+        kept = 1.0
+        if layer == work.num_layers - 1:
+            kept, rows = last_rows / rows, last_rows
+        forward, backward = work._runs(layer, first_epoch)
+        c2 = coll("all_reduce", o, rows * a * F32)
+        c3 = coll("all_gather", p, round_up(a * (w[layer + 1] // O), P) * F32)
+        for blk in [kept * work.imbalance * work.nnz / (P * O),
+                    kept * work.num_nodes / (P * O)][:work.terms]:
+            s_f = spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line) / rate.spmm_bandwidth
+            s_b = spmm_bytes(n // O, blk, a, index_bytes=idx,
+                             cache_line=line) / rate.spmm_bandwidth
+            if forward:  # (a cached H_0 has no aggregation for the weight to hide in)
+                hidden += (k - 1) / k * min(s_f, c2) + min(c3, s_f / k)
+            if backward:
+                hidden += (k - 1) / k * min(s_b, c2)  # (7) moves what (2) moved
+    return hidden
+
+
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
     """Bytes per rank: adjacency (+ transposes, + the last layer's labelled rows), features,
     weights with AdamW state, activations kept for backward, and the largest transient
@@ -368,6 +421,8 @@ def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],
         comm_bytes=bytes_by_axis(colls, shape),
         memory=gcn_memory(work, shape),
         memory_limit=machine.memory_per_rank(num_ranks, ranks_per_node),
+        hidden=overlap_hidden_seconds(work, shape, machine, node_ranks=node_ranks,
+                                      first_epoch=first_epoch),
     )
 
 

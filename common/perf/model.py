@@ -116,6 +116,7 @@ class Prediction:
     memory_limit: float
     invalid: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    hidden: float = 0.0  # seconds of ``comm`` that overlap with compute hides
 
     @property
     def compute_s(self) -> float:
@@ -126,9 +127,14 @@ class Prediction:
         return sum(self.comm.values())
 
     @property
+    def exposed_comm_s(self) -> float:
+        """Communication the compute waits for: ``comm_s`` less what overlap hides."""
+        return self.comm_s - self.hidden
+
+    @property
     def total_s(self) -> float:
-        """Compute plus communication: the trainers do not overlap them."""
-        return self.compute_s + self.comm_s
+        """Compute plus the exposed communication."""
+        return self.compute_s + self.exposed_comm_s
 
     @property
     def fits(self) -> bool:

@@ -40,7 +40,8 @@ DATASETS = {"ogbn-products": perf_gcn.ogbn_products, "ogbn-papers100M": perf_gcn
 def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
     """The GCN workload of the ``gcn`` sub-command's flags."""
     opts = {"model": args.model, "num_layers": args.layers, "hidden": args.hidden,
-            "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache}
+            "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache,
+            "overlap": {"auto": None, "on": True, "off": False}[args.overlap]}
     if args.dataset:
         return DATASETS[args.dataset](**opts)
     missing = [f"--{k}" for k in ("nodes", "nnz", "features", "classes")
@@ -121,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--layers", type=int, default=3)
     g.add_argument("--hidden", type=int, default=128)
     g.add_argument("--learn-features", action="store_true")
+    g.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="the aggregation's collectives overlapped with the SpMM (plexus.train "
+                   "--overlap): auto where some axis has more than one rank; the best grid's "
+                   "exposed communication is printed with and without it")
     g.add_argument("--no-cache", action="store_true",
                    help="recompute H_0 every epoch (as the paper's code does)")
     t = sub.add_parser("gpt", parents=[shared], help="GPT step (data, depth, row, col grids); "
@@ -157,9 +162,22 @@ def print_plan(build: Callable[[], Workload], args: argparse.Namespace) -> int:
         print(ranked.table(top=args.top))
         if ranked.runnable:
             print(ranked.describe_choice())
+            if args.engine == "gcn":
+                print(overlap_line(ranked.best))
     if len(plans) > 1:
         print(compare_collectives(*plans))
     return 0
+
+
+def overlap_line(best: Any) -> str:
+    """One line: the best grid's communication, and how much of it the compute waits for
+    with the overlapped aggregation and without (``hidden`` is what overlap hides)."""
+    comm, hidden = 1e3 * best.comm_s, 1e3 * best.hidden
+    state = "on" if hidden > 0 else "off (nothing to hide on this grid, or --overlap off)"
+    return (f"overlap {state}: communication {comm:.1f} ms per epoch, exposed "
+            f"{comm - hidden:.1f} ms with overlap, {comm:.1f} ms without; epoch "
+            f"{1e3 * best.total_s:.1f} ms with, {1e3 * (best.total_s + best.hidden):.1f} ms "
+            "without")
 
 
 def compare_collectives(ring: Plan, two_level: Plan) -> str:

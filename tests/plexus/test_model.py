@@ -6,9 +6,9 @@ autograd to 1e-5 relative (norm-wise), with the last layer on the labelled rows 
 row. The labelled-row path against the all-row path (test_labelled_rows_equal_all_rows): the
 same loss, logits, accuracies and Evaluator pairs, bit for bit where the last layer's O and I
 groups have at most 2 ranks (a sum of two floats does not depend on the order; larger ring
-all-reduces sum in an order that depends on the buffer's length), else to 1e-6; gradients bit
-for bit below the last layer there, the last layer's ``dW``/``db`` (a sum over fewer rows) to
-1e-6. Several grids run in one launch per world size.
+all-reduces sum in an order that depends on the buffer's length), else to 1e-6; every gradient
+to 1e-6 (the last layer's ``dW``/``db`` is a sum over fewer rows, and the CPU's GEMM may block
+an R-row ``dQ W^T`` differently from an N-row one). Several grids run in one launch per world size.
 """
 
 import numpy as np
@@ -303,13 +303,13 @@ def _assert_on_equals_off(results):
                 assert abs(on["loss"] - off["loss"]) <= 1e-6 * abs(off["loss"]), tag
                 assert rel(on["logits"], off["logits"]) < 1e-6, tag
             for name, want in off["grads"].items():
+                # the last layer's dW, db: a sum over fewer rows; below it, dH = dQ W^T is a
+                # GEMM of R rows against one of N, and the CPU's GEMM may block the two
+                # heights differently (bit-identical on an AVX-512 Intel machine, ~1e-7 apart
+                # on an AVX2 AMD EPYC), so gradients agree to float rounding
                 got = on["grads"][name]
-                last = name in (f"w{r['last']}", f"root{r['last']}", f"b{r['last']}")
-                if r["exact"] and not last:
-                    assert torch.equal(got, want), f"{tag}: grad of {name} not bit-identical"
-                else:  # the last layer's dW, db: a sum over fewer rows
-                    assert rel(got, want) < 1e-6 or (got - want).norm() < 1e-7, \
-                        f"{tag}: grad of {name} differs ({rel(got, want)})"
+                assert rel(got, want) < 1e-6 or (got - want).norm() < 1e-7, \
+                    f"{tag}: grad of {name} differs ({rel(got, want)})"
 
 
 @pytest.mark.parametrize("world, grids", [
