@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from common.dist import DistContext
 from common.grid import AxisGroup, ProcessGrid
-from common.mpi import MPITransport
+from common.mpi import MPITransport, cores_available
 
 __all__ = ["AxisSets", "ParallelState"]
 
@@ -54,6 +54,15 @@ class ParallelState:
     device: torch.device
     transport: MPITransport | None = field(default=None, compare=False, repr=False)
     ctx: DistContext | None = field(default=None, compare=False, repr=False)
+
+    def comm_offloaded(self) -> bool:
+        """Whether collectives run beside the compute without taking its cores: on a GPU
+        (NCCL), or on a CPU with at least two cores per rank of this node (a core for the
+        MPI transport's communication thread; common.perf.gcn.overlap_pays)."""
+        if self.device.type != "cpu":
+            return True
+        local = self.ctx.local_world_size if self.ctx is not None else self.grid.num_ranks
+        return cores_available() >= 2 * max(1, local)
 
     @classmethod
     def create(cls, ctx: DistContext, grid: ProcessGrid, axis_sets: AxisSets = None

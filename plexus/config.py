@@ -50,7 +50,8 @@ class ModelConfig:
             :func:`common.perf.gcn.labelled_rows_pay`), True or False. Exact either way.
         overlap: run each aggregation in row blocks whose all-reduces (and the weight's
             all-gather) travel while the next block computes (plexus.ops.BlockedAggregation):
-            None (auto: where some axis has more than one rank,
+            None (auto: where some axis has more than one rank and the communication has
+            resources of its own, a GPU or two cores per rank,
             :func:`common.perf.gcn.overlap_pays`), True or False.
         aggregation_blocks: row blocks of the blocked aggregation; None: 4 with overlap, else
             1 (the unblocked layer). Blocks without overlap give the overlapped bits.

@@ -108,7 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="aggregate in row blocks whose all-reduces (and the weight "
                    "all-gathers) travel while the next block computes: auto where some "
-                   "axis has more than one rank; off: the unblocked layer")
+                   "axis has more than one rank and the communication has resources of its "
+                   "own (a GPU, or two cores per rank); off: the unblocked layer")
     p.add_argument("--aggregation-blocks", type=int, default=None, metavar="K",
                    help="row blocks of the blocked aggregation (default: 4 with overlap)")
     p.add_argument("--normalize-features", action="store_true",

@@ -34,6 +34,7 @@ from common.exchange import any_rank
 from common.grid import AxisGroup, ProcessGrid
 from common.mpi import MPITransport
 from common.parallel import ParallelState
+from common.perf.gcn import overlap_pays
 from common.run import CheckpointConfig
 from plexus import checkpoint as ckpt
 from plexus import layout
@@ -79,7 +80,9 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
                     learn_features=model.learn_features, seed=seed, dropout=model.dropout,
                     bias=model.bias, norm=model.norm,
                     normalize_features=model.normalize_features, residual=model.residual,
-                    labelled_rows_only=model.labelled_rows_only, overlap=model.overlap,
+                    labelled_rows_only=model.labelled_rows_only,
+                    overlap=overlap_pays(grid.shape, model.overlap,
+                                         comm_offloaded=parallel.comm_offloaded()),
                     aggregation_blocks=model.aggregation_blocks)
     # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
     shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))

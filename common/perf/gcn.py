@@ -88,12 +88,28 @@ def labelled_rows_pay(labelled_fraction: float, option: bool | None = None) -> b
 AGGREGATION_BLOCKS = 4  # row blocks of an overlapped aggregation (plexus.ops.BlockedAggregation)
 
 
-def overlap_pays(shape: Mapping[str, int], option: bool | None = None) -> bool:
+def overlap_pays(shape: Mapping[str, int], option: bool | None = None, *,
+                 comm_offloaded: bool = True) -> bool:
     """Whether plexus overlaps its aggregation all-reduces (2), (7) and weight all-gathers
     (3) with the SpMM (plexus.model.PlexusGCN's ``overlap``): ``option`` when given, else
-    when some axis has more than one rank, so that a layer has a collective to hide
-    (:func:`overlap_hidden_seconds` is what it hides)."""
-    return any(size > 1 for size in shape.values()) if option is None else option
+    when some axis has more than one rank (a layer has a collective to hide) and
+    ``comm_offloaded``: the communication runs on resources the compute does not need (a GPU's
+    NCCL, a NIC, or a spare core per rank for the MPI transport's communication thread). With
+    one core per rank the thread's shared-memory copies take the compute's core: on the 2-core
+    development machine, 2 ranks on R-MAT scale 16 waited 16-19% of the epoch with overlap and
+    21-27% without, and the epoch was not faster (docs/benchmarks.md).
+    :func:`overlap_hidden_seconds` is what it hides."""
+    if option is not None:
+        return option
+    return comm_offloaded and any(size > 1 for size in shape.values())
+
+
+def comm_offloaded(machine: MachineProfile, node_ranks: int) -> bool:
+    """Whether ``machine``'s collectives leave the compute's cores alone at ``node_ranks``
+    ranks per node: a GPU profile, or a CPU one with at least two cores per rank."""
+    if machine.device_memory is not None:
+        return True
+    return machine.cores_per_node is not None and machine.cores_per_node >= 2 * node_ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,9 +345,11 @@ def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
     ``k`` row blocks (a two-stage pipeline of equal blocks hides ``(k-1)/k`` of the shorter
     stage): forward ``(k-1)/k min(s_f, c2) + min(c3, s_f / k)`` (the weight travels during
     the first block), backward ``(k-1)/k min(s_b, c7)``. Zero where the model does not
-    overlap (:func:`overlap_pays`)."""
-    if not overlap_pays(shape, work.overlap):
-        return 0.0
+    overlap (:func:`overlap_pays`), and where the collectives need the compute's cores
+    (:func:`comm_offloaded`: measured to hide nothing on the 2-core machine)."""
+    offloaded = comm_offloaded(machine, node_ranks)
+    if not offloaded or not overlap_pays(shape, work.overlap, comm_offloaded=offloaded):
+        return 0.0  # (forced on with one core per rank, the thread's copies take the core)
     grid = ProcessGrid.plexus(shape["x"], shape["y"], shape["z"])
     rate = machine.compute_at(node_ranks)
     n, w = work.padded(shape)

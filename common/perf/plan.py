@@ -163,21 +163,23 @@ def print_plan(build: Callable[[], Workload], args: argparse.Namespace) -> int:
         if ranked.runnable:
             print(ranked.describe_choice())
             if args.engine == "gcn":
-                print(overlap_line(ranked.best))
+                print(overlap_line(work, ranked.best, profile, args.ranks_per_node))
     if len(plans) > 1:
         print(compare_collectives(*plans))
     return 0
 
 
-def overlap_line(best: Any) -> str:
-    """One line: the best grid's communication, and how much of it the compute waits for
-    with the overlapped aggregation and without (``hidden`` is what overlap hides)."""
-    comm, hidden = 1e3 * best.comm_s, 1e3 * best.hidden
-    state = "on" if hidden > 0 else "off (nothing to hide on this grid, or --overlap off)"
-    return (f"overlap {state}: communication {comm:.1f} ms per epoch, exposed "
-            f"{comm - hidden:.1f} ms with overlap, {comm:.1f} ms without; epoch "
-            f"{1e3 * best.total_s:.1f} ms with, {1e3 * (best.total_s + best.hidden):.1f} ms "
-            "without")
+def overlap_line(work: Any, best: Any, machine: Any, ranks_per_node: int | None) -> str:
+    """One line: the best grid's communication and the part the compute waits for, with the
+    overlapped aggregation and without (both predicted on that grid), and which one the
+    workload's ``overlap`` option (auto: :func:`common.perf.gcn.overlap_pays`) runs."""
+    on, off = (perf_gcn.predict_gcn(dataclasses.replace(work, overlap=flag), best.shape, machine,
+                                    ranks_per_node=ranks_per_node) for flag in (True, False))
+    used = "on" if best.hidden > 0 else "off"
+    return (f"overlap ({used} here): communication {1e3 * best.comm_s:.1f} ms per epoch, "
+            f"exposed {1e3 * on.exposed_comm_s:.1f} ms with overlap, "
+            f"{1e3 * off.exposed_comm_s:.1f} ms without; epoch {1e3 * on.total_s:.1f} ms "
+            f"with, {1e3 * off.total_s:.1f} ms without")
 
 
 def compare_collectives(ring: Plan, two_level: Plan) -> str:

@@ -121,3 +121,20 @@ def test_overlap_is_on_by_default_only_where_there_is_communication():
 
     assert overlap_pays({"x": 2, "y": 1, "z": 1}) and not overlap_pays({"x": 1, "y": 1, "z": 1})
     assert not overlap_pays({"x": 2, "y": 1, "z": 1}, False)
+    # one core per rank: the communication thread would take the compute's core
+    assert not overlap_pays({"x": 2, "y": 1, "z": 1}, comm_offloaded=False)
+    assert overlap_pays({"x": 2, "y": 1, "z": 1}, True, comm_offloaded=False)
+
+
+def test_comm_offloaded_counts_cores_per_rank(monkeypatch):
+    from common import parallel as par
+    from common.perf.gcn import comm_offloaded
+    from common.perf.machine import load_profile
+
+    state = par.ParallelState.single(ProcessGrid.parse("1x1x1"))
+    monkeypatch.setattr(par, "cores_available", lambda: 2)
+    assert state.comm_offloaded()  # one rank, two cores
+    monkeypatch.setattr(par, "cores_available", lambda: 1)
+    assert not state.comm_offloaded()
+    gpu, cpu = load_profile("perlmutter-a100"), load_profile("local-cpu")
+    assert comm_offloaded(gpu, 4) and comm_offloaded(cpu, 1) and not comm_offloaded(cpu, 2)
