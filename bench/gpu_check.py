@@ -70,7 +70,7 @@ class Check:
 def gcn_key(out: str) -> str:
     """``ours/PyG 0.84, ours 0.012 s/epoch`` from bench/gcn_epoch.py's output, else ``?``."""
     ratio = re.search(r"^ratio ours/PyG: ([\d.]+)", out, re.M)
-    ours = re.search(r"^ours \(Plexus 1x1x1\)\s+([\d.]+)", out, re.M)
+    ours = re.search(r"^ours \(Plexus 1x1x1\)[^\n]*?\s{2,}([\d.]+)", out, re.M)
     if ratio is None or ours is None:
         return "?"
     return f"ours/PyG {ratio[1]}, ours {ours[1]} s/epoch"

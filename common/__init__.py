@@ -12,9 +12,15 @@ Other HPC codes can import it on its own (the README's example is tests/common/c
 
 ``common.grid`` and ``common.comm_stats`` are pure Python; names that need torch are loaded on
 first use, so ``import common.grid`` does not import torch.
+
+Importing ``common`` turns on PyTorch's huge pages for large CPU buffers
+(:func:`common.alloc.use_huge_pages`; ``THP_MEM_ALLOC_ENABLE=0`` in the environment keeps them
+off): import it before allocating large tensors.
 """
 
 from typing import Any
+
+from common.alloc import use_huge_pages
 
 from common.comm_stats import CommStats, ring_bytes
 from common.grid import AXONN_AXES, PLEXUS_AXES, AxisGroup, ProcessGrid, ceil_div, round_up
@@ -25,6 +31,8 @@ _LAZY = {
     "shutdown": "common.dist",
     "fail_all_ranks": "common.failure",
 }
+
+use_huge_pages()  # before any large CPU allocation of code that imports common first
 
 __all__ = ["AXONN_AXES", "PLEXUS_AXES", "AxisGroup", "CommStats", "ProcessGrid", "ceil_div",
            "ring_bytes", "round_up", *_LAZY]

@@ -7,6 +7,7 @@ of X, ``S`` column slices, ``T`` feature tiles of width ``t`` (``d = T * t``), `
 from __future__ import annotations
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -149,6 +150,36 @@ def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
                 if chunks[c] < chunks[c + 1]:
                     _spmm_chunk(lo, hi, chunks[c], chunks[c + 1], indices, values, x, out, q,
                                 zero, lookahead)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def csr_check(indptr, indices, values, num_cols):  # pragma: no cover - compiled
+    """The first problem of a CSR block, as a code: 0 none, 1 indptr does not start at 0 or
+    end at ``len(indices)``, 2 indptr decreases, 3 a column index outside ``[0, num_cols)``,
+    4 a value that is NaN or infinite. One pass over the arrays, no temporaries."""
+    rows = indptr.shape[0] - 1
+    if indptr[0] != 0 or indptr[rows] != indices.shape[0]:
+        return 1
+    bad_ptr = 0
+    for i in numba.prange(rows):
+        if indptr[i + 1] < indptr[i]:
+            bad_ptr += 1
+    if bad_ptr:
+        return 2
+    bad_col = 0
+    bad_val = 0
+    for j in numba.prange(indices.shape[0]):
+        c = indices[j]
+        if c < 0 or c >= num_cols:
+            bad_col += 1
+        v = values[j]
+        if not np.isfinite(v):
+            bad_val += 1
+    if bad_col:
+        return 3
+    if bad_val:
+        return 4
+    return 0
 
 
 @numba.njit(inline="always")

@@ -96,6 +96,24 @@ class CSRBlock:
                         np.asarray(_host(self.values))[take],
                         (int(rows.size), self.shape[1]))
 
+    def problem(self) -> str | None:
+        """What is wrong with this block's arrays, or None: indptr not starting at 0, not
+        ending at the nonzero count or decreasing; a column index outside the block; a NaN or
+        infinite value. One pass over the arrays (numba; numpy without it), so a damaged file
+        stops with a message instead of the kernel reading outside X."""
+        indptr, indices, values = (_host(a) for a in (self.indptr, self.indices, self.values))
+        kernels = _load_numba()
+        if kernels is not None:
+            code = int(kernels.csr_check(indptr, indices, values, self.shape[1]))
+        else:
+            code = (1 if indptr[0] != 0 or indptr[-1] != indices.shape[0] else
+                    2 if (np.diff(indptr) < 0).any() else
+                    3 if indices.size and (indices.min() < 0 or indices.max() >= self.shape[1])
+                    else 4 if not np.isfinite(values).all() else 0)
+        return [None, "its row pointers do not run from 0 to the nonzero count",
+                "its row pointers decrease", f"a column index lies outside [0, {self.shape[1]})",
+                "a value is NaN or infinite"][code]
+
     @classmethod
     def empty(cls, shape: tuple[int, int]) -> CSRBlock:
         """A block of ``shape`` without nonzeros."""

@@ -222,8 +222,11 @@ class Trainer:
         del loss
         epoch_s = time.perf_counter() - start
         if not torch.isfinite(torch.tensor(loss_value)):
-            raise FloatingPointError(f"loss became {loss_value} at epoch {self.epoch}; lower "
-                                     "--lr or check the features")
+            raise FloatingPointError(
+                f"loss became {loss_value} at epoch {self.epoch}; lower --lr or check the "
+                "features" + (f", or the prepared dataset may be damaged: python -m "
+                              f"plexus.prepare --verify {self.source.path}"
+                              if hasattr(self.source, "path") else ""))
         return {"epoch": self.epoch, "loss": loss_value, "epoch_s": epoch_s,
                 "comm_s": self.stats.total_seconds,
                 "comm_exposed_s": self.stats.exposed_seconds,

@@ -131,7 +131,16 @@ class PreparedGraph:
         if indptr.shape != (bs + 1,) or indices.shape != (nnz,) or values.shape != (nnz,):
             raise DatasetCorruptError(f"block {pre} has inconsistent array sizes; prepare the "
                                       "dataset again")
-        return CSRBlock(indptr, indices, values, (bs, bs))
+        block = CSRBlock(indptr, indices, values, (bs, bs))
+        # read once here (the SpMM reads it all anyway): a damaged file that kept its size
+        # must stop with its name, not crash the kernel
+        problem = block.problem()
+        if problem is not None:
+            raise DatasetCorruptError(
+                f"{self.path}/{pre}{{indptr,indices,values}}.npy: {problem}; the prepared "
+                f"dataset is damaged: run python -m plexus.prepare --verify {self.path}, then "
+                "prepare it again")
+        return block
 
     def _matrix(self, layer: int, rows: range, cols: range,
                 mapped: dict[tuple, CSRBlock] | None = None

@@ -16,6 +16,8 @@ import pytest
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 ROOT = Path(__file__).resolve().parents[2]
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_ON_REQUEST = THP.exists() and ("[madvise]" in THP.read_text() or "[always]" in THP.read_text())
 
 PROBE = """
 import ctypes, resource, sys
@@ -70,3 +72,31 @@ def test_non_glibc_is_a_no_op(monkeypatch):
     monkeypatch.setattr(alloc, "_libc", lambda: None)
     assert alloc.retain_freed_memory() is False
     assert alloc.retain_freed_memory(False) is False
+
+
+@pytest.mark.parametrize("given, expect", [(None, "1"), ("0", "0"), ("1", "1")])
+def test_importing_common_turns_on_huge_pages_unless_the_user_said(given, expect):
+    """A fresh process that imports common has PyTorch's huge-page switch on before torch
+    allocates anything; a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    code = ("import os, resource, common, torch\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "torch.empty(8 << 20).fill_(1.0)  # 32 MiB, touched once\n"
+            "faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before\n"
+            "print(os.environ['THP_MEM_ALLOC_ENABLE'], common.alloc.use_huge_pages(), faults)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=str(ROOT)).stdout.split()
+    assert out[:2] == [expect, str(expect == "1")]
+    faults = int(out[2])
+    # 32 MiB in 4 KiB pages: 8192 faults; in 2 MiB pages, 16 (plus the process's own). The
+    # kernel must allow huge pages on request (sysfs: "madvise" or "always").
+    if expect == "0":
+        assert faults >= 8192
+    elif THP_ON_REQUEST:
+        assert faults < 2048, f"{faults} page faults for 32 MiB: huge pages not used"

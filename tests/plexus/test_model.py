@@ -413,9 +413,12 @@ def test_labelled_rows_of_a_prepared_dataset(tmp_path):
         {"x": 1, "y": 1, "z": 1}, {"x": 0, "y": 0, "z": 0}, [7, 5]).adj[0].a.blocks) == 4
     for name in ("mapped", "memory"):
         on, off = runs[name, True], runs[name, False]
-        for key, want in off.items():  # the last layer's dW, db: a sum over fewer rows
-            same = rel(on[key], want) < 1e-6 if key in ("w2", "b2") else \
-                torch.equal(on[key], want)
+        for key, want in off.items():
+            # loss and logits bit for bit; gradients to float rounding (the last layer's dW,
+            # db sum over fewer rows; below it the GEMM of R rows may block differently from
+            # N rows' on some CPUs: test_labelled_rows_equal_all_rows)
+            same = torch.equal(on[key], want) if key in ("loss", "logits") else \
+                rel(on[key], want) < 1e-6 or (on[key] - want).norm() < 1e-7
             assert same, (name, key)
     for key, want in runs["memory", True].items():
         assert torch.equal(runs["mapped", True][key], want), key

@@ -108,3 +108,49 @@ def test_a_damaged_block_stops_every_rank_with_a_clear_error(tmp_path):
     assert re.search(r"\[rank 1\] error: cannot read \S+even/1_1/indices\.npy", r.stderr), \
         r.stderr
     assert "[rank 0] error: another rank could not read its shard" in r.stderr, r.stderr
+
+
+def _damage(path, index, value):
+    """Overwrite one element of a .npy file in place: the file keeps its size."""
+    import numpy as np
+
+    arr = np.load(path, mmap_mode="r+")
+    arr[index] = value
+    arr.flush()
+    del arr
+
+
+@pytest.mark.parametrize("file, value, problem", [
+    ("indices.npy", 2**30, "a column index lies outside"),
+    ("values.npy", float("nan"), "a value is NaN or infinite"),
+    ("indptr.npy", 0, "row pointers"),
+])
+def test_a_block_damaged_in_place_is_named_not_a_crash(tmp_path, file, value, problem):
+    """A file that keeps its size passes the size check; the block check at mapping names it
+    (a column index of 2**30 made the SpMM read outside X: a segmentation fault)."""
+    from plexus.data.errors import DatasetCorruptError
+
+    out = tmp_path / "p"
+    prepare(graph_source(directed_graph(n=80, e=500)), out, blocks=2, quiet=True)
+    where = -1 if file == "indptr.npy" else 3
+    _damage(out / "even" / "1_0" / file, where, value)
+    pg = PreparedGraph(out)
+    grid = ProcessGrid.parse("1x1x1")
+    with pytest.raises(DatasetCorruptError) as e:
+        pg.shard(grid.shape, grid.coords(0), widths(directed_graph(n=80, e=500), 6, 2))
+    assert "even/1_0/" in str(e.value) and problem in str(e.value)
+    assert "plexus.prepare --verify" in str(e.value)
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_a_column_index_damaged_in_place_stops_every_rank_without_a_signal(tmp_path):
+    out = tmp_path / "p"
+    prepare(graph_source(directed_graph(n=80, e=500)), out, blocks=2, quiet=True)
+    _damage(out / "even" / "1_1" / "indices.npy", 0, 2**30)
+    r = launch(["-m", "plexus.train", "--dataset", str(out), "--epochs", "1", "--layers", "2",
+                "--grid", "1x1x2"], ranks=2)
+    assert r.returncode > 0, (r.returncode, r.stderr)  # an exit code, not a signal
+    assert re.search(r"\[rank 1\] error: \S+even/1_1/\{indptr,indices,values\}\.npy: a column "
+                     r"index lies outside", r.stderr), r.stderr
+    assert "[rank 0] error: another rank could not read its shard" in r.stderr, r.stderr
