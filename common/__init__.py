@@ -21,7 +21,6 @@ off): import it before allocating large tensors.
 from typing import Any
 
 from common.alloc import use_huge_pages
-
 from common.comm_stats import CommStats, ring_bytes
 from common.grid import AXONN_AXES, PLEXUS_AXES, AxisGroup, ProcessGrid, ceil_div, round_up
 
