@@ -1,5 +1,7 @@
 """plexus.sparse: BlockSparse SpMM (numba and torch kernels) against scipy."""
 
+import itertools
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -159,7 +161,7 @@ def test_blocked_spmm_is_bit_identical_for_every_slice_width(index_dtype):
         np.testing.assert_allclose(rows.double().numpy(),
                                    block.to_scipy().toarray() @ x.double().numpy(),
                                    rtol=1e-5, atol=1e-5)
-    assert {w: p.num_slices for w, p in block.slicings.items()} == {
+    assert {w: p.num_slices for (w, _), p in block.slicings.items()} == {
         1: 257, 3: 86, 64: 5, 128: 3, 256: 2, 257: 1}  # 10_000 columns: the same as 257
     assert block.slicings[64, ()].cuts.dtype == index_dtype
 
@@ -292,3 +294,52 @@ def test_take_rows_and_transpose_give_bit_identical_rows():
     assert m.take_rows(np.array([], dtype=np.int64)).matmul(x).shape == (0, 5)
     with pytest.raises(ValueError, match="ascend"):
         m.take_rows(np.array([3, 2]))
+
+
+def _banded(m, row_sizes, col_sizes):
+    """``m`` cut into a grid of CSR blocks (the layout of a prepared dataset's shard)."""
+    ro, co = np.cumsum([0, *row_sizes]), np.cumsum([0, *col_sizes])
+    blocks = [[CSRBlock.from_scipy(m[ro[i]:ro[i + 1], co[j]:co[j + 1]].tocsr())
+               for j in range(len(col_sizes))] for i in range(len(row_sizes))]
+    return BlockSparse(blocks, list(row_sizes), list(col_sizes))
+
+
+@pytest.mark.parametrize("bands", [False, True])
+def test_row_blocks_and_column_ranges_give_the_unblocked_bits(bands):
+    """The overlapped aggregation's pieces: row blocks (views) multiply to the rows of one
+    matmul, and column ranges of the transpose, added in increasing order, give one matmul's
+    bits on both numba kernels (each element's terms in column order); torch's kernel sums
+    the ranges' products (float rounding)."""
+    m = sp.random(3000, 2500, density=0.01, format="csr", random_state=1, dtype=np.float32)
+    a = _banded(m, [1000, 2000], [1200, 1300]) if bands else BlockSparse.single(m)
+    mt = m.T.tocsr()
+    a_t = _banded(mt, [1200, 1300], [1000, 2000]) if bands else BlockSparse.single(mt)
+    x, dh = torch.randn(2500, 32), torch.randn(3000, 32)
+    bounds, parts = a.row_blocks(5)
+    assert bounds == [0, 600, 1200, 1800, 2400, 3000] and a.row_blocks(5)[1] is parts
+    out = torch.empty(3000, 32)
+    for (lo, hi), part in zip(itertools.pairwise(bounds), parts):
+        assert part.shape == (hi - lo, 2500)
+        part.matmul(x, out=out[lo:hi])
+    assert torch.equal(out, a.matmul(x))
+    for kernel in ("auto", "numba-rows", "torch"):
+        a_t.to("cpu", kernel=kernel)
+        want, got = a_t.matmul(dh), torch.zeros(2500, 32)
+        for lo, hi in itertools.pairwise(bounds):
+            a_t.matmul(dh, out=got, cols=(lo, hi, tuple(bounds)))
+        if kernel == "torch":
+            assert torch.allclose(got, want, atol=1e-5)
+        else:
+            assert torch.equal(got, want), kernel
+    with pytest.raises(ValueError, match="not slice boundaries"):
+        a_t.to("cpu", kernel="auto")
+        a_t.matmul(dh, out=got, cols=(0, 7, tuple(bounds)))
+
+
+def test_a_row_range_view_shares_the_arrays():
+    blk = CSRBlock.from_scipy(sp.random(50, 40, density=0.2, format="csr", random_state=2,
+                                        dtype=np.float32))
+    view = blk.row_range(10, 30)
+    assert np.shares_memory(view.indices, blk.indices) and view.indptr[0] == 0
+    assert view.nnz == int(blk.indptr[30] - blk.indptr[10])
+    assert (view.to_scipy() != blk.to_scipy()[10:30]).nnz == 0
