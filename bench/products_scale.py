@@ -72,6 +72,7 @@ BLOCKS = 8  # k of ours' prepared cache: what plexus.train uses for 1 and 2 rank
 # an exception ("RuntimeError: ...", "[rank0]: MemoryError") or a complaint about memory
 MEMORY_WORDS = re.compile(r"MemoryError|out of memory|allocate memory|not enough memory|"
                           r"memory allocation", re.IGNORECASE)
+MPI_RANK_KILLED = re.compile(r"KILLED BY SIGNAL: 9\b|\(signal 9\)")  # mpiexec's report
 ERROR_LINE = re.compile(rf"\b[\w.]*(?:Error|Exception)\b.*|.*(?:{MEMORY_WORDS.pattern}).*",
                         re.IGNORECASE)
 
@@ -300,6 +301,12 @@ def worker_pyg(a: argparse.Namespace) -> None:
                 h = dropout(h.relu(), p=a.dropout, training=convs.training)
         return h.log_softmax(dim=-1)
 
+    def record(**more: Any) -> None:  # after every epoch: what a killed run got done stays
+        Path(a.out).write_text(json.dumps({
+            "epoch_s": times[1:], "warmup_s": times[0], "peak_bytes": [peak_bytes()],
+            "setup_peak_bytes": setup_peak, "threads": torch.get_num_threads(),
+            "loss": loss.item(), **more}))
+
     times = []
     for epoch in range(1, a.epochs + 2):
         convs.train()
@@ -310,16 +317,15 @@ def worker_pyg(a: argparse.Namespace) -> None:
         opt.step()
         times.append(time.perf_counter() - t)
         print(f"epoch {epoch}/{a.epochs + 1}  loss {loss.item():.4f}  {times[-1]:.2f} s"
-              f"{'  (warm-up)' if epoch == 1 else ''}", flush=True)
+              f"{'  (warm-up)' if epoch == 1 else ''}; peak {peak_bytes() / GIB:.2f} GiB",
+              flush=True)
+        record()
     convs.eval()
     with torch.no_grad():
         pred = forward().argmax(dim=-1)
     acc = {k: float((pred[i] == y[i]).float().mean()) for k, i in splits.items()}
     print("accuracy " + "  ".join(f"{k} {100 * v:.2f}%" for k, v in acc.items()), flush=True)
-    Path(a.out).write_text(json.dumps({
-        "epoch_s": times[1:], "warmup_s": times[0], "peak_bytes": [peak_bytes()],
-        "setup_peak_bytes": setup_peak, "threads": torch.get_num_threads(),
-        "loss": loss.item(), "accuracy": acc}))
+    record(accuracy=acc, finished=True)
 
 
 def worker_ours(a: argparse.Namespace, train_argv: list[str]) -> int:
@@ -364,6 +370,7 @@ def run_side(label: str, cmd: list[str]) -> dict[str, Any]:
     (negative: the signal), the kernel's peak RSS for it and its descendants (``wait4``), the
     wall time and its last lines of output."""
     print(f"\n[{label}] $ {' '.join(cmd)}", flush=True)
+    load = os.getloadavg()[0]
     t = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -374,13 +381,14 @@ def run_side(label: str, cmd: list[str]) -> dict[str, Any]:
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
     return {"exit": p.returncode, "rusage_maxrss_bytes": usage.ru_maxrss * 1024,
-            "wall_s": time.perf_counter() - t, "tail": list(tail)}
+            "wall_s": time.perf_counter() - t, "tail": list(tail),
+            "loadavg_1min": [load, os.getloadavg()[0]]}
 
 
 def describe_failure(exit_code: int, tail: list[str]) -> tuple[str, bool]:
     """(what happened, whether it was out of memory) for a side that exited ``exit_code``
     (negative: killed by that signal) after printing ``tail``."""
-    rank_killed = any("KILLED BY SIGNAL: 9" in x for x in tail)  # mpiexec's report
+    rank_killed = any(MPI_RANK_KILLED.search(x) for x in tail)
     if exit_code < 0:
         text = f"killed by {signal.Signals(-exit_code).name} (signal {-exit_code})"
     else:
@@ -394,12 +402,15 @@ def describe_failure(exit_code: int, tail: list[str]) -> tuple[str, bool]:
     return text, killed or any(MEMORY_WORDS.search(x) for x in errors)
 
 
-def side_result(side: str, ranks: int, run: dict[str, Any], epoch_s: list[float] | None,
+def side_result(side: str, ranks: int, run: dict[str, Any], epochs: list[float],
                 peaks: list[int] | None) -> dict[str, Any]:
-    """One row of the results: the measurements, or the failure."""
+    """One row of the results: the measurements, or the failure. ``epochs``: the times of
+    the epochs it finished, the warm-up first."""
+    epoch_s = epochs[1:]
     ok = run["exit"] == 0 and bool(epoch_s) and peaks is not None and len(peaks) == ranks
     row = {"side": side, "ranks": ranks, "ok": ok, "wall_s": run["wall_s"],
-           "rusage_maxrss_bytes": run["rusage_maxrss_bytes"], "exit": run["exit"]}
+           "rusage_maxrss_bytes": run["rusage_maxrss_bytes"], "exit": run["exit"],
+           "loadavg_1min": run["loadavg_1min"]}
     if ok:
         row.update(epoch_s=epoch_s, median_epoch_s=statistics.median(epoch_s),
                    peak_bytes=peaks, peak_max_bytes=max(peaks), peak_sum_bytes=sum(peaks))
@@ -407,6 +418,8 @@ def side_result(side: str, ranks: int, run: dict[str, Any], epoch_s: list[float]
         row["failure"], row["out_of_memory"] = "exited 0 without its measurements", False
     else:
         row["failure"], row["out_of_memory"] = describe_failure(run["exit"], run["tail"])
+    if not ok:
+        row["finished_epochs_s"] = epochs  # before it failed, the warm-up first
     return row
 
 
@@ -417,8 +430,10 @@ def measure_pyg(args: argparse.Namespace, root: Path, tmp: Path) -> dict[str, An
     if args.pyg_memory_limit is not None:
         cmd += ["--memory-limit", str(args.pyg_memory_limit)]
     run = run_side("PyG", cmd)
-    got = json.loads(out.read_text()) if out.is_file() and run["exit"] == 0 else {}
-    row = side_result("PyG GCNConv", 1, run, got.get("epoch_s"), got.get("peak_bytes"))
+    got = json.loads(out.read_text()) if out.is_file() else {}  # epochs a failed run finished
+    epochs = [got["warmup_s"], *got["epoch_s"]] if got else []
+    done = run["exit"] == 0 and got.get("finished", False)
+    row = side_result("PyG GCNConv", 1, run, epochs, got.get("peak_bytes") if done else None)
     row.update({k: got[k] for k in ("setup_peak_bytes", "threads", "accuracy") if k in got})
     return row
 
@@ -436,9 +451,9 @@ def measure_ours(args: argparse.Namespace, root: Path, tmp: Path, ranks: int) ->
     cmd = ranks_command(ranks, [sys.executable, str(Path(__file__).resolve()), "--worker",
                                 "ours", "--peak-dir", str(peak_dir), "--", *train])
     run = run_side(f"ours {ranks}", cmd)
-    rows = ([json.loads(x) for x in metrics.read_text().splitlines()]
-            if metrics.is_file() and run["exit"] == 0 else [])
-    epochs = [r["epoch_s"] for r in rows if "epoch_s" in r][1:]  # after the warm-up
+    written = metrics if metrics.is_file() else Path(f"{metrics}.tmp")  # .tmp: it failed
+    rows = [json.loads(x) for x in written.read_text().splitlines()] if written.is_file() else []
+    epochs = [r["epoch_s"] for r in rows if "epoch_s" in r]
     peaks = [json.loads(p.read_text())["peak_bytes"] for p in sorted(peak_dir.glob("*.json"))]
     return side_result("ours (Plexus)", ranks, run, epochs, peaks if run["exit"] == 0 else None)
 
@@ -466,6 +481,17 @@ def compare(pyg: dict[str, Any] | None, ours: dict[str, Any]) -> dict[str, Any]:
             "verdict": "met" if met else "MISSED"}
 
 
+def check_reasons(pyg: dict[str, Any] | None, ours: list[dict[str, Any]]) -> str:
+    """Why the check reads as it does when a side is missing or failed ("" otherwise)."""
+    one = next((o for o in ours if o["ranks"] == 1), None)
+    reasons = ["ours did not run on 1 rank" if one is None else
+               "" if one["ok"] else f"ours on 1 rank failed: {one['failure']}",
+               "PyG was skipped" if pyg is None else "" if pyg["ok"] else
+               f"PyG {'ran out of memory' if pyg['out_of_memory'] else 'failed, not for memory'}"
+               f": {pyg['failure']}"]
+    return "".join(f" ({r})" for r in reasons if r)
+
+
 def print_table(sides: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None:
     by_ranks = {r["ranks"]: r for r in ratios}
     print(f"\n{'side':<14}{'ranks':>6}{'median s/epoch':>16}{'peak GiB max':>14}"
@@ -473,8 +499,9 @@ def print_table(sides: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> No
     for s in sides:
         head = f"{s['side']:<14}{s['ranks']:>6}"
         if not s["ok"]:
-            print(f"{head}  failed after {s['wall_s']:.0f} s, peak "
-                  f"{s['rusage_maxrss_bytes'] / GIB:.2f} GiB: {s['failure']}")
+            done = ", ".join(f"{t:.1f}" for t in s["finished_epochs_s"]) or "none"
+            print(f"{head}  failed after {s['wall_s']:.0f} s (epochs finished, s: {done}), "
+                  f"peak {s['rusage_maxrss_bytes'] / GIB:.2f} GiB: {s['failure']}")
             continue
         line = (f"{head}{s['median_epoch_s']:>16.3f}{s['peak_max_bytes'] / GIB:>14.2f}"
                 f"{s['peak_sum_bytes'] / GIB:>14.2f}")
@@ -486,6 +513,9 @@ def print_table(sides: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> No
         print(line)
     print(f"targets: time ours/PyG <= {TIME_TARGET}, memory ours/PyG <= {MEMORY_TARGET} "
           "(ours: the sum over its ranks)")
+    print("1-minute load average at the start and end of each side (a shared machine shows "
+          "here): " + "; ".join(f"{s['side']} {s['ranks']}: {s['loadavg_1min'][0]:.1f} -> "
+                                f"{s['loadavg_1min'][1]:.1f}" for s in sides))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -555,13 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(sides, ratios)
     one = next((r for r in ratios if r["ranks"] == 1), {"verdict": "not measured"})
     check = one["verdict"]
-    why = ""
-    if pyg is not None and not pyg["ok"] and check == "met":
-        why = f" (PyG ran out of memory: {pyg['failure']})"
-    elif pyg is not None and not pyg["ok"]:
-        why = f" (PyG failed, not for memory: {pyg['failure']})"
     print(f"check: ours on 1 rank <= {TIME_TARGET}x PyG's epoch time and <= {MEMORY_TARGET}x "
-          f"its peak memory: {check}{why}")
+          f"its peak memory: {check}{check_reasons(pyg, ours)}")
     print(f"total wall time {time.perf_counter() - t:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({

@@ -14,11 +14,15 @@ the transpose of ``A'`` block (C, R), whose CSR the files hold already.
 The rank reads (copies) only its features block (rows chunk x of Pc order, columns chunk y)
 and the labels and split codes of its output rows. The file layout: plexus.data.schema.
 
-Only ``gcn`` aggregation: the files hold ``Â``'s values ``m_ts / sqrt(d_t d_s)`` with
-self-loop edges dropped at preparation and no degree file. The mean adjacency needs
-``deg_t`` for every row and column node, i.e. the self-loop values spread over all ``k^2``
-blocks, and the dropped self-loop messages cannot come back, so GraphSAGE (``mean``) needs an
-in-memory graph for now.
+Both aggregations (plexus.data.partition.AGGREGATIONS), one per object: ``gcn`` maps the
+blocks of ``Â`` (``even/``, ``odd/``); ``mean`` (GraphSAGE) maps those of the mean adjacency
+(``mean/even/``, ``mean/odd/``; for symmetric graphs ``A_mean''`` block (R, C) is the structure
+of ``A_mean'`` block (C, R) transposed with values of its own, ``A_mean`` not being symmetric)
+and builds the root blocks of the permuted identity ``S`` from the permutations (O(N),
+plexus.data.memory.root_blocks), so ``--model sage``, ``--residual`` and ``--norm`` train on a
+prepared dataset as on the in-memory graph, bit for bit. :meth:`PreparedGraph.with_aggregation`
+gives the other aggregation of the same files. Every block is checked when it is mapped
+(``CSRBlock.problem``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import torch
 from plexus import layout
 from plexus.data import partition as part
 from plexus.data.errors import DatasetCorruptError
-from plexus.data.schema import SPLIT_CODES, SPLITS, read_manifest
+from plexus.data.memory import root_blocks
+from plexus.data.schema import MEAN_DIR, SPLIT_CODES, SPLITS, read_manifest
 from plexus.data.shard import AdjBlock, GraphShard
 from plexus.sparse import BlockSparse, CSRBlock
 
@@ -43,36 +48,33 @@ class PreparedGraph:
 
     Args:
         path: the directory written by ``python -m plexus.prepare``.
-        aggregation: must be ``gcn`` (module docstring).
+        aggregation: ``gcn`` (the blocks of ``Â``) or ``mean`` (GraphSAGE: the blocks of the
+            mean adjacency, and the root blocks; module docstring).
 
     Raises:
         FileNotFoundError: no manifest.json at ``path``.
-        DatasetCorruptError: the manifest is unreadable or of another format version.
-        ValueError: an aggregation other than ``gcn``.
+        DatasetCorruptError: the manifest is unreadable, or of another format version
+            (``StaleFormatError``, naming the command that prepares it again).
+        ValueError: an unknown aggregation.
     """
 
     storage = "memory-mapped"
 
-    def __init__(self, path: str | os.PathLike, *, aggregation: str = "gcn") -> None:
+    def __init__(self, path: str | os.PathLike, *, aggregation: str = "gcn",
+                 manifest: Mapping | None = None) -> None:
         if aggregation not in part.AGGREGATIONS:
             raise ValueError(f"unknown aggregation {aggregation!r}; choose from "
                              f"{part.AGGREGATIONS}")
-        if aggregation != "gcn":
-            raise ValueError(
-                f"aggregation {aggregation!r} (GraphSAGE) needs an in-memory graph for now: "
-                f"the prepared dataset {path} stores only the GCN's normalised adjacency "
-                "(no degrees, self-loops dropped), from which the mean adjacency cannot be "
-                "recovered; train GraphSAGE on the dataset by name (e.g. --dataset "
-                "ogbn-products), not on a prepared directory")
         self.aggregation = aggregation
         self.path = Path(path)
-        m = read_manifest(self.path)
+        m = read_manifest(self.path) if manifest is None else manifest
         self.manifest = m
         self.name = m["name"]
         self.num_nodes = int(m["num_nodes"])
         self.num_nodes_padded = int(m["num_nodes_padded"])
         self.num_edges = int(m["num_edges"])
-        self.nnz = int(m["nnz"])
+        # nonzeros of the aggregation's matrix (A_mean: without the root blocks' N)
+        self.nnz = int(m["nnz"] if aggregation == "gcn" else m["mean"]["nnz"])
         self.num_features = int(m["num_features"])
         self.num_classes = int(m["num_classes"])
         self.blocks = int(m["blocks"])
@@ -84,7 +86,15 @@ class PreparedGraph:
 
     def __repr__(self) -> str:
         return (f"PreparedGraph({str(self.path)!r}: {self.num_nodes:,} nodes, "
-                f"{self.num_edges:,} edges, k={self.blocks})")
+                f"{self.num_edges:,} edges, k={self.blocks}, aggregation={self.aggregation})")
+
+    def with_aggregation(self, aggregation: str) -> PreparedGraph:
+        """The same dataset serving ``aggregation`` (this object if it does already): every
+        prepared dataset holds the blocks of both, so a trainer can ask for the one its model
+        needs (plexus.config.aggregation_of)."""
+        if aggregation == self.aggregation:
+            return self
+        return PreparedGraph(self.path, aggregation=aggregation, manifest=self.manifest)
 
     def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
         """Every axis size must divide k (each axis is a row and a column split somewhere)."""
@@ -113,33 +123,55 @@ class PreparedGraph:
                 f"dataset is damaged: run python -m plexus.prepare --verify {self.path}")
         return arr
 
+    def _files(self, mat: str, r: int, c: int, transposed: bool) -> tuple[str, str, int]:
+        """(prefix of the indptr and indices files, the values file, nonzeros) of block
+        (r, c) of ``mat`` (``even``: ``A'``, ``odd``: ``A''`` of this aggregation), or of its
+        transpose with ``transposed``."""
+        base = f"{MEAN_DIR}/" if self.aggregation == "mean" else ""
+        if mat == "odd" and self.symmetric:  # the structure of even (c, r), transposed
+            pre = f"{base}even/{c}_{r}/" + ("" if transposed else "t_")
+            values = (f"{base}odd/{r}_{c}/" + ("t_" if transposed else "") + "values.npy"
+                      if self.aggregation == "mean" else pre + "values.npy")  # Â'' = Â'^T
+        else:
+            pre = f"{base}{mat}/{r}_{c}/" + ("t_" if transposed else "")
+            values = pre + "values.npy"
+        return pre, values, int(self._block_nnz(mat)[r, c])
+
+    def _block_nnz(self, mat: str) -> np.ndarray:
+        """Nonzeros of every block of ``mat`` of this aggregation: int64 [k, k]."""
+        table = (self.manifest["block_nnz"] if self.aggregation == "gcn"
+                 else self.manifest["mean"]["block_nnz"])
+        if mat == "odd" and self.symmetric:
+            return np.asarray(table["even"], dtype=np.int64).T
+        return np.asarray(table[mat], dtype=np.int64)
+
     def _csr(self, mat: str, r: int, c: int, transposed: bool,
              mapped: dict[tuple, CSRBlock] | None = None) -> CSRBlock:
-        """Block (r, c) of ``mat`` (its transpose's files with ``transposed``), mapped once per
+        """Block (r, c) of ``mat`` (its transpose with ``transposed``), mapped once per
         ``mapped`` dict: layers that read the same files share the block object (and so its
         device copy, ``BlockSparse.to``)."""
-        if mapped is not None:
-            if (mat, r, c, transposed) not in mapped:
-                mapped[mat, r, c, transposed] = self._csr(mat, r, c, transposed)
-            return mapped[mat, r, c, transposed]
-        pre = f"{mat}/{r}_{c}/" + ("t_" if transposed else "")
+        pre, values_file, nnz = self._files(mat, r, c, transposed)
+        if mapped is not None and (pre, values_file) in mapped:
+            return mapped[pre, values_file]
         indptr = self._load(pre + "indptr.npy")
         indices = self._load(pre + "indices.npy")
-        values = self._load(pre + "values.npy")
+        values = self._load(values_file)
         bs = self.block_size
-        nnz = self.manifest["block_nnz"][mat][r][c]
+        names = (f"{pre}{{indptr,indices,values}}.npy" if values_file == pre + "values.npy"
+                 else f"{pre}{{indptr,indices}}.npy with {values_file}")
         if indptr.shape != (bs + 1,) or indices.shape != (nnz,) or values.shape != (nnz,):
-            raise DatasetCorruptError(f"block {pre} has inconsistent array sizes; prepare the "
-                                      "dataset again")
+            raise DatasetCorruptError(f"block {names} has inconsistent array sizes; prepare "
+                                      "the dataset again")
         block = CSRBlock(indptr, indices, values, (bs, bs))
         # read once here (the SpMM reads it all anyway): a damaged file that kept its size
         # must stop with its name, not crash the kernel
         problem = block.problem()
         if problem is not None:
             raise DatasetCorruptError(
-                f"{self.path}/{pre}{{indptr,indices,values}}.npy: {problem}; the prepared "
-                f"dataset is damaged: run python -m plexus.prepare --verify {self.path}, then "
-                "prepare it again")
+                f"{self.path}/{names}: {problem}; the prepared dataset is damaged: run python "
+                f"-m plexus.prepare --verify {self.path}, then prepare it again")
+        if mapped is not None:
+            mapped[pre, values_file] = block
         return block
 
     def _matrix(self, layer: int, rows: range, cols: range,
@@ -147,27 +179,16 @@ class PreparedGraph:
                 ) -> tuple[BlockSparse, BlockSparse]:
         """(A_l block, its transpose) over file row blocks ``rows`` and column blocks
         ``cols`` of layer ``l``'s matrix (blocks shared through ``mapped``, :meth:`_csr`)."""
-        odd = layer % 2 == 1
-        if odd and self.symmetric:  # A'' (R, C) = A' (C, R)^T
-            def get(r, c, t):
-                return self._csr("even", c, r, not t, mapped)
-        else:
-            mat = "odd" if odd else "even"
-
-            def get(r, c, t):
-                return self._csr(mat, r, c, t, mapped)
+        mat = "odd" if layer % 2 == 1 else "even"
         bs = self.block_size
-        a = BlockSparse([[get(r, c, False) for c in cols] for r in rows],
+        a = BlockSparse([[self._csr(mat, r, c, False, mapped) for c in cols] for r in rows],
                         [bs] * len(rows), [bs] * len(cols))
-        a_t = BlockSparse([[get(r, c, True) for r in rows] for c in cols],
+        a_t = BlockSparse([[self._csr(mat, r, c, True, mapped) for r in rows] for c in cols],
                           [bs] * len(cols), [bs] * len(rows))
         return a, a_t
 
     def _balance(self, layer: int, num_p: int, num_o: int) -> part.Balance:
-        mat = "even" if layer % 2 == 0 or self.symmetric else "odd"
-        nnz = np.asarray(self.manifest["block_nnz"][mat], dtype=np.int64)
-        if layer % 2 == 1 and self.symmetric:
-            nnz = nnz.T
+        nnz = self._block_nnz("odd" if layer % 2 == 1 else "even")
         k = self.blocks
         per_rank = nnz.reshape(num_p, k // num_p, num_o, k // num_o).sum(axis=(1, 3))
         return part.Balance(int(per_rank.max()), float(per_rank.mean()))
@@ -221,6 +242,9 @@ class PreparedGraph:
         split = np.concatenate([self._load(f"split/{name}_{c}.npy") for c in rows])
         out_rows = np.array(order[rows.start * bs:rows.stop * bs], dtype=np.int64)
         out_rows[out_rows >= n] = -1
+        # GraphSAGE's root term: the permuted identity, from the permutations alone (O(N))
+        root = root_blocks(np.asarray(pr), np.asarray(pc), n, shape, coords, num_layers) if (
+            self.aggregation == "mean") else None
         if labels.size and ((labels < -1) | (labels >= self.num_classes)).any():
             raise DatasetCorruptError(f"labels in {self.path} fall outside [0, "
                                       f"{self.num_classes}); prepare the dataset again")
@@ -230,5 +254,5 @@ class PreparedGraph:
             widths=widths, widths_padded=widths_pad,
             pr=pr, pc=pc, adj=adj,
             features_block=feats, labels=torch.from_numpy(labels.astype(np.int64)),
-            masks=masks, split_counts=dict(self.split_counts), out_rows=out_rows,
+            masks=masks, split_counts=dict(self.split_counts), out_rows=out_rows, root=root,
         )

@@ -1,8 +1,8 @@
 """The in-memory shard source: every rank holds the whole :class:`Graph` and cuts its blocks.
 
 For small graphs and as the test oracle; big graphs go through ``python -m plexus.prepare``
-and :class:`plexus.data.mapped.PreparedGraph`, which gives the same shards bit for bit when
-``pad_multiple`` is the prepared block count k.
+and :class:`plexus.data.mapped.PreparedGraph`, which gives the same shards bit for bit, for
+either aggregation, when ``pad_multiple`` is the prepared block count k.
 
 Each rank builds ``Â``, permutes it into the two distinct layouts (``A' = Pr Â Pc^T`` for even
 layers, ``A'' = Pc Â Pr^T`` for odd ones), and keeps one block (with its transpose) per layer
@@ -69,6 +69,14 @@ class InMemorySource:
     def __repr__(self) -> str:
         return (f"InMemorySource({self.graph.summary()}, permutation={self.permutation}, "
                 f"seed={self.seed}, aggregation={self.aggregation})")
+
+    def with_aggregation(self, aggregation: str) -> InMemorySource:
+        """The same graph, permutation and padding serving ``aggregation`` (this object if it
+        does already; as :meth:`plexus.data.mapped.PreparedGraph.with_aggregation`)."""
+        if aggregation == self.aggregation:
+            return self
+        return InMemorySource(self.graph, permutation=self.permutation, seed=self.seed,
+                              pad_multiple=self.pad_multiple, aggregation=aggregation)
 
     def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
         """Any grid works: nodes and widths are padded to fit."""

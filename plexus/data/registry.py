@@ -96,9 +96,9 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
 
     ``prepare`` decides the cache: ``auto`` uses it for ogbn-papers100M, ogbn-products,
     ``.npy`` edge files and OGB datasets whose estimated size (nodes * features * 4 + edges *
-    16 bytes, from the file headers) exceeds ``cache.IN_MEMORY_LIMIT_BYTES`` (1 GiB), except
-    for GraphSAGE (``mean``), which needs the graph in memory; ``always`` uses it for every
-    OGB name or edge file; ``never`` loads the graph whole.
+    16 bytes, from the file headers) exceeds ``cache.IN_MEMORY_LIMIT_BYTES`` (1 GiB);
+    ``always`` uses it for every OGB name or edge file; ``never`` loads the graph whole. A
+    prepared dataset holds the blocks of both aggregations, so GCN and GraphSAGE share it.
 
     Args:
         name: a dataset name (:func:`load_dataset`) or a prepared directory.
@@ -110,8 +110,8 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
         pad_multiple: in-memory graphs: pad the node count to a multiple of this too.
         symmetrize: in-memory graphs: made undirected (see :func:`load_dataset`); a prepared
             dataset must have been prepared symmetric, it cannot be changed when mapped.
-        aggregation: ``gcn`` (``Â``) or ``mean`` (GraphSAGE; in-memory graphs only, see
-            :class:`~plexus.data.memory.InMemorySource`).
+        aggregation: ``gcn`` (``Â``) or ``mean`` (GraphSAGE's mean adjacency and root blocks;
+            :class:`~plexus.data.memory.InMemorySource`, :class:`PreparedGraph`).
         prepare: ``auto``, ``always`` or ``never`` (above).
         blocks: k of a cache prepared now (every grid axis must divide it).
         is_writer: this rank prepares the cache (one rank per job, global rank 0); the others
@@ -122,7 +122,7 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
     Raises:
         ValueError: unknown name, a permutation the prepared dataset was not made with,
             symmetrize for a prepared dataset holding a directed graph, a cache that does not
-            match, or ``prepare`` impossible for the name or the aggregation.
+            match, or ``prepare`` impossible for the name.
         DatasetNotFoundError, DatasetCorruptError: missing or unreadable files.
         PrepareFailedError: (waiting ranks) the writer failed to prepare the cache.
     """
@@ -142,17 +142,17 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
                     "plexus.prepare --source ... --out ... --symmetrize (the flag applies to "
                     ".npy edge-file sources), or train on it as it is")
             return source
-    if _use_cache(name, root, prepare, aggregation):
+    if _use_cache(name, root, prepare):
         path = cache.prepared_cache(name, root, blocks=blocks, permutation=permutation or "double",
                                     seed=seed, symmetrize=symmetrize, is_writer=is_writer,
                                     token=token, verbose=verbose, quiet=not verbose)
-        return PreparedGraph(path)
+        return PreparedGraph(path, aggregation=aggregation)
     graph = load_dataset(name, root=root, seed=seed, symmetrize=symmetrize)
     return InMemorySource(graph, permutation=permutation or "double", seed=seed,
                           pad_multiple=pad_multiple, aggregation=aggregation)
 
 
-def _use_cache(name: str, root: Path, prepare: str, aggregation: str) -> bool:
+def _use_cache(name: str, root: Path, prepare: str) -> bool:
     """Whether ``name`` goes through the prepared cache (see :func:`open_source`)."""
     if prepare not in cache.PREPARE_MODES:
         raise ValueError(f"unknown prepare mode {prepare!r}; choose from {cache.PREPARE_MODES}")
@@ -167,10 +167,4 @@ def _use_cache(name: str, root: Path, prepare: str, aggregation: str) -> bool:
                              f"python -m plexus.prepare --source {name} --out DIR and train on "
                              "DIR, or use --prepare auto")
         return False
-    if aggregation != "gcn" and (prepare == "always" or edge_file):
-        instead = "" if edge_file else "--prepare never (the graph in memory) or "
-        raise ValueError(
-            f"{name} through the prepared cache (--prepare {prepare}) cannot train aggregation "
-            f"{aggregation!r} (GraphSAGE): prepared datasets hold only the GCN's normalised "
-            f"adjacency; use {instead}--model gcn")
-    return prepare == "always" or (aggregation == "gcn" and cache.wants_cache(name, root))
+    return prepare == "always" or cache.wants_cache(name, root)

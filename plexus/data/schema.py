@@ -10,6 +10,11 @@ Layout of a prepared dataset ``OUT`` (N_pad = N rounded up to k; bs = N_pad / k)
                                   block (R, C) of A' [bs, bs] as CSR (int32 indices) and the
                                   CSR of its transpose; odd/R_C/... the same for A'' (directed
                                   graphs only: for symmetric ones A'' = A'^T)
+    mean/even/R_C/...             the same six files for the mean adjacency (GraphSAGE):
+                                  Pr A_mean Pc^T; mean/odd/R_C/... Pc A_mean Pr^T: all six
+                                  for directed graphs, only values.npy and t_values.npy for
+                                  symmetric ones (the structure is mean/even/C_R's transposed;
+                                  A_mean is not symmetric: rows are divided by their degree)
     features/C.npy                float32 [bs, F]: rows chunk C of the features in Pc order
     labels/{pr,pc}_C.npy          int64 [bs]: labels of rows chunk C in Pr / Pc order (-1 none)
     split/{pr,pc}_C.npy           int8 [bs]: 0 none, 1 train, 2 val, 3 test
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,9 +37,15 @@ SPLIT_CODES = {"train": 1, "val": 2, "test": 3}  # 0: in no split
 DEFAULT_ROOT = "data"  # --root default: OGB folders (data/ogbn_arxiv) and prepared datasets
 
 FORMAT_NAME = "plexus-blocks"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the mean adjacency's blocks (mean/); 1: the GCN's only
+VERSION_CHANGES = {2: "adds the mean aggregation's blocks for --model sage"}
 MANIFEST = "manifest.json"
 MATRICES = ("even", "odd")  # A' = Pr Â Pc^T (even layers), A'' = Pc Â Pr^T (odd layers)
+MEAN_DIR = "mean"  # the mean adjacency's blocks: mean/even/R_C, mean/odd/R_C
+
+
+class StaleFormatError(DatasetCorruptError):
+    """A prepared dataset of another format version (an older or newer plexus wrote it)."""
 
 
 def is_prepared(path: str | os.PathLike) -> bool:
@@ -46,7 +58,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no manifest.json at ``path``.
-        DatasetCorruptError: the manifest is unreadable or of another format version.
+        DatasetCorruptError: the manifest is unreadable or of another format.
+        StaleFormatError: the manifest is of another format version (the message holds the
+            command that prepares it again: :func:`rebuild_command`).
     """
     path = Path(path)
     mf = path / MANIFEST
@@ -60,11 +74,51 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise DatasetCorruptError(f"{mf} is unreadable ({e}); prepare the dataset again "
                                   "with python -m plexus.prepare") from e
-    if m.get("format") != FORMAT_NAME or m.get("version") != FORMAT_VERSION:
+    if m.get("format") != FORMAT_NAME:
         raise DatasetCorruptError(
             f"{mf} is format {m.get('format')!r} version {m.get('version')!r}; this "
             f"version reads {FORMAT_NAME} version {FORMAT_VERSION}: prepare it again")
+    version = m.get("version")
+    if version != FORMAT_VERSION:
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise StaleFormatError(
+                f"{path} is a prepared dataset of format version {version}, written by a newer "
+                f"plexus; this one reads version {FORMAT_VERSION}: upgrade plexus, or prepare "
+                f"it again with this one: {rebuild_command(path, m)}")
+        raise StaleFormatError(
+            f"{path} is a prepared dataset of format version {version!r}; this plexus reads "
+            f"version {FORMAT_VERSION} (which {VERSION_CHANGES[FORMAT_VERSION]}): prepare it "
+            f"again with {rebuild_command(path, m)}")
     return m
+
+
+def rebuild_command(path: str | os.PathLike, m: dict[str, Any]) -> str:
+    """The ``python -m plexus.prepare`` command that writes the dataset of manifest ``m``
+    again into ``path`` (``--force``: the old one is replaced once the new one is complete),
+    from the source, sizes and settings the manifest records (every format version has
+    them); ``--source ...`` where the source cannot be named on the command line."""
+    src = m.get("source") or {}
+    kind = src.get("kind")
+    args = ["--source", "..."]
+    if kind == "ogb":
+        args = ["--source", src["name"], "--root", src.get("root", DEFAULT_ROOT)]
+        if m.get("dedupe") and src["name"] != "ogbn-products":  # symmetrised when prepared
+            args.append("--symmetrize")
+    elif kind == "edge-file":
+        args = ["--source", src["path"], "--num-nodes", str(m["num_nodes"]),
+                "--features", str(m["num_features"]), "--classes", str(m["num_classes"])]
+        if m.get("symmetric"):
+            args.append("--symmetrize")
+    elif kind == "rmat" and src.get("seed") == m.get("seed"):  # one --seed sets both
+        args = ["--source", "rmat", "--scale", str(src["scale"]), "--edge-factor",
+                str(src["edge_factor"]), "--features", str(m["num_features"]), "--classes",
+                str(m["num_classes"])]
+    elif kind == "graph":
+        args = ["--source", src.get("name", m.get("name", "..."))]
+    args += ["--blocks", str(m.get("blocks", "K")), "--permutation",
+             str(m.get("permutation", "double")), "--seed", str(m.get("seed", 0)),
+             "--out", str(path), "--force"]
+    return "python -m plexus.prepare " + " ".join(shlex.quote(a) for a in args)
 
 
 def file_record(path: Path, root: Path) -> tuple[str, dict[str, Any]]:

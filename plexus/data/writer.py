@@ -10,12 +10,15 @@ No step holds the whole edge list. Peak memory is O(B + M + N): B edges per chun
 (``chunk_edges`` of the source), M nonzeros of the largest block (about nnz / k^2 after the
 double permutation), N nodes (degrees, permutations, labels). The steps:
 
-1. stream the edges in chunks: drop self-loops, optionally symmetrise, map every edge to the
-   permuted matrices (``A' = Pr Â Pc^T`` and, for directed graphs, ``A'' = Pc Â Pr^T``) and
-   append its in-block key to the bucket file of its block;
+1. stream the edges in chunks: count and drop self-loops, optionally symmetrise, map every
+   edge to the permuted matrices (``A' = Pr Â Pc^T`` and, for directed graphs,
+   ``A'' = Pc Â Pr^T``) and append its in-block key to the bucket file of its block;
 2. per block: sort, merge duplicate edges (or count them as multi-edges), add up in-degrees;
-3. per block: add the self-loops, normalise (``1/sqrt(d_t d_s)`` in float64, stored float32,
-   exactly as plexus.data.partition.normalized_adjacency), write CSR and transposed CSR;
+3. per block, from the same keys, the two aggregations' blocks, each as CSR and transposed CSR:
+   the GCN's ``Â`` (one self-loop per node, ``m_ts / sqrt(d_t d_s)`` in float64, stored
+   float32, exactly as plexus.data.partition.normalized_adjacency) and the mean adjacency
+   ``A_mean`` of GraphSAGE (``m_ts / deg_t``, the self-loop edges put back as messages,
+   exactly as plexus.data.partition.mean_adjacency: :func:`mean_self_loops`);
 4. features, labels and split codes by row chunks, in the permuted orders.
 
 Every file's SHA-256 goes into ``manifest.json`` as it is written.
@@ -41,6 +44,7 @@ from plexus.data.schema import (
     FORMAT_VERSION,
     MANIFEST,
     MATRICES,
+    MEAN_DIR,
     SPLIT_CODES,
     file_record,
     progress,
@@ -104,6 +108,7 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
     orders = {"even": ("pr", "pc"), "odd": ("pc", "pr")}
     files: dict[str, dict] = {}
     key_dtype = np.int64
+    loops = np.zeros(n, dtype=np.int64)  # self-loop edges per node, as read
     try:
         # 1. bucket the edges by block
         edges_in = 0
@@ -118,6 +123,9 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
                                      f"[{min(src.min(), dst.min())}, "
                                      f"{max(src.max(), dst.max())}]; check --num-nodes")
                 keep = src != dst
+                if not keep.all():  # few: a sparse count, not a bincount of N per chunk
+                    ids, times = np.unique(src[~keep], return_counts=True)
+                    loops[ids] += times
                 src, dst = src[keep], dst[keep]
                 if source.symmetrize:
                     src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
@@ -168,12 +176,17 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
         real = np.arange(n_pad) < n
         dinv = np.zeros(n_pad, dtype=np.float64)
         dinv[real] = 1.0 / np.sqrt(in_degree[real] + 1.0)  # + 1: the self-loop
+        mean_loops = mean_self_loops(loops, source.symmetrize, source.dedupe)
+        deg = np.zeros(n_pad, dtype=np.float64)  # A_mean's row sums: every message counts
+        deg[:n] = in_degree[:n] + mean_loops
         perm = {"pr": pr, "pc": pc}
-        # 3. per block: self-loops, values, CSR and transposed CSR
+        mean_nnz = {m: np.zeros((k, k), dtype=np.int64) for m in mats}
+        # 3. per block: self-loops, values, CSR and transposed CSR of Â and of A_mean
         with progress(len(mats) * k * k, "3/4 write blocks", "block", quiet) as bar:
             for mat in mats:
                 ro, co = orders[mat]
                 dinv_r, dinv_c = dinv[perm[ro]], dinv[perm[co]]
+                deg_r, deg_c = deg[perm[ro]], deg[perm[co]]
                 v = np.arange(n)  # self-loop of node v sits at (inv_row[v], inv_col[v])
                 loop_r, loop_c = inv[ro][v], inv[co][v]
                 loop_bid = (loop_r // bs) * k + loop_c // bs
@@ -181,6 +194,7 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
                 loop_start = np.concatenate([[0], np.cumsum(np.bincount(loop_bid,
                                                                         minlength=k * k))])
                 loop_key = ((loop_r % bs) * bs + loop_c % bs)[loop_order]
+                loop_m = mean_loops[loop_order]
                 del v, loop_r, loop_c, loop_bid, loop_order
                 for b in range(k * k):
                     i, j = divmod(b, k)
@@ -188,15 +202,38 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
                     keys = np.fromfile(bucket, dtype=key_dtype)
                     cnt_file = bucket.with_suffix(".cnt")
                     counts = np.fromfile(cnt_file, dtype=np.int32) if cnt_file.exists() else None
-                    lk = np.sort(loop_key[loop_start[b]:loop_start[b + 1]])
-                    pos = np.searchsorted(keys, lk)
-                    keys = np.insert(keys, pos, lk)
-                    if counts is not None:
-                        counts = np.insert(counts, pos, 1)
-                    _write_block(work / mat / f"{i}_{j}", keys, counts, bs,
-                                 dinv_r[i * bs:(i + 1) * bs], dinv_c[j * bs:(j + 1) * bs],
-                                 files, work)
-                    block_nnz[mat][i, j] = keys.size
+                    lk, lm = loop_key[loop_start[b]:loop_start[b + 1]], loop_m[
+                        loop_start[b]:loop_start[b + 1]]
+                    srt = np.argsort(lk)
+                    lk, lm = lk[srt], lm[srt]
+                    pos = np.searchsorted(keys, lk)  # no edge key equals a loop key
+                    # Â: every node's self-loop
+                    g_keys = np.insert(keys, pos, lk)
+                    g_counts = None if counts is None else np.insert(counts, pos, 1)
+                    rows, cols = np.divmod(g_keys, bs)
+                    vals = (dinv_r[i * bs + rows] * dinv_c[j * bs + cols]).astype(np.float32)
+                    if g_counts is not None:
+                        vals *= g_counts.astype(np.float32)  # multi-edges: weights add up
+                    _write_csr(work / mat / f"{i}_{j}", rows, cols, vals, bs, files, work)
+                    block_nnz[mat][i, j] = g_keys.size
+                    del g_keys, g_counts, rows, cols, vals
+                    # A_mean: the self-loop edges of the input, m_ts / deg_t
+                    has = lm > 0
+                    m_keys = np.insert(keys, pos[has], lk[has])
+                    mult = np.insert(np.ones(keys.size, dtype=np.int32) if counts is None
+                                     else counts, pos[has], lm[has])
+                    rows, cols = np.divmod(m_keys, bs)
+                    vals = (mult / deg_r[i * bs + rows]).astype(np.float32)
+                    t = _write_csr(work / MEAN_DIR / mat / f"{i}_{j}", rows, cols, vals, bs,
+                                   files, work)
+                    if source.symmetric:  # A_mean'' (j, i): this structure, rows of A'' / deg
+                        odd = work / MEAN_DIR / "odd" / f"{j}_{i}"
+                        odd.mkdir(parents=True)
+                        t_vals = (mult / deg_c[j * bs + cols]).astype(np.float32)
+                        _save(odd / "values.npy", _transposed(*t, t_vals)[1], files, work)
+                        _save(odd / "t_values.npy", t_vals, files, work)
+                    mean_nnz[mat][i, j] = m_keys.size
+                    del keys, counts, m_keys, mult, rows, cols, vals, t
                     bucket.unlink(missing_ok=True)
                     cnt_file.unlink(missing_ok=True)
                     bar.update()
@@ -221,6 +258,9 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
             "multi_edges": multi, "dedupe": source.dedupe, "permutation": permutation,
             "seed": seed, "split_counts": split_counts,
             "block_nnz": {m: block_nnz[m].tolist() for m in mats},
+            "mean": {"nnz": int(mean_nnz["even"].sum()),
+                     "self_loops": int(mean_loops.sum()),
+                     "block_nnz": {m: mean_nnz[m].tolist() for m in mats}},
             "prepare_seconds": round(time.perf_counter() - t_start, 3),
             "files": files,
         }
@@ -252,23 +292,21 @@ def _check_space(work: Path, source: EdgeSource) -> None:
     if source.num_edges is None:
         return
     nnz = source.num_edges * (2 if source.symmetrize else 1) * (1 if source.symmetric else 2)
-    need = nnz * (8 + 16) + source.num_nodes * (source.num_features * 4 + 64)
+    # buckets (8 B a key), then Â's and A_mean's CSR and transposed CSR (16 B a nonzero each)
+    need = nnz * (8 + 16 + 16) + source.num_nodes * (source.num_features * 4 + 64)
     free = shutil.disk_usage(work).free
     if need > free:
         raise OSError(f"preparing needs up to {need / 2**30:.1f} GiB of disk at {work}, "
                       f"only {free / 2**30:.1f} GiB are free; choose another --out")
 
 
-def _write_block(folder: Path, keys: np.ndarray, counts, bs: int, dinv_r: np.ndarray,
-                 dinv_c: np.ndarray, files: dict, root: Path) -> None:
-    """CSR and transposed CSR of one block from its sorted unique keys (row * bs + col)."""
+def _write_csr(folder: Path, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, bs: int,
+               files: dict, root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR and transposed CSR of one [bs, bs] block from its nonzeros in row-major order
+    (rows ascending, columns ascending within a row); returns (indptr, indices, t_indptr),
+    what :func:`_transposed` needs to put other values of this structure in transposed order."""
     folder.mkdir(parents=True)
-    rows = keys // bs
-    cols = keys - rows * bs
-    vals = (dinv_r[rows] * dinv_c[cols]).astype(np.float32)
-    if counts is not None:
-        vals *= counts.astype(np.float32)  # multi-edges: weights add up
-    idx = _index_dtype(keys.size, bs)
+    idx = _index_dtype(rows.size, bs)
     indptr = np.zeros(bs + 1, dtype=idx)
     np.cumsum(np.bincount(rows, minlength=bs), out=indptr[1:])
     indices = cols.astype(idx)
@@ -277,17 +315,44 @@ def _write_block(folder: Path, keys: np.ndarray, counts, bs: int, dinv_r: np.nda
     _save(folder / "values.npy", vals, files, root)
     t_indptr = np.zeros(bs + 1, dtype=idx)
     np.cumsum(np.bincount(cols, minlength=bs), out=t_indptr[1:])
-    try:
-        from plexus.kernels import csr_transpose
-    except ImportError:  # numpy: a stable sort keeps rows ascending inside each column
-        order = np.argsort(cols, kind="stable")
-        t_indices, t_values = rows[order].astype(idx), vals[order]
-    else:  # a counting sort by column, O(nnz)
-        t_indices, t_values = np.empty_like(indices), np.empty_like(vals)
-        csr_transpose(indptr, indices, vals, t_indptr, t_indices, t_values)
+    t_indices, t_values = _transposed(indptr, indices, t_indptr, vals)
     _save(folder / "t_indptr.npy", t_indptr, files, root)
     _save(folder / "t_indices.npy", t_indices, files, root)
     _save(folder / "t_values.npy", t_values, files, root)
+    return indptr, indices, t_indptr
+
+
+def _transposed(indptr: np.ndarray, indices: np.ndarray, t_indptr: np.ndarray,
+                vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(t_indices, t_values): the CSR of the transpose, rows ascending inside each column."""
+    try:
+        from plexus.kernels import csr_transpose
+    except ImportError:  # numpy: a stable sort keeps rows ascending inside each column
+        rows = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
+        order = np.argsort(indices, kind="stable")
+        return rows[order].astype(indices.dtype), vals[order]
+    t_indices, t_values = np.empty_like(indices), np.empty_like(vals)  # a counting sort, O(nnz)
+    csr_transpose(indptr, indices, vals, t_indptr, t_indices, t_values)
+    return t_indices, t_values
+
+
+def mean_self_loops(loops: np.ndarray, symmetrize: bool, dedupe: bool) -> np.ndarray:
+    """Self-loop edges per node as messages of the mean aggregation, from ``loops`` (int64
+    [N], self-loop edges as read), so that A_mean is plexus.data.partition.mean_adjacency of
+    the graph the in-memory path loads:
+
+    * as read (no flag): each one a message, duplicates too (SAGEConv adds and removes none);
+    * ``symmetrize`` (ogbn-products): twice, itself and its reverse, as ogb's loader appends
+      the reverse of every stored edge;
+    * ``symmetrize`` and ``dedupe`` (R-MAT, ``--symmetrize``): none, as
+      plexus.data.graph.to_undirected_edges drops them;
+    * ``dedupe`` alone: one per node that has any (duplicates merge).
+
+    (The GCN drops them all and adds one normalised self-loop per node.)
+    """
+    if dedupe:
+        return np.zeros_like(loops) if symmetrize else np.minimum(loops, 1)
+    return 2 * loops if symmetrize else loops.copy()
 
 
 def _write_node_data(work: Path, nd: NodeData, source: EdgeSource, pr, pc, n, k, bs, files,

@@ -27,7 +27,8 @@ GIB = 2.0**30
 # side, ranks, then the measurements (median s, peak GiB max, peak GiB sum[, ratios, verdict])
 # or "failed after S s, peak P GiB: WHAT"
 ROW = re.compile(r"^(PyG GCNConv|ours \(Plexus\))\s+(\d+)\s+(.*)$")
-FAILED = re.compile(r"^failed after \d+ s, peak ([0-9.]+) GiB: (.*)$")
+FAILED = re.compile(r"^failed after \d+ s \(epochs finished, s: (.*?)\), peak ([0-9.]+) GiB: "
+                    r"(.*)$")
 
 
 def printed_as(text: str, value: float) -> bool:
@@ -62,8 +63,10 @@ def check_verdicts(saved: dict, stdout: str) -> None:
     for key, s in sides.items():
         if not s["ok"]:
             m = FAILED.match(printed[key])
-            assert m and m.group(2) == s["failure"], (printed[key], s)
-            assert printed_as(m.group(1), s["rusage_maxrss_bytes"] / GIB)
+            assert m and m.group(3) == s["failure"], (printed[key], s)
+            assert printed_as(m.group(2), s["rusage_maxrss_bytes"] / GIB)
+            done = s["finished_epochs_s"]
+            assert m.group(1).split(", ") == ([f"{t:.1f}" for t in done] if done else ["none"])
             continue
         assert len(s["epoch_s"]) == saved["epochs"] and len(s["peak_bytes"]) == s["ranks"]
         assert s["median_epoch_s"] == statistics.median(s["epoch_s"])
@@ -135,6 +138,7 @@ def test_products_scale_prints_what_it_measured_and_survives_a_failed_pyg(tmp_pa
     check_verdicts(saved2, r2.stdout)
     reason = "ran out of memory" if pyg["out_of_memory"] else "failed, not for memory"
     assert f"(PyG {reason}: {pyg['failure']})" in r2.stdout
+    assert pyg["finished_epochs_s"] == []  # it failed before its first epoch
 
 
 def test_failures_are_described():
@@ -150,8 +154,10 @@ def test_failures_are_described():
     assert bench.describe_failure(1, ["ImportError: libmissing.so"]) == (
         "exit status 1: ImportError: libmissing.so", False)
     assert bench.describe_failure(-signal.SIGTERM, []) == ("killed by SIGTERM (signal 15)", False)
-    text, oom = bench.describe_failure(137, ["=   KILLED BY SIGNAL: 9 (Killed)"])  # mpiexec
-    assert oom and text.startswith("exit status 137, a rank killed by SIGKILL")
+    for report in ("=   KILLED BY SIGNAL: 9 (Killed)",  # mpiexec's words for a lost rank
+                   "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)"):
+        text, oom = bench.describe_failure(9, ["=   EXIT CODE: 9", report])
+        assert oom and text.startswith("exit status 9, a rank killed by SIGKILL"), text
 
 
 def test_verdicts_follow_the_targets():

@@ -105,6 +105,7 @@ def test_the_max_over_ranks_and_the_summary_wording(monkeypatch):
         _print_summary({"dataset": "d", "num_nodes": 1, "num_edges": 1, "grid": "1x1x1",
                         "world_size": 1, "launcher": "single", "device": "cpu",
                         "config": config, "setup_s": 0.0, "epoch_s_mean": 0.1,
-                        "comm_share": 0.0, "comm_bytes_per_epoch": 0, "final": {},
+                        "comm_share": 0.0, "comm_exposed_share": 0.0, "comm_bytes_per_epoch": 0,
+                        "final": {},
                         "memory_per_rank_max": {"adjacency_bytes": 1, **peaks}})
         assert re.search(rf"\npeak memory +{re.escape(text)}\n", out[-1] + "\n"), out[-1]

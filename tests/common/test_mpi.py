@@ -161,9 +161,12 @@ def test_progress_thread_runs_jobs_in_order_and_hands_back_errors():
 
 CHOICE = """
 from common.dist import init_distributed
+from common.exchange import barrier
 try:
     ctx = init_distributed(device="cpu", comm="{comm}")
     print(f"rank {{ctx.rank}} comm {{ctx.comm}}", flush=True)  # one write: lines never interleave
+    # no rank may exit while another is still connecting (gloo: "Connection closed by peer")
+    barrier(ctx.transport)
 except ValueError as e:
     print(f"error: {{e}}", flush=True)
     raise SystemExit(2)
