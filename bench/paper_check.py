@@ -10,6 +10,11 @@ predicted / paper, in the paper's setting (trainable input features, 3 layers, h
 Exits 1 unless every ogbn-products and ogbn-papers100M number on Perlmutter is within 1.5x and
 the best 3D grid beats the best 2D, which beats the best 1D, at 64 GPUs. Pure arithmetic: see
 :mod:`common.perf.paper` for the numbers and their sources.
+
+Then SAR's CPU-cluster rows (:mod:`common.perf.sar`): GraphSAGE with batch norm, hidden 256, on
+ogbn-papers100M at 32, 64 and 128 two-socket Icelake nodes (profile ``icelake-hdr200``, one
+rank per socket): our predicted epoch time and memory per node beside SAR's measured ones, and
+the ratios. Informational: they do not change the exit status.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.perf.machine import load_profile
 from common.perf.paper import BOUND, PERLMUTTER, compare, problems, table
+from common.perf.sar import PROFILE as SAR_PROFILE
+from common.perf.sar import compare_sar, sar_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if not fails:
         print(f"OK: every bounded number within {BOUND}x of the paper; best 3D < 2D < 1D on 64 "
               f"GPUs")
+    print(f"\nSAR (CPU cluster), profile {SAR_PROFILE}: GraphSAGE + batch norm, hidden 256, 3 "
+          "layers, ogbn-papers100M made symmetric; ours predicted (best grid, memory per node), "
+          "SAR measured (its README)\n")
+    print(sar_table(compare_sar()))
     return 1 if fails else 0
 
 

@@ -31,10 +31,12 @@ MemoryError) is reported with its exit signal or error and the peak the kernel r
 it, and the bench goes on. The PyG process volunteers as the OOM killer's first victim
 (``oom_score_adj`` 1000).
 
-Allocator: our trainer keeps freed buffers up to 64 MiB in the heap (common.alloc; at this
-size the [N, 256] activations are far larger and go back to the OS as usual); PyG runs under
-the same setting (``--no-retain-freed-memory``: neither does). Both sides inherit this
-process's environment, ``THP_MEM_ALLOC_ENABLE`` included, which the header prints.
+Allocator: both sides run under the same settings. Both import ``common``, which turns on
+PyTorch's huge pages for large CPU buffers (``THP_MEM_ALLOC_ENABLE=1`` unless the environment
+sets it; the header prints the value both inherit), and PyG also gets our trainer's retained
+heap (common.alloc: freed buffers up to 64 MiB stay in the heap; at this size the [N, 256]
+activations are far larger and go back to the OS as usual); ``--no-retain-freed-memory``: on
+neither side.
 
 Check (issue "ogbn-products scale"): ours on one rank needs at most 0.6x PyG's peak memory and
 at most 0.5x its epoch time, or PyG cannot run in this machine's memory (then its error is

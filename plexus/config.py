@@ -188,4 +188,5 @@ def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
                        num_classes=source.num_classes, num_layers=model.num_layers,
                        hidden=model.hidden, learn_features=model.learn_features,
                        labelled_fraction=min(1.0, labelled),
-                       labelled_rows_only=model.labelled_rows_only, overlap=model.overlap)
+                       labelled_rows_only=model.labelled_rows_only, overlap=model.overlap,
+                       norm=model.norm)

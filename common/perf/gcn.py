@@ -137,6 +137,10 @@ class GCNWorkload:
             decides from ``labelled_fraction``).
         overlap: the model's option of that name (None: :func:`overlap_pays` decides from
             the grid); :func:`overlap_hidden_seconds` is what it hides.
+        norm: ``none``, ``batch`` or ``layer`` after every hidden layer: per hidden layer two
+            all-reduces of the column statistics ``[D/O]`` over P (batch; layer: of the row
+            statistics ``[N/P]`` over O) in each pass, about ten elementwise passes over Q, and
+            Q kept for backward.
     """
 
     name: str = "graph"
@@ -155,6 +159,7 @@ class GCNWorkload:
     labelled_fraction: float = 1.0
     labelled_rows_only: bool | None = None
     overlap: bool | None = None
+    norm: str = "none"
 
     def __post_init__(self) -> None:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
@@ -164,6 +169,8 @@ class GCNWorkload:
             raise ValueError(f"GCNWorkload.model must be gcn or sage, got {self.model!r}")
         if self.imbalance < 1:
             raise ValueError(f"imbalance is max/mean nonzeros, >= 1; got {self.imbalance}")
+        if self.norm not in ("none", "batch", "layer"):
+            raise ValueError(f"GCNWorkload.norm must be none, batch or layer, got {self.norm!r}")
         if self.index_bytes not in (None, 4, 8):
             raise ValueError(f"index_bytes must be 4, 8 or None, got {self.index_bytes}")
         if not 0 <= self.labelled_fraction <= 1:
@@ -266,6 +273,10 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         if backward:
             out.append(Collective(p, "all_gather", w_flat, count=k))  # (5)
         out.append(Collective(p, "reduce_scatter", w_flat, count=k))  # (6)
+        if work.norm != "none" and layer < work.num_layers - 1:  # statistics, both passes
+            stats_bytes = (w[layer + 1] // O if work.norm == "batch" else rows) * F32
+            out.append(Collective(p if work.norm == "batch" else o, "all_reduce", stats_bytes,
+                                  count=4))
         if backward:
             out.append(Collective(o, "all_reduce", h_bytes, count=k))  # (7)
             if layer == 0:
@@ -323,6 +334,8 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         moved += 2 * q * (I > 1)  # copy of Q for its all-reduce
         if layer < work.num_layers - 1:
             moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
+            if work.norm != "none":
+                moved += 10 * q  # statistics, normalise, affine; their backward
         params += k * round_up(a * b, P) // P
     o, _, p = roles(work.num_layers - 1)
     moved += 12 * last_rows * (w[-1] // shape[o]) * F32  # loss, softmax, argmax passes
@@ -411,8 +424,10 @@ def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
         rows = last_rows if layer == last else rows
         total += k * 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 Adam moments
         total += k * rows * a * F32  # H_l (and R_l) kept for dW
-        # logits kept; hidden layers keep relu's bool mask
+        # logits kept; hidden layers keep relu's bool mask (and the norm's input)
         total += rows * b * (F32 if layer == last else 1)
+        if work.norm != "none" and layer != last:
+            total += rows * b * F32
         if work.dropout > 0:  # the dropout's bool keep-mask of F_l [N/O, D_l/I]
             total += (n // shape[o]) * a
         transient = max(transient, a * b * F32 * 2, 2 * rows * max(a, b) * F32)

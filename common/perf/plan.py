@@ -41,7 +41,8 @@ def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
     """The GCN workload of the ``gcn`` sub-command's flags."""
     opts = {"model": args.model, "num_layers": args.layers, "hidden": args.hidden,
             "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache,
-            "overlap": {"auto": None, "on": True, "off": False}[args.overlap]}
+            "overlap": {"auto": None, "on": True, "off": False}[args.overlap],
+            "norm": args.norm}
     if args.dataset:
         return DATASETS[args.dataset](**opts)
     missing = [f"--{k}" for k in ("nodes", "nnz", "features", "classes")
@@ -122,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--layers", type=int, default=3)
     g.add_argument("--hidden", type=int, default=128)
     g.add_argument("--learn-features", action="store_true")
+    g.add_argument("--norm", choices=("none", "batch", "layer"), default="none",
+                   help="normalisation after every hidden layer (plexus.train --norm)")
     g.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="the aggregation's collectives overlapped with the SpMM (plexus.train "
                    "--overlap): auto where some axis has more than one rank; the best grid's "
