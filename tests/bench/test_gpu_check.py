@@ -61,7 +61,7 @@ def test_key_numbers_are_read_from_the_benches_real_output():
         return args
 
     gcn = _bench(["bench/gcn_epoch.py", *on_cpu(gpu_check.GCN_ARGS), "--nodes", "2000", "--epochs",
-                  "2", "--threads", "1"])
+                  "2", "--threads", "1", "--variants", "fixed"])
     assert "on cpu" in gcn
     key = gpu_check.gcn_key(gcn)
     assert re.fullmatch(r"ours/PyG [\d.]+, ours [\d.]+ s/epoch", key), key
