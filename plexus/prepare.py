@@ -8,13 +8,17 @@
     python -m plexus.prepare --source planted --out data/planted-k8    # small, built-in
     python -m plexus.prepare --verify data/rmat-24-k8                  # checksums only
     python -m plexus.train --dataset data/rmat-24-k8 --grid 2x2x2      # train on it
+    python -m plexus.train --dataset data/rmat-24-k8 --model sage      # GraphSAGE too
 
-Peak memory: a chunk of edges (``--chunk-edges``), one block, O(nodes).
+Peak memory: a chunk of edges (``--chunk-edges``), one block, O(nodes). The dataset holds the
+blocks of both aggregations (the GCN's ``Â`` and GraphSAGE's mean adjacency). A dataset of an
+older format version is refused with the command that prepares it again (``--force``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -58,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--classes", type=int, default=32, help="R-MAT / edge file: classes")
     p.add_argument("--num-nodes", type=int, default=None, help="edge file: node count")
     p.add_argument("--symmetrize", action="store_true",
-                   help="edge file: add reverse edges and drop duplicates (undirected graph)")
+                   help="edge file or directed OGB dataset: add reverse edges and drop "
+                   "duplicates and self-loops (undirected graph; what --symmetrize of "
+                   "plexus.train prepares into its cache)")
     p.add_argument("--chunk-edges", type=int, default=1 << 23, help="edges per chunk")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--verify", metavar="DIR", default=None,
@@ -76,7 +82,11 @@ def source_from_args(args: argparse.Namespace, tmp_dir: str) -> EdgeSource:
                            num_features=args.features, num_classes=args.classes,
                            chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
     if args.source.startswith("ogbn-"):
-        return ogb_source(args.source, args.root, chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
+        source = ogb_source(args.source, args.root, chunk_edges=args.chunk_edges,
+                            tmp_dir=tmp_dir)
+        if args.symmetrize and not source.symmetric:  # as plexus.data.cache: to_undirected
+            source = dataclasses.replace(source, symmetrize=True, dedupe=True)
+        return source
     if args.source.endswith(".npy"):
         if args.num_nodes is None:
             raise ValueError("an edge file needs --num-nodes")
@@ -106,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     nnz = np.asarray(m["block_nnz"]["even"])
     print(f"{out}: {m['num_nodes']:,} nodes, {m['num_edges']:,} edges ({m['nnz']:,} nonzeros "
-          f"with self-loops) in {m['blocks']}x{m['blocks']} blocks, max/mean nonzeros per "
-          f"block {nnz.max() / max(nnz.mean(), 1):.3f}; {m['prepare_seconds']:.1f} s")
+          f"with self-loops; {m['mean']['nnz']:,} in the mean aggregation's) in "
+          f"{m['blocks']}x{m['blocks']} blocks, max/mean nonzeros per block "
+          f"{nnz.max() / max(nnz.mean(), 1):.3f}; {m['prepare_seconds']:.1f} s")
     return 0
 
 

@@ -149,6 +149,9 @@ class Trainer:
         self.checkpoint = checkpoint or CheckpointConfig()
         parallel.grid.check(parallel.world_size, source.grid_problems)
         need, has = aggregation_of(model.model), getattr(source, "aggregation", "gcn")
+        if has != need and hasattr(source, "with_aggregation"):  # the same data, served both ways
+            source, has = source.with_aggregation(need), need
+            self.source = source
         if has != need:
             raise ValueError(f"model {model.model!r} needs a source built with aggregation="
                              f"{need!r}; {source.name} has {has!r}")

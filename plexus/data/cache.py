@@ -33,7 +33,7 @@ from pathlib import Path
 
 from plexus.data.errors import DatasetCorruptError, DatasetNotFoundError
 from plexus.data.ogb import OGB_DATASETS, missing_files, not_found_message
-from plexus.data.schema import is_prepared, read_manifest
+from plexus.data.schema import StaleFormatError, is_prepared, read_manifest
 
 IN_MEMORY_LIMIT_BYTES = 1 << 30  # estimated in-memory size above which "auto" prepares
 ALWAYS_CACHED = ("ogbn-papers100M", "ogbn-products")
@@ -94,9 +94,14 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
                    quiet: bool = True) -> Path:
     """The cache directory of ``name``, prepared by the writer if needed; every rank calls it.
 
-    A finished cache is reused after a cheap check: its manifest must match (source, blocks,
-    permutation, seed, symmetry) and every file it lists must exist with the recorded size.
-    Checksums are not read; ``python -m plexus.prepare --verify DIR`` checks them all.
+    A finished cache is reused after a cheap check: its manifest must be of this format
+    version and match (source, blocks, permutation, seed, symmetry), and every file it lists
+    must exist with the recorded size. Checksums are not read; ``python -m plexus.prepare
+    --verify DIR`` checks them all. A cache of another format version (an older plexus's: one
+    without the mean aggregation's blocks, say) stops every rank with the ``python -m
+    plexus.prepare ... --force`` command that rebuilds it in place; like a cache that does not
+    match, it is never deleted or rewritten unasked (a rebuild of ogbn-papers100M takes hours
+    and twice its disk until the old one is replaced).
 
     Args:
         name: an OGB name (raw files under ``root``) or a ``.npy`` edge file (a path, or a
@@ -116,7 +121,8 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
 
     Raises:
         ValueError: the cache holds another dataset or other settings (delete it).
-        DatasetCorruptError: a file of the cache is missing or has the wrong size.
+        DatasetCorruptError: a file of the cache is missing or has the wrong size;
+            ``StaleFormatError``: the cache is of another format version (rebuild it).
         DatasetNotFoundError: the raw files are missing and there is no cache.
         PrepareFailedError: (waiters) the writer failed; TimeoutError: waited ``timeout_s``.
     """
@@ -199,6 +205,9 @@ def _checked(out: Path, name: str, want: dict, verbose: bool) -> Path:
     delete = f"delete {out} and run again to prepare it anew"
     try:
         m = read_manifest(out)
+    except StaleFormatError as e:  # an older plexus wrote it: never replaced behind one's back
+        raise StaleFormatError(f"the prepared cache {out} cannot be used: {e} (or {delete})"
+                               ) from e
     except DatasetCorruptError as e:
         raise DatasetCorruptError(f"the prepared cache {out} is unusable: {e}; {delete}") from e
     bad = [f"{k} {m.get(k)!r} (wanted {v!r})" for k, v in want.items() if m.get(k) != v]

@@ -50,6 +50,8 @@ class PreparedGraph:
         path: the directory written by ``python -m plexus.prepare``.
         aggregation: ``gcn`` (the blocks of ``Â``) or ``mean`` (GraphSAGE: the blocks of the
             mean adjacency, and the root blocks; module docstring).
+        manifest: the dataset's manifest when already read and checked (for
+            :meth:`with_aggregation`); None: read from ``path``.
 
     Raises:
         FileNotFoundError: no manifest.json at ``path``.
@@ -83,6 +85,11 @@ class PreparedGraph:
         self.permutation = m["permutation"]
         self.seed = int(m["seed"])
         self.split_counts = {s: int(m["split_counts"][s]) for s in SPLITS}
+        # nonzeros of every block of A' ("even") and A'' ("odd") of the aggregation, [k, k]
+        table = m["block_nnz"] if aggregation == "gcn" else m["mean"]["block_nnz"]
+        even = np.asarray(table["even"], dtype=np.int64)
+        self.block_nnz = {"even": even, "odd": even.T if self.symmetric
+                          else np.asarray(table["odd"], dtype=np.int64)}
 
     def __repr__(self) -> str:
         return (f"PreparedGraph({str(self.path)!r}: {self.num_nodes:,} nodes, "
@@ -135,15 +142,7 @@ class PreparedGraph:
         else:
             pre = f"{base}{mat}/{r}_{c}/" + ("t_" if transposed else "")
             values = pre + "values.npy"
-        return pre, values, int(self._block_nnz(mat)[r, c])
-
-    def _block_nnz(self, mat: str) -> np.ndarray:
-        """Nonzeros of every block of ``mat`` of this aggregation: int64 [k, k]."""
-        table = (self.manifest["block_nnz"] if self.aggregation == "gcn"
-                 else self.manifest["mean"]["block_nnz"])
-        if mat == "odd" and self.symmetric:
-            return np.asarray(table["even"], dtype=np.int64).T
-        return np.asarray(table[mat], dtype=np.int64)
+        return pre, values, int(self.block_nnz[mat][r, c])
 
     def _csr(self, mat: str, r: int, c: int, transposed: bool,
              mapped: dict[tuple, CSRBlock] | None = None) -> CSRBlock:
@@ -188,7 +187,7 @@ class PreparedGraph:
         return a, a_t
 
     def _balance(self, layer: int, num_p: int, num_o: int) -> part.Balance:
-        nnz = self._block_nnz("odd" if layer % 2 == 1 else "even")
+        nnz = self.block_nnz["odd" if layer % 2 == 1 else "even"]
         k = self.blocks
         per_rank = nnz.reshape(num_p, k // num_p, num_o, k // num_o).sum(axis=(1, 3))
         return part.Balance(int(per_rank.max()), float(per_rank.mean()))

@@ -140,11 +140,30 @@ class InMemorySource:
 def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[str, int],
                 coords: Mapping[str, int], num_layers: int) -> dict[int, AdjBlock]:
     """This rank's blocks of the permuted identity ``S_l`` for every layer layout (GraphSAGE's
-    root term, residual connections): O(N) work from the permutations alone, so any source's
-    shard can get them (plexus.data.shard)."""
-    eyes = {par: part.permuted_identity(*part.layer_orders(par, pr, pc), num_nodes)
-            for par in range(min(2, num_layers))}
-    return _blocks(eyes, shape, coords, num_layers)
+    root term, residual connections), with the balance over all ranks' blocks, as
+    :func:`_blocks` cuts them from the whole ``S``: O(N) work from the permutations alone (which
+    may be memory-mapped), so any source's shard can get them (plexus.data.shard). Memory:
+    the rank's blocks and one ``[N]`` int64 array per parity, never ``S`` itself
+    (plexus.data.partition.permuted_identity_block)."""
+    out: dict[int, AdjBlock] = {}
+    cut: dict[tuple[int, ...], AdjBlock] = {}  # (parity, P, p, O, o) -> the layout's block
+    inv: dict[int, np.ndarray] = {}  # parity -> inverse of its input (column) order
+    for lay in range(min(6, num_layers)):
+        o_ax, _, p_ax = layout.roles(lay)
+        par = lay % 2
+        key = (par, shape[p_ax], coords[p_ax], shape[o_ax], coords[o_ax])
+        if key not in cut:
+            rows, cols = part.layer_orders(par, pr, pc)
+            if par not in inv:
+                inv[par] = part.inverse_permutation(cols)
+            blk, counts = part.permuted_identity_block(
+                rows, cols, num_nodes, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax],
+                inv_cols=inv[par])
+            cut[key] = AdjBlock(BlockSparse.single(blk), BlockSparse.single(blk.T.tocsr()),
+                                blk.nnz, part.Balance(int(counts.max()), float(counts.mean())))
+        same = cut[key]  # the balance depends on (parity, P, O) only: the same too
+        out[lay] = AdjBlock(same.a, same.a_t, same.nnz, same.balance)
+    return out
 
 
 def _blocks(mats, shape: Mapping[str, int], coords: Mapping[str, int],

@@ -11,7 +11,8 @@ Conventions (docs/design/plexus-3d.md sections 1-3, 6):
 * Aggregations (:data:`AGGREGATIONS`): ``gcn`` uses ``Â``; ``mean`` (GraphSAGE,
   ``h_t = W1 x_t + W2 mean_{s -> t} x_s``) uses the mean adjacency ``A_mean``
   (:func:`mean_adjacency`) for the neighbour term and the permuted identity ``S``
-  (:func:`permuted_identity`), cut into the same blocks, for the root term: ``S_l F_l``,
+  (:func:`permuted_identity`; one block of it, without the whole:
+  :func:`permuted_identity_block`), cut into the same blocks, for the root term: ``S_l F_l``,
   all-reduced over O like ``A_l F_l``, holds the input rows of the layer's output nodes.
 * Permutations are arrays ``perm[new] = old``. Even layers use ``A' = Pr Â Pc^T``
   (``A'[i, j] = Â[pr[i], pc[j]]``) with input rows in ``Pc`` order and output in ``Pr``
@@ -94,6 +95,50 @@ def permuted_identity(rows: np.ndarray, cols: np.ndarray, num_real: int) -> sp.c
     indices = inv_cols[rows[real]]
     return sp.csr_matrix((np.ones(indices.size, dtype=np.float32), indices, indptr),
                          shape=(n, n))
+
+
+def permuted_identity_block(rows: np.ndarray, cols: np.ndarray, num_real: int, p: int,
+                            num_p: int, o: int, num_o: int, *, inv_cols: np.ndarray | None = None,
+                            chunk: int = 1 << 22) -> tuple[sp.csr_matrix, np.ndarray]:
+    """``block(permuted_identity(rows, cols, num_real), p, num_p, o, num_o)`` and the nonzeros
+    of every (p, o) block (:func:`block_nnz` of the whole), without the ``[N, N]`` matrix.
+
+    Row ``i`` of ``S`` holds its one at column ``inv_cols[rows[i]]`` (if ``rows[i]`` is a real
+    node), so the block is read off its ``N/num_p`` rows and the counts are taken in chunks
+    of ``chunk`` rows: O(N) time, and beside the block one ``[N]`` array in memory, the
+    inverse of ``cols`` (computed here unless given: ``inv_cols[cols[j]] = j``). A rank of a
+    prepared dataset builds its root blocks this way (plexus.data.memory.root_blocks).
+
+    Shapes: rows, cols [N] (``perm[new] = old``, may be memory-mapped) -> ([N/num_p, N/num_o]
+    CSR float32 with sorted indices, int64 [num_p, num_o]).
+    """
+    n = rows.size
+    nr, nc = n // num_p, n // num_o
+    if inv_cols is None:
+        inv_cols = inverse_permutation(cols, chunk=chunk)
+    counts = np.zeros(num_p * num_o, dtype=np.int64)
+    for lo in range(0, n, chunk):
+        r = np.asarray(rows[lo:lo + chunk])
+        i = np.flatnonzero(r < num_real)
+        counts += np.bincount(((lo + i) // nr) * num_o + inv_cols[r[i]] // nc,
+                              minlength=num_p * num_o)
+    r = np.asarray(rows[p * nr:(p + 1) * nr])
+    real = r < num_real
+    j = np.where(real, inv_cols[np.where(real, r, 0)], -1) - o * nc  # column inside the block
+    hit = real & (j >= 0) & (j < nc)
+    indptr = np.concatenate([[0], np.cumsum(hit)])
+    indices = j[hit]
+    return (sp.csr_matrix((np.ones(indices.size, dtype=np.float32), indices, indptr),
+                          shape=(nr, nc)), counts.reshape(num_p, num_o))
+
+
+def inverse_permutation(perm: np.ndarray, *, chunk: int = 1 << 22) -> np.ndarray:
+    """``inv`` with ``inv[perm[j]] = j``, int64 [N], filled in chunks of ``perm`` (which may be
+    memory-mapped)."""
+    inv = np.empty(perm.size, dtype=np.int64)
+    for lo in range(0, perm.size, chunk):
+        inv[np.asarray(perm[lo:lo + chunk])] = np.arange(lo, min(lo + chunk, perm.size))
+    return inv
 
 
 def make_permutations(num_nodes: int, mode: str, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -140,7 +140,7 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
                     f"{path} holds a directed graph and a prepared dataset cannot be "
                     "symmetrized when it is mapped: prepare it again with python -m "
                     "plexus.prepare --source ... --out ... --symmetrize (the flag applies to "
-                    ".npy edge-file sources), or train on it as it is")
+                    ".npy edge files and directed OGB datasets), or train on it as it is")
             return source
     if _use_cache(name, root, prepare):
         path = cache.prepared_cache(name, root, blocks=blocks, permutation=permutation or "double",

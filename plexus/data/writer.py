@@ -202,10 +202,9 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
                     keys = np.fromfile(bucket, dtype=key_dtype)
                     cnt_file = bucket.with_suffix(".cnt")
                     counts = np.fromfile(cnt_file, dtype=np.int32) if cnt_file.exists() else None
-                    lk, lm = loop_key[loop_start[b]:loop_start[b + 1]], loop_m[
-                        loop_start[b]:loop_start[b + 1]]
-                    srt = np.argsort(lk)
-                    lk, lm = lk[srt], lm[srt]
+                    seg = slice(loop_start[b], loop_start[b + 1])  # this block's loops
+                    srt = np.argsort(loop_key[seg])
+                    lk, lm = loop_key[seg][srt], loop_m[seg][srt]
                     pos = np.searchsorted(keys, lk)  # no edge key equals a loop key
                     # Â: every node's self-loop
                     g_keys = np.insert(keys, pos, lk)

@@ -343,3 +343,26 @@ def test_a_row_range_view_shares_the_arrays():
     assert np.shares_memory(view.indices, blk.indices) and view.indptr[0] == 0
     assert view.nnz == int(blk.indptr[30] - blk.indptr[10])
     assert (view.to_scipy() != blk.to_scipy()[10:30]).nnz == 0
+
+
+@pytest.mark.parametrize("damage, code", [(None, 0), ("first", 1), ("decrease", 2),
+                                          ("column", 3), ("nan", 4)])
+def test_csr_check_finds_each_damage_on_both_paths(damage, code):
+    """CSRBlock.problem: numpy below 2**20 nonzeros, the numba kernel above; the same verdicts
+    (the kernel called directly here on the small block)."""
+    from plexus import kernels
+
+    blk = CSRBlock.from_scipy(sp.random(40, 30, density=0.3, format="csr", random_state=3,
+                                        dtype=np.float32))
+    indptr, indices, values = blk.indptr.copy(), blk.indices.copy(), blk.values.copy()
+    if damage == "first":
+        indptr[0] = 1
+    elif damage == "decrease":
+        indptr[5] = indptr[6] + 1
+    elif damage == "column":
+        indices[7] = 2**30
+    elif damage == "nan":
+        values[2] = np.nan
+    assert kernels.csr_check(indptr, indices, values, 30) == code
+    problem = CSRBlock(indptr, indices, values, (40, 30)).problem()
+    assert (problem is None) == (code == 0)

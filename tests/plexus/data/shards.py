@@ -20,19 +20,36 @@ def directed_graph(n=203, e=1500, seed=5):
                                  name="directed")
 
 
+def assert_same_blocks(a, b, what="adj"):
+    """The blocks ``a[l]`` and ``b[l]`` (dicts of AdjBlock) hold the same matrices, bit for
+    bit: same structure, same float32 bits in the same order of every row, same balance."""
+    assert sorted(a) == sorted(b), what
+    for layer in a:
+        for m in ("a", "a_t"):
+            x, y = getattr(a[layer], m).to_scipy(), getattr(b[layer], m).to_scipy()
+            assert x.shape == y.shape
+            d = (x != y)
+            assert d.nnz == 0, f"{what} layer {layer} {m}: {d.nnz} entries differ"
+            assert x.nnz == y.nnz == getattr(a[layer], m).nnz, f"{what} layer {layer} {m}"
+            for blocks in (getattr(a[layer], m), getattr(b[layer], m)):  # the SpMM's order
+                assert all(blk.to_scipy().has_sorted_indices for _, _, blk in blocks.present())
+            x.sort_indices()
+            y.sort_indices()
+            assert np.array_equal(x.indptr, y.indptr) and np.array_equal(x.indices, y.indices)
+            assert np.array_equal(x.data.view(np.int32), y.data.view(np.int32)), \
+                f"{what} layer {layer} {m}: values differ in their bits"
+        assert a[layer].nnz == b[layer].nnz, f"{what} layer {layer}"
+        assert a[layer].balance == b[layer].balance, f"{what} layer {layer}"
+
+
 def assert_same_shard(a, b):
     assert a.num_nodes_padded == b.num_nodes_padded
     assert a.widths_padded == b.widths_padded
     assert np.array_equal(a.pr, b.pr) and np.array_equal(a.pc, b.pc)
-    assert sorted(a.adj) == sorted(b.adj)
-    for layer in a.adj:
-        for m in ("a", "a_t"):
-            x, y = getattr(a.adj[layer], m).to_scipy(), getattr(b.adj[layer], m).to_scipy()
-            assert x.shape == y.shape
-            d = (x != y)
-            assert d.nnz == 0, f"layer {layer} {m}: {d.nnz} entries differ"
-            assert x.nnz == y.nnz
-        assert a.adj[layer].balance == b.adj[layer].balance
+    assert_same_blocks(a.adj, b.adj, "adj")
+    assert (a.root is None) == (b.root is None)
+    if a.root is not None:
+        assert_same_blocks(a.root, b.root, "root")
     assert torch.equal(a.features_block, b.features_block)
     assert torch.equal(a.labels, b.labels)
     for s in SPLITS:
@@ -46,9 +63,10 @@ def widths(graph, num_layers: int, hidden: int) -> list[int]:
 
 
 def memory_shard(graph, shape, coords, num_layers, hidden, *, permutation="double", seed=0,
-                 pad_multiple=1):
+                 pad_multiple=1, aggregation="gcn"):
     """The in-memory source's shard: the oracle the prepared shards are compared with."""
-    source = InMemorySource(graph, permutation=permutation, seed=seed, pad_multiple=pad_multiple)
+    source = InMemorySource(graph, permutation=permutation, seed=seed, pad_multiple=pad_multiple,
+                            aggregation=aggregation)
     return source.shard(shape, coords, widths(graph, num_layers, hidden))
 
 

@@ -68,10 +68,6 @@ def test_the_size_rule_and_the_modes(tmp_path, monkeypatch):
     assert cache.wants_cache(PAPERS, tmp_path) and cache.wants_cache("ogbn-products", "x")
     assert isinstance(open_source("ogbn-arxiv", root=tmp_path), InMemorySource)
     assert isinstance(open_source(PAPERS, root=tmp_path, prepare="never"), InMemorySource)
-    # GraphSAGE needs the graph in memory: auto keeps it there, always refuses and says why
-    assert isinstance(open_source(PAPERS, root=tmp_path, aggregation="mean"), InMemorySource)
-    with pytest.raises(ValueError, match=r"cannot train aggregation 'mean' \(GraphSAGE\)"):
-        open_source(PAPERS, root=tmp_path, aggregation="mean", prepare="always")
     with pytest.raises(ValueError, match="'planted' cannot be prepared automatically"):
         open_source("planted", prepare="always")
     with pytest.raises(ValueError, match="unknown prepare mode"):
@@ -81,6 +77,13 @@ def test_the_size_rule_and_the_modes(tmp_path, monkeypatch):
     src = open_source("ogbn-arxiv", root=tmp_path, blocks=2, symmetrize=True)
     assert isinstance(src, PreparedGraph) and src.symmetric
     assert src.path.name == "ogbn-arxiv-k2-double-s0-sym"
+    # GraphSAGE maps the same cache (its mean blocks), prepared by either model
+    sage = open_source("ogbn-arxiv", root=tmp_path, blocks=2, symmetrize=True,
+                       aggregation="mean", is_writer=False)
+    assert isinstance(sage, PreparedGraph) and sage.path == src.path
+    assert sage.aggregation == "mean" and src.aggregation == "gcn"
+    assert isinstance(open_source(PAPERS, root=tmp_path, aggregation="mean", blocks=2),
+                      PreparedGraph)
 
 
 def test_an_edge_file_goes_through_the_cache(tmp_path):

@@ -1,5 +1,7 @@
 """plexus.data.partition: normalisation, permutations, blocks and their balance."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,25 @@ def test_permuted_identity_is_the_permuted_identity(mode):
         x = np.random.default_rng(0).standard_normal((n_pad, 3))
         x[n:] = 0
         np.testing.assert_array_equal(s @ x[cols], x[rows])  # input order -> output order
+
+
+@pytest.mark.parametrize("mode", part.PERMUTATIONS)
+def test_a_block_of_the_permuted_identity_without_the_whole(mode):
+    """permuted_identity_block == block(permuted_identity) and block_nnz of the whole, for
+    every block of lopsided cuts, in chunks smaller than a block (the counts add up)."""
+    n_pad, n = 60, 55
+    pr, pc = part.make_permutations(n_pad, mode, seed=7)
+    for layer, (num_p, num_o), chunk in itertools.product((0, 1), [(1, 1), (4, 2), (2, 6)],
+                                                          (7, 1 << 22)):
+        rows, cols = part.layer_orders(layer, pr, pc)
+        whole = part.permuted_identity(rows, cols, n)
+        inv = part.inverse_permutation(cols, chunk=chunk)
+        assert np.array_equal(inv, np.argsort(cols))
+        for p, o in itertools.product(range(num_p), range(num_o)):
+            blk, counts = part.permuted_identity_block(rows, cols, n, p, num_p, o, num_o,
+                                                       inv_cols=inv, chunk=chunk)
+            want = part.block(whole, p, num_p, o, num_o)
+            assert blk.dtype == np.float32 and blk.has_sorted_indices
+            assert np.array_equal(blk.indptr, want.indptr)
+            assert np.array_equal(blk.indices, want.indices) and (blk != want).nnz == 0
+            assert np.array_equal(counts, part.block_nnz(whole, num_p, num_o))

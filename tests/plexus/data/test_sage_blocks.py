@@ -204,10 +204,10 @@ def test_gcn_default_has_no_root_and_mean_nnz():
     assert torch.equal(ms.labels, shard.labels)
 
 
-def test_unknown_or_unsupported_aggregation(tmp_path):
+def test_unknown_aggregation(tmp_path):
     with pytest.raises(ValueError, match="unknown aggregation 'max'"):
         InMemorySource(directed_graph(), aggregation="max")
-    with pytest.raises(ValueError, match="needs an in-memory graph"):
-        PreparedGraph(tmp_path, aggregation="mean")
     with pytest.raises(ValueError, match="unknown aggregation"):
         PreparedGraph(tmp_path, aggregation="sum")
+    with pytest.raises(FileNotFoundError, match="not a prepared dataset"):  # mean is fine
+        PreparedGraph(tmp_path, aggregation="mean")

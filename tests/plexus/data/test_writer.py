@@ -110,5 +110,10 @@ def test_ogb_raw_files_stream_into_the_same_shards_as_the_ogb_loader(tmp_path, w
         for rank in range(grid.num_ranks):
             mem = memory_shard(graph, grid.shape, grid.coords(rank), 3, 6, pad_multiple=4)
             assert_same_shard(pg.shard(grid.shape, grid.coords(rank), widths(graph, 3, 6)), mem)
+    sage, grid = pg.with_aggregation("mean"), ProcessGrid.parse("2x1x2")  # GraphSAGE's blocks
+    for rank in range(grid.num_ranks):
+        mem = memory_shard(graph, grid.shape, grid.coords(rank), 3, 6, pad_multiple=4,
+                           aggregation="mean")
+        assert_same_shard(sage.shard(grid.shape, grid.coords(rank), widths(graph, 3, 6)), mem)
 
 
