@@ -165,7 +165,7 @@ def print_plan(build: Callable[[], Workload], args: argparse.Namespace) -> int:
         print(ranked.table(top=args.top))
         if ranked.runnable:
             print(ranked.describe_choice())
-            if args.engine == "gcn":
+            if isinstance(work, perf_gcn.GCNWorkload):
                 print(overlap_line(work, ranked.best, profile, args.ranks_per_node))
     if len(plans) > 1:
         print(compare_collectives(*plans))
