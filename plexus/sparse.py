@@ -177,6 +177,7 @@ class BlockSparse:
         self.kernel = "auto"
         self._torch: dict[tuple[int, int], torch.Tensor] = {}
         self._row_blocks: dict[int, tuple[list[int], list[BlockSparse]]] = {}
+        self._torch_cols: dict[tuple[int, int, int, int], torch.Tensor] = {}  # matmul(cols=)
 
     @classmethod
     def single(cls, m: sp.csr_matrix) -> BlockSparse:
@@ -312,6 +313,7 @@ class BlockSparse:
         self.device = torch.device(device)
         self._torch = {}
         self._row_blocks = {}
+        self._torch_cols = {}
         cache: dict = {} if uploaded is None else uploaded
 
         def block_key(b: CSRBlock) -> tuple:  # a whole-file map by its file, else by identity
@@ -457,9 +459,12 @@ class BlockSparse:
                                         x3, outn[rows].reshape(b.shape[0], 1, d), True,
                                         spmm.lookahead(row_bytes), s_lo, s_hi)
             else:
-                t = self._torch.get((r, c))
-                t = b.to_torch(x.device) if t is None else t
-                sub = _torch_cols(t, a - co[c], z - co[c])
+                key = (r, c, a - co[c], z - co[c])
+                sub = self._torch_cols.get(key)
+                if sub is None:  # built once per range, kept until the next .to()
+                    t = self._torch.get((r, c))
+                    t = b.to_torch(x.device) if t is None else t
+                    sub = self._torch_cols[key] = _torch_cols(t, a - co[c], z - co[c])
                 out[rows].add_(torch.mm(sub.to(x.dtype), x[a:z]))
         return out
 
