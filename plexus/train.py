@@ -165,6 +165,7 @@ def _decays(text: str) -> float | tuple[float, ...]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctx = start(args)
+    start_bytes = resident_bytes()  # the process before any data: what the planner leaves out
     source, parallel, configs = run_or_exit(ctx, lambda: build(args, ctx), user_errors=(
         ValueError, OSError, PrepareFailedError))
     metrics = MetricsWriter(args.metrics, enabled=ctx.is_main, resume=args.resume)
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                           run=run_cfg, checkpoint=configs["checkpoint"])
         trainer.resume()  # if --resume and there is a checkpoint
         if run_index == 0:
-            _log_setup(trainer, ctx)
+            _log_setup(trainer, ctx, start_bytes)
         run(trainer, on_row=on_epoch, should_stop=preemption_flag())
         return trainer.result()
 
@@ -291,24 +292,27 @@ def runs_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _log_setup(trainer: Trainer, ctx: DistContext) -> None:
+def _log_setup(trainer: Trainer, ctx: DistContext, start_bytes: int = 0) -> None:
     """Block balance per adjacency layout, loading time and per-rank memory (max over ranks,
     collective; into ``trainer.info["memory_per_rank_max"]``).
 
     Adjacency bytes count every distinct index/value array once (layers may share a block),
-    whether held in memory or memory-mapped from a prepared dataset.
+    whether held in memory or memory-mapped from a prepared dataset. ``start_bytes``: this
+    rank's resident size before it loaded anything (interpreter, torch, MPI), kept as
+    ``resident_bytes_at_start`` so that a bench can set a peak against the planner's bytes,
+    which leave the process itself out.
     """
     shard, model, source, info = trainer.shard, trainer.model, trainer.source, trainer.info
     other = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     mine = peaks(ctx.device)  # and on a GPU its allocator's peaks
-    adj, feats, res, *high = max_over_ranks(
-        [shard.adjacency_bytes(), other, resident_bytes(), *mine.values()], ctx.device,
-        ctx.transport)
+    adj, feats, res, at_start, *high = max_over_ranks(
+        [shard.adjacency_bytes(), other, resident_bytes(), start_bytes, *mine.values()],
+        ctx.device, ctx.transport)
     after = {f"{k}_after_setup": int(v) for k, v in zip(mine, high)}
     info["memory_per_rank_max"] = {
         "adjacency_bytes": int(adj), "adjacency_storage": source.storage,
         "features_weights_bytes": int(feats), "resident_bytes_after_setup": int(res),
-        **after}
+        "resident_bytes_at_start": int(at_start), **after}
     if not ctx.is_main:
         return
     print(f"graph {source.name}: {source.num_nodes:,} nodes, {source.num_edges:,} edges, "
