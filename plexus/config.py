@@ -23,6 +23,7 @@ from plexus.sparse import SPMM_KERNELS
 MODELS = ("gcn", "sage")
 NORMS = ("none", "batch", "layer")
 OPTIMIZERS = ("adam", "adamw")
+PRECISIONS = ("fp32", "bf16")
 
 
 def aggregation_of(model: str) -> str:
@@ -55,6 +56,9 @@ class ModelConfig:
             :func:`common.perf.gcn.overlap_pays`), True or False.
         aggregation_blocks: row blocks of the blocked aggregation; None: 4 with overlap, else
             1 (the unblocked layer). Blocks without overlap give the overlapped bits.
+        precision: ``fp32``, or ``bf16``: the input features, their all-gather and the
+            activations kept for backward in bf16; sums, weights, gradients and the optimizer
+            in float32 (docs/design/plexus-3d.md section 11). Not with ``learn_features``.
     """
 
     model: str = "gcn"
@@ -69,8 +73,14 @@ class ModelConfig:
     labelled_rows_only: bool | None = None
     overlap: bool | None = None
     aggregation_blocks: int | None = None
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose from {PRECISIONS}")
+        if self.precision == "bf16" and self.learn_features:
+            raise ValueError("precision 'bf16' keeps the input features in bf16 and cannot "
+                             "train them (learn_features): use precision 'fp32' to learn them")
         if self.aggregation_blocks is not None and self.aggregation_blocks < 1:
             raise ValueError(f"need aggregation_blocks >= 1, got {self.aggregation_blocks}")
         if self.num_layers < 1 or self.hidden < 1:
@@ -189,4 +199,4 @@ def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
                        hidden=model.hidden, learn_features=model.learn_features,
                        labelled_fraction=min(1.0, labelled),
                        labelled_rows_only=model.labelled_rows_only, overlap=model.overlap,
-                       norm=model.norm)
+                       norm=model.norm, precision=model.precision)

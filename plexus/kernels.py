@@ -2,6 +2,11 @@
 
 Shapes legend (SpMM): ``rows`` output rows of one CSR block, ``m`` its columns, ``d`` the width
 of X, ``S`` column slices, ``T`` feature tiles of width ``t`` (``d = T * t``), ``K`` row chunks.
+
+X may be float32 or bfloat16; numba has no bfloat16, so a bf16 X arrives as its uint16 bit
+patterns and :func:`_widen` turns each element into the float32 it stands for (exact: a bf16
+is the top half of a float32) as the kernel reads it. The sums are float32 either way, in the
+same order: the product of a bf16 X is bit for bit that of the float32 ``X.float()``.
 """
 
 from __future__ import annotations
@@ -17,12 +22,30 @@ from numba.extending import intrinsic
 # fastmath "contract" only: fused multiply-adds, but no reassociation, so the sum over a row's
 # nonzeros runs in index order whether the row is one block or several (bit-identical results
 # for in-memory and prepared shards)
+@intrinsic
+def _widen(typingctx, v):  # pragma: no cover - compiled
+    """An element of X as float32: a float as it is; a uint16 as the bfloat16 whose bits it
+    holds (``bits << 16`` reinterpreted as float32, exact)."""
+    if isinstance(v, types.Float):
+        return v(v), lambda context, builder, sig, args: args[0]
+    if v != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        wide = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return types.float32(v), codegen
+
+
 @numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
 def csr_spmm(indptr, indices, values, x, out, accumulate):  # pragma: no cover - compiled
     """``out[i] (+)= sum_j values[j] * x[indices[j]]`` for every row ``i``, rows in parallel.
 
     Each output row is written by one thread, in nonzero order, so the result is the same on
-    every run. ``accumulate=False`` overwrites ``out`` (no separate zero-fill pass).
+    every run. ``accumulate=False`` overwrites ``out`` (no separate zero-fill pass). ``x``
+    float32, or bfloat16 bits as uint16 (:func:`_widen`).
     """
     d = x.shape[1]
     for i in numba.prange(indptr.shape[0] - 1):
@@ -34,7 +57,7 @@ def csr_spmm(indptr, indices, values, x, out, accumulate):  # pragma: no cover -
             v = values[j]
             xr = x[indices[j]]
             for k in range(d):
-                acc[k] += v * xr[k]
+                acc[k] += v * _widen(xr[k])
 
 
 @intrinsic
@@ -117,7 +140,7 @@ def _spmm_chunk(lo, hi, r0, r1, indices, values, x, out, q, zero, lookahead):  #
             v = values[j]
             xr = x[indices[j], q]
             for k in range(t):
-                acc[k] += v * xr[k]
+                acc[k] += v * _widen(xr[k])
 
 
 @numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)

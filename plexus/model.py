@@ -14,8 +14,10 @@ its H and Q are [R, D_l/I] and [R, C/O], from the rows of A_l (and S_l) gathered
 Backward: re-gather W over P (5), reduce-scatter dW over P (6), all-reduce dH over O (7),
 dF = A_l^T dH: reduce-scatter over P at layer 0 (only with trainable features), all-reduce
 over P for layers >= 1 (8); plexus.ops has the operators with both passes written out. The
-adjacency never moves. Parallel equals serial: every rank slices the full weights of the
-serial model (plexus.reference) as plexus.shards declares, so every grid trains that model.
+adjacency never moves. ``precision="bf16"`` stores and moves F_0 and keeps H (and the norm's
+inputs) in bf16, all sums float32 (docs/design/plexus-3d.md section 11). Parallel equals
+serial: every rank slices the full weights of the serial model (plexus.reference) as
+plexus.shards declares, so every grid trains that model.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from common.grid import AxisGroup
 from common.perf.gcn import AGGREGATION_BLOCKS, labelled_rows_pay, overlap_pays
 from common.slab import Slab
 from plexus import layout, ops, shards
-from plexus.config import MODELS, NORMS
+from plexus.config import MODELS, NORMS, PRECISIONS
 from plexus.data import partition
 from plexus.data.memory import root_blocks
 from plexus.data.shard import GraphShard
@@ -98,6 +100,13 @@ class PlexusGCN(nn.Module):
         aggregation_blocks: row blocks (None: :data:`common.perf.gcn.AGGREGATION_BLOCKS` with
             overlap, else 1). Blocks > 1 without overlap run the same collectives
             synchronously: the same bits as with overlap.
+        precision: ``fp32``, or ``bf16``: the input feature shard, its all-gather (1), the
+            cached ``H_0``, the ``H_l`` (and ``R_l``) kept for ``dW`` and the norm's saved
+            inputs are bf16 (``H`` is rounded to bf16 before ``H W``, so the product reads what
+            is kept); the SpMMs, ``H W`` and every all-reduce sum in float32, and the weights,
+            gradients and optimizer state are float32 (docs/design/plexus-3d.md section 11).
+            Not with ``learn_features`` (ValueError): their gradient would be reduce-scattered
+            (8) as bf16.
 
     Each logit row is the same sum in the same order either way, so the logits, the loss and
     the accuracies agree bit for bit where the all-reduces over O and I add two operands
@@ -125,11 +134,20 @@ class PlexusGCN(nn.Module):
         labelled_rows_only: bool | None = None,
         overlap: bool | None = None,
         aggregation_blocks: int | None = None,
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
         if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
             raise ValueError(f"need model in {MODELS}, norm in {NORMS} and 0 <= dropout < 1; "
                              f"got {model!r}, {norm!r}, {dropout}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "bf16" and learn_features:
+            raise ValueError("precision 'bf16' keeps the input features in bf16 and cannot "
+                             "train them: use precision 'fp32' with learn_features")
+        self.precision = precision
+        # the dtype F_0 and the kept activations are stored in (None: float32, as computed)
+        self.keep_dtype = torch.bfloat16 if precision == "bf16" else None
         if model == "sage" and shard.root is None:
             raise ValueError("model 'sage' needs a shard built with aggregation 'mean'")
         sizes = {ax: g.size for ax, g in groups.items()}
@@ -162,6 +180,8 @@ class PlexusGCN(nn.Module):
         self.features_shape = self.maps["features", None].block_shape(sizes)
         assert tuple(block.shape) == self.features_shape, "features block and its map differ"
         feat = flat.flat_shard(block, groups["z"].size, groups["z"].rank)
+        if self.keep_dtype is not None:
+            feat = feat.to(self.keep_dtype)
         if learn_features:
             self.features = nn.Parameter(feat)
         else:
@@ -231,7 +251,10 @@ class PlexusGCN(nn.Module):
     def _dropout(self, layer: int, f: torch.Tensor, step: int) -> torch.Tensor:
         if not self.training or self.dropout == 0:
             return f
-        return apply_dropout(f, self._keep_mask(layer, step, f.device), self.dropout)
+        keep = self._keep_mask(layer, step, f.device)
+        if f.dtype != torch.float32:  # bf16 F_0 (no gradient): scaled in float32, rounded once
+            return f.mul(1.0 / (1.0 - self.dropout)).masked_fill_(~keep, 0.0)
+        return apply_dropout(f, keep, self.dropout)
 
     def _rows_only(self, layer: int, all_rows: bool) -> bool:
         return self.labelled_rows is not None and not all_rows and layer == self.num_layers - 1
@@ -246,10 +269,18 @@ class PlexusGCN(nn.Module):
             adj, root = self._labelled_blocks(layer)
         h = self._spmm_o(adj, layer, f, stats)
         r = self._spmm_o(root, layer, f, stats) if self.kind == "sage" else None
+        if self.keep_dtype is not None:  # bf16: H W reads the H that is kept (and cached)
+            h = ops.Rounded.apply(h, self.keep_dtype)
+            r = None if r is None else ops.Rounded.apply(r, self.keep_dtype)
         if layer == 0 and self.cache_first_aggregation:
-            self._h0 = (h.detach(), None if r is None else r.detach())
+            self._h0 = (self._kept(h), None if r is None else self._kept(r))
             self._h0_rows_only = rows_only
         return h, r
+
+    def _kept(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` detached, in :attr:`keep_dtype` (bf16) or as it is."""
+        t = t.detach()
+        return t if self.keep_dtype is None else t.to(self.keep_dtype)
 
     def _labelled_blocks(self, layer: int):
         """({layer % 6: the labelled rows of A_l}, the same of S_l or None), on the device and
@@ -295,7 +326,7 @@ class PlexusGCN(nn.Module):
         ``gathered``: the handle of that all-gather, issued by :meth:`_prefetch`."""
         p_group = self.groups[layout.roles(layer)[2]]
         return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
-                                        stats, gathered)
+                                        stats, gathered, self.keep_dtype)
 
     def _sum_inner(self, layer: int, q: torch.Tensor, stats: CommStats | None):
         """Q summed over I (collective 4, in place: q is fresh), then ``+ b_l`` in place (the
@@ -307,7 +338,12 @@ class PlexusGCN(nn.Module):
         return q
 
     def _norm(self, layer: int, q: torch.Tensor, stats: CommStats | None) -> torch.Tensor:
-        return self.norms[layer](q, stats) if len(self.norms) else q
+        if not len(self.norms):
+            return q
+        if self.keep_dtype is None:
+            return self.norms[layer](q, stats)
+        with ops.StoredIn(self.keep_dtype):  # the norm's saved inputs in bf16
+            return self.norms[layer](q, stats)
 
     def _skip(self, layer: int, x: torch.Tensor, stats: CommStats | None):
         """F_l in the layout of layer l's output [N/P, D_l+1/O], replicated over I (the

@@ -2,11 +2,19 @@
 
 Each is a ``torch.autograd.Function`` with both passes written out, so the collectives and the
 memory kept for backward are explicit: plexus.model composes them into the layer.
+
+bf16 (``PlexusGCN(precision="bf16")``, docs/design/plexus-3d.md section 11): the SpMMs take a
+bf16 X and sum in float32 (plexus.sparse); :class:`Rounded` rounds H to bf16 values in place,
+:class:`GatheredMatmul` keeps it in bf16 for ``dW``, and :class:`StoredIn` keeps the tensors
+autograd saves (the norm's) in bf16. Gradients stay float32 tensors throughout: a bf16 tensor
+in the autograd graph would have its gradient cast to bf16 (torch casts every gradient to its
+input's dtype) before the all-reduces that sum it.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -14,8 +22,9 @@ import torch
 from common import collectives as coll
 from common import flat
 from common.grid import AxisGroup
+from plexus.sparse import sum_dtype
 
-__all__ = ["BlockedAggregation", "GatheredMatmul", "ReLU", "SpMM"]
+__all__ = ["BlockedAggregation", "GatheredMatmul", "ReLU", "Rounded", "SpMM", "StoredIn"]
 
 
 class SpMM(torch.autograd.Function):
@@ -58,7 +67,7 @@ class BlockedAggregation(torch.autograd.Function):
                 overlap: bool):
         bounds, parts = a.row_blocks(num_blocks)
         f = f.detach()
-        out = torch.empty(a.shape[0], f.shape[1], dtype=f.dtype, device=f.device)
+        out = torch.empty(a.shape[0], f.shape[1], dtype=sum_dtype(f.dtype), device=f.device)
         handles = []
         for (lo, hi), part in zip(itertools.pairwise(bounds), parts):
             part.matmul(f, out=out[lo:hi])
@@ -116,19 +125,24 @@ class GatheredMatmul(torch.autograd.Function):
     The gathered ``W`` is not kept for backward: it is gathered again (collective 5), and
     ``dW`` is reduce-scattered back to flat shards (collective 6).
 
+    ``keep``: the dtype ``H`` is kept in for ``dW`` (None: as it comes). With bf16, ``H`` may
+    also come in bf16 (the cached ``H_0``, no gradient): it is widened for the product, which is
+    float32 either way, and kept as it is.
+
     Shapes: h [N/P, D_l/I], w_shard [ceil(D_l/I * D_l+1/O / P)], shape (D_l/I, D_l+1/O)
     -> [N/P, D_l+1/O]
     """
 
     @staticmethod
-    def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats, gathered=None):
+    def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats, gathered=None,
+                keep: torch.dtype | None = None):
         """``gathered``: the handle of this W's all-gather issued earlier (async, so that it
         travels during the aggregation), or None to gather now."""
         ctx.group, ctx.shape, ctx.stats = group, shape, stats
-        ctx.save_for_backward(h, w_shard)
+        ctx.save_for_backward(h if keep is None else h.to(keep), w_shard)
         w = (flat.gather(w_shard, group, shape, stats=stats) if gathered is None
              else gathered.wait())
-        return h @ w
+        return (h if h.dtype == w.dtype else h.to(w.dtype)) @ w
 
     @staticmethod
     def backward(ctx: Any, dq):
@@ -137,4 +151,63 @@ class GatheredMatmul(torch.autograd.Function):
         dh = None
         if ctx.needs_input_grad[0]:
             dh = dq @ flat.gather(w_shard, group, shape, stats=stats).t()
-        return dh, flat.reduce_scatter(h.t() @ dq, group, stats=stats), None, None, None, None
+        h = h if h.dtype == dq.dtype else h.to(dq.dtype)  # bf16 H: widened for dW only
+        return (dh, flat.reduce_scatter(h.t() @ dq, group, stats=stats), None, None, None, None,
+                None)
+
+
+class Rounded(torch.autograd.Function):
+    """``x`` rounded to the values of ``dtype`` (bf16), in place and still float32; backward:
+    the identity (the straight-through gradient of mixed precision).
+
+    Rounding H before ``H W`` makes the product read exactly the bf16 H that
+    :class:`GatheredMatmul` keeps for ``dW`` and that a cached ``H_0`` holds, so a pass gives
+    the same bits whether its H is fresh or cached (and a resumed run those of an unbroken one).
+    ``x`` must be fresh (saved by no other operator). Shapes: x [n, d] -> [n, d]
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x, dtype: torch.dtype):
+        ctx.mark_dirty(x)
+        return x.copy_(x.to(dtype))
+
+    @staticmethod
+    def backward(ctx: Any, dy):
+        return dy, None
+
+
+class StoredIn(torch.autograd.graph.saved_tensors_hooks):
+    """Within this context, the float32 activations autograd saves for backward are kept in
+    ``dtype`` (bf16) and widened back when backward reads them; parameters, vectors and
+    tensors that need no gradient are kept as they are.
+
+    An activation saved twice (``d * d``) is packed once. Used around the norm, whose torch
+    operators save their inputs: a batch norm keeps ``Q - mean`` and the masked ``d``
+    [N/P, D/O]; a layer norm ``d`` and ``d / std``.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+        def pack(t: torch.Tensor) -> Any:
+            if (t.dtype != torch.float32 or t.dim() != 2 or min(t.shape) < 2
+                    or not t.requires_grad or isinstance(t, torch.nn.Parameter)):
+                return t
+            hit = packed.get(id(t))
+            if hit is None or hit[0]() is not t:
+                hit = packed[id(t)] = (weakref.ref(t), t.detach().to(dtype))
+            return _Packed(hit[1])
+
+        def unpack(p: Any) -> torch.Tensor:
+            return p.t.float() if isinstance(p, _Packed) else p
+
+        super().__init__(pack, unpack)
+
+
+class _Packed:
+    """A saved activation kept in a narrower dtype by :class:`StoredIn`."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t

@@ -18,6 +18,13 @@ layer that computes only some output rows (the last layer on the labelled rows,
 plexus.data.shard.GraphShard.restrict_last_layer); the subset's rows multiply bit for bit as
 the full matrix's.
 
+X may be bfloat16 (``plexus.train --precision bf16``): the product is float32, summed in the
+same order as for ``X.float()`` and bit-identical to it. The numba kernels read the bf16 rows
+directly and widen each element as they add it (plexus.kernels ``_widen``): no float32 copy of
+X, and half the bytes per gathered row (the slices, sized by X's element size, take twice the
+rows). torch's kernel (GPU, ``--spmm torch``) takes float32 operands: it converts the X rows of
+one column band at a time.
+
 Shapes:
     CSRBlock:  indptr [rows+1] int32/int64, indices [nnz] int32/int64, values [nnz] float32
     matmul:    [n, m] @ [m, d] -> [n, d]
@@ -39,6 +46,18 @@ from plexus import spmm
 from plexus.spmm import ColumnSlicing
 
 SPMM_KERNELS = ("auto", "numba", "numba-rows", "torch")
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an SpMM's output (its sums) for an X of ``dtype``: float32 for the 16-bit
+    floats, else ``dtype`` itself."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _kernel_array(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the numpy array the numba kernels read: bfloat16 as its uint16 bits
+    (plexus.kernels widens them), anything else as it is. No copy."""
+    return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
 
 
 @dataclass
@@ -352,7 +371,7 @@ class BlockSparse:
         block row accumulate into the same output rows, in column order.
 
         Args:
-            x: [m, d].
+            x: [m, d], float32 or bfloat16 (the product is float32: :func:`sum_dtype`).
             slice_cols: columns per slice of the blocked kernel (default: sized to the cache,
                 :func:`plexus.spmm.slice_cols`; a block whose X rows fit gets one slice).
             feature_tile: cut X's d columns into tiles of this width, each tile running all
@@ -383,9 +402,11 @@ class BlockSparse:
         if d and (tile < 1 or d % tile):
             raise ValueError(f"feature_tile={feature_tile} must divide the width d={d}")
         if out is None:
-            out = torch.empty(self.shape[0], d, dtype=x.dtype, device=x.device)
-        elif tuple(out.shape) != (self.shape[0], d) or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {(self.shape[0], d)} tensor")
+            out = torch.empty(self.shape[0], d, dtype=sum_dtype(x.dtype), device=x.device)
+        elif (tuple(out.shape) != (self.shape[0], d) or not out.is_contiguous()
+              or out.dtype != sum_dtype(x.dtype)):
+            raise ValueError(f"out must be a contiguous {(self.shape[0], d)} tensor of "
+                             f"{sum_dtype(x.dtype)}")
         kernels = (_load_numba() if x.device.type == "cpu" and self.kernel != "torch"
                    else None)
         if kernels is None and self.kernel == "numba-rows" and x.device.type == "cpu":
@@ -393,7 +414,7 @@ class BlockSparse:
         if kernels is not None:
             _set_numba_threads()
             tile = max(tile, 1)
-            xn, outn = x.numpy(), out.numpy()
+            xn, outn = _kernel_array(x), out.numpy()
             row_bytes = tile * x.element_size()
             cache = spmm.cache_bytes(cache_bytes) if slice_cols is None else 0
         ro, co = self.row_offsets, self.col_offsets
@@ -419,7 +440,7 @@ class BlockSparse:
                 else:
                     t = self._torch.get((r, c))
                     t = b.to_torch(x.device) if t is None else t
-                    prod = torch.mm(t.to(x.dtype), x[cols])
+                    prod = torch.mm(t.to(out.dtype), x[cols].to(out.dtype))
                     out[rows].copy_(prod) if first else out[rows].add_(prod)
                 first = False
             if first:  # an empty block row
@@ -432,14 +453,16 @@ class BlockSparse:
         """``out += self[:, lo:hi] @ x`` (:meth:`matmul` with ``cols``)."""
         x = x.detach().contiguous()
         d = x.shape[1]
-        if x.shape[0] != self.shape[1] or tuple(out.shape) != (self.shape[0], d):
+        if (x.shape[0] != self.shape[1] or tuple(out.shape) != (self.shape[0], d)
+                or out.dtype != sum_dtype(x.dtype)):
             raise ValueError(f"columns {lo}..{hi} of a {self.shape} matrix with a "
-                             f"{tuple(x.shape)} x into a {tuple(out.shape)} out")
+                             f"{tuple(x.shape)} {x.dtype} x into a {tuple(out.shape)} "
+                             f"{out.dtype} out")
         # numba-rows too runs the sliced kernel here (bit-identical to the row kernel)
         kernels = _load_numba() if x.device.type == "cpu" and self.kernel != "torch" else None
         if kernels is not None:
             _set_numba_threads()
-            xn, outn = x.numpy(), out.numpy()
+            xn, outn = _kernel_array(x), out.numpy()
             row_bytes = d * x.element_size()
             cache = spmm.cache_bytes(cache_bytes) if slice_cols is None else 0
         ro, co = self.row_offsets, self.col_offsets
@@ -465,7 +488,7 @@ class BlockSparse:
                     t = self._torch.get((r, c))
                     t = b.to_torch(x.device) if t is None else t
                     sub = self._torch_cols[key] = _torch_cols(t, a - co[c], z - co[c])
-                out[rows].add_(torch.mm(sub.to(x.dtype), x[a:z]))
+                out[rows].add_(torch.mm(sub.to(out.dtype), x[a:z].to(out.dtype)))
         return out
 
 

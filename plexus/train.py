@@ -45,6 +45,7 @@ from plexus.config import (
     MODELS,
     NORMS,
     OPTIMIZERS,
+    PRECISIONS,
     ModelConfig,
     OptimConfig,
     RunConfig,
@@ -119,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "as OGB's examples do)")
     p.add_argument("--learn-features", action="store_true",
                    help="make the input features trainable parameters")
+    p.add_argument("--precision", choices=PRECISIONS, default=m.precision,
+                   help="bf16: input features, their all-gather and the activations kept for "
+                   "backward stored in bf16; SpMM and GEMM sums, all-reduces, weights, "
+                   "gradients and Adam state in float32 (not with --learn-features)")
     p.add_argument("--epochs", type=int, default=r.epochs)
     p.add_argument("--eval-every", type=int, default=r.eval_every, metavar="N",
                    help="evaluate (an eval-mode forward, accuracies on every split) after "
@@ -244,7 +249,8 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
                              residual=args.residual,
                              labelled_rows_only=_AUTO_ON_OFF[args.labelled_rows],
                              overlap=_AUTO_ON_OFF[args.overlap],
-                             aggregation_blocks=args.aggregation_blocks),
+                             aggregation_blocks=args.aggregation_blocks,
+                             precision=args.precision),
         "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
                              weight_decay=args.weight_decay),
         "run": RunConfig(epochs=args.epochs, eval_every=args.eval_every, seed=args.seed,
@@ -382,7 +388,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("model", f"{m['model']}, {m['num_layers']} layers, hidden {m['hidden']}, dropout "
                   f"{m['dropout']}, norm {m['norm']}, bias {m['bias']}, residual "
                   f"{m['residual']}, permutation "
-                  f"{c['permutation']}, learn features {m['learn_features']}"),
+                  f"{c['permutation']}, learn features {m['learn_features']}, precision "
+                  f"{m.get('precision', 'fp32')}"),
         ("epochs", f"{c['run']['epochs']} (setup {s['setup_s']:.2f} s)"),
         ("peak memory", describe_peaks(s["memory_per_rank_max"])),
         ("epoch time", f"{1000 * s['epoch_s_mean']:.1f} ms, communication "

@@ -42,7 +42,13 @@ Compute per rank:
 Memory per rank: ``min(6, L)`` adjacency shards with their transposes (CSR), the feature shard,
 weights + gradients + AdamW state, activations kept for backward (``H_l`` for ``dW``,
 ``F_l+1 = relu(Q_l)`` for the ReLU, the logits for the loss, the cached ``H_0``), and the
-largest transient (a gathered ``F_0``/``W`` or a collective copy). Pure Python.
+largest transient (a gathered ``F_0``/``W`` or a collective copy) (:func:`gcn_memory_parts`).
+
+``precision="bf16"`` (plexus.train --precision bf16, docs/design/plexus-3d.md section 11): the
+feature shard, its all-gather (1), the layer-0 SpMM's gathered rows, the kept ``H_l``, the
+norm's kept input and the cached ``H_0`` take 2 bytes an element; every all-reduce, the
+weights, their gathers, gradients and AdamW state, the logits and the other layers' SpMM
+operands stay float32. Pure Python.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ AXES: tuple[str, ...] = ("x", "y", "z")
 LABELLED_ROWS_MAX_SHARE = 0.5  # labelled_rows_pay: above it the gathered rows cost more
 ROLES: tuple[tuple[str, str, str], ...] = (("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"))
 F32 = 4
+PRECISIONS = ("fp32", "bf16")
 
 
 def roles(layer: int) -> tuple[str, str, str]:
@@ -141,6 +148,9 @@ class GCNWorkload:
             all-reduces of the column statistics ``[D/O]`` over P (batch; layer: of the row
             statistics ``[N/P]`` over O) in each pass, about ten elementwise passes over Q, and
             Q kept for backward.
+        precision: ``fp32`` or ``bf16`` (the model's option of that name: the input features,
+            their all-gather and the activations kept for backward in 2 bytes; see the module
+            docstring). bf16 cannot learn the features.
     """
 
     name: str = "graph"
@@ -160,6 +170,7 @@ class GCNWorkload:
     labelled_rows_only: bool | None = None
     overlap: bool | None = None
     norm: str = "none"
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
@@ -176,6 +187,18 @@ class GCNWorkload:
         if not 0 <= self.labelled_fraction <= 1:
             raise ValueError(f"labelled_fraction is a share of the nodes, in [0, 1]; got "
                              f"{self.labelled_fraction}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"GCNWorkload.precision must be one of {PRECISIONS}, got "
+                             f"{self.precision!r}")
+        if self.precision == "bf16" and self.learn_features:
+            raise ValueError("GCNWorkload: precision 'bf16' cannot learn the features "
+                             "(plexus keeps them in bf16)")
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of an element of the features and of the activations kept for backward: 2
+        in bf16, 4 in float32."""
+        return 2 if self.precision == "bf16" else F32
 
     @property
     def widths(self) -> list[int]:
@@ -251,8 +274,8 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
     out: list[Collective] = []
     k = work.terms
 
-    def flat(numel: int, g: int) -> int:
-        return round_up(numel, g) * F32
+    def flat(numel: int, g: int, width: int = F32) -> int:
+        return round_up(numel, g) * width
 
     last_rows = work.output_rows(shape)
     for layer in range(work.num_layers):
@@ -265,7 +288,7 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         q_bytes = rows * (w[layer + 1] // O) * F32
         forward, backward = work._runs(layer, first_epoch)
         if layer == 0 and forward:
-            out.append(Collective(p, "all_gather", flat(f_block, P)))  # (1)
+            out.append(Collective(p, "all_gather", flat(f_block, P, work.stored_bytes)))  # (1)
         if forward:
             out.append(Collective(o, "all_reduce", h_bytes, count=k))  # (2)
         out.append(Collective(p, "all_gather", w_flat, count=k))  # (3)
@@ -290,9 +313,11 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
     return out
 
 
-def spmm_bytes(rows: int, nnz: float, width: int, *, index_bytes: int, cache_line: int) -> float:
-    """Bytes a CSR SpMM ``[rows, *] @ [*, width]`` moves without reuse of the gathered rows."""
-    row = ceil_div(width * F32, cache_line) * cache_line
+def spmm_bytes(rows: int, nnz: float, width: int, *, index_bytes: int, cache_line: int,
+               x_bytes: int = F32) -> float:
+    """Bytes a CSR SpMM ``[rows, *] @ [*, width]`` moves without reuse of the gathered rows
+    (of ``x_bytes`` an element: 2 for a bf16 X; the output is float32)."""
+    row = ceil_div(width * x_bytes, cache_line) * cache_line
     return nnz * (index_bytes + F32) + (rows + 1) * index_bytes + nnz * row + rows * width * F32
 
 
@@ -321,10 +346,14 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         root = kept * work.num_nodes / (P * O)  # GraphSAGE's S block
         k = work.terms
         forward, backward = work._runs(layer, first_epoch)
+        x_bytes = work.stored_bytes if layer == 0 else F32  # F_0 is bf16, later F_l float32
         for blk in [nnz, root][:k]:
             if forward:
-                spmm += spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line)
+                spmm += spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line,
+                                   x_bytes=x_bytes)
                 moved += 2 * rows * a * F32 * (O > 1)  # copy of H (R) for its all-reduce
+                if work.stored_bytes < F32:  # round H in place, keep a bf16 copy for dW
+                    moved += rows * a * (3 * F32 + 3 * work.stored_bytes)
             if backward:
                 spmm += spmm_bytes(n // O, blk, a, index_bytes=idx, cache_line=line)
                 moved += 2 * rows * a * F32 * (O > 1) + 2 * (n // O) * a * F32 * (P > 1)
@@ -400,10 +429,22 @@ def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
     """Bytes per rank: adjacency (+ transposes, + the last layer's labelled rows), features,
     weights with AdamW state, activations kept for backward, and the largest transient
-    buffer."""
+    buffer (the sum of :func:`gcn_memory_parts`)."""
+    return sum(gcn_memory_parts(work, shape).values())
+
+
+def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, float]:
+    """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
+    last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
+    and AdamW moments when trained), ``weights`` (``W``, ``dW`` and the AdamW moments),
+    ``kept_h`` (every ``H_l``, and GraphSAGE's ``R_l``, kept for ``dW``), ``kept_other`` (the
+    logits, ReLU and dropout masks, the norm's input), ``cached_h0`` and ``transient`` (the
+    largest: a gathered ``F_0`` or ``W``, or a collective's copy)."""
     n, w = work.padded(shape)
-    idx, k = work.index_width(), work.terms
+    idx, k, kept = work.index_width(), work.terms, work.stored_bytes
     last, last_rows = work.num_layers - 1, work.output_rows(shape)
+    parts = dict.fromkeys(("adjacency", "features", "weights", "kept_h", "kept_other",
+                           "cached_h0", "transient"), 0.0)
     total = 0.0
     for layer in range(min(6, work.num_layers)):
         o, _, p = roles(layer)
@@ -415,26 +456,29 @@ def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
         if layer == last % 6 and last_rows < rows_a:  # the labelled rows and their transpose
             total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
                 last_rows + rows_t + 2) * idx
+    parts["adjacency"] = total
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
-    total += round_up(f0, shape["z"]) // shape["z"] * F32 * (4 if work.learn_features else 1)
-    transient = f0 * F32  # gathered F_0
+    parts["features"] = round_up(f0, shape["z"]) // shape["z"] * (
+        4 * F32 if work.learn_features else kept)
+    transient = f0 * kept  # gathered F_0
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
         a, b, rows = w[layer] // shape[i], w[layer + 1] // shape[o], n // shape[p]
         rows = last_rows if layer == last else rows
-        total += k * 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, 2 Adam moments
-        total += k * rows * a * F32  # H_l (and R_l) kept for dW
+        parts["weights"] += k * 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, Adam
+        parts["kept_h"] += k * rows * a * kept  # H_l (and R_l) kept for dW
         # logits kept; hidden layers keep relu's bool mask (and the norm's input)
-        total += rows * b * (F32 if layer == last else 1)
+        parts["kept_other"] += rows * b * (F32 if layer == last else 1)
         if work.norm != "none" and layer != last:
-            total += rows * b * F32
+            parts["kept_other"] += rows * b * kept
         if work.dropout > 0:  # the dropout's bool keep-mask of F_l [N/O, D_l/I]
-            total += (n // shape[o]) * a
+            parts["kept_other"] += (n // shape[o]) * a
         transient = max(transient, a * b * F32 * 2, 2 * rows * max(a, b) * F32)
     if not work.learn_features and work.cache_first_aggregation:
         rows = last_rows if last == 0 else n // shape["z"]
-        total += k * rows * (w[0] // shape["y"]) * F32  # cached H_0 (R_0)
-    return total + transient
+        parts["cached_h0"] = k * rows * (w[0] // shape["y"]) * kept  # cached H_0 (R_0)
+    parts["transient"] = transient
+    return parts
 
 
 def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],

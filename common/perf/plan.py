@@ -2,7 +2,7 @@
 
     python -m common.perf.plan gcn --dataset ogbn-products --ranks 64 --machine perlmutter-a100
     python -m common.perf.plan gcn --nodes 16384 --nnz 442478 --features 128 --classes 32 \\
-        --ranks 8
+        --ranks 8 --precision bf16
     python -m common.perf.plan gpt --vocab 32000 --layers 32 --heads 32 --d-model 4096 \\
         --d-ff 11008 --batch 1024 --seq-len 2048 --ranks 64 --machine perlmutter-a100 --bf16
     python -m common.perf.plan gcn --dataset ogbn-papers100M --learn-features --ranks 2048 \\
@@ -42,7 +42,7 @@ def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
     opts = {"model": args.model, "num_layers": args.layers, "hidden": args.hidden,
             "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache,
             "overlap": {"auto": None, "on": True, "off": False}[args.overlap],
-            "norm": args.norm}
+            "norm": args.norm, "precision": args.precision}
     if args.dataset:
         return DATASETS[args.dataset](**opts)
     missing = [f"--{k}" for k in ("nodes", "nnz", "features", "classes")
@@ -129,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the aggregation's collectives overlapped with the SpMM (plexus.train "
                    "--overlap): auto where some axis has more than one rank; the best grid's "
                    "exposed communication is printed with and without it")
+    g.add_argument("--precision", choices=perf_gcn.PRECISIONS, default="fp32",
+                   help="bf16: the input features, their all-gather and the activations kept "
+                   "for backward in 2 bytes; sums, weights and AdamW state float32 "
+                   "(plexus.train --precision)")
     g.add_argument("--no-cache", action="store_true",
                    help="recompute H_0 every epoch (as the paper's code does)")
     t = sub.add_parser("gpt", parents=[shared], help="GPT step (data, depth, row, col grids); "
