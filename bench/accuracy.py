@@ -3,6 +3,7 @@
     python bench/accuracy.py                      # 2 graphs x {gcn, sage} x 5 seeds, 200 epochs
     python bench/accuracy.py --models gcn --seeds 10 --first-layer-decay
     python bench/accuracy.py --quick              # 1,000 nodes, 2 seeds, 30 epochs (the test)
+    python bench/accuracy.py --precision bf16     # plexus in bf16 too, against its float32
 
 Graphs, generated here (nothing to download), 10,000 nodes each:
 
@@ -36,6 +37,11 @@ apart, of the evaluation, and PASS when the mean difference is within ``--tolera
 (default 1.0). Exit 1 if any row fails. Both sides run with the same number of torch threads
 (``--threads``, default ``$OMP_NUM_THREADS``, else all cores; plexus's numba kernel follows
 torch's count), one after the other, alternating which goes first from seed to seed.
+
+``--precision bf16`` adds a third side, plexus with ``precision="bf16"`` (the same seeds, run
+beside the other two), and a second table: plexus bf16 against plexus float32, the difference
+of the mean test accuracy at the best validation epoch in points, the train and eval times of
+both, and PASS when that difference is within ``--bf16-tolerance`` points (default 0.5).
 
 Short runs (``--quick``) do not meet the target: the sides start from different random weights
 (and SAGEConv from PyG's default Linear init, uniform +-1/sqrt(fan_in) with a random bias,
@@ -264,21 +270,24 @@ def run_pyg(ds: Dataset, kind: str, args: argparse.Namespace, seed: int) -> Run:
     return summarize(history)
 
 
-def plexus_config(ds: Dataset, kind: str, args: argparse.Namespace, seed: int) -> dict:
+def plexus_config(ds: Dataset, kind: str, args: argparse.Namespace, seed: int,
+                  precision: str = "fp32") -> dict:
     """The keyword arguments of ``plexus.fit`` for this graph, model and seed."""
     return dict(model=kind, num_layers=2, hidden=args.hidden, dropout=DROPOUT, norm="none",
                 optimizer="adam", lr=LR,
                 weight_decay=[WEIGHT_DECAY, 0.0] if args.first_layer_decay else WEIGHT_DECAY,
-                normalize_features=ds.normalize_features, epochs=args.epochs, seed=seed)
+                normalize_features=ds.normalize_features, epochs=args.epochs, seed=seed,
+                precision=precision)
 
 
-def run_plexus(ds: Dataset, kind: str, args: argparse.Namespace, seed: int) -> Run:
+def run_plexus(ds: Dataset, kind: str, args: argparse.Namespace, seed: int,
+               precision: str = "fp32") -> Run:
     """Train plexus on one rank (grid 1x1x1); its history evaluates after every update and
     ``info["best"]`` is its OGB-style model selection."""
     import plexus
 
     result = plexus.fit(ds.graph, grid="1x1x1", symmetrize=ds.symmetrize,
-                        **plexus_config(ds, kind, args, seed))
+                        **plexus_config(ds, kind, args, seed, precision))
     run = summarize(result.history)
     best = result.info["best"]
     if (best["epoch"], best["test_acc"]) != (run.best_epoch, run.best_test):
@@ -287,7 +296,13 @@ def run_plexus(ds: Dataset, kind: str, args: argparse.Namespace, seed: int) -> R
     return run
 
 
+def run_plexus_bf16(ds: Dataset, kind: str, args: argparse.Namespace, seed: int) -> Run:
+    """:func:`run_plexus` with ``precision="bf16"``."""
+    return run_plexus(ds, kind, args, seed, precision="bf16")
+
+
 SIDES = {"plexus": run_plexus, "pyg": run_pyg}
+BF16_SIDE = "plexus bf16"
 
 
 # ---------------------------------------------------------------- table
@@ -310,9 +325,19 @@ def row_of(dataset: str, kind: str, runs: dict[str, list[Run]], tolerance: float
         }
     out["diff"] = out["plexus"]["best_test"][0] - out["pyg"]["best_test"][0]
     out["diff_last"] = out["plexus"]["last_test"][0] - out["pyg"]["last_test"][0]
-    finite = all(math.isfinite(v) for side in runs for v in out[side]["best_test"])
+    finite = all(math.isfinite(v) for side in ("plexus", "pyg") for v in out[side]["best_test"])
     out["pass"] = finite and abs(out["diff"]) <= tolerance
     return out
+
+
+def bf16_row(r: dict, tolerance: float) -> dict:
+    """plexus bf16 against plexus float32 in a :func:`row_of` row: the difference of the mean
+    best test accuracy in points, and whether it is within ``tolerance``."""
+    low, full = r[BF16_SIDE], r["plexus"]
+    diff = low["best_test"][0] - full["best_test"][0]
+    finite = all(math.isfinite(v) for v in (*low["best_test"], *full["best_test"]))
+    return {"diff": diff, "diff_last": low["last_test"][0] - full["last_test"][0],
+            "pass": finite and abs(diff) <= tolerance}
 
 
 HEADER = (f"{'dataset':<11}{'model':<6}{'plexus best':>14}{'plexus last':>14}{'PyG best':>14}"
@@ -330,6 +355,22 @@ def fmt_row(r: dict) -> str:
     return (f"{r['dataset']:<11}{r['model']:<6}{acc(p['best_test']):>14}"
             f"{acc(p['last_test']):>14}{acc(q['best_test']):>14}{acc(q['last_test']):>14}"
             f"{r['diff']:>+7.2f}{train:>21}{evals:>20}  {'PASS' if r['pass'] else 'FAIL'}")
+
+
+BF16_HEADER = (f"{'dataset':<11}{'model':<6}{'fp32 best':>14}{'bf16 best':>14}{'bf16 last':>14}"
+               f"{'diff':>7}{'train ms fp32/bf16':>21}{'eval ms fp32/bf16':>20}  result")
+
+
+def fmt_bf16_row(r: dict) -> str:
+    def acc(v: tuple[float, float]) -> str:
+        return f"{v[0]:6.2f}+-{v[1]:4.2f}"
+
+    p, b, c = r["plexus"], r[BF16_SIDE], r["bf16"]
+    train = f"{p['train_ms']:.2f} / {b['train_ms']:.2f}"
+    evals = f"{p['eval_ms']:.2f} / {b['eval_ms']:.2f}"
+    return (f"{r['dataset']:<11}{r['model']:<6}{acc(p['best_test']):>14}"
+            f"{acc(b['best_test']):>14}{acc(b['last_test']):>14}{c['diff']:>+7.2f}{train:>21}"
+            f"{evals:>20}  {'PASS' if c['pass'] else 'FAIL'}")
 
 
 # ---------------------------------------------------------------- main
@@ -351,6 +392,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="weight decay on the first layer only, as PyG's examples/gcn.py")
     p.add_argument("--tolerance", type=float, default=1.0,
                    help="PASS if |mean difference| <= this many points")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: also train plexus with --precision bf16 and compare it with "
+                   "plexus float32")
+    p.add_argument("--bf16-tolerance", type=float, default=0.5,
+                   help="with --precision bf16: PASS if |bf16 - fp32| <= this many points")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of both sides; default $OMP_NUM_THREADS, else all cores")
     p.add_argument("--json", metavar="PATH", help="also write the rows (per seed too) as JSON")
@@ -388,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{' (first layer only)' if args.first_layer_decay else ''}, "
           f"{torch.get_num_threads()} torch threads", flush=True)
     rows = []
+    sides = {**SIDES, BF16_SIDE: run_plexus_bf16} if args.precision == "bf16" else SIDES
     with tempfile.TemporaryDirectory(prefix="accuracy_bench_") as tmp:
         datasets = make_datasets(args.datasets, sizes, Path(tmp), args.normalize_features)
     for name, ds in datasets.items():
@@ -396,16 +443,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{'directed (both sides symmetrise it), ' if ds.symmetrize else ''}"
               f"normalize_features={ds.normalize_features}", flush=True)
         for kind in args.models:
-            runs: dict[str, list[Run]] = {side: [] for side in SIDES}
+            runs: dict[str, list[Run]] = {side: [] for side in sides}
             for seed in range(args.seeds):
-                order = list(SIDES) if seed % 2 == 0 else list(SIDES)[::-1]  # share any drift
+                order = list(sides) if seed % 2 == 0 else list(sides)[::-1]  # share any drift
                 for side in order:
-                    runs[side].append(SIDES[side](ds, kind, args, seed))
+                    runs[side].append(sides[side](ds, kind, args, seed))
                 print(f"  {kind} seed {seed}: " + "  ".join(
                     f"{side} {100 * runs[side][-1].best_test:.2f} (epoch "
                     f"{runs[side][-1].best_epoch}), last {100 * runs[side][-1].last_test:.2f}"
-                    for side in SIDES), flush=True)
+                    for side in sides), flush=True)
             rows.append(row_of(name, kind, runs, args.tolerance))
+            if BF16_SIDE in sides:
+                rows[-1]["bf16"] = bf16_row(rows[-1], args.bf16_tolerance)
     print(f"\ntest accuracy (%) at the best validation epoch ('best') and at the last epoch, "
           f"mean+-std over {args.seeds} seeds; diff = plexus - PyG (best), PASS if |diff| <= "
           f"{args.tolerance}; ms: median per epoch after the first (train: forward, backward, "
@@ -413,6 +462,13 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for r in rows:
         print(fmt_row(r))
+    if args.precision == "bf16":
+        print(f"\nplexus --precision bf16 against plexus float32: test accuracy (%) at the best "
+              f"validation epoch, mean+-std over the same {args.seeds} seeds; diff = bf16 - "
+              f"fp32 (best), PASS if |diff| <= {args.bf16_tolerance}")
+        print(BF16_HEADER)
+        for r in rows:
+            print(fmt_bf16_row(r))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": argv, "args": vars(args),
                                                "rows": rows}, indent=1))
@@ -420,8 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed:
         print(f"FAIL: {r['dataset']} {r['model']}: plexus - PyG = {r['diff']:+.2f} points, "
               f"tolerance {args.tolerance}", file=sys.stderr)
+    failed_bf16 = [r for r in rows if "bf16" in r and not r["bf16"]["pass"]]
+    for r in failed_bf16:
+        print(f"FAIL: {r['dataset']} {r['model']}: plexus bf16 - fp32 = {r['bf16']['diff']:+.2f} "
+              f"points, tolerance {args.bf16_tolerance}", file=sys.stderr)
     ctx.close()
-    return 1 if failed else 0
+    return 1 if failed or failed_bf16 else 0
 
 
 if __name__ == "__main__":

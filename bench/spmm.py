@@ -12,7 +12,13 @@ Kernels (same thread count for all: numba's threads are set to torch's, and prin
   ``numba``, :mod:`plexus.spmm`): column slices sized to the cache, prefetching;
 - ``torch CSR``: ``torch.sparse_csr_tensor(...) @ X`` on the same arrays;
 - ``blocked S=k`` (``--sweep-slices``) and ``blocked t=w`` (``--feature-tiles``): the blocked
-  kernel with ``k`` slices of equal width, or with X's columns in tiles of width ``w``.
+  kernel with ``k`` slices of equal width, or with X's columns in tiles of width ``w``;
+- ``rows bf16`` and ``blocked bf16`` (a table of their own below the float32 one): the same two
+  numba kernels on ``X.to(bfloat16)`` (``plexus.train --precision bf16``'s layer-0 SpMM): the
+  kernel reads the bf16 rows and sums in float32; its output must be bit-identical to the row
+  kernel's on ``X.to(bfloat16).float()``. Their bytes count 2 per X element (``2 d`` in place of
+  ``4 d`` for the referenced rows), the output float32; ``bf16/fp32`` is the time ratio to
+  the float32 kernel of the same name.
 
 Cases: (a) ``uniform``: ``--nodes`` x ``--nodes`` with ``--nnz`` uniform random positions
 (duplicates summed) and (b) ``rmat``: the Graph500 R-MAT edge stream of
@@ -73,16 +79,17 @@ def rmat_matrix(scale: int, edge_factor: int, seed: int) -> sp.csr_matrix:
     return sp.csr_matrix((vals, (edges[0], edges[1])), shape=(n, n))
 
 
-def compulsory_bytes(block: CSRBlock, width: int) -> int:
-    """indptr + indices + values + referenced X rows once + the output (float32)."""
+def compulsory_bytes(block: CSRBlock, width: int, x_bytes: int = 4) -> int:
+    """indptr + indices + values + referenced X rows once (``x_bytes`` an element) + the
+    output (float32)."""
     referenced = int(np.count_nonzero(np.bincount(block.indices, minlength=block.shape[1])))
-    return block.nbytes + 4 * width * (referenced + block.shape[0])
+    return block.nbytes + width * (x_bytes * referenced + 4 * block.shape[0])
 
 
-def gather_bytes(block: CSRBlock, width: int) -> int:
+def gather_bytes(block: CSRBlock, width: int, x_bytes: int = 4) -> int:
     """indices + values + one X row per nonzero + the output (bench/gcn_epoch.py's count)."""
     return (block.indices.nbytes + block.values.nbytes
-            + 4 * width * (block.nnz + block.shape[0]))
+            + width * (x_bytes * block.nnz + 4 * block.shape[0]))
 
 
 def copy_round(src: torch.Tensor, dst: torch.Tensor) -> float:
@@ -119,6 +126,11 @@ def run_case(name: str, m: sp.csr_matrix, args, copy: tuple[torch.Tensor, torch.
         kernels[f"blocked S={k}"] = blocked(cols=math.ceil(m.shape[1] / k))
     for w in args.feature_tiles:
         kernels[f"blocked t={w}"] = blocked(tile=w)
+    x16 = x.to(torch.bfloat16)
+    low = {"rows bf16": lambda: a.to("cpu", kernel="numba-rows").matmul(x16),
+           "blocked bf16": lambda: a.to("cpu", kernel="numba").matmul(
+               x16, cache_bytes=args.cache_bytes)}
+    kernels.update(low)
     outputs = {}
     for kname, fn in kernels.items():  # warm-up (compiles, builds the plans)
         for _ in range(args.warmup):
@@ -132,8 +144,18 @@ def run_case(name: str, m: sp.csr_matrix, args, copy: tuple[torch.Tensor, torch.
             times[kname].append(time.perf_counter() - t)
     ref = outputs["rows"]
     identical = {k: bool(torch.equal(out, ref)) for k, out in outputs.items()
-                 if k.startswith("blocked")}
+                 if k.startswith("blocked") and k not in low}
     torch_diff = float((outputs["torch CSR"] - ref).abs().max()) if ref.numel() else 0.0
+    ref16 = a.to("cpu", kernel="numba-rows").matmul(x16.float())  # float32 of the bf16 values
+    default16 = spmm.slice_cols(block.shape, block.nnz, 2 * args.width, cache)
+    bf16 = {"bytes": compulsory_bytes(block, args.width, 2),
+            "gather_bytes": gather_bytes(block, args.width, 2),
+            "slice_cols": default16, "num_slices": spmm.block_slicing(block,
+                                                                      default16).num_slices,
+            "kernels": {k: {"times_s": times.pop(k)} for k in low},
+            "identical": {k: bool(torch.equal(outputs[k], ref16)) for k in low},
+            "max_abs_diff_vs_fp32": float((outputs["rows bf16"] - ref).abs().max())
+            if ref.numel() else 0.0}
     return {"name": name, "rows": m.shape[0], "cols": m.shape[1], "nnz": block.nnz,
             "index_dtype": str(block.indices.dtype), "width": args.width,
             "bytes": compulsory_bytes(block, args.width),
@@ -141,17 +163,21 @@ def run_case(name: str, m: sp.csr_matrix, args, copy: tuple[torch.Tensor, torch.
             "cache_bytes": cache, "slice_cols": plan.slice_cols,
             "num_slices": plan.num_slices, "plan_bytes": plan.nbytes,
             "plan_build_s": build_s, "kernels": {k: {"times_s": v} for k, v in times.items()},
-            "identical": identical, "torch_max_abs_diff": torch_diff}
+            "identical": identical, "torch_max_abs_diff": torch_diff, "bf16": bf16}
 
 
 def summarise(case: dict, copy_gbps: float) -> None:
-    """Fill in each kernel's ms, GB/s, gather GB/s, fraction of copy; the blocked/rows ratio."""
-    for k in case["kernels"].values():
-        sec = statistics.median(k["times_s"])
-        k.update(ms=1e3 * sec, gbps=case["bytes"] / sec / 1e9,
-                 gather_gbps=case["gather_bytes"] / sec / 1e9)
-        k["of_copy"] = k["gbps"] / copy_gbps
+    """Fill in each kernel's ms, GB/s, gather GB/s, fraction of copy; the blocked/rows ratio;
+    the same for the bf16 kernels, with their time relative to the float32 kernel's."""
+    for table in (case, case["bf16"]):
+        for k in table["kernels"].values():
+            sec = statistics.median(k["times_s"])
+            k.update(ms=1e3 * sec, gbps=table["bytes"] / sec / 1e9,
+                     gather_gbps=table["gather_bytes"] / sec / 1e9)
+            k["of_copy"] = k["gbps"] / copy_gbps
     case["ratio"] = case["kernels"]["blocked"]["gbps"] / case["kernels"]["rows"]["gbps"]
+    for name, k in case["bf16"]["kernels"].items():
+        k["time_vs_fp32"] = k["ms"] / case["kernels"][name.removesuffix(" bf16")]["ms"]
 
 
 def print_case(case: dict) -> None:
@@ -172,6 +198,17 @@ def print_case(case: dict) -> None:
               f"{k['gather_gbps']:13.2f}  {mark}")
     print(f"blocked/rows = {case['ratio']:.3f}x bytes/s; torch CSR max |diff| vs rows "
           f"{case['torch_max_abs_diff']:.3g}")
+    low = case["bf16"]
+    print(f"# X bf16 (sums float32): bytes = {low['bytes'] / 1e6:.1f} MB (one X row per "
+          f"nonzero: {low['gather_bytes'] / 1e6:.1f} MB); blocked: {low['slice_cols']:,} "
+          f"columns per slice, {low['num_slices']} slice(s); identical: to the row kernel on "
+          f"X.to(bf16).float(); max |diff| vs fp32 X {low['max_abs_diff_vs_fp32']:.3g}")
+    print(f"{'kernel':16}{'ms':>10}{'GB/s':>9}{'of copy':>9}{'gather GB/s':>13}  identical"
+          f"{'bf16/fp32 time':>16}")
+    for kname, k in low["kernels"].items():
+        print(f"{kname:16}{k['ms']:10.2f}{k['gbps']:9.3f}{k['of_copy']:9.3f}"
+              f"{k['gather_gbps']:13.2f}  {'yes' if low['identical'][kname] else 'NO':<9}"
+              f"{k['time_vs_fp32']:16.3f}")
 
 
 def main() -> int:
@@ -229,10 +266,12 @@ def main() -> int:
     target = next((c for c in results if c["name"] == TARGET_CASE), None)
     ratio = None if target is None else target["ratio"]
     met = None if ratio is None else ratio >= TARGET_RATIO
-    identical = all(all(c["identical"].values()) for c in results)
+    identical = all(all(c["identical"].values()) and all(c["bf16"]["identical"].values())
+                    for c in results)
     print(f"\ntarget ({TARGET_CASE}): blocked/rows >= {TARGET_RATIO}x bytes/s: "
           + ("not run" if ratio is None else f"{'met' if met else 'MISSED'} ({ratio:.3f}x)"))
-    print(f"bit-identical to the row kernel: {'yes' if identical else 'NO'}")
+    print(f"bit-identical to the row kernel: {'yes' if identical else 'NO'} (bf16: on its "
+          "values in float32)")
     if args.json:
         args.json.write_text(json.dumps(
             {"threads": threads, "numba_threads": numba.get_num_threads(), "reps": args.reps,
