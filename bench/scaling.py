@@ -21,6 +21,17 @@ all grids (target >= 0.8, issue 12) and per G, and per G how much slower the pre
 grid measured than the measured-best grid (target <= 10%). Written: ``scaling.csv`` and
 ``scaling.png`` (predicted vs measured; per-grid time split into compute and communication,
 measured beside).
+
+``--model sage --norm batch`` validates GraphSAGE (with batch norm) the same way, and
+``--memory`` adds the memory check: on every grid a larger graph (``--memory-dataset``,
+default R-MAT scale 17) trains ``--memory-epochs`` epochs and its peak resident memory per
+rank (max over ranks) is set against :func:`common.perf.gcn.gcn_memory`. The planner counts
+the training's own bytes, not the process (interpreter, torch, numba, MPI buffers), so the
+measured figure is the **marginal** peak: the peak on the graph minus the peak of the same
+grid on a tiny graph (R-MAT scale 8) with the same model, the planner's bytes for the tiny
+graph subtracted likewise. Target: within 15% on every grid (issue 30).
+
+    python bench/scaling.py --model sage --norm batch --memory      # ~25 min on 2 cores
 """
 
 from __future__ import annotations
@@ -36,40 +47,81 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MIB = 2.0**20
 sys.path.insert(0, str(ROOT))
 
-from common.perf.gcn import GCNWorkload, predict_gcn  # noqa: E402
+from common.perf.gcn import GCNWorkload, gcn_memory, predict_gcn  # noqa: E402
 from common.perf.machine import load_profile  # noqa: E402
 from common.perf.model import factorizations, spearman  # noqa: E402
 from common.spawn import ranks_command  # noqa: E402
 
 
-def graph_workload(dataset: str, layers: int, hidden: int) -> GCNWorkload:
-    """Exact N and nnz of Â (self-loops included) of the bench graph."""
+def graph_workload(dataset: str, args: argparse.Namespace) -> GCNWorkload:
+    """Exact N and nnz of the bench graph's aggregation: Â (self-loops included) for GCN, the
+    mean aggregation (no self-loops; the root term is the model's own) for GraphSAGE."""
     from plexus.data import load_dataset
-    from plexus.data.partition import normalized_adjacency
+    from plexus.data.partition import mean_adjacency, normalized_adjacency
 
     g = load_dataset(dataset)
-    nnz = normalized_adjacency(g.edge_index.numpy(), g.num_nodes).nnz
+    adjacency = mean_adjacency if args.model == "sage" else normalized_adjacency
+    nnz = adjacency(g.edge_index.numpy(), g.num_nodes).nnz
     return GCNWorkload(name=dataset, num_nodes=g.num_nodes, nnz=int(nnz),
                        num_features=g.num_features, num_classes=g.num_classes,
-                       num_layers=layers, hidden=hidden)
+                       num_layers=args.layers, hidden=args.hidden, model=args.model,
+                       norm=args.norm)
+
+
+def train_grid(dataset: str, grid: str, ranks: int, epochs: int, args: argparse.Namespace,
+               tmp: Path) -> list[dict]:
+    """Launch plexus.train on one grid; return its metrics rows (epochs, then the summary)."""
+    metrics = tmp / f"{grid}.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = ranks_command(ranks, [sys.executable, "-m", "plexus.train",
+           "--dataset", dataset, "--grid", grid, "--epochs", str(epochs),
+           "--model", args.model, "--norm", args.norm,
+           "--layers", str(args.layers), "--hidden", str(args.hidden),
+           "--dropout", "0", "--no-bias",  # the paper's bare model, which common.perf models
+           "--log-every", "100000", "--metrics", str(metrics)])
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def run_grid(grid: str, ranks: int, args: argparse.Namespace, tmp: Path) -> dict:
-    """Launch plexus.train on one grid; return median epoch/comm seconds and counted bytes."""
-    metrics = tmp / f"{grid}.jsonl"
-    cmd = ranks_command(ranks, [sys.executable, "-m", "plexus.train",
-           "--dataset", args.dataset, "--grid", grid, "--epochs", str(args.epochs),
-           "--layers", str(args.layers), "--hidden", str(args.hidden),
-           "--dropout", "0", "--no-bias",  # the paper's bare GCN, which common.perf models
-           "--log-every", "100000", "--metrics", str(metrics)])
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    """Median epoch/comm seconds (epoch 1 excluded) and the counted bytes of one grid."""
+    rows = train_grid(args.dataset, grid, ranks, args.epochs, args, tmp)
     epochs = [r for r in rows if "epoch" in r][1:]  # epoch 1 excluded
     return {"epoch_s": statistics.median(r["epoch_s"] for r in epochs),
             "comm_s": statistics.median(r["comm_s"] for r in epochs),
             "bytes": epochs[-1]["comm_bytes_by_axis"]}
+
+
+def memory_rows(grids: list[tuple[int, tuple]], args: argparse.Namespace, tmp: Path
+                ) -> list[dict]:
+    """Per grid: the marginal peak resident memory per rank (graph minus tiny graph, max over
+    ranks) against the planner's marginal bytes; printed as they come."""
+    big, tiny = graph_workload(args.memory_dataset, args), graph_workload("rmat-8", args)
+    print(f"\nmemory: {big.name} (N={big.num_nodes:,} nnz={big.nnz:,}) minus rmat-8, "
+          f"{args.memory_epochs} epochs; MiB per rank (max over ranks)\n"
+          f"{'G':>2} {'grid':<7}{'peak':>8}{'tiny':>7}{'marginal':>10}{'planner':>9}"
+          f"{'ratio':>7}", flush=True)
+    out = []
+    for ranks, shape in grids:
+        grid = "x".join(map(str, shape))
+        peak = {}
+        for name in (big.name, tiny.name):
+            summary = train_grid(name, grid, ranks, args.memory_epochs, args, tmp)[-1]
+            peak[name] = summary["summary"]["memory_per_rank_max"]["peak_bytes"]
+        xyz = dict(zip("xyz", shape))
+        planned = gcn_memory(big, xyz) - gcn_memory(tiny, xyz)
+        measured = peak[big.name] - peak[tiny.name]
+        row = {"ranks": ranks, "grid": grid, "peak_mib": peak[big.name] / MIB,
+               "tiny_peak_mib": peak[tiny.name] / MIB, "marginal_mib": measured / MIB,
+               "planner_mib": planned / MIB, "ratio": planned / measured}
+        out.append(row)
+        print(f"{ranks:>2} {grid:<7}{row['peak_mib']:>8.0f}{row['tiny_peak_mib']:>7.0f}"
+              f"{row['marginal_mib']:>10.0f}{row['planner_mib']:>9.0f}{row['ratio']:>7.2f}"
+              f"{'' if abs(row['ratio'] - 1) <= 0.15 else '  NOT within 15%'}", flush=True)
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -115,45 +167,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="runs per grid (fastest counts)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--model", choices=("gcn", "sage"), default="gcn")
+    p.add_argument("--norm", choices=("none", "batch", "layer"), default="none")
+    p.add_argument("--memory", action="store_true",
+                   help="also set each grid's marginal peak memory against the planner")
+    p.add_argument("--memory-dataset", default="rmat-17")
+    p.add_argument("--memory-epochs", type=int, default=2)
+    p.add_argument("--no-timing", action="store_true", help="the memory check only")
     p.add_argument("--profile", default="local-cpu", help="machine profile name or JSON path")
     p.add_argument("--out", default="bench/results", help="folder for scaling.csv/.png")
     args = p.parse_args(argv)
+    grids = [(r, shape) for r in (int(v) for v in args.ranks.split(","))
+             for shape in factorizations(r, 3)]
+    t_start, ok = time.perf_counter(), True
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.no_timing:
+            ok &= timing_check(grids, args, Path(tmp))
+        if args.memory:
+            mem = memory_rows(grids, args, Path(tmp))
+            fine = sum(abs(r["ratio"] - 1) <= 0.15 for r in mem)
+            ok &= fine == len(mem)
+            print(f"planner within 15% of the marginal peak on {fine}/{len(mem)} grids "
+                  f"(ratio planner/measured {min(r['ratio'] for r in mem):.2f}.."
+                  f"{max(r['ratio'] for r in mem):.2f})")
+    print(f"done in {time.perf_counter() - t_start:.0f} s: {'met' if ok else 'NOT met'}")
+    return 0 if ok else 1
+
+
+def timing_check(grids: list[tuple[int, tuple]], args: argparse.Namespace, tmp: Path) -> bool:
+    """Every grid timed (``--rounds`` interleaved), printed beside the prediction; the
+    Spearman and best-grid checks; scaling.csv and scaling.png written."""
     machine = load_profile(args.profile)
-    work = graph_workload(args.dataset, args.layers, args.hidden)
-    print(f"{work.name}: N={work.num_nodes:,} nnz={work.nnz:,} features={work.num_features} "
-          f"classes={work.num_classes}; profile {machine.name}; {args.epochs} epochs per grid, "
-          f"median of epochs 2..{args.epochs}, best of {args.rounds} round(s)", flush=True)
+    work = graph_workload(args.dataset, args)
+    print(f"{work.model.upper()} {work.name}: N={work.num_nodes:,} nnz={work.nnz:,} "
+          f"features={work.num_features} classes={work.num_classes} norm={work.norm}; "
+          f"profile {machine.name}; {args.epochs} epochs per grid, median of epochs "
+          f"2..{args.epochs}, best of {args.rounds} round(s)", flush=True)
     print(f"{'G':>2} {'grid':<7}{'measured ms':>12}{'comm ms':>9}{'predicted ms':>13}"
           f"{'compute':>9}{'comm':>8}  bytes/axis = model", flush=True)
     rows = []
-    t_start = time.perf_counter()
-    grids = [(r, shape) for r in (int(v) for v in args.ranks.split(","))
-             for shape in factorizations(r, 3)]
     runs: dict[tuple, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for rnd in range(args.rounds):
-            for ranks, shape in grids:
-                grid = "x".join(map(str, shape))
-                runs.setdefault((ranks, shape), []).append(run_grid(grid, ranks, args, Path(tmp)))
-                if rnd < args.rounds - 1:
-                    continue
-                m = min(runs[(ranks, shape)], key=lambda r: r["epoch_s"])
-                pred = predict_gcn(work, shape, machine)
-                row = {"ranks": ranks, "grid": grid, "measured_ms": 1e3 * m["epoch_s"],
-                       "rounds_ms": " ".join(f"{1e3 * r['epoch_s']:.1f}"
-                                             for r in runs[(ranks, shape)]),
-                       "measured_comm_ms": 1e3 * m["comm_s"],
-                       "predicted_ms": 1e3 * pred.total_s,
-                       "pred_compute_ms": 1e3 * pred.compute_s,
-                       "pred_comm_ms": 1e3 * pred.comm_s,
-                       **{f"pred_{k}_ms": 1e3 * v for k, v in pred.compute.items()},
-                       **{f"pred_comm_{a}_ms": 1e3 * pred.comm.get(a, 0.0) for a in "xyz"},
-                       "bytes_equal": m["bytes"] == pred.comm_bytes}
-                rows.append(row)
-                print(f"{ranks:>2} {grid:<7}{row['measured_ms']:>12.1f}"
-                      f"{row['measured_comm_ms']:>9.1f}{row['predicted_ms']:>13.1f}"
-                      f"{row['pred_compute_ms']:>9.1f}{row['pred_comm_ms']:>8.1f}  "
-                      f"{'yes' if row['bytes_equal'] else 'NO'}", flush=True)
+    for rnd in range(args.rounds):
+        for ranks, shape in grids:
+            grid = "x".join(map(str, shape))
+            runs.setdefault((ranks, shape), []).append(run_grid(grid, ranks, args, tmp))
+            if rnd < args.rounds - 1:
+                continue
+            m = min(runs[(ranks, shape)], key=lambda r: r["epoch_s"])
+            pred = predict_gcn(work, shape, machine)
+            row = {"ranks": ranks, "grid": grid, "measured_ms": 1e3 * m["epoch_s"],
+                   "rounds_ms": " ".join(f"{1e3 * r['epoch_s']:.1f}"
+                                         for r in runs[(ranks, shape)]),
+                   "measured_comm_ms": 1e3 * m["comm_s"],
+                   "predicted_ms": 1e3 * pred.total_s,
+                   "pred_compute_ms": 1e3 * pred.compute_s,
+                   "pred_comm_ms": 1e3 * pred.comm_s,
+                   **{f"pred_{k}_ms": 1e3 * v for k, v in pred.compute.items()},
+                   **{f"pred_comm_{a}_ms": 1e3 * pred.comm.get(a, 0.0) for a in "xyz"},
+                   "bytes_equal": m["bytes"] == pred.comm_bytes}
+            rows.append(row)
+            print(f"{ranks:>2} {grid:<7}{row['measured_ms']:>12.1f}"
+                  f"{row['measured_comm_ms']:>9.1f}{row['predicted_ms']:>13.1f}"
+                  f"{row['pred_compute_ms']:>9.1f}{row['pred_comm_ms']:>8.1f}  "
+                  f"{'yes' if row['bytes_equal'] else 'NO'}", flush=True)
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "scaling.csv", "w", newline="") as f:
@@ -177,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{pick['measured_ms']:.1f} ms, measured best {best['grid']} "
               f"{best['measured_ms']:.1f} ms: gap {100 * gap:.1f}% (target <= 10%)")
     print(f"bytes per axis equal to the model on {sum(r['bytes_equal'] for r in rows)}/"
-          f"{len(rows)} grids; wrote {out / 'scaling.csv'} and {out / 'scaling.png'} "
-          f"in {time.perf_counter() - t_start:.0f} s")
-    return 0 if ok else 1
+          f"{len(rows)} grids; wrote {out / 'scaling.csv'} and {out / 'scaling.png'}",
+          flush=True)
+    return ok
 
 
 if __name__ == "__main__":

@@ -296,10 +296,15 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         if backward:
             out.append(Collective(p, "all_gather", w_flat, count=k))  # (5)
         out.append(Collective(p, "reduce_scatter", w_flat, count=k))  # (6)
-        if work.norm != "none" and layer < work.num_layers - 1:  # statistics, both passes
-            stats_bytes = (w[layer + 1] // O if work.norm == "batch" else rows) * F32
-            out.append(Collective(p if work.norm == "batch" else o, "all_reduce", stats_bytes,
-                                  count=4))
+        if work.norm != "none" and layer < work.num_layers - 1:
+            # mean and variance, both passes; the affine weight and bias are replicated over
+            # P and their gradients all-reduced there (plexus.layers)
+            affine_bytes = w[layer + 1] // O * F32
+            if work.norm == "batch":  # statistics per column, over the rows' axis P
+                out.append(Collective(p, "all_reduce", affine_bytes, count=6))
+            else:  # layer norm: statistics per row, over the columns' axis O
+                out.append(Collective(o, "all_reduce", rows * F32, count=4))
+                out.append(Collective(p, "all_reduce", affine_bytes, count=2))
         if backward:
             out.append(Collective(o, "all_reduce", h_bytes, count=k))  # (7)
             if layer == 0:

@@ -110,8 +110,9 @@ def _trainer_bytes(ctx, cases):
 
     graphs = {"small": InMemorySource(small_graph()), "few": InMemorySource(few_labels_graph())}
     out = []
-    for grid, layers, learn, name in cases:
-        model = ModelConfig(num_layers=layers, hidden=6, learn_features=learn, dropout=0.0,
+    for grid, layers, learn, name, kind, norm in cases:
+        model = ModelConfig(model=kind, norm=norm, num_layers=layers, hidden=6,
+                            learn_features=learn, dropout=0.0,
                             bias=False)  # the paper's bare model, which common.perf models
         res = train_gcn(graphs[name], ProcessGrid.parse(grid), ctx.rank, model=model,
                         run=RunConfig(epochs=2), transport=ctx.transport)
@@ -130,16 +131,21 @@ def test_trainer_counted_bytes_equal_the_model(world):
     """plexus.trainer.train_gcn counts, per axis, exactly the model's volumes: epoch 1 and a
     steady epoch, fixed and trainable features, loss collectives included, every row of the
     last layer (small_graph: 90% labelled) or its labelled rows only (20% labelled: the
-    model given each rank's own share R P / N)."""
+    model given each rank's own share R P / N); GraphSAGE and the two norms (their
+    statistics and affine gradients) on two grids each."""
     from tests.distributed import run_ranks
     from tests.plexus.test_model import few_labels_graph
 
-    cases = [(g, 3 + i % 2, i in (1, 2), "small") for i, g in enumerate(GRIDS[world])]
-    cases += [(g, 3 + i % 2, i == 0, "few") for i, g in enumerate(GRIDS[world][:2])]
+    cases = [(g, 3 + i % 2, i in (1, 2), "small", "gcn", "none")
+             for i, g in enumerate(GRIDS[world])]
+    cases += [(g, 3 + i % 2, i == 0, "few", "gcn", "none")
+              for i, g in enumerate(GRIDS[world][:2])]
+    cases += [(GRIDS[world][1], 3, False, "small", "sage", "batch"),
+              (GRIDS[world][2], 3, False, "small", "gcn" if world == 4 else "sage", "layer")]
     results = run_ranks(_trainer_bytes, world, cases)
     few = few_labels_graph()
     labelled = sum(few.split_idx(s).numel() for s in ("train", "val", "test")) / 203
-    for k, (grid, layers, learn, name) in enumerate(cases):
+    for k, (grid, layers, learn, name, kind, norm) in enumerate(cases):
         s = dict(zip("xyz", map(int, grid.split("x"))))
         num_p = s[gcn.roles(layers - 1)[2]]
         for rank, per_rank in enumerate(results):
@@ -148,7 +154,8 @@ def test_trainer_counted_bytes_equal_the_model(world):
             share = 1.0 if rows is None else rows * num_p / 203
             if rows is not None:
                 assert abs(share - labelled) < 0.1, (grid, rank, rows)
-            work = small(num_layers=layers, learn_features=learn, labelled_fraction=share)
+            work = small(num_layers=layers, learn_features=learn, labelled_fraction=share,
+                         model=kind, norm=norm)
             for epoch, first in ((0, True), (1, False)):
                 want = gcn.predict_gcn(work, s, load_profile("local-cpu"), first_epoch=first)
                 assert counted[epoch] == want.comm_bytes, (grid, layers, learn, name, epoch,
