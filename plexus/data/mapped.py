@@ -90,6 +90,7 @@ class PreparedGraph:
         even = np.asarray(table["even"], dtype=np.int64)
         self.block_nnz = {"even": even, "odd": even.T if self.symmetric
                           else np.asarray(table["odd"], dtype=np.int64)}
+        self.files_read: set[str] = set()  # every file this object mapped, relative to path
 
     def __repr__(self) -> str:
         return (f"PreparedGraph({str(self.path)!r}: {self.num_nodes:,} nodes, "
@@ -117,6 +118,7 @@ class PreparedGraph:
     # ------------------------------------------------------------------ loading
     def _load(self, rel: str, **kw) -> np.ndarray:
         p = self.path / rel
+        self.files_read.add(rel)
         try:
             arr = np.load(p, mmap_mode="r", **kw)
         except (OSError, ValueError) as e:

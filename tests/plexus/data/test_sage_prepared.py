@@ -6,7 +6,7 @@ directed graphs with multi-edges, self-loop edges and padding; each source's sel
 training on them gives the in-memory loss, logits and every gradient bit for bit, with batch
 norm and residual connections, on the grids 1x2x4, 4x1x2 and 2x2x2; a checkpoint of a
 prepared run resumes on another grid; a dataset of the previous format version is refused
-with the command that prepares it again.
+with the command that prepares it again; a rank maps no file outside its own blocks.
 """
 
 import dataclasses
@@ -329,3 +329,46 @@ def test_cli_trains_sage_on_a_prepared_dataset(tmp_path):
                ranks=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "(memory-mapped)" in r.stdout and "epoch    2/2" in r.stdout
+
+
+@pytest.mark.parametrize("aggregation", ["gcn", "mean"])
+def test_a_rank_maps_only_its_own_blocks(tmp_path, aggregation):
+    """Layer l with roles (O, I, P) on rank coordinates c reads file blocks rows
+    [c_P k/P, (c_P+1) k/P) x columns [c_O k/O, (c_O+1) k/O) of its matrix and nothing else;
+    features only its row chunk of layer 0's O axis, labels and splits only the output rows'
+    chunk (the permutations, O(N), whole: they are small)."""
+    from plexus import layout
+
+    graph = symmetric_multigraph()
+    prepare(graph_source(graph), tmp_path / "p", blocks=K, seed=4, quiet=True)
+    num_layers = 3
+    for spec in GRIDS:
+        grid = ProcessGrid.parse(spec)
+        for rank in range(grid.num_ranks):
+            c = grid.coords(rank)
+            pg = PreparedGraph(tmp_path / "p", aggregation=aggregation)
+            pg.shard(grid.shape, c, widths(graph, num_layers, 6))
+
+            def chunk(axis, c=c, shape=grid.shape):
+                per = K // shape[axis]
+                return range(c[axis] * per, (c[axis] + 1) * per)
+
+            want = set()
+            for layer in range(num_layers):
+                o, _, p = layout.roles(layer)
+                mat = "odd" if layer % 2 else "even"
+                for r in chunk(p):
+                    for col in chunk(o):
+                        for transposed in (False, True):
+                            pre, values, _ = pg._files(mat, r, col, transposed)
+                            want |= {pre + "indptr.npy", pre + "indices.npy", values}
+            blocks = {f for f in pg.files_read if re.search(r"(even|odd)/\d+_\d+/", f)}
+            assert blocks == want, (spec, rank)
+            o0, p_last = layout.roles(0)[0], layout.roles(num_layers - 1)[2]
+            rest = pg.files_read - blocks
+            assert rest == ({f"features/{i}.npy" for i in chunk(o0)} | {"perm/pr.npy",
+                            "perm/pc.npy"} | {f"{d}/pr_{i}.npy" for d in ("labels", "split")
+                                              for i in chunk(p_last)}), (spec, rank)
+            if grid.num_ranks > 1:  # a strict part of the dataset's block files
+                read = {re.search(r"\d+_\d+", f).group() for f in blocks}
+                assert len(read) < K * K, (spec, rank)
