@@ -275,6 +275,8 @@ class PlexusGCN(nn.Module):
         if layer == 0 and self.cache_first_aggregation:
             self._h0 = (self._kept(h), None if r is None else self._kept(r))
             self._h0_rows_only = rows_only
+            if self.keep_dtype is not None:  # H W reads and keeps the bf16 copy, as later
+                return self._h0              # passes do (no gradient flows here): one copy
         return h, r
 
     def _kept(self, t: torch.Tensor) -> torch.Tensor:
