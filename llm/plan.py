@@ -5,10 +5,10 @@
     python -m llm.plan --preset tiny --batch 16 --seq-len 128 --ranks 4
 
 Builds a :class:`common.perf.gpt.GPTWorkload` from the preset's sizes and prints the plan of
-:mod:`common.perf.plan` (predicted compute and communication per axis, memory per rank, whether
+:mod:`common.perf.cli` (predicted compute and communication per axis, memory per rank, whether
 it fits) and its choice: the grid that ``llm.train --grid auto[:PROFILE]`` takes for the same
 sizes (``--batch`` = ``--batch-size`` x ``--grad-accum``, ``--micro-batch`` = ``--batch-size``).
-For sizes that are not a preset: ``python -m common.perf.plan gpt``.
+For sizes that are not a preset: ``python -m common.perf gpt``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.perf.cli import add_gpt_size_args, add_plan_args, gpt_sizes, print_plan
 from common.perf.gpt import GPTWorkload
-from common.perf.plan import add_gpt_size_args, add_plan_args, gpt_sizes, print_plan
 from llm.model import PRESETS, get_preset
 
 

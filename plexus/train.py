@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="XxYxZ process grid (default: the most cubic one for the world size), "
                    "or auto[:PROFILE]: the grid the performance model predicts fastest on a "
                    "machine profile (name or JSON path; default $HPC_MACHINE_PROFILE, else "
-                   "local-cpu; see python -m common.perf.plan)")
+                   "local-cpu; see python -m common.perf)")
     p.add_argument("--model", choices=MODELS, default=m.model,
                    help="gcn (Kipf & Welling) or sage (GraphSAGE: mean of in-neighbours plus "
                    "a root weight)")

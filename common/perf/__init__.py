@@ -4,8 +4,8 @@ Pure Python (no torch): :mod:`common.perf.machine` (machine profiles, alpha-beta
 placement), :mod:`common.perf.model` (collectives, predictions, plans), :mod:`common.perf.gcn`
 (a Plexus GCN epoch), :mod:`common.perf.gpt` (a 4D GPT step), :mod:`common.perf.choose`
 (one :func:`plan`, one :func:`auto_grid` and one ``--grid``: :func:`parse_grid`,
-:func:`choose_grid`, for both workloads), :mod:`common.perf.plan` (the
-planning command ``python -m common.perf.plan``) and :mod:`common.perf.paper` (the check
+:func:`choose_grid`, for both workloads), :mod:`common.perf.cli` (the
+planning command ``python -m common.perf``) and :mod:`common.perf.paper` (the check
 against the Plexus paper). :mod:`common.perf.calibrate` measures a machine and is the one
 module that imports torch::
 

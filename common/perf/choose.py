@@ -8,7 +8,7 @@ takes). Both trainers' ``--grid`` goes through the same two calls, parsed once::
     spec = parse_grid(args.grid, ctx.world_size, axes)     # "2x2x2", "data=2,row=2", "auto:PROFILE"
     grid, note = choose_grid(spec, work, ctx.world_size, constraints=[source.grid_problems])
 
-Pure Python; the command line is ``python -m common.perf.plan``.
+Pure Python; the command line is ``python -m common.perf``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import pytest
 
 from common.grid import ProcessGrid
 from common.perf import GCNWorkload, GPTWorkload, auto_grid, choose, load_profile, plan, plan_gcn
+from common.perf.cli import main
 from common.perf.machine import Compute, Link, MachineProfile
-from common.perf.plan import main
 from tests.distributed import launch_env
 
 GCN = GCNWorkload(num_nodes=50000, nnz=1_000_000, num_features=128, num_classes=16)
@@ -23,6 +23,14 @@ def gpt_work(**kw):
 
 def test_plan_is_reexported():
     assert choose.plan is plan and choose.auto_grid is auto_grid
+
+
+def test_the_command_does_not_shadow_plan():
+    """The command is common.perf.cli (``python -m common.perf``): importing it, as llm.plan
+    does, leaves ``common.perf.plan`` the function (a submodule of that name replaced it)."""
+    code = ("import llm.plan, common.perf.cli; from common.perf import choose, plan; "
+            "assert plan is choose.plan, plan")
+    subprocess.run([sys.executable, "-c", code], check=True, env=launch_env())
 
 
 def test_auto_grid_is_the_plans_best_for_a_gcn():
@@ -101,7 +109,7 @@ def test_plan_cli_prints_a_ranked_table(capsys):
 
 
 def test_plan_command_runs_as_a_module():
-    r = subprocess.run([sys.executable, "-m", "common.perf.plan", "profiles"],
+    r = subprocess.run([sys.executable, "-m", "common.perf", "profiles"],
                        capture_output=True, text=True, env=launch_env(), timeout=60)
     assert r.returncode == 0 and "perlmutter-a100" in r.stdout, r.stderr
     assert r.stderr == ""  # no runpy warning about the re-exported module

@@ -1,13 +1,13 @@
 """Rank every process grid of G ranks by predicted time, for a GCN epoch or a GPT step.
 
-    python -m common.perf.plan gcn --dataset ogbn-products --ranks 64 --machine perlmutter-a100
-    python -m common.perf.plan gcn --nodes 16384 --nnz 442478 --features 128 --classes 32 \\
+    python -m common.perf gcn --dataset ogbn-products --ranks 64 --machine perlmutter-a100
+    python -m common.perf gcn --nodes 16384 --nnz 442478 --features 128 --classes 32 \\
         --ranks 8 --precision bf16
-    python -m common.perf.plan gpt --vocab 32000 --layers 32 --heads 32 --d-model 4096 \\
+    python -m common.perf gpt --vocab 32000 --layers 32 --heads 32 --d-model 4096 \\
         --d-ff 11008 --batch 1024 --seq-len 2048 --ranks 64 --machine perlmutter-a100 --bf16
-    python -m common.perf.plan gcn --dataset ogbn-papers100M --learn-features --ranks 2048 \\
+    python -m common.perf gcn --dataset ogbn-papers100M --learn-features --ranks 2048 \\
         --machine frontier-mi250x --collectives both --top 5
-    python -m common.perf.plan profiles
+    python -m common.perf profiles
 
 Prints, per grid: predicted time split into compute and communication per axis, memory per
 rank, and whether it fits (see :mod:`common.perf`). ``--collectives`` picks the collective
@@ -106,7 +106,7 @@ def add_gpt_size_args(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m common.perf.plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m common.perf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="engine", required=True)
     shared = argparse.ArgumentParser(add_help=False)
