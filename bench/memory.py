@@ -291,7 +291,8 @@ def ogb_case(args) -> bool:
     nodes, edges, feats = ogb_sizes(raw.parent)
     data_bytes = nodes * feats * 4 + edges * 16
     cli = ["--dataset", "ogbn-papers100M", "--root", str(root), "--epochs", "1", "--hidden",
-           str(args.hidden), "--layers", "3", "--model", args.model, "--device", args.device]
+           str(args.hidden), "--layers", "3", "--model", args.model, "--device", args.device,
+           "--precision", args.precision]
     rows = []
     for label, ranks, extra in (("1 rank, prepares", 1, []), ("1 rank, reuses", 1, []),
                                 ("8 ranks 2x2x2", 8, ["--grid", "2x2x2"])):
@@ -329,7 +330,8 @@ def ogb_case(args) -> bool:
     labelled = work.labelled_fraction
     print(f"\nogbn-papers100M format: {nodes:,} nodes, {edges:,} edges, {feats} features, "
           f"{args.ogb_classes} classes, {100 * labelled:.2f}% of nodes in a split: "
-          f"{data_bytes / MIB:,.0f} MiB of data; {args.model}, hidden {args.hidden}, 3 layers")
+          f"{data_bytes / MIB:,.0f} MiB of data; {args.model}, hidden {args.hidden}, 3 layers, "
+          f"{args.precision}")
     gpu = all(k in r for r in rows for k in GPU_PEAK_KEYS)
     print(f"{'run':>18} {'peak MiB':>9} {'x data':>7} {'above start':>12} {'planner':>8} "
           f"{'feat+W MiB':>11} {'adj MiB':>8} {'storage':>14} {'wall s':>7}"
@@ -363,7 +365,7 @@ def _tiny_papers_run(root: Path, args) -> tuple[int, Any]:
                               num_classes=args.ogb_classes, labeled_fraction=0.5)
     cli = ["--dataset", "ogbn-papers100M", "--root", str(tiny_root), "--epochs", "1",
            "--hidden", str(args.hidden), "--layers", "3", "--model", args.model,
-           "--device", args.device]
+           "--device", args.device, "--precision", args.precision]
     _train_cli(1, cli, tiny_root / "metrics.jsonl")  # prepares
     mem = _train_cli(1, cli, tiny_root / "metrics.jsonl")[0]["memory_per_rank_max"]
     return mem["peak_bytes"] - mem["resident_bytes_at_start"], _papers_workload(tiny_root, args)
@@ -381,7 +383,7 @@ def _papers_workload(root: Path, args) -> Any:
     return GCNWorkload(name="papers100M-format", num_nodes=m["num_nodes"], nnz=int(nnz),
                        num_features=m["num_features"], num_classes=m["num_classes"],
                        num_layers=3, hidden=args.hidden, model=args.model,
-                       labelled_fraction=in_split / m["num_nodes"])
+                       labelled_fraction=in_split / m["num_nodes"], precision=args.precision)
 
 
 def gcn_memory_of(work: Any, grid: str) -> float:
@@ -455,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                    "1.4%%)")
     p.add_argument("--model", choices=("gcn", "sage"), default="gcn",
                    help="plexus and ogb: the model trained")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="ogb: what features and kept activations are stored in")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="plexus and ogb: train on this device (cuda: one GPU per rank; the "
                    "GPU peaks are reported beside the resident ones)")
