@@ -220,7 +220,11 @@ def test_four_ranks_on_one_gpu_under_torchrun(tmp_path):
     assert "before the first collective" not in cuda.stdout, cuda.stdout
     refusal = ("error: --device cuda: 4 ranks on this node but torch sees 1 GPU (4 > 1; NCCL "
                "needs one GPU per rank): launch at most 1 rank per node, or use --device cpu")
-    assert cuda.stderr.count(refusal) == 4, cuda.stderr
+    # every rank refuses; torchrun stops the others (SIGTERM) as soon as the first has exited,
+    # so a rank still importing torch then is reported terminated instead of printing
+    codes = [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", cuda.stderr)]  # report
+    assert len(codes) == 4 and set(codes) <= {2, -15} and 2 in codes, cuda.stderr
+    assert cuda.stderr.count(refusal) >= codes.count(2), cuda.stderr
 
 
 @pytest.mark.gpu
