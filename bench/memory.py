@@ -375,18 +375,17 @@ def _tiny_papers_run(root: Path, args) -> tuple[int, Any]:
 
 
 def _papers_workload(root: Path, args) -> Any:
-    """The planner's workload of the prepared cache the runs trained on (its manifest: nodes,
-    nonzeros of the model's aggregation, split sizes)."""
-    from common.perf.gcn import GCNWorkload
+    """The planner's workload of the prepared cache the runs trained on, as plexus.train
+    builds it (plexus.config.gcn_workload: the model's aggregation, split sizes, the CLI's
+    defaults such as dropout 0.5)."""
+    from plexus.config import ModelConfig, aggregation_of, gcn_workload
+    from plexus.data import PreparedGraph
 
     (manifest,) = (root / "prepared").glob("*/manifest.json")
-    m = json.loads(manifest.read_text())
-    nnz = m["mean"]["nnz"] if args.model == "sage" else m["nnz"]
-    in_split = sum(m["split_counts"].get(s, 0) for s in ("train", "valid", "val", "test"))
-    return GCNWorkload(name="papers100M-format", num_nodes=m["num_nodes"], nnz=int(nnz),
-                       num_features=m["num_features"], num_classes=m["num_classes"],
-                       num_layers=3, hidden=args.hidden, model=args.model,
-                       labelled_fraction=in_split / m["num_nodes"], precision=args.precision)
+    model = ModelConfig(model=args.model, num_layers=3, hidden=args.hidden,
+                        precision=args.precision)
+    return gcn_workload(model, PreparedGraph(manifest.parent,
+                                             aggregation=aggregation_of(args.model)))
 
 
 def gcn_memory_of(work: Any, grid: str) -> float:

@@ -109,12 +109,12 @@ def prepared(name: str, args: argparse.Namespace) -> tuple[Path, GCNWorkload]:
                "--out", str(out), "--force", "--quiet"]
         print("$ " + " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
-    m = json.loads((out / "manifest.json").read_text())
-    nnz = m["mean"]["nnz"] if args.model == "sage" else m["nnz"]
-    return out, GCNWorkload(name=name, num_nodes=m["num_nodes"], nnz=int(nnz),
-                            num_features=m["num_features"], num_classes=m["num_classes"],
-                            num_layers=args.layers, hidden=args.hidden, model=args.model,
-                            norm=args.norm)
+    from plexus.config import ModelConfig, aggregation_of, gcn_workload
+    from plexus.data import PreparedGraph
+
+    model = ModelConfig(model=args.model, norm=args.norm, num_layers=args.layers,
+                        hidden=args.hidden, dropout=0.0, bias=False)  # as train_grid runs it
+    return out, gcn_workload(model, PreparedGraph(out, aggregation=aggregation_of(args.model)))
 
 
 def memory_rows(grids: list[tuple[int, tuple]], args: argparse.Namespace, tmp: Path
