@@ -3,6 +3,8 @@
 #             make setup MPI=                     (use the cluster's MPI: skip the mpich wheel)
 #             make train NP=8 TRAIN_ARGS="--grid 2x2x2 --epochs 50"
 #             make train DEVICE=auto               (one GPU per rank where there are enough)
+#             make test TEST_WORKERS=1             (one pytest process; default 2 xdist workers,
+#                                                   each pinned to its share of the cores)
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -10,6 +12,8 @@ MPI    ?= mpich
 NP     ?= 4
 TRAIN_ARGS ?=
 DEVICE ?= cpu
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup,-p no:xdist)
 BIN    := $(VENV)/bin
 # the mpich wheel's mpiexec when installed, else the system's (clusters)
 MPIEXEC ?= $(if $(wildcard $(BIN)/mpiexec),$(BIN)/mpiexec,mpiexec)
@@ -32,13 +36,13 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy common
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 # the edit-test loop: lint, types, and every test not marked slow (no multi-rank launches)
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy common
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

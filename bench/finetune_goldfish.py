@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from common.mpi import cores_available
 from llm import checkpoint
 from llm import memorization as mem
 from llm.data.batches import load_documents
@@ -158,7 +159,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-docs", type=int, default=1, help="KV cache: batch of documents")
     p.add_argument("--repeats", type=int, default=3, help="KV cache: timings per mode")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores this process may run on)")
     p.add_argument("--out", default=None, help="keep the HF directory and both checkpoints "
                    "under this directory")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
@@ -171,6 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.threads = args.threads or cores_available()
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

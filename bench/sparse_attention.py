@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from common.mpi import cores_available
 from llm import checkpoint
 from llm import evaluate as ev
 from llm.data import heldout
@@ -205,8 +206,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help=f"{HELP[key]} (default {value}; --quick: {QUICK[key]})")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="torch threads, training and "
-                   "evaluation (default 2, this machine's cores; use 1 on a busy machine)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads, training and "
+                   "evaluation (default: the cores this process may run on; 1 on a busy "
+                   "machine)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125],
                    help="kept fractions of the context (default: %(default)s)")
     p.add_argument("--rank-fraction", type=float, default=0.25, help="Loki's d / Dh")
@@ -243,6 +245,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.threads = args.threads or cores_available()
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

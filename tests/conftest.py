@@ -3,11 +3,79 @@ which test modules import; conftest modules are not imported directly)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.distributed import require_mpiexec
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (``make test`` runs ``TEST_WORKERS`` workers), pin each worker to its
+    own share of the cores, so that what a test launches sees the cores it really has: ranks
+    split that share (torch threads = cores / ranks) and MPI waits sleep at two or more ranks
+    per core (tests/distributed.py), instead of two workers' ranks spinning on the same cores.
+    With fewer cores than workers nothing is pinned."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(
+        "PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    index, workers = int(worker.removeprefix("gw")), int(count)
+    if len(cores) < workers:
+        return
+    share = len(cores) // workers
+    os.sched_setaffinity(0, cores[index * share:(index + 1) * share])
+    import torch
+
+    torch.set_num_threads(share)
+
+
+def _shared_fixture_group(item) -> str | None:
+    """The pytest-xdist group of a test that uses a session- or module-scoped fixture of ours
+    (a multi-rank launch, a trained model): every test that shares one instance runs on the
+    same worker, so the fixture runs once, not once per worker. Session fixtures group by
+    name (and parameter), module fixtures by module."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    group = None
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name)
+        if not defs or not getattr(defs[-1].func, "__module__", "").startswith("tests"):
+            continue
+        scope = defs[-1].scope
+        if scope == "session":
+            param = getattr(getattr(item, "callspec", None), "params", {}).get(name)
+            return name if param is None else f"{name}[{param}]"
+        if scope in ("module", "package") and group is None:
+            group = item.nodeid.partition("::")[0]
+    return group
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``--dist loadgroup``), keep the tests of one shared fixture on one
+    worker (:func:`_shared_fixture_group`)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if (group := _shared_fixture_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """Every test leaves torch's thread count as it found it: a test that calls a CLI's
+    ``main`` in process (which sets ``--threads``) would otherwise leave more threads than the
+    worker's cores to every later test in the process, and on a pinned pytest-xdist worker
+    two threads on one core made a 19 s test take 285 s."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)
