@@ -54,6 +54,7 @@ def _shared_fixture_group(item) -> str | None:
     return group
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the items
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (``--dist loadgroup``), keep the tests of one shared fixture on one
     worker (:func:`_shared_fixture_group`)."""

@@ -13,15 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import kill_one_rank_and_collect, launch, needs_mpi
+from tests.distributed import kill_one_rank_and_collect, launch, needs_mpi, run_module
 
 SMALL = ["--hidden", "16", "--log-every", "1"]
 
 
 def cli(args, n=None, timeout=300):
-    """``python -m plexus.train ARGS``, alone or under mpiexec on ``n`` ranks."""
-    return launch(["-m", "plexus.train", *args], ranks=n or 1,
-                  launcher="single" if n is None else "mpiexec", timeout=timeout)
+    """``python -m plexus.train ARGS`` under mpiexec on ``n`` ranks, or (``n`` None) as one
+    process forked from the tests' fork server (:func:`tests.distributed.run_module`)."""
+    if n is None:
+        return run_module("plexus.train", args, timeout=timeout)
+    return launch(["-m", "plexus.train", *args], ranks=n, launcher="mpiexec", timeout=timeout)
 
 
 @pytest.mark.slow
@@ -145,7 +147,10 @@ def test_ogb_format_datasets_train_through_the_real_loaders(tmp_path):
     """Tiny datasets in exact OGB on-disk format (CSV arxiv-like, npz papers100M-like) load
     through the unmodified ogb loaders and report OGB Evaluator accuracy (final and at the best
     validation epoch): papers100M-like with the GCN on 2 ranks; arxiv-like (directed) with the
-    issue's recipe on 4 ranks: GraphSAGE, dropout, batch norm, symmetrized, two runs."""
+    issue's recipe on 4 ranks: GraphSAGE, dropout, batch norm, symmetrized, two runs.
+    ogbn-papers100M goes through the prepared cache whatever its size: rank 0 prepares it
+    (k = 8 for grid 1x1x2) while rank 1 waits, and both map it."""
+    from plexus.data import PreparedGraph
     from tests.plexus.data.ogb_format import write_arxiv_like, write_papers100m_like
 
     write_arxiv_like(tmp_path, num_nodes=300)
@@ -174,6 +179,10 @@ def test_ogb_format_datasets_train_through_the_real_loaders(tmp_path):
             assert summary["config"]["model"]["model"] == "sage"
             assert "2 runs:" in r.stdout and "at best val" in r.stdout
             assert lines[-1]["runs_summary"]["runs"] == 2
+        else:  # prepared once, by one rank, then memory-mapped by both
+            out = tmp_path / "prepared" / "ogbn-papers100M-k8-double-s0"
+            assert r.stdout.count(f"preparing {name} into {out}") == 1 and PreparedGraph(out)
+            assert "(memory-mapped)" in r.stdout
 
 
 @pytest.mark.slow

@@ -18,9 +18,7 @@ from common.perf import parse_grid
 from plexus.data import DatasetCorruptError, InMemorySource, PreparedGraph, cache, open_source
 from plexus.data.cache import PrepareFailedError, prepared_cache
 from plexus.data.job import default_blocks
-from tests.distributed import needs_mpi
 from tests.plexus.data.ogb_format import write_arxiv_like, write_papers100m_like
-from tests.plexus.test_train import cli
 
 PAPERS = "ogbn-papers100M"
 KW = {"blocks": 2, "permutation": "double", "seed": 0, "symmetrize": False}
@@ -181,16 +179,3 @@ def test_default_blocks_fit_the_grid():
     assert blocks("16x1x1", 16) == 16
     assert blocks("auto", 6) == blocks("auto:local-cpu", 6) == 8
     assert blocks(None, 3) == 9 and blocks(None, 1) == 8
-
-
-@pytest.mark.slow
-@needs_mpi
-def test_cli_two_ranks_prepare_once(tmp_path):
-    """Rank 0 prepares ogbn-papers100M (k = 8 for grid 1x1x2) while rank 1 waits; both map it."""
-    write_papers100m_like(tmp_path, num_nodes=400)
-    r = cli(["--dataset", PAPERS, "--root", str(tmp_path), "--epochs", "2", "--hidden", "16",
-             "--grid", "1x1x2"], 2, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = tmp_path / "prepared" / "ogbn-papers100M-k8-double-s0"
-    assert r.stdout.count(f"preparing {PAPERS} into {out}") == 1 and PreparedGraph(out)
-    assert "(memory-mapped)" in r.stdout and "OGB Evaluator" in r.stdout
