@@ -156,8 +156,11 @@ class Trainer:
             raise ValueError(f"model {model.model!r} needs a source built with aggregation="
                              f"{need!r}; {source.name} has {has!r}")
         device = parallel.device
-        if device.type == "cpu" and self.run_cfg.retain_freed_memory:
-            retain_freed_memory()  # reuse activation pages every epoch (see common.alloc)
+        if device.type == "cpu":
+            # True: reuse activation pages every epoch; False: glibc's thresholds fixed at
+            # their defaults, since left alone they rise to each freed buffer's size (up to
+            # 32 MiB) and keep such buffers in the heap after all (see common.alloc)
+            retain_freed_memory(self.run_cfg.retain_freed_memory)
         self.shard, self.model = shard_and_model(source, parallel, model, seed=self.run_cfg.seed)
         self.model.to(device)
         upload_adjacency(self.shard, device, kernel=self.run_cfg.spmm)
