@@ -13,7 +13,7 @@ NP     ?= 4
 TRAIN_ARGS ?=
 DEVICE ?= cpu
 TEST_WORKERS ?= 2
-PYTEST_WORKERS := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS),-p no:xdist)
+PYTEST_WORKERS := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup,-p no:xdist)
 BIN    := $(VENV)/bin
 # the mpich wheel's mpiexec when installed, else the system's (clusters)
 MPIEXEC ?= $(if $(wildcard $(BIN)/mpiexec),$(BIN)/mpiexec,mpiexec)

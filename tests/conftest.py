@@ -32,6 +32,39 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(share)
 
 
+def _shared_fixture_group(item) -> str | None:
+    """The pytest-xdist group of a test that uses a session- or module-scoped fixture of ours
+    (a multi-rank launch, a trained model): every test that shares one instance runs on the
+    same worker, so the fixture runs once, not once per worker. Session fixtures group by
+    name (and parameter), module fixtures by module."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    group = None
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name)
+        if not defs or not getattr(defs[-1].func, "__module__", "").startswith("tests"):
+            continue
+        scope = defs[-1].scope
+        if scope == "session":
+            param = getattr(getattr(item, "callspec", None), "params", {}).get(name)
+            return name if param is None else f"{name}[{param}]"
+        if scope in ("module", "package") and group is None:
+            group = item.nodeid.partition("::")[0]
+    return group
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the items
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist's ``--dist loadgroup`` (``make test``), keep the tests of one shared
+    fixture on one worker (:func:`_shared_fixture_group`): the 8-rank llm launch alone takes
+    about two minutes, once per worker that needs it."""
+    if config.getoption("loadgroup", default=False):
+        for item in items:
+            if (group := _shared_fixture_group(item)) is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_restored() -> Iterator[None]:
     """Every test leaves torch's thread count as it found it: a test that calls a CLI's

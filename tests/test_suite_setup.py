@@ -1,0 +1,25 @@
+"""The test suite's own set-up: under ``make test`` (pytest-xdist, ``--dist loadgroup``) the
+tests of one shared fixture really run on one worker (tests/conftest.py), so a multi-rank
+launch shared by several tests runs once, not once per worker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def shared() -> int:
+    """A module-scoped fixture of ours: its tests form one xdist group (the module)."""
+    return os.getpid()
+
+
+def test_tests_of_one_shared_fixture_form_one_xdist_group(request, shared):
+    if not request.config.getoption("loadgroup", default=False):
+        pytest.skip("runs only under pytest-xdist's --dist loadgroup (make test)")
+    # xdist's worker appends "@group" to a grouped test's id and schedules by it; when a
+    # pytest release changes how node ids are stored, the suffix (and the grouping) silently
+    # disappears (pytest-dev/pytest-xdist#1386 on pytest 9.2)
+    assert request.node.nodeid.endswith("@tests/test_suite_setup.py"), request.node.nodeid
+
