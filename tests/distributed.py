@@ -175,30 +175,57 @@ def _module_as_main(module: str, argv: list[str], env: dict[str, str], cwd: str,
         os._exit(code)
 
 
-def run_module(module: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-               cwd: str | Path = ROOT, timeout: float = 180
-               ) -> subprocess.CompletedProcess[str]:
-    """``python -m MODULE ARGV`` as one process forked from the fork server that has imported
-    torch and the packages (:data:`_PRELOAD`), instead of a fresh interpreter: about 4 CPU-s
-    less per run on the development machine. The environment is :func:`launch_env`'s, the
-    output captured and the exit status returned as :func:`launch` (``launcher="single"``)
-    returns them; for the CLI tests of one process that are not about the launcher."""
+def run_module(module: str, argv: Sequence[str], *, ranks: int = 1,
+               env: Mapping[str, str] | None = None, cwd: str | Path = ROOT,
+               timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGV`` as ``ranks`` processes forked from the fork server that has
+    imported torch and the packages (:data:`_PRELOAD`), instead of fresh interpreters: about
+    4 CPU-s less per rank on the development machine. The environment is :func:`launch_env`'s;
+    with ``ranks`` > 1 each rank also gets torchrun's (the parent owns the rendezvous store,
+    as in :func:`run_ranks`), so the job runs over gloo. The ranks' stdout and stderr are
+    captured and joined in rank order; the exit status is a signal's (negative) if any rank
+    died of one, else the largest. For the CLI tests that are not about the launcher or the
+    MPI transport."""
     import tempfile
+    import time
 
+    envs = [launch_env(env)]
+    store = None
+    if ranks > 1:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
+        envs = [{**envs[0], "RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r),
+                 "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                for r in range(ranks)]
+    command = ["-m", module, *argv]
     with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        child = _rank_context().Process(
-            target=_module_as_main, args=(module, list(argv), launch_env(env), str(cwd), out,
-                                          err), daemon=True)
-        child.start()
-        child.join(timeout)
-        if child.is_alive():
-            child.kill()
-            child.join(5)
-            raise subprocess.TimeoutExpired(["-m", module, *argv], timeout)
-        text = [Path(p).read_text(errors="replace") if os.path.exists(p) else ""
-                for p in (out, err)]
-        return subprocess.CompletedProcess(["-m", module, *argv], child.exitcode, *text)
+        files = [(os.path.join(tmp, f"out{r}"), os.path.join(tmp, f"err{r}"))
+                 for r in range(ranks)]
+        context = _rank_context()
+        children = [context.Process(target=_module_as_main, args=(
+            module, list(argv), rank_env, str(cwd), out, err), daemon=True)
+            for rank_env, (out, err) in zip(envs, files, strict=True)]
+        for child in children:
+            child.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for child in children:
+                child.join(max(0.0, deadline - time.monotonic()))
+            if any(child.is_alive() for child in children):
+                raise subprocess.TimeoutExpired(command, timeout)
+        finally:
+            for child in children:
+                if child.is_alive():
+                    child.kill()
+                    child.join(5)
+            del store
+        text = ["".join(Path(p).read_text(errors="replace") if os.path.exists(p) else ""
+                        for p in paths) for paths in zip(*files, strict=True)]
+        codes = [child.exitcode for child in children]
+        code = min(codes) if min(codes) < 0 else max(codes)
+        return subprocess.CompletedProcess(command, code, *text)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,

@@ -183,12 +183,12 @@ def test_memory_filter_and_no_fitting_grid():
 def test_plexus_train_grid_auto_logs_choice_and_runner_up(tmp_path):
     import json
 
-    from tests.distributed import launch
+    from tests.distributed import run_module
 
     metrics = tmp_path / "m.jsonl"
-    r = launch(["-m", "plexus.train", "--grid", "auto:perlmutter-a100", "--epochs", "1",
-                "--hidden", "16", "--metrics", str(metrics)], ranks=4, launcher="mpiexec",
-               timeout=120)
+    r = run_module("plexus.train", ["--grid", "auto:perlmutter-a100", "--epochs", "1",
+                                    "--hidden", "16", "--metrics", str(metrics)], ranks=4,
+                   timeout=120)
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("grid auto:"))
     assert "runner-up" in line and "[profile perlmutter-a100]" in line

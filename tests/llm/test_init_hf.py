@@ -8,7 +8,7 @@ import torch
 
 from llm.hf import llama as hf
 from llm.train import main as train_main
-from tests.distributed import launch, needs_mpi
+from tests.distributed import run_module
 from tests.llm.helpers import one_rank
 from tests.llm.test_train import _errors
 
@@ -79,12 +79,11 @@ def test_init_trains_with_the_models_tokenizer(hf_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@needs_mpi
 def test_init_on_8_ranks_equals_1_rank(hf_dir, tmp_path):
     one, eight = tmp_path / "1.jsonl", tmp_path / "8.jsonl"
     assert train_main(["--init", str(hf_dir), *ARGS, "--metrics", str(one)]) == 0
-    r = launch(["-m", "llm.train", "--init", str(hf_dir), *ARGS, "--grid", "1x2x2x2",
-                "--metrics", str(eight)], ranks=8, timeout=300)
+    r = run_module("llm.train", ["--init", str(hf_dir), *ARGS, "--grid", "1x2x2x2",
+                                 "--metrics", str(eight)], ranks=8, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert _loss(eight) == pytest.approx(_loss(one), rel=1e-5)
 

@@ -20,7 +20,14 @@ from llm.memorization import main as memorization_main
 from llm.sample import main as sample_main
 from llm.train import main as train_main
 from llm.train import parse_args
-from tests.distributed import ROOT, kill_one_rank_and_collect, launch, launch_env, needs_mpi
+from tests.distributed import (
+    ROOT,
+    kill_one_rank_and_collect,
+    launch,
+    launch_env,
+    needs_mpi,
+    run_module,
+)
 
 FAULT_ARGS = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "16", "--log-every", "1"]
 
@@ -124,16 +131,15 @@ def test_cli_four_ranks_prints_on_rank_0_and_checkpoints_for_any_grid(tmp_path, 
     assert "step     4/4" in capsys.readouterr().out
 
 
-@needs_mpi
 @pytest.mark.slow
 def test_cli_grid_problems_fail_on_every_rank():
-    r = launch(["-m", "llm.train", "--grid", "1x1x1x1", "--steps", "1"], ranks=2, timeout=120)
+    r = run_module("llm.train", ["--grid", "1x1x1x1", "--steps", "1"], ranks=2, timeout=120)
     assert r.returncode != 0
     msg = re.escape("grid data=1 * depth=1 * row=1 * col=1 = 1 ranks, but 2 processes were "
                     "launched")
     assert set(re.findall(r"\[rank (\d)\] error: " + msg, r.stderr)) == {"0", "1"}, r.stderr
-    r = launch(["-m", "llm.train", "--grid", "2x1x1x1", "--batch-size", "3", "--steps", "1"],
-               ranks=2, timeout=120)
+    r = run_module("llm.train", ["--grid", "2x1x1x1", "--batch-size", "3", "--steps", "1"],
+                   ranks=2, timeout=120)
     assert r.returncode != 0  # the batch is split over data x depth
     msg = re.escape("grid data=2,depth=1,row=1,col=1: batch: global_batch=3 % "
                     "(data*depth=2) = 1")
@@ -161,13 +167,13 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     assert f"resumed at step {step}" in resumed.stdout
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("mpiexec", marks=needs_mpi)])
-def test_a_lost_rank_stops_every_other_rank_with_its_name(launcher):
-    """gloo under torchrun's environment (SIGKILL); the MPI transport under mpiexec (SIGSTOP:
-    a hung rank; tests/distributed.py says why not SIGKILL there)."""
+def test_a_lost_rank_stops_every_other_rank_with_its_name():
+    """gloo under torchrun's environment, a SIGKILLed rank. Both trainers start through
+    common.run, so the other launcher (the MPI transport under mpiexec, a hung rank) is tested
+    with plexus.train (tests/plexus/test_train.py)."""
     results = kill_one_rank_and_collect(
         ["llm.train", *FAULT_ARGS, "--grid", "data=1,depth=2,row=1,col=2", "--steps", "100000"],
-        world=4, victim=1, ready="step     3/", launcher=launcher)
+        world=4, victim=1, ready="step     3/", launcher="torchrun")
     for r, (code, err, seconds) in results.items():
         assert code != 0 and seconds < 60, (r, code, seconds)
         assert f"[rank {r}] error: rank 1 was lost" in err, err[-2000:]

@@ -19,7 +19,6 @@ def _losses(path):
 
 
 @pytest.mark.slow
-@needs_mpi
 def test_resume_is_bit_for_bit(tmp_path):
     args = [*SMALL, "--grid", "1x1x2", "--learn-features"]
     a = cli([*args, "--epochs", "8", "--metrics", str(tmp_path / "a.jsonl")], 2)

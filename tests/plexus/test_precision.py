@@ -43,7 +43,7 @@ from plexus.layout import layer_widths, roles
 from plexus.loss import sharded_cross_entropy
 from plexus.model import PlexusGCN
 from plexus.sparse import BlockSparse, CSRBlock
-from tests.distributed import launch, run_ranks
+from tests.distributed import run_module, run_ranks
 from tests.plexus.data.shards import small_graph
 from tests.plexus.test_model import full_logits, rel
 
@@ -308,9 +308,8 @@ def test_bad_precision_is_refused_clearly(capsys):
 
 
 def test_cli_trains_in_bf16():
-    r = launch(["-m", "plexus.train", "--dataset", "rmat-10", "--hidden", "8", "--epochs", "2",
-                "--log-every", "1", "--precision", "bf16"], ranks=1, launcher="single",
-               timeout=300)
+    r = run_module("plexus.train", ["--dataset", "rmat-10", "--hidden", "8", "--epochs", "2",
+                                    "--log-every", "1", "--precision", "bf16"], timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "precision bf16" in r.stdout and "epoch    2/2" in r.stdout
 

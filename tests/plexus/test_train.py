@@ -18,11 +18,12 @@ from tests.distributed import kill_one_rank_and_collect, launch, needs_mpi, run_
 SMALL = ["--hidden", "16", "--log-every", "1"]
 
 
-def cli(args, n=None, timeout=300):
-    """``python -m plexus.train ARGS`` under mpiexec on ``n`` ranks, or (``n`` None) as one
-    process forked from the tests' fork server (:func:`tests.distributed.run_module`)."""
-    if n is None:
-        return run_module("plexus.train", args, timeout=timeout)
+def cli(args, n=None, timeout=300, *, mpiexec=False):
+    """``python -m plexus.train ARGS`` on ``n`` ranks (default 1) forked from the tests' fork
+    server (:func:`tests.distributed.run_module`: gloo under torchrun's environment), or with
+    ``mpiexec=True`` under mpiexec (the MPI transport), for the tests about the launcher."""
+    if not mpiexec:
+        return run_module("plexus.train", args, ranks=n or 1, timeout=timeout)
     return launch(["-m", "plexus.train", *args], ranks=n, launcher="mpiexec", timeout=timeout)
 
 
@@ -30,7 +31,8 @@ def cli(args, n=None, timeout=300):
 @needs_mpi
 def test_cli_four_ranks_writes_metrics(tmp_path):
     path = tmp_path / "m.jsonl"
-    r = cli(["--epochs", "4", "--hidden", "16", "--metrics", str(path), "--log-every", "2"], 4)
+    r = cli(["--epochs", "4", "--hidden", "16", "--metrics", str(path), "--log-every", "2"], 4,
+            mpiexec=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "grid 2x2x1 (4 ranks, mpiexec, mpi)" in r.stdout
     assert r.stdout.count("epoch    4/4") == 1  # only rank 0 prints
@@ -47,7 +49,6 @@ def test_cli_four_ranks_writes_metrics(tmp_path):
 
 
 @pytest.mark.slow
-@needs_mpi
 def test_cli_wrong_grid_fails_on_every_rank():
     r = cli(["--grid", "2x2x1", "--epochs", "1"], 2, timeout=120)
     assert r.returncode != 0
@@ -142,7 +143,6 @@ def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_says_so(tmp_path)
 
 
 @pytest.mark.slow
-@needs_mpi
 def test_ogb_format_datasets_train_through_the_real_loaders(tmp_path):
     """Tiny datasets in exact OGB on-disk format (CSV arxiv-like, npz papers100M-like) load
     through the unmodified ogb loaders and report OGB Evaluator accuracy (final and at the best
@@ -186,13 +186,14 @@ def test_ogb_format_datasets_train_through_the_real_loaders(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("mpiexec", marks=needs_mpi)])
-def test_a_lost_rank_stops_every_other_rank_with_its_name(launcher):
-    """gloo under torchrun's environment (SIGKILL); the MPI transport under mpiexec (SIGSTOP:
-    a hung rank; tests/distributed.py says why not SIGKILL there)."""
+@needs_mpi
+def test_a_lost_rank_stops_every_other_rank_with_its_name():
+    """The MPI transport under mpiexec, a hung rank (SIGSTOP; tests/distributed.py says why not
+    SIGKILL there). Both trainers start through common.run, so the other launcher (gloo under
+    torchrun's environment, a SIGKILLed rank) is tested with llm.train (tests/llm/test_train.py)."""
     results = kill_one_rank_and_collect(
         ["plexus.train", "--grid", "2x2x1", "--epochs", "100000", *SMALL], world=4, victim=2,
-        ready="epoch    3/", launcher=launcher)
+        ready="epoch    3/", launcher="mpiexec")
     for r, (code, err, seconds) in results.items():
         assert code != 0 and seconds < 60, (r, code, seconds)
         assert f"[rank {r}] error: rank 2 was lost" in err, err[-2000:]

@@ -14,7 +14,7 @@ from plexus.data.generators import planted_partition
 from plexus.data.sources import graph_source
 from plexus.data.writer import prepare
 from plexus.trainer import train_gcn
-from tests.distributed import launch, needs_mpi, run_ranks
+from tests.distributed import run_module, run_ranks
 from tests.plexus.data.shards import assert_same_shard, directed_graph, widths
 
 GRIDS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x1", "1x2x4", "4x1x2", "2x2x2"]
@@ -61,19 +61,18 @@ def _losses_both(ctx, path, graph, cfg):
 
 
 @pytest.mark.slow
-@needs_mpi
 def test_cli_prepares_and_trains_and_rejects_a_grid_that_does_not_divide_k(tmp_path):
     out = tmp_path / "planted-k4"
-    r = launch(["-m", "plexus.prepare", "--source", "planted", "--out", str(out), "--blocks",
-                "4"], launcher="single")
+    r = run_module("plexus.prepare", ["--source", "planted", "--out", str(out), "--blocks",
+                                      "4"])
     assert r.returncode == 0, r.stderr
     assert "in 4x4 blocks" in r.stdout and "1/4 bucket edges" in r.stderr
-    r = launch(["-m", "plexus.train", "--dataset", str(out), "--epochs", "2", "--hidden", "8",
-                "--grid", "1x1x2"], ranks=2)
+    r = run_module("plexus.train", ["--dataset", str(out), "--epochs", "2", "--hidden", "8",
+                                    "--grid", "1x1x2"], ranks=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "(memory-mapped)" in r.stdout and "epoch    2/2" in r.stdout
-    r = launch(["-m", "plexus.train", "--dataset", str(out), "--epochs", "1", "--grid",
-                "3x1x1"], ranks=3)
+    r = run_module("plexus.train", ["--dataset", str(out), "--epochs", "1", "--grid",
+                                    "3x1x1"], ranks=3)
     assert r.returncode != 0
     ranks = set(re.findall(r"\[rank (\d)\] error: .*?axes x=3 do not divide the 4x4", r.stderr))
     assert ranks == {"0", "1", "2"}, r.stderr
@@ -96,14 +95,13 @@ def test_grid_auto_picks_a_grid_whose_axes_divide_k(tmp_path):
 
 
 @pytest.mark.slow
-@needs_mpi
 def test_a_damaged_block_stops_every_rank_with_a_clear_error(tmp_path):
     out = tmp_path / "p"
     prepare(graph_source(directed_graph(n=80, e=500)), out, blocks=2, quiet=True)
     (out / "even" / "1_1" / "indices.npy").write_bytes(b"\x93NUMPY")  # truncated
     # 2 layers on 1x1x2: rank z=1 alone maps row block 1, so only it meets the damage
-    r = launch(["-m", "plexus.train", "--dataset", str(out), "--epochs", "1", "--layers", "2",
-                "--grid", "1x1x2"], ranks=2)
+    r = run_module("plexus.train", ["--dataset", str(out), "--epochs", "1", "--layers", "2",
+                                    "--grid", "1x1x2"], ranks=2)
     assert r.returncode != 0
     assert re.search(r"\[rank 1\] error: cannot read \S+even/1_1/indices\.npy", r.stderr), \
         r.stderr
@@ -143,13 +141,12 @@ def test_a_block_damaged_in_place_is_named_not_a_crash(tmp_path, file, value, pr
 
 
 @pytest.mark.slow
-@needs_mpi
 def test_a_column_index_damaged_in_place_stops_every_rank_without_a_signal(tmp_path):
     out = tmp_path / "p"
     prepare(graph_source(directed_graph(n=80, e=500)), out, blocks=2, quiet=True)
     _damage(out / "even" / "1_1" / "indices.npy", 0, 2**30)
-    r = launch(["-m", "plexus.train", "--dataset", str(out), "--epochs", "1", "--layers", "2",
-                "--grid", "1x1x2"], ranks=2)
+    r = run_module("plexus.train", ["--dataset", str(out), "--epochs", "1", "--layers", "2",
+                                    "--grid", "1x1x2"], ranks=2)
     assert r.returncode > 0, (r.returncode, r.stderr)  # an exit code, not a signal
     assert re.search(r"\[rank 1\] error: \S+even/1_1/\{indptr,indices,values\}\.npy: a column "
                      r"index lies outside", r.stderr), r.stderr

@@ -24,7 +24,7 @@ from plexus.data import InMemorySource, PreparedGraph, open_source
 from plexus.data.schema import FORMAT_VERSION, StaleFormatError, verify
 from plexus.data.sources import graph_source, rmat_source
 from plexus.data.writer import mean_self_loops, prepare
-from tests.distributed import launch, needs_mpi, run_ranks
+from tests.distributed import run_module, run_ranks
 from tests.plexus.data.shards import assert_same_shard, directed_graph, widths
 
 K = 4  # blocks per side: every axis of the grids below divides it; 203 nodes pad to 204
@@ -317,16 +317,15 @@ def test_a_prepared_sage_run_resumes_on_another_grid(tmp_path):
 
 
 @pytest.mark.slow
-@needs_mpi
 def test_cli_trains_sage_on_a_prepared_dataset(tmp_path):
     out = tmp_path / "planted-k4"
-    r = launch(["-m", "plexus.prepare", "--source", "planted", "--out", str(out), "--blocks",
-                "4", "--quiet"], launcher="single")
+    r = run_module("plexus.prepare", ["--source", "planted", "--out", str(out), "--blocks",
+                                      "4", "--quiet"])
     assert r.returncode == 0, r.stderr
     assert "in the mean aggregation's" in r.stdout
-    r = launch(["-m", "plexus.train", "--dataset", str(out), "--model", "sage", "--norm",
-                "batch", "--residual", "--epochs", "2", "--hidden", "8", "--grid", "1x1x2"],
-               ranks=2)
+    r = run_module("plexus.train", ["--dataset", str(out), "--model", "sage", "--norm",
+                                    "batch", "--residual", "--epochs", "2", "--hidden", "8",
+                                    "--grid", "1x1x2"], ranks=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "(memory-mapped)" in r.stdout and "epoch    2/2" in r.stdout
 

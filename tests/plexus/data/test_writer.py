@@ -17,7 +17,7 @@ from plexus.data.generators import rmat_graph
 from plexus.data.schema import verify
 from plexus.data.sources import edge_file_source, graph_source, rmat_source
 from plexus.data.writer import prepare
-from tests.distributed import launch
+from tests.distributed import run_module
 from tests.plexus.data.shards import assert_same_shard, directed_graph, memory_shard, widths
 
 
@@ -77,7 +77,7 @@ def test_damage_is_detected(tmp_path):
     raw[-1] ^= 0xFF
     vals.write_bytes(raw)
     assert verify(out) == ["even/1_0/values.npy"]
-    r = launch(["-m", "plexus.prepare", "--verify", str(out)], launcher="single")
+    r = run_module("plexus.prepare", ["--verify", str(out)])
     assert r.returncode == 1 and "even/1_0/values.npy" in r.stdout
     (out / "even" / "0_1" / "indices.npy").write_bytes(b"\x93NUMPY")  # truncated
     pg = PreparedGraph(out)
