@@ -3,14 +3,16 @@
     python bench/comm_backends.py                     # all three jobs, 4 ranks each
     python bench/comm_backends.py --jobs planted --epochs 20       # make train's job only
     python bench/comm_backends.py --json runs/comm.json            # also the measurements
+    python bench/comm_backends.py --jobs planted --ranks 2         # 2 ranks (the tests' run)
 
-Jobs (issue 12), each launched under mpiexec on 4 ranks once per transport:
+Jobs (issue 12), each launched under mpiexec on 4 ranks (``--ranks 2``: 2) once per transport
+(the grids below are the 4-rank ones; at 2 ranks the first axis of each drops to 1):
 
 * plexus: ``python -m plexus.train --dataset rmat-16 --grid 2x2x1 --hidden 128 --layers 3``
   (R-MAT scale 16: 65,536 nodes);
 * llm: ``python -m llm.train --preset tiny --grid data=1,depth=1,row=2,col=2``;
 * planted: ``make train``'s job (``python -m plexus.train --grid 2x2x1``: the built-in planted
-  graph), also run on 1 rank, printing the 4-rank / 1-rank epoch time (target <= 5).
+  graph), also run on 1 rank, printing the N-rank / 1-rank epoch time (target <= 5).
 
 Each job writes ``--metrics`` JSON lines; the bench takes the median epoch (plexus) or step
 (llm) time over all but the first (warm-up), and the median share of it spent inside
@@ -35,23 +37,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMS = ("torch", "mpi")
-RANKS = 4
+RANKS = (2, 4)
 SCALING_TARGET = 5.0  # issue 12: the planted job's 4-rank / 1-rank epoch time at most 5
+GRIDS = {1: ("1x1x1", "row=1,col=1"), 2: ("1x2x1", "row=1,col=2"), 4: ("2x2x1", "row=2,col=2")}
 
 
-def job_args(job: str, args: argparse.Namespace, ranks: int = RANKS) -> list[str]:
+def job_args(job: str, args: argparse.Namespace, ranks: int) -> list[str]:
+    plexus_grid, llm_axes = GRIDS[ranks]
     if job == "planted":
-        return ["-m", "plexus.train", "--grid", "2x2x1" if ranks > 1 else "1x1x1", "--epochs",
-                str(args.epochs), "--log-every", "1000"]
+        return ["-m", "plexus.train", "--grid", plexus_grid, "--epochs", str(args.epochs),
+                "--log-every", "1000"]
     if job == "plexus":
-        return ["-m", "plexus.train", "--dataset", "rmat-16", "--grid", "2x2x1", "--hidden",
+        return ["-m", "plexus.train", "--dataset", "rmat-16", "--grid", plexus_grid, "--hidden",
                 "128", "--layers", "3", "--epochs", str(args.epochs), "--log-every", "1000"]
-    return ["-m", "llm.train", "--preset", "tiny", "--grid", "data=1,depth=1,row=2,col=2",
+    return ["-m", "llm.train", "--preset", "tiny", "--grid", f"data=1,depth=1,{llm_axes}",
             "--steps", str(args.steps), "--log-every", "1000", "--eval-batches", "0"]
 
 
-def run_job(job: str, comm: str, args: argparse.Namespace, tmp: Path, ranks: int = RANKS
-            ) -> dict:
+def run_job(job: str, comm: str, args: argparse.Namespace, tmp: Path, ranks: int) -> dict:
     """Launch one job; return every iteration's time, comm seconds, comm bytes and loss, and
     the median time and comm share over all but the first (warm-up)."""
     metrics = tmp / f"{job}-{comm}-{ranks}.jsonl"
@@ -77,7 +80,7 @@ def run_job(job: str, comm: str, args: argparse.Namespace, tmp: Path, ranks: int
 
 
 def summarize(by_comm: dict[str, dict]) -> dict[str, float | bool]:
-    """One job's ratios: torch / mpi time, and with a 1-rank run the ``RANKS``-rank (mpi) /
+    """One job's ratios: torch / mpi time, and with a 1-rank run the N-rank (mpi) /
     1-rank time and whether it meets ``SCALING_TARGET``."""
     out: dict[str, float | bool] = {
         "torch_over_mpi": by_comm["torch"]["seconds"] / by_comm["mpi"]["seconds"]}
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list from planted, plexus, llm")
     p.add_argument("--epochs", type=int, default=8, help="plexus epochs (first is warm-up)")
     p.add_argument("--steps", type=int, default=12, help="llm steps (first is warm-up)")
+    p.add_argument("--ranks", type=int, choices=RANKS, default=4,
+                   help="ranks per launch (default 4, as issue 12 measures)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     p.add_argument("--json", type=Path, metavar="PATH",
                    help="also write the measurements and the printed values as JSON")
@@ -116,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.epochs, args.steps) < 2:
         p.error("need --epochs and --steps >= 2 (the first is warm-up)")
     results: dict[str, dict[str, dict]] = {}
-    print(f"comm backends bench: {RANKS} ranks under mpiexec, each job once per transport")
+    print(f"comm backends bench: {args.ranks} ranks under mpiexec, each job once per transport")
     with tempfile.TemporaryDirectory(prefix="comm_backends_") as tmp:
         for job in jobs:
-            results[job] = {c: run_job(job, c, args, Path(tmp)) for c in COMMS}
+            results[job] = {c: run_job(job, c, args, Path(tmp), args.ranks) for c in COMMS}
             if job == "planted":
                 results[job]["one rank"] = run_job(job, "none", args, Path(tmp), ranks=1)
     summary = {job: summarize(by_comm) for job, by_comm in results.items()}
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['iterations']:>7}")
         print(f"{job:<8}torch / mpi time = {summary[job]['torch_over_mpi']:.2f}")
         if "ranks_over_one" in summary[job]:
-            print(f"{job:<8}{RANKS} ranks (mpi) / 1 rank epoch time = "
+            print(f"{job:<8}{args.ranks} ranks (mpi) / 1 rank epoch time = "
                   f"{summary[job]['ranks_over_one']:.2f} (target <= {SCALING_TARGET:g}: "
                   + ("met)" if summary[job]["target_met"] else "MISSED)"))
     failures = [f for job, by_comm in results.items() for f in mismatches(job, by_comm)]
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "command": " ".join(["python", "bench/comm_backends.py",
                                  *(sys.argv[1:] if argv is None else argv)]),
-            "ranks": RANKS, "epochs": args.epochs, "steps": args.steps, "warmup": 1,
+            "ranks": args.ranks, "epochs": args.epochs, "steps": args.steps, "warmup": 1,
             "scaling_target": SCALING_TARGET, "failures": failures,
             "jobs": {job: {"runs": by_comm, **summary[job]} for job, by_comm in results.items()}
         }, indent=1))
