@@ -48,7 +48,8 @@ def _shared_fixture_group(item) -> str | None:
         scope = defs[-1].scope
         if scope == "session":
             param = getattr(getattr(item, "callspec", None), "params", {}).get(name)
-            return name if param is None else f"{name}[{param}]"
+            # no brackets: xdist reads an id's group only after its last "]"
+            return name if param is None else f"{name}-{param}"
         if scope in ("module", "package") and group is None:
             group = item.nodeid.partition("::")[0]
     return group

@@ -15,6 +15,12 @@ def shared() -> int:
     return os.getpid()
 
 
+@pytest.fixture(scope="session", params=["one"])
+def shared_per_param(request) -> str:
+    """A parametrized session fixture of ours: its tests form one group per parameter."""
+    return request.param
+
+
 def test_tests_of_one_shared_fixture_form_one_xdist_group(request, shared):
     if not request.config.getoption("loadgroup", default=False):
         pytest.skip("runs only under pytest-xdist's --dist loadgroup (make test)")
@@ -23,3 +29,14 @@ def test_tests_of_one_shared_fixture_form_one_xdist_group(request, shared):
     # disappears (pytest-dev/pytest-xdist#1386 on pytest 9.2)
     assert request.node.nodeid.endswith("@tests/test_suite_setup.py"), request.node.nodeid
 
+
+
+def test_the_tests_of_a_parametrized_session_fixture_form_one_group(request, shared_per_param):
+    if not request.config.getoption("loadgroup", default=False):
+        pytest.skip("runs only under pytest-xdist's --dist loadgroup (make test)")
+    # xdist takes the group from after the id's last "@" only when no "]" follows it, so a
+    # group named "fixture[param]" would silently group nothing (the 4-rank llm launches ran
+    # twice per transport that way)
+    nodeid = request.node.nodeid
+    assert nodeid.endswith("[one]@shared_per_param-one"), nodeid
+    assert nodeid.rfind("@") > nodeid.rfind("]"), nodeid
