@@ -156,7 +156,7 @@ def test_ogb_format_datasets_train_through_the_real_loaders(tmp_path):
     write_arxiv_like(tmp_path, num_nodes=300)
     write_papers100m_like(tmp_path, num_nodes=400)
     jobs = {"ogbn-arxiv": (["--grid", "2x1x2", "--model", "sage", "--dropout", "0.5", "--norm",
-                            "batch", "--symmetrize", "--runs", "2", "--epochs", "12"], 4),
+                            "batch", "--symmetrize", "--runs", "2", "--epochs", "8"], 4),
             "ogbn-papers100M": (["--grid", "1x1x2", "--epochs", "15"], 2)}
     for name, (extra, ranks) in jobs.items():
         path = tmp_path / f"{name}.jsonl"
