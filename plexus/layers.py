@@ -8,7 +8,7 @@ Each piece gives, on any grid, the numbers the serial model gives (parallel == s
   the same entries as 1 rank.
 * :class:`ShardedBatchNorm` normalises a block [N/P, D/O] (rows split over P, replicated over
   I) with statistics over the real rows of the whole graph: the per-column sums are all-reduced
-  over P in the forward pass and their gradients in the backward pass.
+  over P in the forward pass and the gradient's column sums in the backward pass.
 * :class:`ShardedLayerNorm` normalises each row over the real columns, all-reduced over O.
 
 Padding: rows and columns that only exist to make the grid divide are masked out of every
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from common import autograd
+from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 
@@ -91,6 +92,45 @@ def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor
     return _Dropout.apply(x, keep, p)
 
 
+class _RowSplitBatchNorm(torch.autograd.Function):
+    """Training-mode batch norm of a block whose rows are split over ``group``, in few passes
+    over the block: the statistics are matrix-vector products with the real-row mask (no
+    masked copy of ``q``), the centred block is the one tensor kept for backward (in bf16
+    under :class:`plexus.ops.StoredIn`, like every kept activation), and backward all-reduces
+    its two column sums in one call. The same mathematics as composing the tensor operations
+    under autograd (the statistics' gradient included: padded rows feed no statistic but get
+    the affine map's gradient): 8 passes over the block forward and 14 backward, against
+    about 45 for the composition, and three all-reduces instead of six.
+
+    Shapes: q [R, D], weight and bias [D], mask [R] (1.0 for real rows) -> y [R, D], and the
+    batch mean and (biased) variance [D] for the running statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, q, weight, bias, mask, num_rows, eps, group, stats):
+        mean = coll.all_reduce(mask @ q, group, stats=stats) / num_rows
+        centred = q - mean
+        var = coll.all_reduce(mask @ centred.square(), group, stats=stats) / num_rows
+        inv = torch.rsqrt(var + eps)
+        ctx.save_for_backward(centred, weight, mask, inv)
+        ctx.num_rows, ctx.group, ctx.stats = num_rows, group, stats
+        ctx.mark_non_differentiable(mean, var)
+        return torch.addcmul(bias, centred, weight * inv), mean, var
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar):
+        centred, weight, mask, inv = ctx.saved_tensors
+        # over every row of every member: sum dy (the bias's gradient) and sum dy (q - mean)
+        sums = torch.stack([dy.sum(0), (dy * centred).sum(0)])
+        d_bias, d_centred = coll.all_reduce(sums, ctx.group, stats=ctx.stats)
+        scale = weight * inv
+        # dq = dy s - mask (s / n) (sum dy + inv^2 sum(dy (q - mean)) (q - mean)), s = w inv
+        dq = torch.addcmul(scale * d_bias / ctx.num_rows, centred,
+                           scale * inv * inv * d_centred / ctx.num_rows)
+        dq.mul_(mask[:, None]).neg_().addcmul_(dy, scale)
+        return dq, d_centred * inv, d_bias, None, None, None, None, None
+
+
 class ShardedBatchNorm(nn.Module):
     """BatchNorm1d over the rows of a block [N/P, D/O] whose rows are split over ``group_p``.
 
@@ -100,6 +140,11 @@ class ShardedBatchNorm(nn.Module):
         num_rows: real rows in the whole graph (the statistics' count).
         group_p: the axis the rows are split over.
         eps, momentum: as torch.nn.BatchNorm1d (running variance unbiased).
+
+    In training, three all-reduces over P of [D/O] vectors per pass and layer: the column sum
+    and the sum of squares forward, both gradient sums (of the bias and of the centred block)
+    in one call of two vectors backward; the affine parameters' gradients are those sums,
+    already over every row (:class:`_RowSplitBatchNorm`).
 
     Shapes:
         forward: q [N/P, D/O] -> [N/P, D/O]
@@ -111,24 +156,23 @@ class ShardedBatchNorm(nn.Module):
         self.group_p, self.num_rows, self.eps, self.momentum = group_p, num_rows, eps, momentum
         self.weight = nn.Parameter(torch.ones(width))
         self.bias = nn.Parameter(torch.zeros(width))
-        self.register_buffer("row_mask", real_rows.to(torch.float32)[:, None], persistent=False)
+        self.register_buffer("row_mask", real_rows.to(torch.float32), persistent=False)
         self.register_buffer("running_mean", torch.zeros(width))
         self.register_buffer("running_var", torch.ones(width))
 
     def forward(self, q: torch.Tensor, stats: CommStats | None = None) -> torch.Tensor:
         g, n = self.group_p, self.num_rows
-        if self.training:  # the column sums feed every member's rows: reduced in both passes
-            mean = autograd.all_reduce_all_reduce((q * self.row_mask).sum(0), g, stats) / n
-            d = (q - mean) * self.row_mask
-            var = autograd.all_reduce_all_reduce((d * d).sum(0), g, stats) / n
-            with torch.no_grad():
-                m = self.momentum
-                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
-                self.running_var.mul_(1 - m).add_(var.detach() * (n / max(n - 1, 1)), alpha=m)
-        else:
-            mean, var = self.running_mean, self.running_var
-        scale = autograd.identity_all_reduce(self.weight, g, stats) * torch.rsqrt(var + self.eps)
-        return (q - mean) * scale + autograd.identity_all_reduce(self.bias, g, stats)
+        if not self.training:
+            scale = self.weight * torch.rsqrt(self.running_var + self.eps)
+            return (q - self.running_mean) * scale + self.bias
+        y, mean, var = _RowSplitBatchNorm.apply(q, self.weight, self.bias,
+                                                self.row_mask.to(q.dtype), n, self.eps, g,
+                                                stats)
+        with torch.no_grad():
+            m = self.momentum
+            self.running_mean.mul_(1 - m).add_(mean, alpha=m)
+            self.running_var.mul_(1 - m).add_(var * (n / max(n - 1, 1)), alpha=m)
+        return y
 
 
 class ShardedLayerNorm(nn.Module):

@@ -144,10 +144,11 @@ class GCNWorkload:
             decides from ``labelled_fraction``).
         overlap: the model's option of that name (None: :func:`overlap_pays` decides from
             the grid); :func:`overlap_hidden_seconds` is what it hides.
-        norm: ``none``, ``batch`` or ``layer`` after every hidden layer: per hidden layer two
-            all-reduces of the column statistics ``[D/O]`` over P (batch; layer: of the row
-            statistics ``[N/P]`` over O) in each pass, about ten elementwise passes over Q, and
-            Q kept for backward.
+        norm: ``none``, ``batch`` or ``layer`` after every hidden layer: per hidden layer
+            batch norm all-reduces two column statistics ``[D/O]`` over P forward and both
+            gradient sums in one call backward, in 22 elementwise passes over Q (layer norm:
+            two row statistics ``[N/P]`` over O in each pass and the affine gradients over P,
+            in about 45 passes); Q kept for backward.
         precision: ``fp32`` or ``bf16`` (the model's option of that name: the input features,
             their all-gather and the activations kept for backward in 2 bytes; see the module
             docstring). bf16 cannot learn the features.
@@ -300,8 +301,10 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
             # mean and variance, both passes; the affine weight and bias are replicated over
             # P and their gradients all-reduced there (plexus.layers)
             affine_bytes = w[layer + 1] // O * F32
-            if work.norm == "batch":  # statistics per column, over the rows' axis P
-                out.append(Collective(p, "all_reduce", affine_bytes, count=6))
+            if work.norm == "batch":  # statistics per column, over the rows' axis P: the sum
+                # and the sum of squares forward, both gradient sums in one call backward
+                out.append(Collective(p, "all_reduce", affine_bytes, count=2))
+                out.append(Collective(p, "all_reduce", 2 * affine_bytes))
             else:  # layer norm: statistics per row, over the columns' axis O
                 out.append(Collective(o, "all_reduce", rows * F32, count=4))
                 out.append(Collective(p, "all_reduce", affine_bytes, count=2))
@@ -368,8 +371,10 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         moved += 2 * q * (I > 1)  # copy of Q for its all-reduce
         if layer < work.num_layers - 1:
             moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
-            if work.norm != "none":
-                moved += 10 * q  # statistics, normalise, affine; their backward
+            if work.norm == "batch":  # plexus.layers._RowSplitBatchNorm: 8 passes over
+                moved += 22 * q  # the block forward, 14 backward
+            elif work.norm == "layer":  # tensor operations under autograd: 16 passes
+                moved += 45 * q  # forward, about twice that backward
         params += k * round_up(a * b, P) // P
     o, _, p = roles(work.num_layers - 1)
     moved += 12 * last_rows * (w[-1] // shape[o]) * F32  # loss, softmax, argmax passes
