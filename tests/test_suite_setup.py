@@ -11,7 +11,8 @@ import pytest
 
 @pytest.fixture(scope="module")
 def shared() -> int:
-    """A module-scoped fixture of ours: its tests form one xdist group (the module)."""
+    """A module-scoped fixture of ours: its tests form one xdist group (the module); its value
+    is not used."""
     return os.getpid()
 
 
@@ -28,7 +29,6 @@ def test_tests_of_one_shared_fixture_form_one_xdist_group(request, shared):
     # pytest release changes how node ids are stored, the suffix (and the grouping) silently
     # disappears (pytest-dev/pytest-xdist#1386 on pytest 9.2)
     assert request.node.nodeid.endswith("@tests/test_suite_setup.py"), request.node.nodeid
-
 
 
 def test_the_tests_of_a_parametrized_session_fixture_form_one_group(request, shared_per_param):
