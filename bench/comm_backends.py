@@ -37,9 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMS = ("torch", "mpi")
-RANKS = (2, 4)
 SCALING_TARGET = 5.0  # issue 12: the planted job's 4-rank / 1-rank epoch time at most 5
+# ranks -> the plexus grid and the llm row/col axes of every job at that size
 GRIDS = {1: ("1x1x1", "row=1,col=1"), 2: ("1x2x1", "row=1,col=2"), 4: ("2x2x1", "row=2,col=2")}
+RANKS = tuple(r for r in GRIDS if r > 1)  # --ranks choices (1 rank is the planted baseline)
 
 
 def job_args(job: str, args: argparse.Namespace, ranks: int) -> list[str]:

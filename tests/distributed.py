@@ -108,13 +108,18 @@ def launch(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec",
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def _torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun gives rank ``rank`` of ``world`` on one node, with the rendezvous store the
+    test process owns on ``port`` (``TORCHELASTIC_USE_AGENT_STORE``: connect to it, as to
+    torchrun's agent)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
             out: Any) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        TORCHELASTIC_USE_AGENT_STORE="True",  # connect to the parent's store, as under torchrun
-    )
+    os.environ.update(_torchrun_env(rank, world, port))
     try:
         from common.dist import init_distributed
 
@@ -195,10 +200,7 @@ def run_module(module: str, argv: Sequence[str], *, ranks: int = 1,
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
-        envs = [{**envs[0], "RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r),
-                 "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-                for r in range(ranks)]
+        envs = [{**envs[0], **_torchrun_env(r, ranks, store.port)} for r in range(ranks)]
     command = ["-m", module, *argv]
     with tempfile.TemporaryDirectory() as tmp:
         files = [(os.path.join(tmp, f"out{r}"), os.path.join(tmp, f"err{r}"))
@@ -303,11 +305,9 @@ def kill_one_rank_and_collect(args: list[str], world: int, victim: int, ready: s
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     procs = []
     for r in range(world):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-               "OMP_NUM_THREADS": "1", "HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s),
-               ENV_DEVICE: "cpu", "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **_torchrun_env(r, world, store.port), "OMP_NUM_THREADS": "1",
+               "HPC_HEARTBEAT_TIMEOUT": str(heartbeat_s), ENV_DEVICE: "cpu",
+               "PYTHONPATH": str(ROOT)}
         procs.append(subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = {}
