@@ -39,10 +39,8 @@ Compute per rank:
 * Elementwise: ReLU forward/backward, the out-of-place copy of each all-reduce, the loss and
   AdamW, as bytes / memory bandwidth.
 
-Memory per rank: ``min(6, L)`` adjacency shards with their transposes (CSR), the feature shard,
-weights + gradients + AdamW state, activations kept for backward (``H_l`` for ``dW``,
-``F_l+1 = relu(Q_l)`` for the ReLU, the logits for the loss, the cached ``H_0``), and the
-largest transient (a gathered ``F_0``/``W`` or a collective copy) (:func:`gcn_memory_parts`).
+Memory per rank: :mod:`common.perf.gcn_memory` (persistent shards, what each layer keeps for
+backward, and the largest set of short-lived tensors of the step, phase by phase).
 
 ``precision="bf16"`` (plexus.train --precision bf16, docs/design/plexus-3d.md section 11): the
 feature shard, its all-gather (1), the layer-0 SpMM's gathered rows, the kept ``H_l``, the
@@ -59,6 +57,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.grid import ProcessGrid, ceil_div, round_up
+from common.perf.gcn_memory import gcn_memory
+from common.perf.gcn_memory import gcn_memory_parts as gcn_memory_parts  # re-exported
+from common.perf.gcn_memory import gcn_memory_phases as gcn_memory_phases  # re-exported
 from common.perf.machine import MachineProfile
 from common.perf.model import (
     Collective,
@@ -232,6 +233,10 @@ class GCNWorkload:
         if not labelled_rows_pay(self.labelled_fraction, self.labelled_rows_only):
             return n // num_p
         return min(n // num_p, round(self.labelled_fraction * self.num_nodes / num_p))
+
+    def axes(self, layer: int) -> tuple[str, str, str]:
+        """(outer, inner, depth) axes of ``layer``: :func:`roles`."""
+        return roles(layer)
 
     def index_width(self) -> int:
         if self.index_bytes is not None:
@@ -434,61 +439,6 @@ def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
             if backward:
                 hidden += (k - 1) / k * min(s_b, c2)  # (7) moves what (2) moved
     return hidden
-
-
-def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
-    """Bytes per rank: adjacency (+ transposes, + the last layer's labelled rows), features,
-    weights with AdamW state, activations kept for backward, and the largest transient
-    buffer (the sum of :func:`gcn_memory_parts`)."""
-    return sum(gcn_memory_parts(work, shape).values())
-
-
-def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, float]:
-    """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
-    last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
-    and AdamW moments when trained), ``weights`` (``W``, ``dW`` and the AdamW moments),
-    ``kept_h`` (every ``H_l``, and GraphSAGE's ``R_l``, kept for ``dW``), ``kept_other`` (the
-    logits, ReLU and dropout masks, the norm's input), ``cached_h0`` and ``transient`` (the
-    largest: a gathered ``F_0`` or ``W``, or a collective's copy)."""
-    n, w = work.padded(shape)
-    idx, k, kept = work.index_width(), work.terms, work.stored_bytes
-    last, last_rows = work.num_layers - 1, work.output_rows(shape)
-    parts = dict.fromkeys(("adjacency", "features", "weights", "kept_h", "kept_other",
-                           "cached_h0", "transient"), 0.0)
-    total = 0.0
-    for layer in range(min(6, work.num_layers)):
-        o, _, p = roles(layer)
-        nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
-        if k == 2:  # GraphSAGE's root blocks
-            nnz += work.num_nodes / (shape[p] * shape[o])
-        rows_a, rows_t = n // shape[p], n // shape[o]
-        total += 2 * nnz * (idx + F32) + k * (rows_a + rows_t + 2) * idx
-        if layer == last % 6 and last_rows < rows_a:  # the labelled rows and their transpose
-            total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
-                last_rows + rows_t + 2) * idx
-    parts["adjacency"] = total
-    f0 = (n // shape["x"]) * (w[0] // shape["y"])
-    parts["features"] = round_up(f0, shape["z"]) // shape["z"] * (
-        4 * F32 if work.learn_features else kept)
-    transient = f0 * kept  # gathered F_0
-    for layer in range(work.num_layers):
-        o, i, p = roles(layer)
-        a, b, rows = w[layer] // shape[i], w[layer + 1] // shape[o], n // shape[p]
-        rows = last_rows if layer == last else rows
-        parts["weights"] += k * 4 * round_up(a * b, shape[p]) // shape[p] * F32  # W, dW, Adam
-        parts["kept_h"] += k * rows * a * kept  # H_l (and R_l) kept for dW
-        # logits kept; hidden layers keep relu's bool mask (and the norm's input)
-        parts["kept_other"] += rows * b * (F32 if layer == last else 1)
-        if work.norm != "none" and layer != last:
-            parts["kept_other"] += rows * b * kept
-        if work.dropout > 0:  # the dropout's bool keep-mask of F_l [N/O, D_l/I]
-            parts["kept_other"] += (n // shape[o]) * a
-        transient = max(transient, a * b * F32 * 2, 2 * rows * max(a, b) * F32)
-    if not work.learn_features and work.cache_first_aggregation:
-        rows = last_rows if last == 0 else n // shape["z"]
-        parts["cached_h0"] = k * rows * (w[0] // shape["y"]) * kept  # cached H_0 (R_0)
-    parts["transient"] = transient
-    return parts
 
 
 def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],

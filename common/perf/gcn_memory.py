@@ -1,0 +1,199 @@
+"""Peak memory per rank of a Plexus 3D GCN/GraphSAGE training step (docs/design/perf-model.md
+section "Memory"): what lives for the whole run, and the largest set of tensors alive at any
+one moment of the step, found by walking the step phase by phase as plexus.model runs it.
+
+Persistent bytes: ``min(6, L)`` adjacency shards with their transposes (CSR; GraphSAGE's root
+blocks; the last layer's labelled rows), the feature shard (with its gradient and AdamW
+moments when trained), and every weight with ``dW`` and the AdamW moments.
+
+Kept for backward, per layer ``l`` with roles (O, I, P): ``H_l`` (and GraphSAGE's ``R_l``)
+``[N/P, D_l/I]`` for ``dW``, in the stored precision; the ReLU's bool mask and the batch or
+layer norm's centred block ``[N/P, D_l+1/O]``; the logits of the last layer; the dropout
+keep-mask of ``F_l``. With fixed features the cached ``H_0`` *is* the ``H_0`` kept for
+``dW`` (the same storage), so it is counted once.
+
+The step's phases, in order, each adding its short-lived tensors (float32) to what is kept
+by then:
+
+* forward, layer ``l``: the input ``F_l [N/O, D_l/I]`` (layer 0: the all-gathered ``F_0`` of
+  the first epoch) while ``H``/``R`` are written and all-reduced over O; then ``Q = H W``
+  (GraphSAGE: ``H W + R W_r``, three blocks at the sum) all-reduced over I; then the norm
+  (its input, its output and the centred block it keeps);
+* the loss on the logits, and their gradient;
+* backward, layer ``l`` from the last: the ReLU's backward (``dy`` and its output) and the
+  norm's (``dy``, a product and ``dq``);
+  ``dQ`` with one of ``dH``/``dR`` while ``H_l`` is still kept; then ``dH`` (and ``dR``)
+  all-reduced over O; the transposed SpMM's output ``dF [N/O, D_l/I]`` beside them
+  (GraphSAGE: two, the second added into the first as autograd does); ``dF`` all-reduced
+  over P. Layer 0 with fixed features has no ``dH``.
+
+An in-place all-reduce of ``B`` bytes over more than one rank needs a ``B/2`` receive buffer
+(MPICH's reduce-scatter halving; measured with mpich 4 on 2, 4 and 8 ranks; NCCL needs none,
+so on GPUs this over-counts by at most half a block). Gathered weights and their gradients
+(``2 D_l/I D_l+1/O`` floats) are the smallest transients and count where they are larger.
+Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from common.grid import round_up
+
+__all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
+
+F32 = 4
+PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
+
+
+class GCNWorkload(Protocol):
+    """What the memory model reads of :class:`common.perf.gcn.GCNWorkload` (a protocol, so
+    that this module does not import the one that imports it)."""
+
+    @property
+    def nnz(self) -> int: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def imbalance(self) -> float: ...
+    @property
+    def learn_features(self) -> bool: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def norm(self) -> str: ...
+    @property
+    def terms(self) -> int: ...
+    @property
+    def stored_bytes(self) -> int: ...
+    def padded(self, shape: Mapping[str, int]) -> tuple[int, list[int]]: ...
+    def output_rows(self, shape: Mapping[str, int]) -> int: ...
+    def axes(self, layer: int) -> tuple[str, str, str]: ...
+    def index_width(self) -> int: ...
+
+
+def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
+    """Peak bytes per rank of a training step on grid ``{"x": X, "y": Y, "z": Z}``: the sum of
+    :func:`gcn_memory_parts`."""
+    return sum(gcn_memory_parts(work, shape).values())
+
+
+def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, float]:
+    """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
+    last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
+    and AdamW moments when trained), ``weights`` (``W``, ``dW`` and the AdamW moments),
+    ``kept_h`` (every ``H_l``, and GraphSAGE's ``R_l``, kept for ``dW``; the cached ``H_0`` is
+    layer 0's), ``kept_other`` (the logits, ReLU and dropout masks, the norm's centred block)
+    and ``transient`` (what the peak phase of :func:`gcn_memory_phases` holds beyond all that
+    is kept)."""
+    layers = _layers(work, shape)
+    parts = dict.fromkeys(PARTS, 0.0)
+    parts["adjacency"] = _adjacency(work, shape)
+    n, w = work.padded(shape)
+    f0 = (n // shape["x"]) * (w[0] // shape["y"])
+    parts["features"] = round_up(f0, shape["z"]) // shape["z"] * (
+        4 * F32 if work.learn_features else work.stored_bytes)
+    for lay in layers:
+        parts["weights"] += work.terms * 4 * round_up(lay["a"] * lay["b"], lay["p"]) \
+            // lay["p"] * F32  # W, dW and the two AdamW moments, flat shards
+        parts["kept_h"] += lay["kept_h"]
+        parts["kept_other"] += lay["kept_other"]
+    kept = parts["kept_h"] + parts["kept_other"]
+    parts["transient"] = max(0.0, max(gcn_memory_phases(work, shape).values()) - kept)
+    return parts
+
+
+def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, float]:
+    """Bytes per rank alive beyond the persistent ones (adjacency, features, weights) at each
+    phase of a training step (module docstring), keyed ``"forward 0 aggregate"``,
+    ``"backward 2 dF"`` and so on."""
+    layers = _layers(work, shape)
+    k, last = work.terms, len(layers) - 1
+    phases: dict[str, float] = {}
+    before = 0.0  # kept by the layers before this one
+    for lay in layers:
+        rows, a, b = lay["rows"], lay["a"], lay["b"]
+        weights = 2 * a * b * F32  # gathered W and its product's operand
+        h32 = rows * a * F32
+        if lay["index"] == 0 and not work.learn_features:
+            f_in = lay["in_rows"] * a * work.stored_bytes  # the first epoch's gathered F_0
+        else:
+            f_in = lay["in_rows"] * a * F32
+        base = before + lay["dropout"]
+        phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h32 + max(
+            _reduce_buffer(h32, lay["o_size"]), weights)
+        q32 = rows * b * F32
+        wide_h = h32 if work.stored_bytes != F32 else 0  # bf16: the float32 H until H W
+        phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (
+            3 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"]), weights)
+        if lay["index"] < last and work.norm != "none":
+            phases[f"forward {lay['index']} norm"] = base + lay["kept_h"] + lay["norm"] + 2 * q32
+        before += lay["kept_h"] + lay["kept_other"] + lay["dropout"]
+    top = layers[-1]
+    phases["loss"] = before + 2 * top["rows"] * top["b"] * F32  # softmax temporaries, dlogits
+    for lay in reversed(layers):
+        rows, a, b = lay["rows"], lay["a"], lay["b"]
+        h32, q32 = rows * a * F32, rows * b * F32
+        own = lay["kept_h"] + lay["kept_other"] + lay["dropout"]
+        before -= own
+        base = before + lay["dropout"]
+        if lay["index"] < last:  # the ReLU's backward (dy, its output), the norm's (dy, a
+            blocks = 3 if work.norm != "none" else 2  # product, dq)
+            phases[f"backward {lay['index']} activation"] = before + own + blocks * q32
+        grad_in = lay["index"] > 0 or work.learn_features
+        phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + q32 + (
+            h32 if grad_in else 0) + 2 * a * b * F32
+        if grad_in:  # dH (dR) all-reduced over O; A^T dH (+ S^T dR, summed in place);
+            df = lay["in_rows"] * a * F32  # then dF all-reduced over P
+            phases[f"backward {lay['index']} dF"] = base + max(
+                k * h32 + _reduce_buffer(h32, lay["o_size"]), k * h32 + df,
+                (k - 1) * h32 + k * df, df + _reduce_buffer(df, lay["p_size"]))
+    return phases
+
+
+def _reduce_buffer(nbytes: float, group_size: int) -> float:
+    """The receive buffer of an in-place all-reduce of ``nbytes`` over ``group_size`` ranks."""
+    return nbytes / 2 if group_size > 1 else 0.0
+
+
+def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
+    """Per layer: its index, ``rows`` (of H and Q), ``in_rows`` (of F_l), widths ``a`` (D_l/I)
+    and ``b`` (D_l+1/O), the sizes of O, I and P, and the bytes it keeps for backward."""
+    n, w = work.padded(shape)
+    k, kept = work.terms, work.stored_bytes
+    last, last_rows = work.num_layers - 1, work.output_rows(shape)
+    out = []
+    for layer in range(work.num_layers):
+        o, i, p = work.axes(layer)
+        a, b = w[layer] // shape[i], w[layer + 1] // shape[o]
+        rows = last_rows if layer == last else n // shape[p]
+        norm = rows * b * kept if work.norm != "none" and layer != last else 0
+        other = rows * b * (F32 if layer == last else 1) + norm  # logits, or the ReLU mask
+        out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,
+                    "o_size": shape[o], "i_size": shape[i], "p_size": shape[p], "p": shape[p],
+                    "kept_h": k * rows * a * kept, "kept_other": other, "norm": norm,
+                    "dropout": (n // shape[o]) * a if work.dropout > 0 else 0})
+    return out
+
+
+def _adjacency(work: GCNWorkload, shape: Mapping[str, int]) -> float:
+    """CSR bytes per rank: ``min(6, L)`` blocks and their transposes (and GraphSAGE's root
+    blocks), plus the last layer's labelled rows and their transpose."""
+    n, _ = work.padded(shape)
+    idx, k = work.index_width(), work.terms
+    last, last_rows = work.num_layers - 1, work.output_rows(shape)
+    total = 0.0
+    for layer in range(min(6, work.num_layers)):
+        o, _, p = work.axes(layer)
+        nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
+        if k == 2:  # GraphSAGE's root blocks
+            nnz += work.num_nodes / (shape[p] * shape[o])
+        rows_a, rows_t = n // shape[p], n // shape[o]
+        total += 2 * nnz * (idx + F32) + k * (rows_a + rows_t + 2) * idx
+        if layer == last % 6 and last_rows < rows_a:  # the labelled rows and their transpose
+            total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
+                last_rows + rows_t + 2) * idx
+    return total
