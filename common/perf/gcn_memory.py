@@ -2,15 +2,17 @@
 section "Memory"): what lives for the whole run, and the largest set of tensors alive at any
 one moment of the step, found by walking the step phase by phase as plexus.model runs it.
 
-Persistent bytes: ``min(6, L)`` adjacency shards with their transposes (CSR; GraphSAGE's root
-blocks; the last layer's labelled rows), the feature shard (with its gradient and AdamW
+Persistent bytes: the adjacency blocks of ``min(6, L)`` layer layouts with their transposes
+(CSR; layouts of one parity cut alike share a block, as on one rank; GraphSAGE's root blocks;
+the last layer's labelled rows), the feature shard (with its gradient and AdamW
 moments when trained), and every weight with ``dW`` and the AdamW moments.
 
 Kept for backward, per layer ``l`` with roles (O, I, P): ``H_l`` (and GraphSAGE's ``R_l``)
 ``[N/P, D_l/I]`` for ``dW``, in the stored precision; the ReLU's bool mask and the batch or
 layer norm's centred block ``[N/P, D_l+1/O]``; the logits of the last layer; the dropout
-keep-mask of ``F_l``. With fixed features the cached ``H_0`` *is* the ``H_0`` kept for
-``dW`` (the same storage), so it is counted once.
+keep-mask of ``F_l`` (not of fixed input features: no gradient flows back through it).
+With fixed features the cached ``H_0`` *is* the ``H_0`` kept for ``dW`` (the same storage),
+so it is counted once.
 
 The step's phases, in order, each adding its short-lived tensors (float32) to what is kept
 by then:
@@ -100,7 +102,7 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, f
         parts["weights"] += work.terms * 4 * round_up(lay["a"] * lay["b"], lay["p"]) \
             // lay["p"] * F32  # W, dW and the two AdamW moments, flat shards
         parts["kept_h"] += lay["kept_h"]
-        parts["kept_other"] += lay["kept_other"]
+        parts["kept_other"] += lay["kept_other"] + lay["dropout"]
     kept = parts["kept_h"] + parts["kept_other"]
     parts["transient"] = max(0.0, max(gcn_memory_phases(work, shape).values()) - kept)
     return parts
@@ -175,25 +177,32 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,
                     "o_size": shape[o], "i_size": shape[i], "p_size": shape[p], "p": shape[p],
                     "kept_h": k * rows * a * kept, "kept_other": other, "norm": norm,
-                    "dropout": (n // shape[o]) * a if work.dropout > 0 else 0})
+                    # the bool keep-mask of F_l, kept where a gradient flows back through it
+                    "dropout": (n // shape[o]) * a if work.dropout > 0 and (
+                        layer > 0 or work.learn_features) else 0})
     return out
 
 
 def _adjacency(work: GCNWorkload, shape: Mapping[str, int]) -> float:
-    """CSR bytes per rank: ``min(6, L)`` blocks and their transposes (and GraphSAGE's root
-    blocks), plus the last layer's labelled rows and their transpose."""
+    """CSR bytes per rank: the distinct blocks of ``min(6, L)`` layouts and their transposes
+    (and GraphSAGE's root blocks), plus the last layer's labelled rows and their transpose."""
     n, _ = work.padded(shape)
     idx, k = work.index_width(), work.terms
     last, last_rows = work.num_layers - 1, work.output_rows(shape)
-    total = 0.0
+    total, cut = 0.0, set()
     for layer in range(min(6, work.num_layers)):
         o, _, p = work.axes(layer)
         nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
         if k == 2:  # GraphSAGE's root blocks
             nnz += work.num_nodes / (shape[p] * shape[o])
         rows_a, rows_t = n // shape[p], n // shape[o]
-        total += 2 * nnz * (idx + F32) + k * (rows_a + rows_t + 2) * idx
         if layer == last % 6 and last_rows < rows_a:  # the labelled rows and their transpose
             total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
                 last_rows + rows_t + 2) * idx
+        # layouts of one parity whose rows and columns are cut alike on every rank (the
+        # same axis, or axes of one rank) share one block (plexus.data.memory._blocks)
+        key = (layer % 2, p if shape[p] > 1 else "", o if shape[o] > 1 else "")
+        if key not in cut:
+            cut.add(key)
+            total += 2 * nnz * (idx + F32) + k * (rows_a + rows_t + 2) * idx
     return total
