@@ -104,10 +104,19 @@ def _sysfs_cache_bytes() -> int | None:
 def slice_cols(shape: tuple[int, int], nnz: int, row_bytes: int, cache: int) -> int:
     """Columns per slice for a ``shape`` block with ``nnz`` nonzeros, X rows of ``row_bytes``:
     ``cache // CACHE_SHARE // row_bytes``, or all columns (one slice) when the X rows the block
-    can reference, ``min(m, nnz)``, fit in that budget."""
-    m = shape[1]
+    can reference, ``min(m, nnz)``, fit in that budget.
+
+    At most ``1 + nnz // rows`` slices (one more than the mean row length): past that most
+    slices hold nothing of a row, yet each costs the row a cut (the plan: ``4`` or ``8`` bytes
+    per row and slice, kept with the block) and a pass over its output. A 1M-node graph of 17
+    nonzeros per row cut into 8 x 8 blocks has about 2 per block row: 15 slices per block made
+    the plans 830 MiB beside 400 MiB of blocks (bench/memory.py ogb)."""
+    rows, m = shape
     budget_rows = max(1, cache // CACHE_SHARE // max(1, row_bytes))
-    return m if min(m, nnz) <= budget_rows else budget_rows
+    if min(m, nnz) <= budget_rows:
+        return m
+    most = 1 + nnz // max(1, rows)
+    return max(budget_rows, -(-m // most))
 
 
 @dataclass(frozen=True)

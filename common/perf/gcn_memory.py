@@ -4,8 +4,10 @@ one moment of the step, found by walking the step phase by phase as plexus.model
 
 Persistent bytes: the adjacency blocks of ``min(6, L)`` layer layouts with their transposes
 (CSR; layouts of one parity cut alike share a block, as on one rank; GraphSAGE's root blocks;
-the last layer's labelled rows), the feature shard (with its gradient and AdamW
-moments when trained), and every weight with ``dW`` and the AdamW moments.
+the last layer's labelled rows) and the cache-blocked SpMM's column-slice plans kept with them
+(at most a cut per row and slice, and one more slice than the mean row length), the feature
+shard (with its gradient and AdamW moments when trained), and every weight with ``dW`` and the
+AdamW moments.
 
 Kept for backward, per layer ``l`` with roles (O, I, P): ``H_l`` (and GraphSAGE's ``R_l``)
 ``[N/P, D_l/I]`` for ``dW``, in the stored precision; the ReLU's bool mask and the batch or
@@ -46,6 +48,9 @@ from common.grid import round_up
 __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
 F32 = 4
+# the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/8 of a
+# 32 MiB last-level cache; the planner does not read the machine's cache)
+SLICE_BUDGET_BYTES = (32 << 20) // 8
 PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
 
 
@@ -185,24 +190,44 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
 
 def _adjacency(work: GCNWorkload, shape: Mapping[str, int]) -> float:
     """CSR bytes per rank: the distinct blocks of ``min(6, L)`` layouts and their transposes
-    (and GraphSAGE's root blocks), plus the last layer's labelled rows and their transpose."""
+    (and GraphSAGE's root blocks), the last layer's labelled rows and their transpose, and
+    the SpMM's column-slice plans."""
     n, _ = work.padded(shape)
     idx, k = work.index_width(), work.terms
     last, last_rows = work.num_layers - 1, work.output_rows(shape)
-    total, cut = 0.0, set()
-    for layer in range(min(6, work.num_layers)):
-        o, _, p = work.axes(layer)
+    _, w = work.padded(shape)
+    total, cut, planned = 0.0, set(), set()
+    for layer in range(work.num_layers):
+        o, i, p = work.axes(layer)
         nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
         if k == 2:  # GraphSAGE's root blocks
             nnz += work.num_nodes / (shape[p] * shape[o])
         rows_a, rows_t = n // shape[p], n // shape[o]
-        if layer == last % 6 and last_rows < rows_a:  # the labelled rows and their transpose
-            total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
-                last_rows + rows_t + 2) * idx
         # layouts of one parity whose rows and columns are cut alike on every rank (the
         # same axis, or axes of one rank) share one block (plexus.data.memory._blocks)
         key = (layer % 2, p if shape[p] > 1 else "", o if shape[o] > 1 else "")
-        if key not in cut:
+        if layer < 6 and key not in cut:
             cut.add(key)
             total += 2 * nnz * (idx + F32) + k * (rows_a + rows_t + 2) * idx
+        if layer == last % 6 and last_rows < rows_a:  # the labelled rows, transposed
+            total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
+                last_rows + rows_t + 2) * idx
+        # the SpMM's column-slice plans, one per block and X width, kept with the block:
+        # forward A_l [rows_a, rows_t] times F_l, backward A_l^T times dH (both D_l/I wide)
+        row_bytes = (w[layer] // shape[i]) * F32
+        grad = layer > 0 or work.learn_features
+        for transposed, rows, cols in ((False, rows_a, rows_t), (True, rows_t, rows_a)):
+            if (transposed and not grad) or (key, transposed, row_bytes) in planned:
+                continue
+            planned.add((key, transposed, row_bytes))
+            total += k * _plan_bytes(rows, cols, nnz, row_bytes, idx)
     return total
+
+
+def _plan_bytes(rows: int, cols: int, nnz: float, row_bytes: int, idx: int) -> float:
+    """The most a block's column-slice plan takes (plexus.spmm.column_slicing: a cut per row
+    and slice boundary; at most one more slice than the mean row length)."""
+    budget = max(1, SLICE_BUDGET_BYTES // max(1, row_bytes))
+    if min(cols, nnz) <= budget:
+        return 0.0
+    return rows * min(-(-cols // budget) - 1, nnz // max(1, rows)) * idx

@@ -247,6 +247,10 @@ def test_slice_width_follows_the_cache(tmp_path, monkeypatch):
     assert spmm.slice_cols((10, 200_000), 6_400_000, 512, 32 << 20) == budget_rows
     assert spmm.slice_cols((10, budget_rows), 10**6, 512, 32 << 20) == budget_rows  # X fits
     assert spmm.slice_cols((10, 200_000), 100, 512, 32 << 20) == 200_000  # few rows referenced
+    # short rows: at most one more slice than the mean row length (a 125K-row file block of
+    # 265K nonzeros, about 2 per row: 3 slices, not 16, and plans of 2 cuts per row, not 15)
+    assert spmm.slice_cols((125_000, 125_000), 265_000, 512, 32 << 20) == -(-125_000 // 3)
+    assert spmm.slice_cols((200_000, 200_000), 6_400_000, 512, 32 << 20) == budget_rows
 
 
 def test_default_cpu_kernel_is_blocked_where_x_exceeds_the_cache(monkeypatch):
