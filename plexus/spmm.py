@@ -15,10 +15,11 @@ Slice width: ``slice_cols = cache_budget // (t * itemsize)`` X rows of a feature
 ``cache_bytes`` argument override it; 32 MiB without either) divided by ``CACHE_SHARE``: the
 output rows and the index arrays stream through the same cache, and on a shared machine other
 processes use it too. A block whose referenced X rows (at most ``min(m, nnz)``) fit in the
-budget gets one slice: the plain row kernel plus prefetching. The 1/8 is measured, on one
-machine only: sysfs there reports the VM host's 480 MiB, and 1/8 gives the 200K x 128 bench
-case 2 slices, the fastest of 1, 2, 4 and 8 (bench/spmm.py; 1 slice, as 1/4 would give, is
-15% slower, 8 slices as slow as 1).
+budget gets one slice: the plain row kernel plus prefetching. The 1/2 is measured
+(bench/spmm.py ``--sweep-slices``) on the development machine, whose sysfs reports 32 MiB: the
+200K x 128 bench case ran fastest with 8 slices (184 ms; 6: 231, 10: 204, 16: 288, and 25
+slices, what 1/8 gave, 462 ms, slower than the row kernel's 415), R-MAT 18 with 6-8; 1/2
+gives 7 and 8. (An earlier VM whose sysfs reported its host's 480 MiB ran 2 slices fastest.)
 
 Precomputed once per block and slice width (:class:`ColumnSlicing`, cached on the
 :class:`~plexus.sparse.CSRBlock`): ``cuts`` ``[S - 1, rows]``, where each row's nonzeros cross
@@ -47,7 +48,7 @@ import numpy as np
 
 CACHE_ENV = "PLEXUS_SPMM_CACHE_BYTES"
 DEFAULT_CACHE_BYTES = 32 << 20  # when sysfs says nothing
-CACHE_SHARE = 8  # slice X rows take 1/8 of the last-level cache (see the module docstring)
+CACHE_SHARE = 2  # slice X rows take 1/2 of the last-level cache (see the module docstring)
 LOOKAHEAD_BYTES = 4096  # X bytes in flight per thread: 8 rows of 128 float32
 CHUNKS_PER_BLOCK = 256  # row chunks of equal work, scheduled over the threads
 SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")

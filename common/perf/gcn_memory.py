@@ -48,9 +48,9 @@ from common.grid import round_up
 __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
 F32 = 4
-# the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/8 of a
+# the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/2 of a
 # 32 MiB last-level cache; the planner does not read the machine's cache)
-SLICE_BUDGET_BYTES = (32 << 20) // 8
+SLICE_BUDGET_BYTES = (32 << 20) // 2
 PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
 
 
