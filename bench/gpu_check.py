@@ -165,12 +165,21 @@ def run_check(check: Check, seconds_left: float, log_dir: Path, junit: Path,
     return [Row(check.name, status, key, seconds)], out
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A shell starts background jobs
+    with SIGINT ignored, and an ignored signal stays ignored across exec, so a command started
+    from one (``make gpu-check &``, CI runners) would never see the SIGINT that asks it to
+    write its report."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(argv: list[str], limit: float) -> tuple[str, int | None]:
     """Run ``argv`` in its own process group; (its stdout and stderr, its exit status, or None
     when it ran past ``limit``). Past the limit the group gets SIGINT (pytest still writes its
     report, and the ranks a test started end with it), then SIGKILL after GRACE_S."""
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint)
     try:
         out, _ = proc.communicate(timeout=limit)
         return out, proc.returncode
