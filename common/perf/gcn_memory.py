@@ -104,8 +104,8 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, f
     parts["features"] = round_up(f0, shape["z"]) // shape["z"] * (
         4 * F32 if work.learn_features else work.stored_bytes)
     for lay in layers:
-        parts["weights"] += work.terms * 4 * round_up(lay["a"] * lay["b"], lay["p"]) \
-            // lay["p"] * F32  # W, dW and the two AdamW moments, flat shards
+        parts["weights"] += work.terms * 4 * round_up(lay["a"] * lay["b"], lay["p_size"]) \
+            // lay["p_size"] * F32  # W, dW and the two AdamW moments, flat shards
         parts["kept_h"] += lay["kept_h"]
         parts["kept_other"] += lay["kept_other"] + lay["dropout"]
     kept = parts["kept_h"] + parts["kept_other"]
@@ -180,7 +180,7 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         norm = rows * b * kept if work.norm != "none" and layer != last else 0
         other = rows * b * (F32 if layer == last else 1) + norm  # logits, or the ReLU mask
         out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,
-                    "o_size": shape[o], "i_size": shape[i], "p_size": shape[p], "p": shape[p],
+                    "o_size": shape[o], "i_size": shape[i], "p_size": shape[p],
                     "kept_h": k * rows * a * kept, "kept_other": other, "norm": norm,
                     # the bool keep-mask of F_l, kept where a gradient flows back through it
                     "dropout": (n // shape[o]) * a if work.dropout > 0 and (
