@@ -86,12 +86,23 @@ def llm_key(out: str) -> str:
     return f"ours {ours[1]} tok/s, ours/plain {ratio[1]}"
 
 
-def checks(junit: Path) -> list[Check]:
+def default_workers() -> int:
+    """pytest-xdist workers for the GPU tests: a quarter of the cores, at most 4 (the tests
+    share the one GPU, and several start ranks of their own), 0 without pytest-xdist."""
+    import importlib.util
+
+    if importlib.util.find_spec("xdist") is None:
+        return 0
+    return min(4, (os.cpu_count() or 1) // 4)
+
+
+def checks(junit: Path, workers: int = 0) -> list[Check]:
     """The commands of a check, in order (run by this Python); ``junit``: where pytest writes
-    its XML."""
+    its XML; ``workers``: pytest-xdist workers for the tests (0: none)."""
+    parallel = ["-n", str(workers)] if workers > 0 else []
     return [
         Check("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                f"--junitxml={junit}", "tests"], 400.0, "pytest"),
+                                *parallel, f"--junitxml={junit}", "tests"], 400.0, "pytest"),
         Check("bench/gcn_epoch.py --device cuda", ["bench/gcn_epoch.py", *GCN_ARGS], 70.0,
               "bench", gcn_key),
         Check("bench/llm_throughput.py --device cuda", ["bench/llm_throughput.py", *LLM_ARGS],
@@ -198,9 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the commands and exit")
     p.add_argument("--log-dir", default=None, help="where each command's output is kept "
                    "(default: a new temporary directory)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="pytest-xdist workers for the GPU tests (default: a quarter of the "
+                   "cores, at most 4; 0 without pytest-xdist)")
     args = p.parse_args(argv)
+    workers = default_workers() if args.workers is None else args.workers
     if args.list:
-        for check in checks(Path(args.log_dir or "LOG_DIR") / JUNIT):
+        for check in checks(Path(args.log_dir or "LOG_DIR") / JUNIT, workers):
             print(f"{check.timeout_s:>5.0f} s  python {' '.join(check.args)}")
         return 0
     import torch
@@ -214,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPU check on {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} GPU(s)), "
           f"torch {torch.__version__}; logs in {log_dir}", flush=True)
     start, rows, tails = time.perf_counter(), [], []
-    for check in checks(junit):
+    for check in checks(junit, workers):
         print(f"running: {check.name}", flush=True)
         got, out = run_check(check, BUDGET_S - (time.perf_counter() - start), log_dir, junit)
         rows += got

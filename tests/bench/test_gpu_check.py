@@ -42,6 +42,10 @@ def test_the_commands_are_every_gpu_test_and_both_benches_on_cuda_within_the_bud
     # each command's limit and the grace it gets when interrupted, together within 10 minutes
     limits = [c.timeout_s + gpu_check.GRACE_S for c in (pytest_run, gcn, llm)]
     assert sum(limits) <= gpu_check.BUDGET_S == 600
+    assert "-n" not in pytest_run.args  # no workers asked: no pytest-xdist
+    parallel = gpu_check.checks(junit, 3)[0].args
+    assert parallel[parallel.index("-n") + 1] == "3" and parallel[-1] == "tests"
+    assert 0 <= gpu_check.default_workers() <= 4
 
 
 def _bench(args):

@@ -223,11 +223,16 @@ def test_two_ranks_on_one_gpu_under_torchrun(tmp_path):
     assert "before the first collective" not in cuda.stdout, cuda.stdout
     refusal = ("error: --device cuda: 2 ranks on this node but torch sees 1 GPU (2 > 1; NCCL "
                "needs one GPU per rank): launch at most 1 rank per node, or use --device cpu")
-    # every rank refuses; torchrun stops the others (SIGTERM) as soon as the first has exited,
-    # so a rank still importing torch then is reported terminated instead of printing
-    codes = [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", cuda.stderr)]  # report
-    assert len(codes) == 2 and set(codes) <= {2, -15} and 2 in codes, cuda.stderr
-    assert cuda.stderr.count(refusal) >= codes.count(2), cuda.stderr
+    _every_rank_refused_or_stopped(cuda.stderr, refusal, 2)
+
+
+def _every_rank_refused_or_stopped(stderr: str, refusal: str, ranks: int) -> None:
+    """Every rank refuses; torchrun stops the others (SIGTERM) as soon as the first has
+    exited, so a rank still importing torch then is reported terminated instead of printing
+    (as on the H100 host of 2026-11-26: one rank exit code 2, the other -15)."""
+    codes = [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", stderr)]  # torchrun's report
+    assert len(codes) == ranks and set(codes) <= {2, -15} and 2 in codes, stderr
+    assert stderr.count(refusal) >= codes.count(2), stderr
 
 
 @pytest.mark.gpu
@@ -246,4 +251,4 @@ def test_more_local_ranks_than_gpus_on_a_real_gpu_host():
     cuda = launch([*args, "--device", "cuda"], ranks=ranks, launcher="torchrun", timeout=300)
     assert cuda.returncode != 0
     refusal = f"error: --device cuda: {ranks} ranks on this node but torch sees {gpus} GPU"
-    assert cuda.stderr.count(refusal) == ranks, cuda.stderr
+    _every_rank_refused_or_stopped(cuda.stderr, refusal, ranks)

@@ -273,6 +273,20 @@ def test_ranks_sharing_one_gpu_over_gloo_follow_the_serial_cpu_run(grid):
         assert _close(serial, losses, rel=1e-3), (grid, serial, losses)
 
 
+@pytest.mark.parametrize("grid", SHARED)
+def test_the_overlapped_aggregation_on_cuda_gives_the_bits_of_the_blocked_one(grid):
+    """Issue 28's overlap on CUDA tensors: each row block's all-reduce (2), (7) and the weight
+    all-gathers (3) in flight (async gloo works on cuda:0) while the next block computes give
+    the same bits as the same blocks run synchronously, and follow the serial CPU run."""
+    serial = _train("cpu", **SHARED[grid])
+    runs = {overlap: run_ranks(_train_on_cuda0, 4, grid,
+                               {**SHARED[grid], "overlap": overlap, "aggregation_blocks": 3})
+            for overlap in (True, False)}
+    for (on, devices, _), (off, _, _) in zip(runs[True], runs[False], strict=True):
+        assert devices == {"cuda:0"} and on == off, (grid, on, off)
+        assert _close(serial, on, rel=1e-3), (grid, serial, on)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_nccl_ranks_follow_one_cpu_rank(tmp_path):
     cpu = _losses(tmp_path, "cpu", device="cpu")
