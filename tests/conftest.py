@@ -16,9 +16,12 @@ def pytest_configure(config) -> None:
     own share of the cores, so that what a test launches sees the cores it really has: ranks
     split that share (torch threads = cores / ranks) and MPI waits sleep at two or more ranks
     per core (tests/distributed.py), instead of two workers' ranks spinning on the same cores.
-    With fewer cores than workers nothing is pinned."""
+    With fewer cores than workers nothing is pinned. The controller first fills numba's cache
+    (:func:`_precompile_kernels`)."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(
         "PYTEST_XDIST_WORKER_COUNT")
+    if not worker and getattr(config.option, "numprocesses", None):
+        _precompile_kernels(config.option.numprocesses)
     if not worker or not count or not hasattr(os, "sched_setaffinity"):
         return
     cores = sorted(os.sched_getaffinity(0))
@@ -30,6 +33,25 @@ def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(share)
+
+
+def _precompile_kernels(workers) -> None:
+    """On a cold numba cache (a fresh clone), every rank of a multi-rank test compiles the
+    kernels it calls at the same time, about 1-2 s of a core per signature and rank; compile
+    each signature once, before the workers start, one process per core (``python -m
+    plexus.precompile``; on a warm cache this only loads them, about 2 s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    procs = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1, int(workers) if str(workers).isdigit() else 2))
+    root = Path(__file__).resolve().parents[1]
+    runs = [subprocess.Popen([sys.executable, "-m", "plexus.precompile", "--float64",
+                              "--shard", f"{k}/{procs}"], cwd=root, stdout=subprocess.DEVNULL)
+            for k in range(procs)]
+    for run in runs:
+        run.wait()  # a failure here shows again, with its test, where the kernel is called
 
 
 def _shared_fixture_group(item) -> str | None:
