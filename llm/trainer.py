@@ -188,7 +188,7 @@ class Trainer:
             self.model.finish_backward()
             sums += torch.stack((out.kept_sum, out.dropped_sum))
         self.model.sync_gradients()
-        grad_norm = self.model.clip_grad_norm_(self.optim_cfg.grad_clip)
+        grad_norm = self.model.clip_grad_norm_(self.optim_cfg.grad_clip)  # read after step()
         lr = lr_at(self.step + 1, self.total_steps, self.optim_cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -202,7 +202,7 @@ class Trainer:
         return {"step": self.step, "loss": kept / max(num_kept, 1),
                 "loss_all": (kept + dropped) / max(num_kept + num_dropped, 1),
                 "loss_dropped": dropped / max(num_dropped, 1), "num_kept": num_kept,
-                "num_dropped": num_dropped, "lr": lr, "grad_norm": grad_norm,
+                "num_dropped": num_dropped, "lr": lr, "grad_norm": float(grad_norm),
                 "epoch": self.train_iter.epoch, "tokens": tokens, "step_s": seconds,
                 "tokens_per_s": tokens / seconds, "comm_s": self.stats.total_seconds,
                 "comm_bytes": self.stats.total_bytes, "overlapped": asdict(self.model.overlapped)}
