@@ -24,6 +24,12 @@ def _class_ids(logits: torch.Tensor, group_o: AxisGroup) -> torch.Tensor:
     return group_o.rank * width + torch.arange(width, device=logits.device)
 
 
+def _has_padded_classes(logits: torch.Tensor, group_o: AxisGroup, num_classes: int) -> bool:
+    """Whether this rank's class chunk reaches past ``num_classes``: from the shapes, so a
+    GPU need not be waited for (``bool(padded.any())`` would)."""
+    return (group_o.rank + 1) * logits.shape[1] > num_classes
+
+
 def sharded_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -34,6 +40,7 @@ def sharded_cross_entropy(
     group_o: AxisGroup,
     group_p: AxisGroup,
     stats: CommStats | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy over the masked rows of the whole graph.
 
@@ -44,6 +51,8 @@ def sharded_cross_entropy(
         num_classes: C; classes >= C are padding.
         count: number of masked rows in the whole graph (the divisor).
         group_o, group_p: the groups splitting classes and rows.
+        rows: ``mask.nonzero()[:, 0]`` when the caller has it (the trainer finds it once:
+            on a GPU, ``nonzero`` waits for the device).
 
     Returns:
         A scalar, the same on every rank.
@@ -51,7 +60,7 @@ def sharded_cross_entropy(
     # the softmax runs on the masked rows only (the same rows on every rank of group_o), so
     # its temporaries and what backward keeps are [masked, C/O], not [rows, C/O]; the per-row
     # all-reduces keep the logits' row count (common.perf.gcn counts them so)
-    rows = mask.nonzero()[:, 0]
+    rows = mask.nonzero()[:, 0] if rows is None else rows
     n = logits.shape[0]
 
     def full(v: torch.Tensor, fill: float) -> torch.Tensor:  # [masked] -> [n]
@@ -60,7 +69,8 @@ def sharded_cross_entropy(
     sel, lab = logits.index_select(0, rows), labels.index_select(0, rows)
     cls = _class_ids(sel, group_o)
     padded = cls >= num_classes
-    z = sel.masked_fill(padded, float("-inf")) if bool(padded.any()) else sel
+    z = (sel.masked_fill(padded, float("-inf"))
+         if _has_padded_classes(sel, group_o, num_classes) else sel)
     with torch.no_grad():
         m = coll.all_reduce(full(z.max(dim=1).values, float("-inf")), group_o,
                             op=coll.ReduceOp.MAX, stats=stats)[rows]
@@ -83,7 +93,8 @@ def sharded_argmax(
     """Predicted class of every local row: int64 [rows]; ties go to the lowest class id."""
     cls = _class_ids(logits, group_o)
     padded = cls >= num_classes
-    z = logits.masked_fill(padded, float("-inf")) if bool(padded.any()) else logits
+    z = (logits.masked_fill(padded, float("-inf"))
+         if _has_padded_classes(logits, group_o, num_classes) else logits)
     val, idx = z.max(dim=1).values, z.argmax(dim=1)  # argmax: first maximum on ties
     if group_o.size == 1:
         return idx

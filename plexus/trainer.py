@@ -167,6 +167,8 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, self.optim_cfg)
         self.labels = self.shard.labels.to(device)
         self.masks = {s: m.to(device) for s, m in self.shard.masks.items()}
+        # the loss's rows, found once (nonzero() waits for a GPU: once, not every epoch)
+        self.train_rows = self.model.output_rows(self.masks["train"]).nonzero()[:, 0]
         o_ax, _, p_ax = layout.roles(model.num_layers - 1)
         self.group_o, self.group_p = parallel.groups[o_ax], parallel.groups[p_ax]  # logits
         self.stats = CommStats()
@@ -217,6 +219,7 @@ class Trainer:
         net = self.model
         loss = sharded_cross_entropy(logits, net.output_rows(self.labels),
                                      net.output_rows(self.masks["train"]),
+                                     rows=self.train_rows,
                                      num_classes=self.shard.num_classes,
                                      count=self.shard.split_counts["train"],
                                      group_o=self.group_o, group_p=self.group_p,
