@@ -21,8 +21,11 @@ Raising the mmap and trim thresholds makes such buffers come from, and go back t
 later steps reuse the same pages. The price: the process keeps its peak heap size, and the
 heap fragments: with every buffer up to 1 GiB retained, a one-rank epoch on a 1M-node graph
 (3 layers, hidden 64) peaked at 9.9 GiB resident instead of 5.9 (bench/memory.py ogb). So
-only buffers up to 64 MiB are retained (the 200K-node bench graph's activations, where the
-page faults cost the most relative to the work); larger ones go back to the OS when freed.
+only buffers up to 16 MiB are retained; larger ones go back to the OS when freed. The cap was
+64 MiB until 2026-11-26: at 8 ranks on the 1M-node papers100M-format graph every activation
+block was under it, and the fragmented heap kept 730 MiB per rank more (GraphSAGE: 2054 MiB
+per rank against 1324 MiB with 16 MiB), twice the live peak on one rank of R-MAT 16 (1444-1674
+MiB against 851-928), for epoch times within this machine's noise (docs/benchmarks.md).
 
 Giving freed buffers back needs the thresholds set too (``retain_freed_memory(False)``): left
 alone, glibc raises its mmap threshold to the size of each mmapped buffer freed (up to 32 MiB),
@@ -47,7 +50,7 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's (c10's) switch for its CPU 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _GLIBC_DEFAULT = 128 * 1024  # both thresholds' documented defaults
-_RETAIN = 64 << 20  # buffers up to 64 MiB come from the heap (see the module docstring)
+_RETAIN = 16 << 20  # buffers up to 16 MiB come from the heap (see the module docstring)
 
 
 def _libc() -> ctypes.CDLL | None:
