@@ -362,9 +362,10 @@ def ogb_case(args) -> bool:
 def _allocator_flags(args) -> list[str]:
     """The ogb case hands freed buffers back (as bench/scaling.py's memory check does): the
     planner counts live bytes, and the trainer's default heap retention (common/alloc.py:
-    buffers up to 64 MiB stay in the heap, for speed) keeps whatever the heap grew to, more the
-    more ranks cut the buffers below 64 MiB (8 ranks, GraphSAGE: 2054 MiB per rank with it,
-    1289 without). ``--retain-freed-memory`` measures the default."""
+    buffers up to 16 MiB stay in the heap, for speed) keeps whatever the heap grew to, more the
+    more ranks cut the buffers below the cap (8 ranks, GraphSAGE: 1324 MiB per rank with it,
+    1289 without; 2054 with the earlier 64 MiB cap). ``--retain-freed-memory`` measures the
+    default."""
     return [] if args.retain_freed_memory else ["--no-retain-freed-memory"]
 
 

@@ -32,7 +32,7 @@ buffers), so the measured figure is the **marginal** peak: the peak on the graph
 peak of the same grid on a tiny graph (R-MAT scale 8) with the same model, the planner's
 bytes for the tiny graph subtracted likewise. These runs hand freed buffers back to the OS
 (``--no-retain-freed-memory``): the planner counts live bytes, and the retained heap
-(common/alloc.py, the trainer's default on CPUs) keeps freed activation buffers of up to 64
+(common/alloc.py, the trainer's default on CPUs) keeps freed activation buffers of up to 16
 MiB for reuse, which on small graphs adds up to the size of the live ones again. Target:
 within 15% on every grid (issue 30).
 
