@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-from plexus import kernels, precompile  # noqa: E402
+from plexus import kernels, precompile
 
 
 def _csr(index_dtype, readonly):
