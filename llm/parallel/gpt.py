@@ -443,15 +443,10 @@ class ParallelGPT(nn.Module):
 
         Each shard counts once: replicated copies count only on the member with coordinate 0.
         ``max_norm <= 0`` only measures. Returns the norm before clipping (same on all ranks)
-        as a float32 scalar tensor on the model's device, not a Python float: reading it waits
-        for the device, so the trainer reads it after the optimizer step has been queued.
-
-        The per-shard norms and the scaling are one multi-tensor call each
-        (``torch._foreach_norm`` / ``_foreach_mul_``, as ``torch.nn.utils.clip_grad_norm_``
-        does): on a GPU a small model's step is bound by kernel launches, and a launch per
-        parameter for each, with the norm read mid-step, kept the small preset about 2 ms a
-        step behind a plain loop on an H100 (docs/benchmarks.md). On the CPU they compute each
-        tensor as before, bit for bit.
+        as a float32 device scalar: reading it waits for the device, so the trainer reads it
+        after the optimizer step is queued. Norms and scaling are one multi-tensor call each,
+        as in ``torch.nn.utils.clip_grad_norm_``: a small model's GPU step is launch-bound
+        (docs/benchmarks.md); on the CPU the same bits as per-tensor calls.
         """
         counted = [p.grad for name, p in self.shards().items() if p.grad is not None
                    and all(self.coords[a] == 0 for a in self.specs[name].replicated)]
