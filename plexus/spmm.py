@@ -22,7 +22,7 @@ slices, what 1/8 gave, 462 ms, slower than the row kernel's 415), R-MAT 18 with 
 gives 7 and 8. (An earlier VM whose sysfs reported its host's 480 MiB ran 2 slices fastest.)
 
 Precomputed once per block and slice width (:class:`ColumnSlicing`, cached on the
-:class:`~plexus.sparse.CSRBlock`): ``cuts`` ``[S - 1, rows]``, where each row's nonzeros cross
+:class:`~plexus.csr.CSRBlock`): ``cuts`` ``[S - 1, rows]``, where each row's nonzeros cross
 into the next slice (indptr's dtype: ``(S - 1) * rows * 4`` bytes for int32 indices, nothing
 for one slice), and ``chunks`` ``[K + 1]``, row ranges of equal work (nonzeros + rows) for the
 threads (R-MAT rows are skewed). The matrix itself is neither copied nor reordered, so memory-mapped
@@ -186,7 +186,7 @@ def lookahead(row_bytes: int) -> int:
 
 
 def block_slicing(block, width: int, bounds: tuple[int, ...] = ()) -> ColumnSlicing:
-    """The :class:`ColumnSlicing` of a :class:`~plexus.sparse.CSRBlock` for slices of
+    """The :class:`ColumnSlicing` of a :class:`~plexus.csr.CSRBlock` for slices of
     ``width`` columns (also cut at ``bounds``), built on first use and kept in
     ``block.slicings``."""
     width = max(1, min(int(width), block.shape[1]))
