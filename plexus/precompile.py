@@ -41,25 +41,23 @@ def signatures(*, float64: bool = False) -> dict[str, list[tuple]]:
                  "u2": types.uint16, "f8": types.float64, "u8": types.uint64}[code.lower()]
         return types.Array(dtype, ndim, "C", readonly=code[0].isupper())
 
-    def rw(code: str) -> str:
-        return code.lower()
+    def operands(spec: str) -> tuple[str, str, str, str, str]:
+        """indptr, indices, values (read-only with the indices), X's element code and the
+        output's: the parts every SpMM signature shares."""
+        ptr, idx, x = spec.split()
+        values = "F4" if idx.isupper() else "f4"
+        return ptr, idx, values, x, "f8" if x == "f8" else "f4"
 
     i64, flag = types.int64, types.boolean
     extra = FLOAT64 if float64 else []
     spmm, sliced = [], []
-    for spec in SPMM + extra:
-        ptr, idx, x = spec.split()
-        out = "f8" if x == "f8" else "f4"
-        values = "F4" if idx.isupper() else "f4"
+    for ptr, idx, values, x, out in map(operands, SPMM + extra):
         spmm.append((array(ptr, 1), array(idx, 1), array(values, 1), array(x, 2),
                      array(out, 2), flag))
-    for spec in SLICED + extra:
-        ptr, idx, x = spec.split()
-        out = "f8" if x == "f8" else "f4"
-        values = "F4" if idx.isupper() else "f4"
+    for ptr, idx, values, x, out in map(operands, SLICED + extra):
         sliced.append((array(ptr, 1), array(ptr, 2), array("i8", 1), array(idx, 1),
                        array(values, 1), array(x, 3), array(out, 3), flag, i64, i64, i64))
-    cuts = [(array(ptr, 1), array(idx, 1), array(rw(idx), 1), array(rw(idx), 2))
+    cuts = [(array(ptr, 1), array(idx, 1), array(idx.lower(), 1), array(idx.lower(), 2))
             for ptr, idx in (spec.split() for spec in CUTS)]
     return {
         "csr_spmm": spmm,
