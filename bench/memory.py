@@ -297,7 +297,7 @@ def ogb_case(args) -> bool:
     data_bytes = nodes * feats * 4 + edges * 16
     cli = ["--dataset", "ogbn-papers100M", "--root", str(root), "--epochs", "1", "--hidden",
            str(args.hidden), "--layers", "3", "--model", args.model, "--device", args.device,
-           "--precision", args.precision, *_allocator_flags(args)]
+           "--precision", args.precision, *_run_flags(args)]
     rows = []
     for label, ranks, extra in (("1 rank, prepares", 1, []), ("1 rank, reuses", 1, []),
                                 ("8 ranks 2x2x2", 8, ["--grid", "2x2x2"])):
@@ -338,7 +338,9 @@ def ogb_case(args) -> bool:
           f"{data_bytes / MIB:,.0f} MiB of data; {args.model}, hidden {args.hidden}, 3 layers, "
           f"{args.precision}; freed buffers " + ("kept in the heap (the trainer's default)"
                                                   if args.retain_freed_memory else
-                                                  "handed back (--no-retain-freed-memory)"))
+                                                  "handed back (--no-retain-freed-memory)")
+          + ("; H_0 kept for backward (--keep-first-aggregation)"
+             if args.keep_first_aggregation else ""))
     gpu = all(k in r for r in rows for k in GPU_PEAK_KEYS)
     print(f"{'run':>18} {'peak MiB':>9} {'x data':>7} {'above start':>12} {'planner':>8} "
           f"{'feat+W MiB':>11} {'adj MiB':>8} {'storage':>14} {'wall s':>7}"
@@ -359,14 +361,16 @@ def ogb_case(args) -> bool:
     return ok
 
 
-def _allocator_flags(args) -> list[str]:
-    """The ogb case hands freed buffers back (as bench/scaling.py's memory check does): the
-    planner counts live bytes, and the trainer's default heap retention (common/alloc.py:
-    buffers up to 16 MiB stay in the heap, for speed) keeps whatever the heap grew to, more the
-    more ranks cut the buffers below the cap (8 ranks, GraphSAGE: 1324 MiB per rank with it,
-    1289 without; 2054 with the earlier 64 MiB cap). ``--retain-freed-memory`` measures the
-    default."""
-    return [] if args.retain_freed_memory else ["--no-retain-freed-memory"]
+def _run_flags(args) -> list[str]:
+    """plexus.train's flags for the heap and H_0. The ogb case hands freed buffers back (as
+    bench/scaling.py's memory check does): the planner counts live bytes, and the trainer's
+    default heap retention (common/alloc.py: buffers up to 16 MiB stay in the heap, for
+    speed) keeps whatever the heap grew to, more the more ranks cut the buffers below the cap
+    (8 ranks, GraphSAGE: 1324 MiB per rank with it, 1289 without; 2054 with the earlier 64 MiB
+    cap). ``--retain-freed-memory`` measures the default; ``--keep-first-aggregation`` keeps
+    H_0 for backward instead of recomputing it."""
+    flags = [] if args.retain_freed_memory else ["--no-retain-freed-memory"]
+    return flags + (["--keep-first-aggregation"] if args.keep_first_aggregation else [])
 
 
 def _tiny_papers_run(root: Path, args) -> tuple[int, Any]:
@@ -382,7 +386,7 @@ def _tiny_papers_run(root: Path, args) -> tuple[int, Any]:
                               num_classes=args.ogb_classes, labeled_fraction=0.5)
     cli = ["--dataset", "ogbn-papers100M", "--root", str(tiny_root), "--epochs", "1",
            "--hidden", str(args.hidden), "--layers", "3", "--model", args.model,
-           "--device", args.device, "--precision", args.precision, *_allocator_flags(args)]
+           "--device", args.device, "--precision", args.precision, *_run_flags(args)]
     _train_cli(1, cli, tiny_root / "metrics.jsonl")  # prepares
     mem = _train_cli(1, cli, tiny_root / "metrics.jsonl")[0]["memory_per_rank_max"]
     return mem["peak_bytes"] - mem["resident_bytes_at_start"], _papers_workload(tiny_root, args)
@@ -397,7 +401,8 @@ def _papers_workload(root: Path, args) -> Any:
 
     (manifest,) = (root / "prepared").glob("*/manifest.json")
     model = ModelConfig(model=args.model, num_layers=3, hidden=args.hidden,
-                        precision=args.precision)
+                        precision=args.precision,
+                        recompute_first=not args.keep_first_aggregation)
     return gcn_workload(model, PreparedGraph(manifest.parent,
                                              aggregation=aggregation_of(args.model)))
 
@@ -474,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retain-freed-memory", action="store_true",
                    help="ogb: keep the trainer's default heap retention (default: freed "
                    "buffers handed back, as the planner counts live bytes)")
+    p.add_argument("--keep-first-aggregation", action="store_true",
+                   help="ogb: train with plexus.train --keep-first-aggregation (H_0 kept for "
+                   "backward, not recomputed), for the comparison")
     p.add_argument("--model", choices=("gcn", "sage"), default="gcn",
                    help="plexus and ogb: the model trained")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",

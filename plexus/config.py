@@ -59,6 +59,9 @@ class ModelConfig:
         precision: ``fp32``, or ``bf16``: the input features, their all-gather and the
             activations kept for backward in bf16; sums, weights, gradients and the optimizer
             in float32 (docs/design/plexus-3d.md section 11). Not with ``learn_features``.
+        recompute_first: with fixed features and dropout, recompute layer 0's aggregation
+            ``H_0`` in backward instead of keeping it (plexus.model.PlexusGCN): less memory,
+            one more layer-0 SpMM per step; ``dW_0`` equal to float rounding.
     """
 
     model: str = "gcn"
@@ -74,6 +77,7 @@ class ModelConfig:
     overlap: bool | None = None
     aggregation_blocks: int | None = None
     precision: str = "fp32"
+    recompute_first: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -199,4 +203,5 @@ def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
                        hidden=model.hidden, learn_features=model.learn_features,
                        labelled_fraction=min(1.0, labelled),
                        labelled_rows_only=model.labelled_rows_only, overlap=model.overlap,
-                       norm=model.norm, precision=model.precision)
+                       norm=model.norm, precision=model.precision,
+                       recompute_first=model.recompute_first)

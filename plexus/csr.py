@@ -41,7 +41,10 @@ class CSRBlock:
 
     def row_range(self, lo: int, hi: int) -> CSRBlock:
         """Rows ``lo .. hi`` as a block: indptr rebased (a copy of ``hi - lo + 1`` entries),
-        indices and values views of this block's (numpy, memory-mapped or device arrays)."""
+        indices and values views of this block's (numpy, memory-mapped or device arrays);
+        all rows: this block."""
+        if lo == 0 and hi == self.shape[0]:  # the block itself, with its SpMM plans
+            return self
         start, end = int(self.indptr[lo]), int(self.indptr[hi])
         return CSRBlock(self.indptr[lo:hi + 1] - self.indptr[lo], self.indices[start:end],
                         self.values[start:end], (hi - lo, self.shape[1]))

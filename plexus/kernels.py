@@ -205,6 +205,32 @@ def csr_check(indptr, indices, values, num_cols):  # pragma: no cover - compiled
     return 0
 
 
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+@numba.njit(inline="always")
+def _mix32(x):  # pragma: no cover - compiled
+    """plexus.layers._mix32 on one value below 2^32, in uint64 arithmetic masked to 32 bits
+    (numba widens integer products to 64 bits): the same value."""
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & _M32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & _M32
+    return x ^ (x >> np.uint64(16))
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def keep_mask(rows, cols, key, threshold, out):  # pragma: no cover - compiled
+    """``out[i, j] = mix(mix(rows[i] ^ key) ^ cols[j]) * 0x9E3779B1 ^ key) >= threshold``,
+    rows in parallel: plexus.layers.keep_mask's hash, entry for entry (rows and cols uint32,
+    key and threshold uint64 below 2^32, out bool [rows, cols])."""
+    for i in numba.prange(rows.shape[0]):
+        r = _mix32(np.uint64(rows[i]) ^ key)
+        for j in range(cols.shape[0]):
+            h = _mix32((((r ^ np.uint64(cols[j])) * np.uint64(0x9E3779B1)) & _M32) ^ key)
+            out[i, j] = h >= threshold
+
+
 @numba.njit(inline="always")
 def _mix64(z):  # pragma: no cover - compiled
     """splitmix64's finaliser: a bijection of uint64 with good avalanche."""

@@ -25,6 +25,7 @@ from common import autograd
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
+from plexus.ops import BitMask
 
 _U32 = np.uint32
 
@@ -44,8 +45,10 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
     ``cols`` (column ids) of layer ``layer``'s input at ``step``.
 
     Entry (r, c) depends only on (seed, step, layer, r, c) (node ids modulo 2^32). Computed on
-    the CPU in numpy's wrapping uint32 arithmetic, in row chunks of about 2^22 entries so the
-    hash's temporaries stay small. Shapes: rows [a], cols [b] -> [a, b] bool.
+    the CPU by a numba kernel, rows in parallel (:func:`plexus.kernels.keep_mask`), or without
+    numba (and for small blocks) in numpy's wrapping uint32 arithmetic, in row chunks of about
+    2^22 entries so the hash's temporaries stay small: the same bits either way. Shapes: rows
+    [a], cols [b] -> [a, b] bool.
     """
     key = np.array([seed, step, layer], dtype=np.int64).astype(np.uint32)
     k = _U32(0x5BD1E995)
@@ -57,11 +60,24 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
         for part in key:
             k = _mix32(np.array([k ^ part], dtype=np.uint32))[0]
         r_all = rows.numpy().astype(np.uint32)
+        kernels = _load_numba() if out.size >= 1 << 16 else None  # threads pay above
+        if kernels is not None:  # the same hash, rows in parallel, no temporaries
+            kernels.keep_mask(r_all, c[0], np.uint64(k), np.uint64(threshold), out)
+            return torch.from_numpy(out)
         for lo in range(0, r_all.size, step_rows):
             r = _mix32(r_all[lo:lo + step_rows] ^ k)
             h = _mix32((r[:, None] ^ c) * _U32(0x9E3779B1) ^ k)
             np.greater_equal(h, threshold, out=out[lo:lo + step_rows])
     return torch.from_numpy(out)
+
+
+def _load_numba():
+    """plexus.kernels, or None without numba."""
+    try:
+        from plexus import kernels
+    except ImportError:
+        return None
+    return kernels
 
 
 def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
@@ -72,19 +88,24 @@ def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tens
 
 
 class _Dropout(torch.autograd.Function):
-    """``x * keep / (1 - p)`` keeping only the bool mask for backward (1 byte per entry,
-    not a float mask's 4)."""
+    """``x * keep / (1 - p)`` keeping only the mask for backward, one bit per entry
+    (:class:`plexus.ops.BitMask`; a float mask would take 32)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-        ctx.save_for_backward(keep)
+        ctx.keep = BitMask(keep)
         ctx.scale = torch.ones((), dtype=x.dtype) / (1.0 - p)  # as keep.float() / (1 - p)
-        return x.mul(ctx.scale).masked_fill_(~keep, 0.0)
+        return dropped(x, ~keep, p)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (keep,) = ctx.saved_tensors
-        return dy.mul(ctx.scale).masked_fill_(~keep, 0.0), None, None
+        return dy.mul(ctx.scale).masked_fill_(ctx.keep.unpack(invert=True), 0.0), None, None
+
+
+def dropped(x: torch.Tensor, drop: torch.Tensor, p: float) -> torch.Tensor:
+    """``x * keep / (1 - p)`` as a new tensor, given the negated mask ``drop`` (no graph):
+    the values :func:`apply_dropout` gives."""
+    return x.mul(torch.ones((), dtype=x.dtype) / (1.0 - p)).masked_fill_(drop, 0.0)
 
 
 def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:

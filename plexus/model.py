@@ -22,6 +22,8 @@ plexus.shards declares, so every grid trains that model.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,14 +32,25 @@ from common import autograd, flat
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
-from common.perf.gcn import AGGREGATION_BLOCKS, labelled_rows_pay, overlap_pays
+from common.perf.gcn import (
+    AGGREGATION_BLOCKS,
+    RECOMPUTE_BLOCKS,
+    labelled_rows_pay,
+    overlap_pays,
+)
 from common.slab import Slab
 from plexus import layout, ops, shards
 from plexus.config import MODELS, NORMS, PRECISIONS
 from plexus.data import partition
 from plexus.data.memory import root_blocks
 from plexus.data.shard import GraphShard
-from plexus.layers import ShardedBatchNorm, ShardedLayerNorm, apply_dropout, keep_mask
+from plexus.layers import (
+    ShardedBatchNorm,
+    ShardedLayerNorm,
+    apply_dropout,
+    dropped,
+    keep_mask,
+)
 from plexus.reference import ROOT_SEED_OFFSET, init_weights
 from plexus.shards import node_chunk
 
@@ -107,6 +120,13 @@ class PlexusGCN(nn.Module):
             gradients and optimizer state are float32 (docs/design/plexus-3d.md section 11).
             Not with ``learn_features`` (ValueError): their gradient would be reduce-scattered
             (8) as bf16.
+        recompute_first: with fixed input features and dropout (``H_0`` differs every pass, so
+            it is not cached), layer 0 does not keep ``H_0`` (``R_0``) ``[N/P, D_0/I]`` for
+            ``dW_0``: backward aggregates ``dropout(F_0)`` again with the same mask, in
+            :data:`common.perf.gcn.RECOMPUTE_BLOCKS` row blocks on the CPU
+            (:class:`plexus.ops.RecomputedMatmul`): one more layer-0 SpMM and collectives (1)
+            and (2) again, for the largest block a step keeps. ``dW_0`` is then summed over the
+            row blocks: equal to float rounding. False keeps ``H_0``.
 
     Each logit row is the same sum in the same order either way, so the logits, the loss and
     the accuracies agree bit for bit where the all-reduces over O and I add two operands
@@ -135,6 +155,7 @@ class PlexusGCN(nn.Module):
         overlap: bool | None = None,
         aggregation_blocks: int | None = None,
         precision: str = "fp32",
+        recompute_first: bool = True,
     ) -> None:
         super().__init__()
         if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
@@ -191,6 +212,8 @@ class PlexusGCN(nn.Module):
         # With dropout only the evaluation pass could reuse it; there it is not worth holding
         # a second [N/P, D_0/I] block (common.perf.gcn counts the cache the same way).
         self.cache_first_aggregation = not learn_features and dropout == 0
+        # with dropout H_0 is new every pass: recomputed in backward instead of kept
+        self.recompute_first = recompute_first and not learn_features and dropout > 0
         self._h0: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._h0_rows_only = False  # a one-layer model caches the rows its pass computed
         self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -218,19 +241,23 @@ class PlexusGCN(nn.Module):
         for layer in range(self.num_layers):
             rows_only = self._rows_only(layer, all_rows)   # last layer: labelled rows only
             w = self._prefetch(layer, stats)               # W_l's all-gather in flight (3)
-            if layer == 0 and self._h0 is not None and self._h0_rows_only == rows_only:
-                (h, r), skip = self._h0, None              # fixed F_0, no dropout: a past H_0
+            skip = None
+            if layer == 0 and self._recomputes(rows_only):
+                q = self._first_recomputed(step, stats, w)  # H_0 W_0, H_0 not kept (1)-(3)
             else:
-                f = self._input(layer, f, stats)           # F_l, replicated over P    (1) or (8)
-                skip = self._skip(layer, f, stats)         # F_l in Q's layout (residual) or None
-                f = self._dropout(layer, f, step)          # F' = dropout(F_l)
-                h, r = self._aggregate(layer, f, stats, rows_only)  # H = A F', R = S F' (2), (7)
-                f = None
-            q = self._matmul(layer, h, self.weights, stats, w[0])          # H W_l   (3), (5), (6)
-            h = None
-            if r is not None:
-                q = q + self._matmul(layer, r, self.root_weights, stats, w[1])  # + R R_l
-                r = None
+                if layer == 0 and self._h0 is not None and self._h0_rows_only == rows_only:
+                    h, r = self._h0                        # fixed F_0, no dropout: a past H_0
+                else:
+                    f = self._input(layer, f, stats)       # F_l, replicated over P  (1) or (8)
+                    skip = self._skip(layer, f, stats)     # F_l in Q's layout (residual) or None
+                    f = self._dropout(layer, f, step)      # F' = dropout(F_l)
+                    h, r = self._aggregate(layer, f, stats, rows_only)  # A F', S F' (2), (7)
+                    f = None
+                q = self._matmul(layer, h, self.weights, stats, w[0])      # H W_l (3), (5), (6)
+                h = None
+                if r is not None:
+                    q = q + self._matmul(layer, r, self.root_weights, stats, w[1])  # + R R_l
+                    r = None
             q = self._sum_inner(layer, q, stats)           # Q summed over I (4), + b_l
             if layer < self.num_layers - 1:
                 q = self._norm(layer, q, stats)            # norm(Q)
@@ -248,13 +275,61 @@ class PlexusGCN(nn.Module):
                                                   stats)
         return autograd.identity_all_reduce(f, p_group, stats)
 
-    def _dropout(self, layer: int, f: torch.Tensor, step: int) -> torch.Tensor:
+    def _dropout(self, layer: int, f: torch.Tensor, step: int,
+                 drop: torch.Tensor | None = None) -> torch.Tensor:
+        """F' = dropout(F_l) with the mask of ``step``; ``drop``: the negated mask, drawn
+        already (then no graph is built: F' of fixed features, recomputed)."""
         if not self.training or self.dropout == 0:
             return f
-        keep = self._keep_mask(layer, step, f.device)
         if f.dtype != torch.float32:  # bf16 F_0 (no gradient): scaled in float32, rounded once
-            return f.mul(1.0 / (1.0 - self.dropout)).masked_fill_(~keep, 0.0)
-        return apply_dropout(f, keep, self.dropout)
+            drop = ~self._keep_mask(layer, step, f.device) if drop is None else drop
+            return f.mul(1.0 / (1.0 - self.dropout)).masked_fill_(drop, 0.0)
+        if drop is not None:
+            return dropped(f, drop, self.dropout)
+        return apply_dropout(f, self._keep_mask(layer, step, f.device), self.dropout)
+
+    def _recomputes(self, rows_only: bool) -> bool:
+        """Whether this pass's layer 0 leaves ``H_0`` to backward (:attr:`recompute_first`):
+        a training pass that builds a graph, over every row."""
+        return (self.recompute_first and self.training and torch.is_grad_enabled()
+                and not rows_only)
+
+    def _first_recomputed(self, step: int, stats: CommStats | None, gathered) -> torch.Tensor:
+        """``H_0 W_0`` (+ ``R_0 W_r0``) [N/P, D_1/O], partial over I, multiplied row block by
+        row block as :meth:`_first_blocks` aggregates them, none kept: backward aggregates
+        them again from this pass's dropout mask, kept as bits."""
+        p_group = self.groups[layout.roles(0)[2]]
+        bits = ops.BitMask(self._keep_mask(0, step, self.features.device))
+        sage = self.kind == "sage"
+        return ops.RecomputedMatmul.apply(
+            lambda: self._first_blocks(bits, stats), self.shard.adj[0].a.shape[0], p_group,
+            self.block_shapes[0], stats, gathered, self.weights[0],
+            self.root_weights[0] if sage else None)
+
+    def _first_blocks(self, bits: ops.BitMask, stats: CommStats | None):
+        """Yield ``(term, lo, hi, rows lo..hi of H_0 (term 0) or R_0 (term 1))``: F_0
+        gathered over P (1), ``dropout(F_0)`` with the mask ``bits`` (the values
+        :meth:`_dropout` gives), aggregated in row blocks (whole on a GPU, where a row
+        block's matrix would be a copy), each all-reduced over O (2) and, in bf16, rounded
+        as :meth:`_aggregate` rounds H."""
+        o_group = self.groups[layout.roles(0)[0]]
+        with torch.no_grad():
+            f = self._input(0, None, stats)                              # (1)
+            f = self._dropout(0, f, 0, drop=bits.unpack(invert=True).to(f.device))
+            terms = [self.shard.adj] + ([self.shard.root] if self.kind == "sage" else [])
+            for term, blocks in enumerate(terms):
+                a = blocks[0].a
+                if a.device.type == "cpu" and RECOMPUTE_BLOCKS > 1:
+                    bounds, parts = a.row_blocks(RECOMPUTE_BLOCKS)
+                else:
+                    bounds, parts = [0, a.shape[0]], [a]
+                for (lo, hi), part in zip(itertools.pairwise(bounds), parts):
+                    x = part.matmul(f)
+                    x = coll.all_reduce(x, o_group, stats=stats, inplace=True)  # (2)
+                    if self.keep_dtype is not None:
+                        x.copy_(x.to(self.keep_dtype))
+                    yield term, lo, hi, x
+                    x = None
 
     def _rows_only(self, layer: int, all_rows: bool) -> bool:
         return self.labelled_rows is not None and not all_rows and layer == self.num_layers - 1

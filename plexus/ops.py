@@ -17,6 +17,7 @@ import itertools
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from common import collectives as coll
@@ -24,7 +25,8 @@ from common import flat
 from common.grid import AxisGroup
 from plexus.sparse import sum_dtype
 
-__all__ = ["BlockedAggregation", "GatheredMatmul", "ReLU", "Rounded", "SpMM", "StoredIn"]
+__all__ = ["BitMask", "BlockedAggregation", "GatheredMatmul", "ReLU", "RecomputedMatmul",
+           "Rounded", "SpMM", "StoredIn"]
 
 
 class SpMM(torch.autograd.Function):
@@ -100,22 +102,58 @@ class BlockedAggregation(torch.autograd.Function):
         return None, None, df, None, None, None, None
 
 
+class BitMask:
+    """A bool tensor kept for backward as one bit per entry (a bool tensor takes a byte):
+    the ReLU's and dropout's masks of a ``[N, D]`` block are the largest things a layer keeps
+    besides ``H``. :meth:`unpack` gives the bool tensor back, or its negation (what
+    ``masked_fill`` takes) without a second full-size temporary.
+
+    On the CPU numpy packs and unpacks (one pass each); elsewhere torch's bit operations do.
+    """
+
+    __slots__ = ("bits", "device", "shape")
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.shape, self.device = mask.shape, mask.device
+        flat = mask.reshape(-1)
+        if flat.device.type == "cpu":
+            self.bits = torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
+        else:
+            pad = -flat.numel() % 8
+            eight = torch.nn.functional.pad(flat, (0, pad)).view(-1, 8).to(torch.uint8)
+            self.bits = (eight << _SHIFTS.to(flat.device)).sum(1, dtype=torch.uint8)
+
+    def unpack(self, *, invert: bool = False) -> torch.Tensor:
+        """The mask (``invert``: its negation), bool, in its shape and on its device."""
+        n = self.shape.numel()
+        if self.device.type == "cpu":
+            bits = self.bits.numpy()
+            bits = np.invert(bits) if invert else bits
+            flat = torch.from_numpy(np.unpackbits(bits, count=n, bitorder="little"))
+            return flat.view(torch.bool).reshape(self.shape)
+        bits = ~self.bits if invert else self.bits
+        flat = (bits[:, None] >> _SHIFTS.to(self.device)) & 1
+        return flat.reshape(-1)[:n].to(torch.bool).reshape(self.shape)
+
+
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
 class ReLU(torch.autograd.Function):
-    """In-place ``relu`` of a fresh tensor that keeps only the bool mask ``out > 0`` for
-    backward (1 byte per entry, not the float output's 4: the output is the next layer's input,
-    which is spent once its aggregation has run). Same values as ``torch.relu_`` both ways."""
+    """In-place ``relu`` of a fresh tensor that keeps only the mask ``out > 0``, one bit per
+    entry (:class:`BitMask`; the output is the next layer's input, which is spent once its
+    aggregation has run). Same values as ``torch.relu_`` both ways."""
 
     @staticmethod
     def forward(ctx: Any, q):
         ctx.mark_dirty(q)
         out = torch.relu_(q)
-        ctx.save_for_backward(out > 0)
+        ctx.keep = BitMask(out > 0)
         return out
 
     @staticmethod
     def backward(ctx: Any, dy):
-        (keep,) = ctx.saved_tensors
-        return dy.masked_fill(~keep, 0.0)
+        return dy.masked_fill(ctx.keep.unpack(invert=True), 0.0)
 
 
 class GatheredMatmul(torch.autograd.Function):
@@ -154,6 +192,53 @@ class GatheredMatmul(torch.autograd.Function):
         h = h if h.dtype == dq.dtype else h.to(dq.dtype)  # bf16 H: widened for dW only
         return (dh, flat.reduce_scatter(h.t() @ dq, group, stats=stats), None, None, None, None,
                 None)
+
+
+class RecomputedMatmul(torch.autograd.Function):
+    """``H W`` (GraphSAGE: ``H W + R W_r``) for a layer whose ``H`` (``R``) takes no gradient,
+    computed row block by row block from ``blocks()`` and kept by neither pass: backward
+    calls ``blocks()`` again and sums ``dW = sum_b H_b^T dQ_b``. plexus.model uses it for
+    layer 0 with fixed input features and dropout, where ``blocks()`` aggregates
+    ``dropout(F_0)`` with the pass's mask (docs/design/plexus-3d.md section 7): a step then
+    holds one row block of ``H_0`` at a time instead of keeping all of it for backward.
+
+    ``W`` is gathered over P as in :class:`GatheredMatmul` (3, 5) and ``dW`` reduce-scattered
+    (6). Each row of ``Q`` and ``dW`` is summed over the blocks, so both agree with
+    :class:`GatheredMatmul`'s single products to float rounding.
+
+    ``blocks()`` yields ``(term, lo, hi, rows lo..hi of H (term 0) or R (term 1))``, float32,
+    all of term 0 first; ``rows``: the height of H. ``gathered``: the handles of the weights'
+    all-gathers issued earlier, or Nones.
+
+    Shapes: w, w_r flat shards of ``shape`` (D_0/I, D_1/O) -> [rows, D_1/O]
+    """
+
+    @staticmethod
+    def forward(ctx: Any, blocks, rows: int, group: AxisGroup, shape, stats, gathered, w,
+                w_r=None):
+        ctx.blocks, ctx.group, ctx.shape, ctx.stats = blocks, group, shape, stats
+        ctx.save_for_backward(w, w_r)
+        full = [flat.gather(s, group, shape, stats=stats) if h is None else h.wait()
+                for s, h in zip((w, w_r), gathered) if s is not None]
+        q = torch.empty(rows, shape[1], dtype=full[0].dtype, device=full[0].device)
+        for term, lo, hi, x in blocks():
+            if term == 0:
+                torch.mm(x, full[0], out=q[lo:hi])
+            else:
+                q[lo:hi] += x @ full[1]
+        return q
+
+    @staticmethod
+    def backward(ctx: Any, dq):
+        w, w_r = ctx.saved_tensors
+        dw: list[torch.Tensor | None] = [None, None]
+        for term, lo, hi, x in ctx.blocks():
+            part = x.t() @ dq[lo:hi]
+            dw[term] = part if dw[term] is None else dw[term].add_(part)
+        grads = [None if shard is None else flat.reduce_scatter(
+            dw[t] if dw[t] is not None else dq.new_zeros(ctx.shape), ctx.group,
+            stats=ctx.stats) for t, shard in enumerate((w, w_r))]
+        return None, None, None, None, None, None, grads[0], grads[1]
 
 
 class Rounded(torch.autograd.Function):

@@ -38,7 +38,8 @@ def signatures(*, float64: bool = False) -> dict[str, list[tuple]]:
 
     def array(code: str, ndim: int) -> types.Array:
         dtype = {"i4": types.int32, "i8": types.int64, "f4": types.float32,
-                 "u2": types.uint16, "f8": types.float64, "u8": types.uint64}[code.lower()]
+                 "u2": types.uint16, "f8": types.float64, "u8": types.uint64,
+                 "u4": types.uint32, "b1": types.boolean}[code.lower()]
         return types.Array(dtype, ndim, "C", readonly=code[0].isupper())
 
     def operands(spec: str) -> tuple[str, str, str, str, str]:
@@ -68,6 +69,8 @@ def signatures(*, float64: bool = False) -> dict[str, list[tuple]]:
                            array("i4", 1), array("f4", 1))],
         "rmat_chunk": [(i64, types.uint64, i64, types.float64, types.float64, types.float64,
                         array("u8", 1), array("i8", 1), array("i8", 1))],
+        "keep_mask": [(array("u4", 1), array("u4", 1), types.uint64, types.uint64,
+                       array("b1", 2))],
     }
 
 

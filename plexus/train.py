@@ -113,6 +113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "own (a GPU, or two cores per rank); off: the unblocked layer")
     p.add_argument("--aggregation-blocks", type=int, default=None, metavar="K",
                    help="row blocks of the blocked aggregation (default: 4 with overlap)")
+    p.add_argument("--keep-first-aggregation", dest="recompute_first", action="store_false",
+                   help="with fixed features and dropout, keep layer 0's aggregation H_0 for "
+                   "its weight gradient instead of recomputing it in backward (default: "
+                   "recompute, which saves an [N, D_0] block for one more layer-0 SpMM)")
     p.add_argument("--normalize-features", action="store_true",
                    help="row-normalise the input features (PyG's NormalizeFeatures)")
     p.add_argument("--symmetrize", action="store_true",
@@ -251,7 +255,8 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
                              labelled_rows_only=_AUTO_ON_OFF[args.labelled_rows],
                              overlap=_AUTO_ON_OFF[args.overlap],
                              aggregation_blocks=args.aggregation_blocks,
-                             precision=args.precision),
+                             precision=args.precision,
+                             recompute_first=args.recompute_first),
         "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
                              weight_decay=args.weight_decay),
         "run": RunConfig(epochs=args.epochs, eval_every=args.eval_every, seed=args.seed,

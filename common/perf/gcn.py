@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.grid import ProcessGrid, ceil_div, round_up
+from common.perf.gcn_memory import RECOMPUTE_BLOCKS as RECOMPUTE_BLOCKS  # re-exported
 from common.perf.gcn_memory import gcn_memory
 from common.perf.gcn_memory import gcn_memory_parts as gcn_memory_parts  # re-exported
 from common.perf.gcn_memory import gcn_memory_phases as gcn_memory_phases  # re-exported
@@ -153,6 +154,9 @@ class GCNWorkload:
         precision: ``fp32`` or ``bf16`` (the model's option of that name: the input features,
             their all-gather and the activations kept for backward in 2 bytes; see the module
             docstring). bf16 cannot learn the features.
+        recompute_first: the model's option of that name: with fixed features and dropout,
+            ``H_0`` is not kept but recomputed in backward (:attr:`recomputes_first`): the
+            layer-0 SpMM, (1) and (2) run twice.
     """
 
     name: str = "graph"
@@ -173,6 +177,7 @@ class GCNWorkload:
     overlap: bool | None = None
     norm: str = "none"
     precision: str = "fp32"
+    recompute_first: bool = True
 
     def __post_init__(self) -> None:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
@@ -201,6 +206,15 @@ class GCNWorkload:
         """Bytes of an element of the features and of the activations kept for backward: 2
         in bf16, 4 in float32."""
         return 2 if self.precision == "bf16" else F32
+
+    @property
+    def recomputes_first(self) -> bool:
+        """Whether a training step recomputes ``H_0`` in backward instead of keeping it
+        (plexus.model.PlexusGCN's ``recompute_first``): fixed features with dropout, and
+        layer 0 over every row (not a one-layer model on labelled rows only)."""
+        return (self.recompute_first and not self.learn_features and self.dropout > 0
+                and (self.num_layers > 1 or not labelled_rows_pay(self.labelled_fraction,
+                                                                  self.labelled_rows_only)))
 
     @property
     def widths(self) -> list[int]:
@@ -293,10 +307,12 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         h_bytes = rows * (w[layer] // I) * F32
         q_bytes = rows * (w[layer + 1] // O) * F32
         forward, backward = work._runs(layer, first_epoch)
+        again = 2 if layer == 0 and work.recomputes_first else 1  # H_0 recomputed backward
         if layer == 0 and forward:
-            out.append(Collective(p, "all_gather", flat(f_block, P, work.stored_bytes)))  # (1)
+            out.append(Collective(p, "all_gather", flat(f_block, P, work.stored_bytes),
+                                  count=again))  # (1)
         if forward:
-            out.append(Collective(o, "all_reduce", h_bytes, count=k))  # (2)
+            out.append(Collective(o, "all_reduce", h_bytes, count=k * again))  # (2)
         out.append(Collective(p, "all_gather", w_flat, count=k))  # (3)
         out.append(Collective(i, "all_reduce", q_bytes))  # (4)
         if backward:
@@ -360,11 +376,12 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         k = work.terms
         forward, backward = work._runs(layer, first_epoch)
         x_bytes = work.stored_bytes if layer == 0 else F32  # F_0 is bf16, later F_l float32
+        again = 2 if layer == 0 and work.recomputes_first else 1  # H_0 recomputed backward
         for blk in [nnz, root][:k]:
             if forward:
-                spmm += spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line,
-                                   x_bytes=x_bytes)
-                moved += 2 * rows * a * F32 * (O > 1)  # copy of H (R) for its all-reduce
+                spmm += again * spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line,
+                                           x_bytes=x_bytes)
+                moved += again * 2 * rows * a * F32 * (O > 1)  # copy of H (R), all-reduce
                 if work.stored_bytes < F32:  # round H in place, keep a bf16 copy for dW
                     moved += rows * a * (3 * F32 + 3 * work.stored_bytes)
             if backward:

@@ -10,11 +10,12 @@ shard (with its gradient and AdamW moments when trained), and every weight with 
 AdamW moments.
 
 Kept for backward, per layer ``l`` with roles (O, I, P): ``H_l`` (and GraphSAGE's ``R_l``)
-``[N/P, D_l/I]`` for ``dW``, in the stored precision; the ReLU's bool mask and the batch or
-layer norm's centred block ``[N/P, D_l+1/O]``; the logits of the last layer; the dropout
-keep-mask of ``F_l`` (not of fixed input features: no gradient flows back through it).
-With fixed features the cached ``H_0`` *is* the ``H_0`` kept for ``dW`` (the same storage),
-so it is counted once.
+``[N/P, D_l/I]`` for ``dW``, in the stored precision; the ReLU's mask (one bit an entry,
+plexus.ops.BitMask) and the batch or layer norm's centred block ``[N/P, D_l+1/O]``; the
+logits of the last layer; the dropout keep-mask of ``F_l`` in bits (of fixed input features
+only when ``H_0`` is recomputed: otherwise no gradient flows back through it). With fixed
+features the cached ``H_0`` *is* the ``H_0`` kept for ``dW`` (the same storage), so it is
+counted once; a recomputed ``H_0`` (``work.recomputes_first``) is not kept at all.
 
 The step's phases, in order, each adding its short-lived tensors (float32) to what is kept
 by then:
@@ -29,7 +30,9 @@ by then:
   ``dQ`` with one of ``dH``/``dR`` while ``H_l`` is still kept; then ``dH`` (and ``dR``)
   all-reduced over O; the transposed SpMM's output ``dF [N/O, D_l/I]`` beside them
   (GraphSAGE: two, the second added into the first as autograd does); ``dF`` all-reduced
-  over P. Layer 0 with fixed features has no ``dH``.
+  over P. Layer 0 with fixed features has no ``dH``; where it recomputes ``H_0``, its
+  backward holds ``dQ``, ``dropout(F_0)`` and one of :data:`RECOMPUTE_BLOCKS` row blocks of
+  ``H_0`` at a time (on a GPU the whole ``H_0``: this under-counts there).
 
 An in-place all-reduce of ``B`` bytes over more than one rank needs a ``B/2`` receive buffer
 (MPICH's reduce-scatter halving; measured with mpich 4 on 2, 4 and 8 ranks; NCCL needs none,
@@ -48,6 +51,7 @@ from common.grid import round_up
 __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
 F32 = 4
+RECOMPUTE_BLOCKS = 8  # row blocks of a recomputed H_0 on the CPU (plexus.ops.RecomputedMatmul)
 # the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/2 of a
 # 32 MiB last-level cache; the planner does not read the machine's cache)
 SLICE_BUDGET_BYTES = (32 << 20) // 2
@@ -76,6 +80,8 @@ class GCNWorkload(Protocol):
     def terms(self) -> int: ...
     @property
     def stored_bytes(self) -> int: ...
+    @property
+    def recomputes_first(self) -> bool: ...
     def padded(self, shape: Mapping[str, int]) -> tuple[int, list[int]]: ...
     def output_rows(self, shape: Mapping[str, int]) -> int: ...
     def axes(self, layer: int) -> tuple[str, str, str]: ...
@@ -134,6 +140,8 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             _reduce_buffer(h32, lay["o_size"]), weights)
         q32 = rows * b * F32
         wide_h = h32 if work.stored_bytes != F32 else 0  # bf16: the float32 H until H W
+        if lay["recomputed"]:  # the float32 H (R), dropped once multiplied
+            wide_h = k * h32
         phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (
             3 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"]), weights)
         if lay["index"] < last and work.norm != "none":
@@ -151,6 +159,12 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             blocks = 3 if work.norm != "none" else 2  # product, dq)
             phases[f"backward {lay['index']} activation"] = before + own + blocks * q32
         grad_in = lay["index"] > 0 or work.learn_features
+        if lay["recomputed"]:  # dQ; dropout(F_0) (its bool mask, or the gathered F_0, while
+            f0 = lay["in_rows"] * a  # it is made); then one row block of H_0 and its dW
+            block = h32 / RECOMPUTE_BLOCKS
+            phases[f"backward {lay['index']} recompute"] = base + q32 + f0 * work.stored_bytes \
+                + max(f0 * (1 + work.stored_bytes * (lay["p_size"] > 1)),
+                      block + _reduce_buffer(block, lay["o_size"]) + 2 * a * b * F32)
         phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + q32 + (
             h32 if grad_in else 0) + 2 * a * b * F32
         if grad_in:  # dH (dR) all-reduced over O; A^T dH (+ S^T dR, summed in place);
@@ -159,6 +173,11 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
                 k * h32 + _reduce_buffer(h32, lay["o_size"]), k * h32 + df,
                 (k - 1) * h32 + k * df, df + _reduce_buffer(df, lay["p_size"]))
     return phases
+
+
+def _bits(entries: int) -> int:
+    """Bytes of a mask of ``entries`` kept one bit an entry (plexus.ops.BitMask)."""
+    return -(-entries // 8)
 
 
 def _reduce_buffer(nbytes: float, group_size: int) -> float:
@@ -178,13 +197,17 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         a, b = w[layer] // shape[i], w[layer + 1] // shape[o]
         rows = last_rows if layer == last else n // shape[p]
         norm = rows * b * kept if work.norm != "none" and layer != last else 0
-        other = rows * b * (F32 if layer == last else 1) + norm  # logits, or the ReLU mask
+        # the logits, or the ReLU's mask in bits
+        other = (rows * b * F32 if layer == last else _bits(rows * b)) + norm
+        recomputed = layer == 0 and work.recomputes_first
         out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,
                     "o_size": shape[o], "i_size": shape[i], "p_size": shape[p],
-                    "kept_h": k * rows * a * kept, "kept_other": other, "norm": norm,
-                    # the bool keep-mask of F_l, kept where a gradient flows back through it
-                    "dropout": (n // shape[o]) * a if work.dropout > 0 and (
-                        layer > 0 or work.learn_features) else 0})
+                    "kept_h": 0 if recomputed else k * rows * a * kept, "kept_other": other,
+                    "norm": norm, "recomputed": recomputed,
+                    # the keep-mask of F_l in bits, kept where a gradient flows back through
+                    # it, or for recomputing H_0
+                    "dropout": _bits((n // shape[o]) * a) if work.dropout > 0 and (
+                        layer > 0 or work.learn_features or recomputed) else 0})
     return out
 
 

@@ -27,6 +27,7 @@ gives the other aggregation of the same files. Every block is checked when it is
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -171,6 +172,8 @@ class PreparedGraph:
             raise DatasetCorruptError(
                 f"{self.path}/{names}: {problem}; the prepared dataset is damaged: run python "
                 f"-m plexus.prepare --verify {self.path}, then prepare it again")
+        for arr in (indptr, indices, values):  # the check's reads stay in the page cache
+            _release_pages(arr)
         if mapped is not None:
             mapped[pre, values_file] = block
         return block
@@ -257,3 +260,14 @@ class PreparedGraph:
             features_block=feats, labels=torch.from_numpy(labels.astype(np.int64)),
             masks=masks, split_counts=dict(self.split_counts), out_rows=out_rows, root=root,
         )
+
+
+def _release_pages(arr: np.ndarray) -> None:
+    """Drop this process's mapping of the pages of the memory-mapped ``arr`` (the file's pages
+    stay in the page cache): a block read once by the integrity check and never by the step (a
+    transpose that no backward pass reads) then adds nothing to the resident size, and one the
+    step reads maps its pages again on first touch. A no-op for arrays not backed by a map."""
+    m = getattr(arr, "_mmap", None)
+    if isinstance(m, mmap.mmap) and hasattr(m, "madvise"):
+        m.madvise(mmap.MADV_DONTNEED)
+

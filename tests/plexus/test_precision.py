@@ -236,7 +236,9 @@ def test_bf16_parallel_equals_bf16_serial_and_the_planner():
         assert torch.equal(held, ~torch.isnan(logits[:, 0])), tag
         assert rel(logits[held], want[held]) < 2e-3, tag
         for r in per_rank:
-            assert abs(r["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), tag
+            # bf16 rounds H after its all-reduce over O, whose summation order depends on
+            # the message size (row blocks): a rounding flip moves the loss by ~1e-5
+            assert abs(r["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), tag
             for name, g in ref["grads"].items():
                 assert rel(r["grads"][name], g) < 5e-3 or (r["grads"][name] - g).norm() < 1e-6, \
                     f"{tag}: grad of {name} ({rel(r['grads'][name], g)})"

@@ -162,6 +162,23 @@ def test_dropout_mask_is_grid_independent_and_has_the_rate():
     assert not torch.equal(full, other)  # a new mask every step
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.97])
+def test_the_numba_dropout_hash_draws_the_numpy_bits(p, monkeypatch):
+    """Blocks of 2^16 entries or more hash in a numba kernel, smaller ones (and every block
+    without numba) in numpy: a rank's mask must not depend on which ran."""
+    pytest.importorskip("numba")
+    from plexus import kernels, layers
+
+    rows = torch.cat([torch.arange(2000) * 7919, torch.tensor([2**32 + 5, 2**33 - 1])])
+    cols = torch.arange(3, 70)  # 2002 x 67 entries: the kernel's
+    fast = layers.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
+    assert len(kernels.keep_mask.signatures) > 0
+    monkeypatch.setattr(layers, "_load_numba", lambda: None)
+    slow = layers.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
+    assert torch.equal(fast, slow)
+    assert abs(float(fast.float().mean()) - (1 - p)) < 0.01
+
+
 @pytest.mark.parametrize("world, grids", [
     (1, ["1x1x1"]),
     pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], marks=pytest.mark.slow),

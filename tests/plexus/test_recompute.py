@@ -1,0 +1,192 @@
+"""Layer 0's aggregation recomputed in backward (PlexusGCN(recompute_first=True), the default
+with fixed features and dropout) against keeping it, and the masks kept as bits.
+
+What must hold: the forward pass is the kept path's (the same rows of H_0, multiplied row
+block by row block), the weight gradients agree to float rounding (dW_0 summed over the row
+blocks), nothing of H_0's size is kept for backward, the communication is the planner's
+(collectives 1 and 2 run again in backward), and the planner's memory phases count it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.comm_stats import CommStats
+from plexus import ops
+from plexus.layout import layer_widths, roles
+from tests.distributed import run_ranks
+from tests.plexus.data.shards import small_graph
+from tests.plexus.test_model import rel
+
+HIDDEN, SEED, STEP = 6, 5, 3
+
+
+def _check_bit_mask(shape, device):
+    mask = (torch.rand(shape, generator=torch.Generator().manual_seed(1)) > 0.4).to(device)
+    bits = ops.BitMask(mask)
+    assert bits.bits.dtype == torch.uint8 and bits.bits.numel() == -(-mask.numel() // 8)
+    assert bits.bits.device == mask.device
+    assert torch.equal(bits.unpack(), mask)
+    assert torch.equal(bits.unpack(invert=True), ~mask)
+
+
+SHAPES = [(5, 7), (8, 8), (1, 3), (0, 4), (13,)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_bit_mask_gives_back_the_mask_and_its_negation(shape):
+    _check_bit_mask(shape, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_bit_mask_on_cuda_gives_back_the_mask_and_its_negation():
+    for shape in SHAPES:  # torch's bit operations instead of numpy's
+        _check_bit_mask(shape, "cuda")
+
+
+def test_relu_and_dropout_keep_their_masks_as_bits():
+    """The two activations' gradients are those of torch's, from a mask 8x smaller."""
+    from plexus.layers import apply_dropout
+
+    x = torch.randn(37, 11, requires_grad=True)
+    keep = torch.rand(37, 11, generator=torch.Generator().manual_seed(2)) > 0.5
+    y = apply_dropout(ops.ReLU.apply(x * 1.0), keep, 0.5)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, ((x > 0) & keep).float() * 2.0)
+    assert torch.equal(y, torch.relu(x) * keep * 2.0)
+
+
+def _saved_bytes(fn):
+    """(result of fn(), bytes of the tensors autograd saves while it runs)."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+def _by_axis(stats: CommStats) -> dict[str, int]:
+    """Bytes moved per axis (the model's collectives; the loss was given no stats)."""
+    out: dict[str, int] = {}
+    for key, v in stats.as_dict().items():
+        out[key.split("/")[0]] = out.get(key.split("/")[0], 0) + v["bytes"]
+    return out
+
+
+CASES = [("gcn", 3, "fp32"), ("sage", 2, "fp32"), ("gcn", 3, "bf16")]
+
+
+def _runs(ctx, grids):
+    """Per grid and case: one training pass and backward with recompute_first on and off:
+    logits, loss, gradients, the bytes autograd saved and the bytes moved by axis."""
+    from common.grid import ProcessGrid
+    from plexus.data.memory import InMemorySource
+    from plexus.loss import sharded_cross_entropy
+    from plexus.model import PlexusGCN
+
+    graph = small_graph()
+    out = []
+    for grid_text in grids:
+        grid = ProcessGrid.parse(grid_text)
+        groups = ctx.create_groups(grid)
+        for kind, num_layers, precision in CASES:
+            widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
+            source = InMemorySource(graph, permutation="double", seed=11,
+                                    aggregation="mean" if kind == "sage" else "gcn")
+            o_ax, _, p_ax = roles(num_layers - 1)
+            per = {}
+            for recompute in (True, False):
+                shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
+                model = PlexusGCN(shard, groups, model=kind, seed=SEED, dropout=0.5,
+                                  labelled_rows_only=False, precision=precision,
+                                  recompute_first=recompute)
+                assert model.recompute_first == recompute
+                stats = CommStats()
+                logits, saved = _saved_bytes(lambda m=model, s=stats: m(s, step=STEP))
+                loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
+                                             num_classes=graph.num_classes,
+                                             count=shard.split_counts["train"],
+                                             group_o=groups[o_ax], group_p=groups[p_ax])
+                loss.backward()
+                per[recompute] = {
+                    "logits": logits.detach(), "loss": loss.item(), "saved": saved,
+                    "bytes": _by_axis(stats),
+                    # H_0 [N/P, D_0/I] as GatheredMatmul keeps it (bf16: 2 bytes)
+                    "h0_bytes": model.shard.adj[0].a.shape[0] * model.block_shapes[0][0]
+                    * (2 if precision == "bf16" else 4),
+                    "grads": {n: model.gather(k, t.grad, layer)
+                              for n, t, k, layer in model.sharded_state()
+                              if t.grad is not None}}
+            out.append({"case": (grid_text, kind, num_layers, precision),
+                        "shape": grid.shape, "on": per[True], "off": per[False]})
+    return out
+
+
+def _assert_recompute_equals_keep(results):
+    from common.perf.gcn import GCNWorkload, gcn_collectives
+    from common.perf.model import bytes_by_axis
+
+    graph = small_graph()
+    for per_rank in zip(*results):
+        for r in per_rank:
+            tag = f"case {r['case']}"
+            on, off = r["on"], r["off"]
+            # the same H_0 rows, multiplied by row blocks: the logits to float rounding
+            assert rel(on["logits"], off["logits"]) < 1e-6, tag
+            assert abs(on["loss"] - off["loss"]) <= 1e-6 * abs(off["loss"]), tag
+            assert sorted(on["grads"]) == sorted(off["grads"]), tag
+            for name, want in off["grads"].items():
+                got = on["grads"][name]
+                assert rel(got, want) < 1e-5 or (got - want).norm() < 1e-7, \
+                    f"{tag}: grad of {name} ({rel(got, want)})"
+            # H_0 (and GraphSAGE's R_0) is no longer kept: at least its bytes less are saved
+            terms = 2 if r["case"][1] == "sage" else 1
+            assert off["saved"] - on["saved"] >= terms * on["h0_bytes"], tag
+            # (1) and (2) run again in backward: the planner counts them
+            _, kind, num_layers, precision = r["case"]
+            work = GCNWorkload(model=kind, num_nodes=graph.num_nodes, nnz=1,
+                               num_features=graph.num_features, num_classes=graph.num_classes,
+                               num_layers=num_layers, hidden=HIDDEN, dropout=0.5,
+                               cache_first_aggregation=False, labelled_rows_only=False,
+                               precision=precision, norm="none")
+            for mode, recompute in (("on", True), ("off", False)):
+                w = GCNWorkload(**{**work.__dict__, "recompute_first": recompute})
+                assert w.recomputes_first == recompute
+                want = {k: v for k, v in bytes_by_axis(
+                    gcn_collectives(w, r["shape"], loss=False), r["shape"]).items() if v}
+                got = {k: v for k, v in r[mode]["bytes"].items() if v}
+                assert got == want, f"{tag} {mode}: bytes {got} != model {want}"
+
+
+@pytest.mark.parametrize("world, grids", [
+    (1, ["1x1x1"]),
+    # O > 1 (2x1x2, 4x1x1: H_0's row blocks all-reduced) and P > 1 (1x2x2: F_0 gathered
+    # again); 203 nodes pad to 204
+    pytest.param(4, ["1x2x2", "2x1x2", "4x1x1"], marks=pytest.mark.slow),
+])
+def test_recomputed_first_aggregation_equals_keeping_it(world, grids):
+    _assert_recompute_equals_keep(run_ranks(_runs, world, grids))
+
+
+def test_the_planner_drops_h0_and_adds_the_recompute_phase():
+    from common.perf.gcn import GCNWorkload, gcn_memory_parts, gcn_memory_phases
+
+    base = dict(num_nodes=100_000, nnz=1_000_000, num_features=128, num_classes=10,
+                hidden=64, dropout=0.5, cache_first_aggregation=False)
+    shape = {"x": 1, "y": 1, "z": 1}
+    on, off = GCNWorkload(**base), GCNWorkload(**base, recompute_first=False)
+    assert on.recomputes_first and not off.recomputes_first
+    assert not GCNWorkload(**{**base, "dropout": 0.0}).recomputes_first  # H_0 is cached
+    assert not GCNWorkload(**base, learn_features=True).recomputes_first
+    h0 = 100_000 * 128 * 4
+    assert gcn_memory_parts(off, shape)["kept_h"] - gcn_memory_parts(on, shape)["kept_h"] == h0
+    assert "backward 0 recompute" in gcn_memory_phases(on, shape)
+    assert "backward 0 recompute" not in gcn_memory_phases(off, shape)
+    assert max(gcn_memory_phases(on, shape).values()) < max(gcn_memory_phases(off,
+                                                                              shape).values())
