@@ -30,9 +30,11 @@ by then:
   ``dQ`` with one of ``dH``/``dR`` while ``H_l`` is still kept; then ``dH`` (and ``dR``)
   all-reduced over O; the transposed SpMM's output ``dF [N/O, D_l/I]`` beside them
   (GraphSAGE: two, the second added into the first as autograd does); ``dF`` all-reduced
-  over P. Layer 0 with fixed features has no ``dH``; where it recomputes ``H_0``, its
-  backward holds ``dQ``, ``dropout(F_0)`` and one of :data:`RECOMPUTE_BLOCKS` row blocks of
-  ``H_0`` at a time (on a GPU the whole ``H_0``: this under-counts there).
+  over P. Layer 0 with fixed features has no ``dH``.
+
+Where layer 0 recomputes ``H_0`` (``work.recomputes_first``) its forward and backward are one
+phase each: ``Q`` (or ``dQ``), ``dropout(F_0)`` and one of :data:`RECOMPUTE_BLOCKS` row blocks
+of ``H_0`` at a time (on a GPU the whole ``H_0``: this under-counts there).
 
 An in-place all-reduce of ``B`` bytes over more than one rank needs a ``B/2`` receive buffer
 (MPICH's reduce-scatter halving; measured with mpich 4 on 2, 4 and 8 ranks; NCCL needs none,
@@ -136,14 +138,15 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
         else:
             f_in = lay["in_rows"] * a * F32
         base = before + lay["dropout"]
-        phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h32 + max(
-            _reduce_buffer(h32, lay["o_size"]), weights)
         q32 = rows * b * F32
-        wide_h = h32 if work.stored_bytes != F32 else 0  # bf16: the float32 H until H W
-        if lay["recomputed"]:  # the float32 H (R), dropped once multiplied
-            wide_h = k * h32
-        phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (
-            3 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"]), weights)
+        if lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
+            phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
+        else:
+            phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h32 + max(
+                _reduce_buffer(h32, lay["o_size"]), weights)
+            wide_h = h32 if work.stored_bytes != F32 else 0  # bf16: the float32 H until H W
+            phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (
+                3 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"]), weights)
         if lay["index"] < last and work.norm != "none":
             phases[f"forward {lay['index']} norm"] = base + lay["kept_h"] + lay["norm"] + 2 * q32
         before += lay["kept_h"] + lay["kept_other"] + lay["dropout"]
@@ -159,12 +162,8 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             blocks = 3 if work.norm != "none" else 2  # product, dq)
             phases[f"backward {lay['index']} activation"] = before + own + blocks * q32
         grad_in = lay["index"] > 0 or work.learn_features
-        if lay["recomputed"]:  # dQ; dropout(F_0) (its bool mask, or the gathered F_0, while
-            f0 = lay["in_rows"] * a  # it is made); then one row block of H_0 and its dW
-            block = h32 / RECOMPUTE_BLOCKS
-            phases[f"backward {lay['index']} recompute"] = base + q32 + f0 * work.stored_bytes \
-                + max(f0 * (1 + work.stored_bytes * (lay["p_size"] > 1)),
-                      block + _reduce_buffer(block, lay["o_size"]) + 2 * a * b * F32)
+        if lay["recomputed"]:
+            phases[f"backward {lay['index']} recompute"] = base + _recompute(work, lay)
         phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + q32 + (
             h32 if grad_in else 0) + 2 * a * b * F32
         if grad_in:  # dH (dR) all-reduced over O; A^T dH (+ S^T dR, summed in place);
@@ -173,6 +172,19 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
                 k * h32 + _reduce_buffer(h32, lay["o_size"]), k * h32 + df,
                 (k - 1) * h32 + k * df, df + _reduce_buffer(df, lay["p_size"]))
     return phases
+
+
+def _recompute(work: GCNWorkload, lay: dict) -> float:
+    """What a recomputed layer 0 holds in either pass (plexus.ops.RecomputedMatmul): ``Q``
+    (forward) or ``dQ`` (backward); ``dropout(F_0)``, made beside its unpacked bool mask (and
+    the gathered ``F_0`` over P > 1); then one row block of ``H_0`` with its all-reduce buffer
+    and its product with ``W`` (``dW``'s part)."""
+    a, b = lay["a"], lay["b"]
+    f0 = lay["in_rows"] * a
+    block = lay["rows"] * a * F32 / RECOMPUTE_BLOCKS
+    return lay["rows"] * b * F32 + f0 * work.stored_bytes + max(
+        f0 * (1 + work.stored_bytes * (lay["p_size"] > 1)),
+        block + _reduce_buffer(block, lay["o_size"]) + 2 * a * b * F32)
 
 
 def _bits(entries: int) -> int:
