@@ -34,7 +34,7 @@ it, and the bench goes on. The PyG process volunteers as the OOM killer's first 
 Allocator: both sides run under the same settings. Both import ``common``, which turns on
 PyTorch's huge pages for large CPU buffers (``THP_MEM_ALLOC_ENABLE=1`` unless the environment
 sets it; the header prints the value both inherit), and PyG also gets our trainer's retained
-heap (common.alloc: freed buffers up to 64 MiB stay in the heap; at this size the [N, 256]
+heap (common.alloc: freed buffers up to 16 MiB stay in the heap; at this size the [N, 256]
 activations are far larger and go back to the OS as usual); ``--no-retain-freed-memory``: on
 neither side.
 
@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = (f"GCN, {args.layers} layers, hidden {args.hidden}, dropout {args.dropout}, Adam "
               f"lr {args.lr}; {args.epochs} timed epoch(s) after 1 warm-up; "
               f"{os.cpu_count()} cores; allocator: "
-              f"{'freed buffers up to 64 MiB retained' if args.retain else 'glibc defaults'} "
+              f"{'freed buffers up to 16 MiB retained' if args.retain else 'glibc defaults'} "
               f"on both sides; THP_MEM_ALLOC_ENABLE="
               f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')} on both sides")
     print(f"{graph}\n{recipe}", flush=True)

@@ -289,33 +289,35 @@ class PlexusGCN(nn.Module):
         return apply_dropout(f, self._keep_mask(layer, step, f.device), self.dropout)
 
     def _recomputes(self, rows_only: bool) -> bool:
-        """Whether this pass's layer 0 leaves ``H_0`` to backward (:attr:`recompute_first`):
-        a training pass that builds a graph, over every row."""
-        return (self.recompute_first and self.training and torch.is_grad_enabled()
-                and not rows_only)
+        """Whether this pass's layer 0 runs in row blocks and leaves ``H_0`` to backward
+        (:attr:`recompute_first`): every pass over every row, evaluation included (it then
+        holds one row block of ``H_0`` instead of all of it)."""
+        return self.recompute_first and not rows_only
 
     def _first_recomputed(self, step: int, stats: CommStats | None, gathered) -> torch.Tensor:
         """``H_0 W_0`` (+ ``R_0 W_r0``) [N/P, D_1/O], partial over I, multiplied row block by
         row block as :meth:`_first_blocks` aggregates them, none kept: backward aggregates
-        them again from this pass's dropout mask, kept as bits."""
+        them again from this pass's dropout mask, kept as bits (no mask in evaluation)."""
         p_group = self.groups[layout.roles(0)[2]]
-        bits = ops.BitMask(self._keep_mask(0, step, self.features.device))
+        bits = (ops.BitMask(self._keep_mask(0, step, self.features.device)) if self.training
+                else None)
         sage = self.kind == "sage"
         return ops.RecomputedMatmul.apply(
             lambda: self._first_blocks(bits, stats), self.shard.adj[0].a.shape[0], p_group,
             self.block_shapes[0], stats, gathered, self.weights[0],
             self.root_weights[0] if sage else None)
 
-    def _first_blocks(self, bits: ops.BitMask, stats: CommStats | None):
+    def _first_blocks(self, bits: ops.BitMask | None, stats: CommStats | None):
         """Yield ``(term, lo, hi, rows lo..hi of H_0 (term 0) or R_0 (term 1))``: F_0
         gathered over P (1), ``dropout(F_0)`` with the mask ``bits`` (the values
-        :meth:`_dropout` gives), aggregated in row blocks (whole on a GPU, where a row
-        block's matrix would be a copy), each all-reduced over O (2) and, in bf16, rounded
-        as :meth:`_aggregate` rounds H."""
+        :meth:`_dropout` gives; None: F_0 as it is), aggregated in row blocks (whole on a
+        GPU, where a row block's matrix would be a copy), each all-reduced over O (2) and,
+        in bf16, rounded as :meth:`_aggregate` rounds H."""
         o_group = self.groups[layout.roles(0)[0]]
         with torch.no_grad():
             f = self._input(0, None, stats)                              # (1)
-            f = self._dropout(0, f, 0, drop=bits.unpack(invert=True).to(f.device))
+            if bits is not None:
+                f = self._dropout(0, f, 0, drop=bits.unpack(invert=True).to(f.device))
             terms = [self.shard.adj] + ([self.shard.root] if self.kind == "sage" else [])
             for term, blocks in enumerate(terms):
                 a = blocks[0].a
@@ -402,8 +404,9 @@ class PlexusGCN(nn.Module):
         """``H W`` [N/P, D_l+1/O], partial over I, with ``W`` gathered over P (3, 5, 6);
         ``gathered``: the handle of that all-gather, issued by :meth:`_prefetch`."""
         p_group = self.groups[layout.roles(layer)[2]]
+        keep = self.keep_dtype if torch.is_grad_enabled() else None  # no copy for no backward
         return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
-                                        stats, gathered, self.keep_dtype)
+                                        stats, gathered, keep)
 
     def _sum_inner(self, layer: int, q: torch.Tensor, stats: CommStats | None):
         """Q summed over I (collective 4, in place: q is fresh), then ``+ b_l`` in place (the

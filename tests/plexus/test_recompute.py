@@ -1,10 +1,11 @@
 """Layer 0's aggregation recomputed in backward (PlexusGCN(recompute_first=True), the default
 with fixed features and dropout) against keeping it, and the masks kept as bits.
 
-What must hold: the forward pass is the kept path's (the same rows of H_0, multiplied row
-block by row block), the weight gradients agree to float rounding (dW_0 summed over the row
-blocks), nothing of H_0's size is kept for backward, the communication is the planner's
-(collectives 1 and 2 run again in backward), and the planner's memory phases count it.
+What must hold: the forward passes, training and evaluation, are the kept path's (the same
+rows of H_0, multiplied row block by row block), the weight gradients agree to float rounding
+(dW_0 summed over the row blocks), nothing of H_0's size is kept for backward, the
+communication is the planner's (collectives 1 and 2 run again in backward), and the planner's
+memory phases count it.
 """
 
 from __future__ import annotations
@@ -114,8 +115,12 @@ def _runs(ctx, grids):
                                              count=shard.split_counts["train"],
                                              group_o=groups[o_ax], group_p=groups[p_ax])
                 loss.backward()
+                model.eval()  # layer 0 in row blocks too, without dropout
+                with torch.no_grad():
+                    eval_logits = model()
                 per[recompute] = {
                     "logits": logits.detach(), "loss": loss.item(), "saved": saved,
+                    "eval": eval_logits,
                     "bytes": _by_axis(stats),
                     # H_0 [N/P, D_0/I] as GatheredMatmul keeps it (bf16: 2 bytes)
                     "h0_bytes": model.shard.adj[0].a.shape[0] * model.block_shapes[0][0]
@@ -139,6 +144,7 @@ def _assert_recompute_equals_keep(results):
             on, off = r["on"], r["off"]
             # the same H_0 rows, multiplied by row blocks: the logits to float rounding
             assert rel(on["logits"], off["logits"]) < 1e-6, tag
+            assert rel(on["eval"], off["eval"]) < 1e-6, tag
             assert abs(on["loss"] - off["loss"]) <= 1e-6 * abs(off["loss"]), tag
             assert sorted(on["grads"]) == sorted(off["grads"]), tag
             for name, want in off["grads"].items():
