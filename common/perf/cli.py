@@ -42,7 +42,8 @@ def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
     opts = {"model": args.model, "num_layers": args.layers, "hidden": args.hidden,
             "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache,
             "overlap": {"auto": None, "on": True, "off": False}[args.overlap],
-            "norm": args.norm, "precision": args.precision}
+            "norm": args.norm, "precision": args.precision, "dropout": args.dropout,
+            "recompute_first": not args.keep_first_aggregation}
     if args.dataset:
         return DATASETS[args.dataset](**opts)
     missing = [f"--{k}" for k in ("nodes", "nnz", "features", "classes")
@@ -135,6 +136,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(plexus.train --precision)")
     g.add_argument("--no-cache", action="store_true",
                    help="recompute H_0 every epoch (as the paper's code does)")
+    g.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout rate (plexus.train's default is 0.5; 0 is the paper's bare "
+                   "model): its masks are kept for backward, and with fixed features H_0 is "
+                   "recomputed in backward")
+    g.add_argument("--keep-first-aggregation", action="store_true",
+                   help="with fixed features and dropout, keep H_0 for backward instead of "
+                   "recomputing it (plexus.train --keep-first-aggregation)")
     t = sub.add_parser("gpt", parents=[shared], help="GPT step (data, depth, row, col grids); "
                        "for the llm presets use python -m llm.plan")
     t.add_argument("--vocab", type=int)

@@ -108,6 +108,19 @@ def test_plan_cli_prints_a_ranked_table(capsys):
     assert "missing --layers --heads --d-model --d-ff" in capsys.readouterr().err
 
 
+def test_plan_cli_takes_dropout_and_the_recompute_of_h0():
+    from common.perf.cli import gcn_workload, parse_args
+
+    base = ["gcn", "--nodes", "1000", "--nnz", "20000", "--features", "16", "--classes", "4",
+            "--ranks", "2"]
+    bare = gcn_workload(parse_args(base))
+    assert bare.dropout == 0 and not bare.recomputes_first  # the paper's bare model: H_0 cached
+    recipe = gcn_workload(parse_args([*base, "--dropout", "0.5"]))
+    assert recipe.dropout == 0.5 and recipe.recomputes_first  # plexus.train's default
+    kept = gcn_workload(parse_args([*base, "--dropout", "0.5", "--keep-first-aggregation"]))
+    assert not kept.recomputes_first
+
+
 def test_plan_command_runs_as_a_module():
     r = subprocess.run([sys.executable, "-m", "common.perf", "profiles"],
                        capture_output=True, text=True, env=launch_env(), timeout=60)
