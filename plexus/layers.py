@@ -25,6 +25,7 @@ from common import autograd
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
+from plexus.csr import _load_numba
 from plexus.ops import BitMask
 
 _U32 = np.uint32
@@ -69,15 +70,6 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
             h = _mix32((r[:, None] ^ c) * _U32(0x9E3779B1) ^ k)
             np.greater_equal(h, threshold, out=out[lo:lo + step_rows])
     return torch.from_numpy(out)
-
-
-def _load_numba():
-    """plexus.kernels, or None without numba."""
-    try:
-        from plexus import kernels
-    except ImportError:
-        return None
-    return kernels
 
 
 def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,

@@ -270,4 +270,3 @@ def _release_pages(arr: np.ndarray) -> None:
     m = getattr(arr, "_mmap", None)
     if isinstance(m, mmap.mmap) and hasattr(m, "madvise"):
         m.madvise(mmap.MADV_DONTNEED)
-
