@@ -23,7 +23,7 @@ from plexus.loss import sharded_cross_entropy
 from plexus.model import PlexusGCN
 from plexus.reference import SerialGCN, gcn_adjacency
 from tests.distributed import needs_mpi, run_ranks
-from tests.plexus.data.shards import small_graph
+from tests.plexus.data.shards import model_source, small_graph
 
 HIDDEN = 6  # not divisible by 4: padded widths on 4-sized axes
 
@@ -240,8 +240,7 @@ def _on_off(ctx, grids):
             name, kind, num_layers, learn, dropout, norm = case
             graph = graphs[name]
             widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
-            source = InMemorySource(graph, permutation="double", seed=11,
-                                    aggregation="mean" if kind == "sage" else "gcn")
+            source = model_source(graph, kind)
             o_ax, i_ax, p_ax = roles(num_layers - 1)
             per = {}
             for rows_only in (True, False):

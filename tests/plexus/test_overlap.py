@@ -19,7 +19,7 @@ from plexus.layout import layer_widths, roles
 from plexus.loss import sharded_cross_entropy
 from plexus.model import PlexusGCN
 from tests.distributed import needs_mpi, run_ranks
-from tests.plexus.data.shards import small_graph
+from tests.plexus.data.shards import model_source, small_graph
 
 HIDDEN = 6
 # (model, layers, trainable features, norm, residual, dropout)
@@ -32,8 +32,7 @@ def _one(ctx, grid_text: str, case, overlap: bool) -> dict:
     grid = ProcessGrid.parse(grid_text)
     groups = ctx.create_groups(grid)
     widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
-    source = InMemorySource(graph, permutation="double", seed=11,
-                            aggregation="mean" if kind == "sage" else "gcn")
+    source = model_source(graph, kind)
     shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
     model = PlexusGCN(shard, groups, model=kind, learn_features=learn, seed=5, bias=True,
                       norm=norm, residual=residual, dropout=dropout, overlap=overlap,

@@ -44,7 +44,7 @@ from plexus.loss import sharded_cross_entropy
 from plexus.model import PlexusGCN
 from plexus.sparse import BlockSparse, CSRBlock
 from tests.distributed import run_module, run_ranks
-from tests.plexus.data.shards import small_graph
+from tests.plexus.data.shards import model_source, small_graph
 from tests.plexus.test_model import full_logits, rel
 
 BF16 = torch.bfloat16
@@ -164,8 +164,7 @@ def _passes(shard, groups, case, precision, stats_first=None):
 def _shard(graph, case, shape, coords):
     kind, num_layers = case[0], case[1]
     widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
-    source = InMemorySource(graph, permutation="double", seed=11,
-                            aggregation="mean" if kind == "sage" else "gcn")
+    source = model_source(graph, kind)
     return source.shard(shape, coords, widths)
 
 

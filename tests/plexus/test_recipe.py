@@ -15,7 +15,7 @@ from plexus.layers import dropout_mask
 from plexus.layout import layer_widths, roles
 from plexus.reference import SerialGCN
 from tests.distributed import run_ranks
-from tests.plexus.data.shards import small_graph
+from tests.plexus.data.shards import model_source, small_graph
 from tests.plexus.test_model import full_logits, rel
 
 HIDDEN, SEED, STEP = 6, 5, 3
@@ -49,7 +49,6 @@ def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, 
 def _parallel(ctx, grids):
     from common.comm_stats import CommStats
     from common.grid import ProcessGrid
-    from plexus.data.memory import InMemorySource
     from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
@@ -61,8 +60,7 @@ def _parallel(ctx, grids):
             grid = ProcessGrid.parse(grid_text)
             groups = ctx.create_groups(grid)
             widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
-            source = InMemorySource(graph, permutation="double", seed=11,
-                                    aggregation="mean" if model_kind == "sage" else "gcn")
+            source = model_source(graph, model_kind)
             shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
             model = PlexusGCN(shard, groups, model=model_kind, learn_features=learn, seed=SEED,
                               dropout=dropout, bias=bias, norm=norm,

@@ -17,7 +17,7 @@ from common.comm_stats import CommStats
 from plexus import ops
 from plexus.layout import layer_widths, roles
 from tests.distributed import run_ranks
-from tests.plexus.data.shards import small_graph
+from tests.plexus.data.shards import model_source, small_graph
 from tests.plexus.test_model import rel
 
 HIDDEN, SEED, STEP = 6, 5, 3
@@ -87,7 +87,6 @@ def _runs(ctx, grids):
     """Per grid and case: one training pass and backward with recompute_first on and off:
     logits, loss, gradients, the bytes autograd saved and the bytes moved by axis."""
     from common.grid import ProcessGrid
-    from plexus.data.memory import InMemorySource
     from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
@@ -98,8 +97,7 @@ def _runs(ctx, grids):
         groups = ctx.create_groups(grid)
         for kind, num_layers, precision in CASES:
             widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
-            source = InMemorySource(graph, permutation="double", seed=11,
-                                    aggregation="mean" if kind == "sage" else "gcn")
+            source = model_source(graph, kind)
             o_ax, _, p_ax = roles(num_layers - 1)
             per = {}
             for recompute in (True, False):

@@ -70,6 +70,13 @@ def memory_shard(graph, shape, coords, num_layers, hidden, *, permutation="doubl
     return source.shard(shape, coords, widths(graph, num_layers, hidden))
 
 
+def model_source(graph, kind: str) -> InMemorySource:
+    """The in-memory source the model tests train on: the double permutation of seed 11, with
+    the aggregation of ``kind`` (GraphSAGE's mean adjacency, else GCN's)."""
+    return InMemorySource(graph, permutation="double", seed=11,
+                          aggregation="mean" if kind == "sage" else "gcn")
+
+
 def small_graph(num_nodes=203, seed=3):
     """203 nodes: a prime, so every grid but 1x1x1 pads; a few unlabeled/unsplit nodes."""
     return planted_partition(num_nodes=num_nodes, num_classes=5, num_features=7, avg_degree=5,
