@@ -2,6 +2,7 @@
 included), asynchronous progress without wait(), two-level (PCCL) collectives on simulated
 2x2 node layouts, and the choice of transport at start-up."""
 
+import re
 import threading
 import time
 
@@ -184,8 +185,13 @@ def test_transport_choice(tmp_path, launcher, comm, expect):
     script = tmp_path / "choice.py"
     script.write_text(CHOICE.format(comm=comm))
     r = launch([str(script)], ranks=2, launcher=launcher, timeout=120)
-    assert r.stdout.count(expect) == 2, r.stdout + r.stderr
-    assert (r.returncode != 0) == ("error" in expect or "MPI sees" in expect)
+    refused = "MPI sees" in expect
+    # torchrun stops the other rank (SIGTERM, exit code -15) once the first has exited: a rank
+    # still starting then is reported stopped instead of printing its refusal
+    stopped = re.findall(r"exitcode\s+:\s*-15", r.stderr) if refused else []
+    assert r.stdout.count(expect) + len(stopped) == 2 and r.stdout.count(expect) >= 1, \
+        r.stdout + r.stderr
+    assert (r.returncode != 0) == refused
 
 
 LOOP = """
