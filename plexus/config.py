@@ -62,6 +62,10 @@ class ModelConfig:
         recompute_first: with fixed features and dropout, recompute layer 0's aggregation
             ``H_0`` in backward instead of keeping it (plexus.model.PlexusGCN): less memory,
             one more layer-0 SpMM per step; ``dW_0`` equal to float rounding.
+        weight_first: multiply by the weight before aggregating, ``A (F' W)``, in layers that
+            narrow and have one rank (plexus.model.PlexusGCN): None (auto:
+            :func:`common.perf.gcn.weight_first_pays`), True (every layer whose O and I axes
+            have one rank) or False. Equal to float rounding.
     """
 
     model: str = "gcn"
@@ -78,6 +82,7 @@ class ModelConfig:
     aggregation_blocks: int | None = None
     precision: str = "fp32"
     recompute_first: bool = True
+    weight_first: bool | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -204,4 +209,5 @@ def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
                        labelled_fraction=min(1.0, labelled),
                        labelled_rows_only=model.labelled_rows_only, overlap=model.overlap,
                        norm=model.norm, precision=model.precision,
-                       recompute_first=model.recompute_first)
+                       recompute_first=model.recompute_first,
+                       weight_first=model.weight_first)

@@ -231,6 +231,59 @@ def keep_mask(rows, cols, key, threshold, out):  # pragma: no cover - compiled
             out[i, j] = h >= threshold
 
 
+RELU_CHUNK = 4096  # bytes of bits (32768 entries) per parallel chunk of the ReLU kernels
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def relu_pack(q, bits):  # pragma: no cover - compiled
+    """In-place ``relu`` of the flat ``q`` and its mask ``q > 0`` packed into ``bits`` one bit
+    an entry (entry ``8 j + k`` is bit ``k`` of byte ``j``: numpy's ``packbits`` with
+    ``bitorder="little"``), in one pass. ``q < 0`` becomes 0; -0 and NaN stay as they are with
+    bit 0, as ``torch.relu_`` and ``q > 0`` leave them. Whole bytes branch-free, in parallel
+    chunks."""
+    n = q.shape[0]
+    full = n // 8
+    for c in numba.prange((full + RELU_CHUNK - 1) // RELU_CHUNK):
+        for j in range(c * RELU_CHUNK, min(full, (c + 1) * RELU_CHUNK)):
+            b = np.uint8(0)
+            for k in range(8):
+                v = q[8 * j + k]
+                pos = v > 0
+                b |= np.uint8(pos) << np.uint8(k)
+                q[8 * j + k] = np.float32(0) if v < 0 else v
+            bits[j] = b
+    if full < bits.shape[0]:  # the last, partial byte
+        b = np.uint8(0)
+        for i in range(8 * full, n):
+            v = q[i]
+            if v > 0:
+                b |= np.uint8(1) << np.uint8(i - 8 * full)
+            elif v < 0:
+                q[i] = 0
+        bits[full] = b
+
+
+# byte -> the 8 words that keep (all ones) or clear (zero) the entries of its set bits
+_BIT_WORDS = np.array([[0xFFFFFFFF if (b >> k) & 1 else 0 for k in range(8)]
+                       for b in range(256)], dtype=np.uint32)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True)
+def masked_by_bits(dy, bits, out):  # pragma: no cover - compiled
+    """``out = dy`` where the bit of the entry is set, else +0 (flat uint32 views of float32
+    arrays; the bit order of :func:`relu_pack`): the ReLU's backward in one pass, each byte's
+    eight entries ANDed with a table row (the same bits as ``masked_fill``)."""
+    n = dy.shape[0]
+    full = n // 8
+    for c in numba.prange((full + RELU_CHUNK - 1) // RELU_CHUNK):
+        for j in range(c * RELU_CHUNK, min(full, (c + 1) * RELU_CHUNK)):
+            words = _BIT_WORDS[bits[j]]
+            for k in range(8):
+                out[8 * j + k] = dy[8 * j + k] & words[k]
+    for i in range(8 * full, n):
+        out[i] = dy[i] & _BIT_WORDS[bits[full], i - 8 * full]
+
+
 @numba.njit(inline="always")
 def _mix64(z):  # pragma: no cover - compiled
     """splitmix64's finaliser: a bijection of uint64 with good avalanche."""

@@ -37,6 +37,7 @@ from common.perf.gcn import (
     RECOMPUTE_BLOCKS,
     labelled_rows_pay,
     overlap_pays,
+    weight_first_pays,
 )
 from common.slab import Slab
 from plexus import layout, ops, shards
@@ -127,6 +128,16 @@ class PlexusGCN(nn.Module):
             (:class:`plexus.ops.RecomputedMatmul`): one more layer-0 SpMM and collectives (1)
             and (2) again, for the largest block a step keeps. ``dW_0`` is then summed over the
             row blocks: equal to float rounding. False keeps ``H_0``.
+        weight_first: multiply by the weight before aggregating, ``Q = A (F' W)``, in the
+            layers where :func:`common.perf.gcn.weight_first_pays` (:attr:`weight_first`):
+            the SpMMs of both passes run ``D_l+1`` wide instead of ``D_l``, as PyG's
+            ``GCNConv`` does where a layer narrows. Only where the layer's O and I have one
+            rank (then ``F'`` holds whole rows and columns); not in layer 0 with fixed features
+            (its ``H_0`` is cached or recomputed) nor in a last layer on labelled rows only.
+            None (default): where the layer also has one rank on P and narrows; True: every
+            layer where O and I are 1; False: never. ``dW = F'^T (A^T dQ)`` keeps ``F'`` (in
+            the stored precision) instead of ``H``. The sums run in another order: equal to
+            float rounding.
 
     Each logit row is the same sum in the same order either way, so the logits, the loss and
     the accuracies agree bit for bit where the all-reduces over O and I add two operands
@@ -156,6 +167,7 @@ class PlexusGCN(nn.Module):
         aggregation_blocks: int | None = None,
         precision: str = "fp32",
         recompute_first: bool = True,
+        weight_first: bool | None = None,
     ) -> None:
         super().__init__()
         if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
@@ -225,6 +237,13 @@ class PlexusGCN(nn.Module):
             rows = shard.labelled_rows()
         self.register_buffer("labelled_rows", rows, persistent=False)
         self.overlap = overlap_pays(sizes, overlap)
+        # per layer: Q = A (F' W) instead of (A F') W
+        self.weight_first = [weight_first_pays(
+            tuple(sizes[ax] for ax in layout.roles(layer)), shard.widths_padded[layer],
+            shard.widths_padded[layer + 1], option=weight_first,
+            fixed_first=layer == 0 and not learn_features,
+            rows_only=layer == self.num_layers - 1 and rows is not None)
+            for layer in range(self.num_layers)]
         self.aggregation_blocks = (aggregation_blocks if aggregation_blocks is not None
                                    else AGGREGATION_BLOCKS if self.overlap else 1)
 
@@ -244,6 +263,12 @@ class PlexusGCN(nn.Module):
             skip = None
             if layer == 0 and self._recomputes(rows_only):
                 q = self._first_recomputed(step, stats, w)  # H_0 W_0, H_0 not kept (1)-(3)
+            elif self.weight_first[layer]:
+                f = self._input(layer, f, stats)           # F_l                      (1) or (8)
+                skip = self._skip(layer, f, stats)
+                f = self._dropout(layer, f, step)          # F'
+                q = self._weight_first(layer, f, stats, w)  # A (F' W) (+ S (F' R))  (2)-(7)
+                f = None
             else:
                 if layer == 0 and self._h0 is not None and self._h0_rows_only == rows_only:
                     h, r = self._h0                        # fixed F_0, no dropout: a past H_0
@@ -265,6 +290,24 @@ class PlexusGCN(nn.Module):
                 q = q if skip is None else q + skip        # + F_l
             f, q = q, None  # F_l+1: held by f alone, so the next layer frees it once spent
         return f
+
+    def _weight_first(self, layer: int, f: torch.Tensor, stats: CommStats | None,
+                      gathered: tuple) -> torch.Tensor:
+        """``A_l (F' W_l)`` (SAGE: ``+ S_l (F' R_l)``) [N/P, D_l+1/O] for a layer of
+        :attr:`weight_first` (O and I of one rank): ``F' W`` is a whole [N/O, D_l+1] block, so
+        the SpMM reads the rows it needs from it directly; backward ``A^T dQ`` is partial over
+        P, and (6) and (8) sum it there as they sum the aggregate-first path's partials. In
+        bf16 ``F'`` is rounded first, so the product reads the ``F'`` that is kept."""
+        if self.keep_dtype is not None:  # Rounded writes in place: only into a fresh F'
+            fresh = (self.training and self.dropout > 0) or not torch.is_grad_enabled()
+            f = ops.Rounded.apply(f if fresh else f.clone(), self.keep_dtype)
+        q = self._spmm_o(self.shard.adj, layer,
+                         self._matmul(layer, f, self.weights, stats, gathered[0]), stats)
+        if self.kind == "sage":
+            q = q + self._spmm_o(self.shard.root, layer,
+                                 self._matmul(layer, f, self.root_weights, stats, gathered[1]),
+                                 stats)
+        return q
 
     def _input(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
         """F_l [N/O, D_l/I], replicated over P: layer 0 gathers its flat shard over P

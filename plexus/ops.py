@@ -23,6 +23,7 @@ import torch
 from common import collectives as coll
 from common import flat
 from common.grid import AxisGroup
+from plexus.csr import _load_numba
 from plexus.sparse import sum_dtype
 
 __all__ = ["BitMask", "BlockedAggregation", "GatheredMatmul", "ReLU", "RecomputedMatmul",
@@ -123,6 +124,13 @@ class BitMask:
             eight = torch.nn.functional.pad(flat, (0, pad)).view(-1, 8).to(torch.uint8)
             self.bits = (eight << _SHIFTS.to(flat.device)).sum(1, dtype=torch.uint8)
 
+    @classmethod
+    def of_bits(cls, bits: torch.Tensor, shape: torch.Size, device: torch.device) -> BitMask:
+        """A mask of ``shape`` from bits packed already in :meth:`__init__`'s order."""
+        out = cls.__new__(cls)
+        out.bits, out.shape, out.device = bits, shape, device
+        return out
+
     def unpack(self, *, invert: bool = False) -> torch.Tensor:
         """The mask (``invert``: its negation), bool, in its shape and on its device."""
         n = self.shape.numel()
@@ -139,21 +147,44 @@ class BitMask:
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
+def _fused_kernels(t: torch.Tensor):
+    """plexus.kernels for a ReLU pass over ``t`` in one fused pass (a contiguous float32 CPU
+    block of 2^16 entries or more, where the kernels' threads pay), or None."""
+    if (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+            or t.numel() < 1 << 16):
+        return None
+    return _load_numba()
+
+
 class ReLU(torch.autograd.Function):
     """In-place ``relu`` of a fresh tensor that keeps only the mask ``out > 0``, one bit per
     entry (:class:`BitMask`; the output is the next layer's input, which is spent once its
-    aggregation has run). Same values as ``torch.relu_`` both ways."""
+    aggregation has run). Same values as ``torch.relu_`` both ways. On a large float32 CPU
+    block each pass is one numba kernel (:func:`plexus.kernels.relu_pack`, ``masked_by_bits``)
+    instead of four and three torch/numpy passes."""
 
     @staticmethod
     def forward(ctx: Any, q):
         ctx.mark_dirty(q)
-        out = torch.relu_(q)
-        ctx.keep = BitMask(out > 0)
-        return out
+        kernels = _fused_kernels(q)
+        if kernels is None:
+            out = torch.relu_(q)
+            ctx.keep = BitMask(out > 0)
+            return out
+        bits = torch.empty(-(-q.numel() // 8), dtype=torch.uint8)
+        kernels.relu_pack(q.view(-1).numpy(), bits.numpy())
+        ctx.keep = BitMask.of_bits(bits, q.shape, q.device)
+        return q
 
     @staticmethod
     def backward(ctx: Any, dy):
-        return dy.masked_fill(ctx.keep.unpack(invert=True), 0.0)
+        kernels = _fused_kernels(dy)
+        if kernels is None or tuple(dy.shape) != tuple(ctx.keep.shape):
+            return dy.masked_fill(ctx.keep.unpack(invert=True), 0.0)
+        out = torch.empty_like(dy)
+        kernels.masked_by_bits(dy.reshape(-1).numpy().view(np.uint32), ctx.keep.bits.numpy(),
+                               out.view(-1).numpy().view(np.uint32))
+        return out
 
 
 class GatheredMatmul(torch.autograd.Function):

@@ -39,7 +39,7 @@ def signatures(*, float64: bool = False) -> dict[str, list[tuple]]:
     def array(code: str, ndim: int) -> types.Array:
         dtype = {"i4": types.int32, "i8": types.int64, "f4": types.float32,
                  "u2": types.uint16, "f8": types.float64, "u8": types.uint64,
-                 "u4": types.uint32, "b1": types.boolean}[code.lower()]
+                 "u4": types.uint32, "b1": types.boolean, "u1": types.uint8}[code.lower()]
         return types.Array(dtype, ndim, "C", readonly=code[0].isupper())
 
     def operands(spec: str) -> tuple[str, str, str, str, str]:
@@ -71,6 +71,8 @@ def signatures(*, float64: bool = False) -> dict[str, list[tuple]]:
                         array("u8", 1), array("i8", 1), array("i8", 1))],
         "keep_mask": [(array("u4", 1), array("u4", 1), types.uint64, types.uint64,
                        array("b1", 2))],
+        "relu_pack": [(array("f4", 1), array("u1", 1))],
+        "masked_by_bits": [(array("u4", 1), array("u1", 1), array("u4", 1))],
     }
 
 

@@ -117,6 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with fixed features and dropout, keep layer 0's aggregation H_0 for "
                    "its weight gradient instead of recomputing it in backward (default: "
                    "recompute, which saves an [N, D_0] block for one more layer-0 SpMM)")
+    p.add_argument("--weight-first", choices=("auto", "on", "off"), default="auto",
+                   help="multiply by the weight before aggregating, A (F W), as PyG's GCNConv "
+                   "does: the SpMMs run at the narrower width. auto: in the layers that narrow "
+                   "and have one rank; on: every layer whose outer and inner axes have one "
+                   "rank (but layer 0 with fixed features); off: aggregate first everywhere")
     p.add_argument("--normalize-features", action="store_true",
                    help="row-normalise the input features (PyG's NormalizeFeatures)")
     p.add_argument("--symmetrize", action="store_true",
@@ -256,7 +261,8 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
                              overlap=_AUTO_ON_OFF[args.overlap],
                              aggregation_blocks=args.aggregation_blocks,
                              precision=args.precision,
-                             recompute_first=args.recompute_first),
+                             recompute_first=args.recompute_first,
+                             weight_first=_AUTO_ON_OFF[args.weight_first]),
         "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
                              weight_decay=args.weight_decay),
         "run": RunConfig(epochs=args.epochs, eval_every=args.eval_every, seed=args.seed,

@@ -84,7 +84,7 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
                     overlap=overlap_pays(grid.shape, model.overlap,
                                          comm_offloaded=parallel.comm_offloaded()),
                     aggregation_blocks=model.aggregation_blocks, precision=model.precision,
-                    recompute_first=model.recompute_first)
+                    recompute_first=model.recompute_first, weight_first=model.weight_first)
     # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
     shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))
     return shard, net

@@ -43,7 +43,8 @@ def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
             "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache,
             "overlap": {"auto": None, "on": True, "off": False}[args.overlap],
             "norm": args.norm, "precision": args.precision, "dropout": args.dropout,
-            "recompute_first": not args.keep_first_aggregation}
+            "recompute_first": not args.keep_first_aggregation,
+            "weight_first": {"auto": None, "on": True, "off": False}[args.weight_first]}
     if args.dataset:
         return DATASETS[args.dataset](**opts)
     missing = [f"--{k}" for k in ("nodes", "nnz", "features", "classes")
@@ -143,6 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--keep-first-aggregation", action="store_true",
                    help="with fixed features and dropout, keep H_0 for backward instead of "
                    "recomputing it (plexus.train --keep-first-aggregation)")
+    g.add_argument("--weight-first", choices=("auto", "on", "off"), default="auto",
+                   help="multiply by the weight before aggregating (plexus.train "
+                   "--weight-first): auto in the layers that narrow and have one rank")
     t = sub.add_parser("gpt", parents=[shared], help="GPT step (data, depth, row, col grids); "
                        "for the llm presets use python -m llm.plan")
     t.add_argument("--vocab", type=int)

@@ -36,6 +36,9 @@ Compute per rank:
   row is rounded up to the cache line or sector, the shape penalty that makes narrow (tall and
   skinny) dense operands slow per flop.
 * GEMM ``[m, k] @ [k, n]``: roofline ``max(2 m k n / flops, 4 (m k + k n + m n) / mem_bw)``.
+* A layer that multiplies first (:func:`weight_first_pays`, ``Q = A (F' W)``): its SpMMs, both
+  passes, gather ``D_l+1/O``-wide float32 rows, and its GEMMs run over the ``N/O`` rows of
+  ``F'`` (the same as ``N/P`` on one rank).
 * Elementwise: ReLU forward/backward, the out-of-place copy of each all-reduce, the loss and
   AdamW, as bytes / memory bandwidth.
 
@@ -92,6 +95,30 @@ def labelled_rows_pay(labelled_fraction: float, option: bool | None = None) -> b
     the last layer's block copies ``labelled_fraction`` of it (twice, with the transpose),
     which near 1 costs more memory than the skipped rows of H and the logits save."""
     return labelled_fraction <= LABELLED_ROWS_MAX_SHARE if option is None else option
+
+
+def weight_first_pays(sizes: tuple[int, int, int], d_in: int, d_out: int, *,
+                      fixed_first: bool = False, rows_only: bool = False,
+                      option: bool | None = None) -> bool:
+    """Whether a layer multiplies by its weight before it aggregates, ``Q = A (F' W)``
+    (plexus.model.PlexusGCN's ``weight_first``; docs/design/plexus-3d.md section 12).
+
+    ``sizes``: the layer's (O, I, P) group sizes; ``d_in``, ``d_out``: its padded widths;
+    ``fixed_first``: layer 0 with fixed input features (its ``H_0`` is cached or recomputed,
+    so it aggregates first); ``rows_only``: the last layer on labelled rows only (weight first
+    would multiply every row and keep ``F'`` of every row for a few output rows).
+
+    The order is a local choice only where O and I are 1: ``F'`` then holds whole rows and
+    whole columns, ``F' W`` needs no sum over I and its rows are the columns ``A`` reads. The
+    SpMMs (forward and backward) then run ``d_out`` wide instead of ``d_in``. With P > 1 every
+    P rank would multiply all ``N`` rows and keep ``F' [N, d_in]`` (P times ``H``), so the
+    default (``option`` None) takes it where O, I and P are 1 and the layer narrows
+    (``d_out < d_in``); True takes it wherever O and I are 1; False never.
+    """
+    o_size, i_size, p_size = sizes
+    if option is False or fixed_first or rows_only or o_size > 1 or i_size > 1:
+        return False
+    return option is True or (p_size == 1 and d_out < d_in)
 
 
 AGGREGATION_BLOCKS = 4  # row blocks of an overlapped aggregation (plexus.ops.BlockedAggregation)
@@ -157,6 +184,9 @@ class GCNWorkload:
         recompute_first: the model's option of that name: with fixed features and dropout,
             ``H_0`` is not kept but recomputed in backward (:attr:`recomputes_first`): the
             layer-0 SpMM, (1) and (2) run twice.
+        weight_first: the model's option of that name (None: :func:`weight_first_pays`
+            decides per layer; :meth:`weight_first_layer`): ``Q = A (F' W)``, the SpMMs
+            ``D_l+1`` wide, ``F'`` kept instead of ``H``.
     """
 
     name: str = "graph"
@@ -178,6 +208,7 @@ class GCNWorkload:
     norm: str = "none"
     precision: str = "fp32"
     recompute_first: bool = True
+    weight_first: bool | None = None
 
     def __post_init__(self) -> None:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
@@ -256,6 +287,18 @@ class GCNWorkload:
         if self.index_bytes is not None:
             return self.index_bytes
         return 4 if max(self.nnz, self.num_nodes) < 2**31 else 8
+
+    def weight_first_layer(self, layer: int, shape: Mapping[str, int]) -> bool:
+        """Whether ``layer`` multiplies before it aggregates on ``shape`` (as plexus.model
+        decides it: :func:`weight_first_pays` on the padded widths)."""
+        _, w = self.padded(shape)
+        last = self.num_layers - 1
+        return weight_first_pays(
+            tuple(shape[ax] for ax in roles(layer)), w[layer], w[layer + 1],
+            fixed_first=layer == 0 and not self.learn_features,
+            rows_only=layer == last and labelled_rows_pay(self.labelled_fraction,
+                                                          self.labelled_rows_only),
+            option=self.weight_first)
 
     def _runs(self, layer: int, first_epoch: bool) -> tuple[bool, bool]:
         """(forward aggregation runs, gradient flows back through the aggregation)."""
@@ -377,18 +420,21 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         forward, backward = work._runs(layer, first_epoch)
         x_bytes = work.stored_bytes if layer == 0 else F32  # F_0 is bf16, later F_l float32
         again = 2 if layer == 0 and work.recomputes_first else 1  # H_0 recomputed backward
+        first = work.weight_first_layer(layer, shape)  # A (F' W): the SpMMs b wide, O = I = 1
+        spmm_width, x_bytes = (b, F32) if first else (a, x_bytes)
         for blk in [nnz, root][:k]:
             if forward:
-                spmm += again * spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line,
-                                           x_bytes=x_bytes)
+                spmm += again * spmm_bytes(rows, blk, spmm_width, index_bytes=idx,
+                                           cache_line=line, x_bytes=x_bytes)
                 moved += again * 2 * rows * a * F32 * (O > 1)  # copy of H (R), all-reduce
-                if work.stored_bytes < F32:  # round H in place, keep a bf16 copy for dW
-                    moved += rows * a * (3 * F32 + 3 * work.stored_bytes)
+                if work.stored_bytes < F32:  # round H (F') in place, keep a bf16 copy for dW
+                    moved += (n // O if first else rows) * a * (3 * F32 + 3 * work.stored_bytes)
             if backward:
-                spmm += spmm_bytes(n // O, blk, a, index_bytes=idx, cache_line=line)
+                spmm += spmm_bytes(n // O, blk, spmm_width, index_bytes=idx, cache_line=line)
                 moved += 2 * rows * a * F32 * (O > 1) + 2 * (n // O) * a * F32 * (P > 1)
         n_gemm = 3 if backward else 2  # Q = H W, dW = H^T dQ, and dH = dQ W^T
-        gemm += k * n_gemm * gemm_seconds(rows, a, b, rate.gemm_flops, rate.memory_bandwidth)
+        gemm += k * n_gemm * gemm_seconds(n // O if first else rows, a, b, rate.gemm_flops,
+                                          rate.memory_bandwidth)
         q = rows * b * F32
         moved += 2 * q * (I > 1)  # copy of Q for its all-reduce
         if layer < work.num_layers - 1:

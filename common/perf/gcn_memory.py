@@ -32,6 +32,12 @@ by then:
   (GraphSAGE: two, the second added into the first as autograd does); ``dF`` all-reduced
   over P. Layer 0 with fixed features has no ``dH``.
 
+A layer that multiplies first (``work.weight_first_layer``, ``Q = A (F' W)``) keeps ``F'
+[N/O, D_l/I]`` for ``dW`` instead of ``H`` (in bf16 one copy per term, in float32 one for both);
+its forward holds ``F'`` and ``G = F' W [N/O, D_l+1/O]`` (per term), then ``G`` and ``Q``; its
+backward ``dQ`` and ``dG = A^T dQ``, then ``dG`` with ``dF' = dG W^T`` and ``dW``, then ``dF``
+all-reduced over P.
+
 Where layer 0 recomputes ``H_0`` (``work.recomputes_first``) its forward and backward are one
 phase each: ``Q`` (or ``dQ``), ``dropout(F_0)`` and one of :data:`RECOMPUTE_BLOCKS` row blocks
 of ``H_0`` at a time (on a GPU the whole ``H_0``: this under-counts there).
@@ -87,6 +93,7 @@ class GCNWorkload(Protocol):
     def padded(self, shape: Mapping[str, int]) -> tuple[int, list[int]]: ...
     def output_rows(self, shape: Mapping[str, int]) -> int: ...
     def axes(self, layer: int) -> tuple[str, str, str]: ...
+    def weight_first_layer(self, layer: int, shape: Mapping[str, int]) -> bool: ...
     def index_width(self) -> int: ...
 
 
@@ -139,7 +146,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             f_in = lay["in_rows"] * a * F32
         base = before + lay["dropout"]
         q32 = rows * b * F32
-        if lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
+        if lay["first"]:  # F' W (per term), then A G (summed for SAGE); O = I = 1
+            g32 = lay["in_rows"] * b * F32
+            wide_f = f_in if work.stored_bytes != F32 else 0  # bf16: F' rounded, a copy kept
+            phases[f"forward {lay['index']} matmul"] = base + f_in + wide_f + k * g32 + weights
+            phases[f"forward {lay['index']} aggregate"] = base + lay["kept_h"] + k * g32 + (
+                3 if k == 2 else 1) * q32
+        elif lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
             phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
         else:
             phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h32 + max(
@@ -162,6 +175,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             blocks = 3 if work.norm != "none" else 2  # product, dq)
             phases[f"backward {lay['index']} activation"] = before + own + blocks * q32
         grad_in = lay["index"] > 0 or work.learn_features
+        if lay["first"]:  # dQ -> dG = A^T dQ (per term) -> dF' = dG W^T, dW -> dF over P
+            g32, df = lay["in_rows"] * b * F32, lay["in_rows"] * a * F32
+            phases[f"backward {lay['index']} dG"] = base + lay["kept_h"] + q32 + k * g32
+            phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + k * g32 + (
+                2 if k == 2 else 1) * df + 2 * a * b * F32
+            phases[f"backward {lay['index']} dF"] = base + df + _reduce_buffer(df, lay["p_size"])
+            continue
         if lay["recomputed"]:
             phases[f"backward {lay['index']} recompute"] = base + _recompute(work, lay)
         phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + q32 + (
@@ -212,10 +232,14 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         # the logits, or the ReLU's mask in bits
         other = (rows * b * F32 if layer == last else _bits(rows * b)) + norm
         recomputed = layer == 0 and work.recomputes_first
+        first = work.weight_first_layer(layer, shape)
+        # kept for dW: H [rows, a] per term, or F' [N/O, a] (one float32 tensor for both terms)
+        kept_h = (0 if recomputed else (1 if kept == F32 else k) * (n // shape[o]) * a * kept
+                  if first else k * rows * a * kept)
         out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,
                     "o_size": shape[o], "i_size": shape[i], "p_size": shape[p],
-                    "kept_h": 0 if recomputed else k * rows * a * kept, "kept_other": other,
-                    "norm": norm, "recomputed": recomputed,
+                    "kept_h": kept_h, "kept_other": other,
+                    "norm": norm, "recomputed": recomputed, "first": first,
                     # the keep-mask of F_l in bits, kept where a gradient flows back through
                     # it, or for recomputing H_0
                     "dropout": _bits((n // shape[o]) * a) if work.dropout > 0 and (
@@ -248,8 +272,11 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int]) -> float:
             total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
                 last_rows + rows_t + 2) * idx
         # the SpMM's column-slice plans, one per block and X width, kept with the block:
-        # forward A_l [rows_a, rows_t] times F_l, backward A_l^T times dH (both D_l/I wide)
-        row_bytes = (w[layer] // shape[i]) * F32
+        # forward A_l [rows_a, rows_t] times F_l, backward A_l^T times dH (both D_l/I wide,
+        # or D_l+1/O where the layer multiplies first)
+        width = (w[layer + 1] // shape[o] if work.weight_first_layer(layer, shape)
+                 else w[layer] // shape[i])  # a layer that multiplies first: D_l+1/O wide
+        row_bytes = width * F32
         grad = layer > 0 or work.learn_features
         for transposed, rows, cols in ((False, rows_a, rows_t), (True, rows_t, rows_a)):
             if (transposed and not grad) or (key, transposed, row_bytes) in planned:

@@ -59,6 +59,29 @@ def test_relu_and_dropout_keep_their_masks_as_bits():
     assert torch.equal(y, torch.relu(x) * keep * 2.0)
 
 
+@pytest.mark.parametrize("shape", [(300, 257), (8192, 8), (70001, 1)])
+def test_the_fused_relu_kernels_give_torchs_values_and_mask_bits(shape):
+    """Blocks of 2^16 entries or more take plexus.kernels.relu_pack / masked_by_bits (one
+    pass each way); every value, NaN and -0 included, the bits and the gradient are those of
+    torch.relu_, numpy's packbits and masked_fill (a last partial byte in two shapes)."""
+    pytest.importorskip("numba")
+    q = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    flat = q.view(-1)
+    flat[::977] = float("nan")
+    flat[5::1013] = -0.0
+    assert q.numel() >= 1 << 16 and ops._fused_kernels(q) is not None
+    want = torch.relu_(q.clone())
+    x = q.clone().requires_grad_(True)
+    y = ops.ReLU.apply(x * 1.0)
+    assert torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(y.detach()), torch.nan_to_num(want))
+    assert torch.equal(torch.signbit(y.detach()), torch.signbit(want))  # -0 stays -0
+    assert torch.equal(y.grad_fn.keep.bits, ops.BitMask(want > 0).bits)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    y.backward(dy)
+    assert torch.equal(x.grad, dy.masked_fill(~(want > 0), 0.0))
+
+
 def _saved_bytes(fn):
     """(result of fn(), bytes of the tensors autograd saves while it runs)."""
     total = [0]

@@ -1,0 +1,155 @@
+"""Layers that multiply by the weight before they aggregate, ``Q = A (F' W)``
+(PlexusGCN(weight_first=...), docs/design/plexus-3d.md section 12), against aggregating first.
+
+What must hold: the layers the model picks are the ones common.perf.gcn.weight_first_pays
+names (narrowing layers of one rank by default; with ``True`` every layer whose O and I have
+one rank, P > 1 included, where the partial ``A^T dQ`` is summed over P by collectives (6) and
+(8)); the logits, the loss and every gradient agree with the aggregate-first path to float
+rounding (bf16: to the rounding of ``F'`` instead of ``H``); the same bytes move on every axis;
+and the planner's SpMM bytes and kept memory follow the order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.comm_stats import CommStats
+from plexus.layout import layer_widths, roles
+from tests.distributed import run_ranks
+from tests.plexus.data.shards import model_source, small_graph
+from tests.plexus.test_model import rel
+
+HIDDEN, SEED, STEP = 12, 5, 2  # hidden 12 -> 5 classes: the last layer narrows
+
+# (model, layers, precision, learn_features, residual, norm)
+CASES = [("gcn", 3, "fp32", False, False, "none"), ("gcn", 3, "fp32", True, False, "none"),
+         ("sage", 2, "fp32", True, False, "none"), ("gcn", 4, "fp32", False, True, "batch"),
+         ("gcn", 3, "bf16", False, False, "none")]
+
+# which layers multiply first with weight_first=True, per grid (layer 0 only when the
+# features are trained: fixed ones are cached or recomputed)
+FORCED = {"1x1x1": [True, True, True, True], "2x1x1": [False, False, True, False],
+          "1x2x1": [False, True, False, False], "1x1x2": [True, False, False, True]}
+
+
+def _by_axis(stats: CommStats) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, v in stats.as_dict().items():
+        out[key.split("/")[0]] = out.get(key.split("/")[0], 0) + v["bytes"]
+    return out
+
+
+def _runs(ctx, grids):
+    """Per grid and case: one training pass and backward with weight_first True (and None on
+    one rank) and False: the layers chosen, logits (training and evaluation), loss, full
+    gradients and bytes by axis."""
+    from common.grid import ProcessGrid
+    from plexus.loss import sharded_cross_entropy
+    from plexus.model import PlexusGCN
+
+    graph = small_graph()
+    out = []
+    for grid_text in grids:
+        grid = ProcessGrid.parse(grid_text)
+        groups = ctx.create_groups(grid)
+        options = (None, True, False) if grid.num_ranks == 1 else (True, False)
+        for kind, num_layers, precision, learn, residual, norm in CASES:
+            widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
+            source = model_source(graph, kind)
+            o_ax, _, p_ax = roles(num_layers - 1)
+            per = {}
+            for option in options:
+                shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
+                model = PlexusGCN(shard, groups, model=kind, seed=SEED, dropout=0.5, bias=True,
+                                  learn_features=learn, residual=residual, norm=norm,
+                                  labelled_rows_only=False, precision=precision,
+                                  weight_first=option)
+                stats = CommStats()
+                logits = model(stats, step=STEP)
+                loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
+                                             num_classes=graph.num_classes,
+                                             count=shard.split_counts["train"],
+                                             group_o=groups[o_ax], group_p=groups[p_ax])
+                loss.backward()
+                model.eval()
+                with torch.no_grad():
+                    eval_logits = model()
+                per[option] = {
+                    "layers": list(model.weight_first), "loss": loss.item(),
+                    "logits": logits.detach(),
+                    "eval": eval_logits, "bytes": _by_axis(stats),
+                    "grads": {n: model.gather(k, t.grad, layer)
+                              for n, t, k, layer in model.sharded_state()
+                              if t.grad is not None}}
+            out.append({"case": (grid_text, kind, num_layers, precision, learn, residual, norm),
+                        "per": per})
+    return out
+
+
+def _assert_weight_first_equals_aggregate_first(results):
+    for per_rank in zip(*results):
+        for r in per_rank:
+            grid_text, _, num_layers, precision, learn, _, _ = r["case"]
+            tag = f"case {r['case']}"
+            per, off = r["per"], r["per"][False]
+            assert off["layers"] == [False] * num_layers, tag
+            forced = [f and (layer > 0 or learn)
+                      for layer, f in enumerate(FORCED[grid_text][:num_layers])]
+            assert per[True]["layers"] == forced, tag
+            if None in per:  # one rank: the narrowing last layer (hidden 12 -> 5 classes)
+                assert per[None]["layers"] == [False] * (num_layers - 1) + [True], tag
+            # bf16 rounds F' (weight first) instead of H: a few bf16 steps apart
+            tol = 3e-2 if precision == "bf16" else 1e-5
+            for option, on in per.items():
+                if option is False:
+                    continue
+                assert rel(on["logits"], off["logits"]) < tol, tag
+                assert rel(on["eval"], off["eval"]) < tol, tag
+                assert abs(on["loss"] - off["loss"]) <= tol * abs(off["loss"]), tag
+                assert on["bytes"] == off["bytes"], f"{tag} {option}: bytes moved differ"
+                assert sorted(on["grads"]) == sorted(off["grads"]), tag
+                for name, want in off["grads"].items():
+                    got = on["grads"][name]
+                    # (a bias before batch norm has a gradient of zero up to rounding)
+                    assert rel(got, want) < 10 * tol or (got - want).norm() < 1e-6, \
+                        f"{tag} {option}: grad of {name} ({rel(got, want)})"
+
+
+@pytest.mark.parametrize("world, grids", [
+    (1, ["1x1x1"]),
+    # a layer with O = I = 1 and P = 2 in each (layer 2, 1 and 0); 203 nodes pad to 204
+    pytest.param(2, ["2x1x1", "1x2x1", "1x1x2"], marks=pytest.mark.slow),
+])
+def test_weight_first_equals_aggregating_first(world, grids):
+    _assert_weight_first_equals_aggregate_first(run_ranks(_runs, world, grids))
+
+
+def test_the_planner_runs_a_weight_first_layer_at_its_output_width():
+    from common.perf.gcn import GCNWorkload, gcn_compute, gcn_memory_parts, weight_first_pays
+    from common.perf.machine import load_profile
+
+    one = {"x": 1, "y": 1, "z": 1}
+    # the rule: O and I of one rank; by default P too, and the layer narrows
+    assert weight_first_pays((1, 1, 1), 256, 47)
+    assert not weight_first_pays((1, 1, 1), 100, 256)
+    assert not weight_first_pays((1, 1, 2), 256, 47)
+    assert weight_first_pays((1, 1, 2), 100, 256, option=True)
+    assert not weight_first_pays((2, 1, 1), 256, 47, option=True)
+    assert not weight_first_pays((1, 1, 1), 256, 47, fixed_first=True)
+    assert not weight_first_pays((1, 1, 1), 256, 47, rows_only=True)
+    assert not weight_first_pays((1, 1, 1), 256, 47, option=False)
+    base = dict(num_nodes=100_000, nnz=2_000_000, num_features=100, num_classes=47,
+                hidden=256, dropout=0.5)
+    auto, off = GCNWorkload(**base), GCNWorkload(**base, weight_first=False)
+    assert [auto.weight_first_layer(layer, one) for layer in range(3)] == [False, False, True]
+    assert not any(off.weight_first_layer(layer, one) for layer in range(3))
+    # few labelled rows: the last layer runs on them and aggregates first
+    few = GCNWorkload(**base, labelled_fraction=0.01)
+    assert not few.weight_first_layer(2, one)
+    machine = load_profile("local-cpu")
+    spmm_auto = gcn_compute(auto, one, machine, node_ranks=1)["spmm"]
+    spmm_off = gcn_compute(off, one, machine, node_ranks=1)["spmm"]
+    assert spmm_auto < 0.8 * spmm_off  # the last layer's two SpMMs 47 wide instead of 256
+    # one rank: F' [N, 256] kept instead of H [N, 256]: the same bytes
+    assert gcn_memory_parts(auto, one)["kept_h"] == gcn_memory_parts(off, one)["kept_h"]
