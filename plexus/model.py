@@ -142,7 +142,9 @@ class PlexusGCN(nn.Module):
     Each logit row is the same sum in the same order either way, so the logits, the loss and
     the accuracies agree bit for bit where the all-reduces over O and I add two operands
     (groups of 1 or 2); the last layer's ``dW = H^T dQ`` runs over fewer rows (the others are
-    zero), so it agrees to float rounding (tests/plexus/test_model.py).
+    zero), so it agrees to float rounding (tests/plexus/test_model.py). That holds for one
+    layer order: a last layer that would multiply first over every row aggregates first over
+    the labelled ones (``weight_first=False`` compares the two bit for bit).
 
     Shapes:
         forward() -> logits [R, C_pad/O] of the last layer's roles (R: :attr:`labelled_rows`,

@@ -97,7 +97,7 @@ def labelled_rows_pay(labelled_fraction: float, option: bool | None = None) -> b
     return labelled_fraction <= LABELLED_ROWS_MAX_SHARE if option is None else option
 
 
-def weight_first_pays(sizes: tuple[int, int, int], d_in: int, d_out: int, *,
+def weight_first_pays(sizes: Sequence[int], d_in: int, d_out: int, *,
                       fixed_first: bool = False, rows_only: bool = False,
                       option: bool | None = None) -> bool:
     """Whether a layer multiplies by its weight before it aggregates, ``Q = A (F' W)``
