@@ -10,6 +10,9 @@ Each piece gives, on any grid, the numbers the serial model gives (parallel == s
   I) with statistics over the real rows of the whole graph: the per-column sums are all-reduced
   over P in the forward pass and the gradient's column sums in the backward pass.
 * :class:`ShardedLayerNorm` normalises each row over the real columns, all-reduced over O.
+  :func:`make_norm` builds either for a layer of a shard.
+* :func:`normalized_features` is PyG's ``NormalizeFeatures`` on a feature block, its global
+  minimum and row sums all-reduced.
 
 Padding: rows and columns that only exist to make the grid divide are masked out of every
 statistic; padded columns stay zero.
@@ -19,14 +22,19 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from common import autograd
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
+from plexus import layout
 from plexus.csr import _load_numba
+from plexus.data import partition
+from plexus.data.shard import GraphShard
 from plexus.ops import BitMask
+from plexus.shards import node_chunk
 
 _U32 = np.uint32
 
@@ -221,3 +229,37 @@ class ShardedLayerNorm(nn.Module):
         w = autograd.identity_all_reduce(self.weight, gp, stats)
         b = autograd.identity_all_reduce(self.bias, gp, stats)
         return d * torch.rsqrt(var + self.eps) * w + b
+
+
+def make_norm(kind: str, layer: int, width: int, shard: GraphShard,
+              groups: dict[str, AxisGroup]) -> nn.Module:
+    """The ``batch`` or ``layer`` norm after hidden layer ``layer`` of ``shard`` on this rank,
+    over its output block [N/P, ``width`` = D_l+1/O]: batch norm with the real output rows of
+    the block (statistics over P), layer norm with the real columns (over O)."""
+    o_ax, _, p_ax = layout.roles(layer)
+    if kind == "batch":
+        order = partition.layer_orders(layer % 2, shard.pr, shard.pc)[0]  # output rows
+        return ShardedBatchNorm(width, node_chunk(order, groups[p_ax]) < shard.num_nodes,
+                                shard.num_nodes, groups[p_ax])
+    cols = torch.arange(width) + groups[o_ax].rank * width
+    return ShardedLayerNorm(width, cols < shard.widths[layer + 1], shard.widths[layer + 1],
+                            groups[o_ax], groups[p_ax])
+
+
+@torch.no_grad()
+def normalized_features(block: torch.Tensor, shard: GraphShard,
+                        groups: dict[str, AxisGroup]) -> torch.Tensor:
+    """PyG's NormalizeFeatures on the features block [N/X, D_0/Y] of ``shard``: x - min over
+    the whole graph, then each row over its row sum (all-reduced over y) clamped to >= 1
+    (padding rows and columns excluded and left zero)."""
+    rows = node_chunk(shard.pc, groups["x"]) < shard.num_nodes
+    width = block.shape[1]
+    cols = torch.arange(width) + groups["y"].rank * width < shard.widths[0]
+    real = rows[:, None] & cols[None, :]
+    vals = torch.where(real, block, torch.inf)
+    low = (vals.min() if vals.numel() else torch.tensor(torch.inf)).reshape(1)
+    for ax in ("x", "y"):
+        low = coll.all_reduce(low, groups[ax], op=dist.ReduceOp.MIN)
+    shifted = torch.where(real, block - low, 0.0)
+    sums = coll.all_reduce(shifted.sum(1), groups["y"])
+    return shifted / sums.clamp(min=1.0)[:, None]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from common import autograd, flat
@@ -39,26 +38,20 @@ from common.perf.gcn import (
     overlap_pays,
     weight_first_pays,
 )
-from common.slab import Slab
 from plexus import layout, ops, shards
 from plexus.config import MODELS, NORMS, PRECISIONS
 from plexus.data import partition
 from plexus.data.memory import root_blocks
 from plexus.data.shard import GraphShard
-from plexus.layers import (
-    ShardedBatchNorm,
-    ShardedLayerNorm,
-    apply_dropout,
-    dropped,
-    keep_mask,
-)
+from plexus.layers import apply_dropout, dropped, keep_mask, make_norm, normalized_features
 from plexus.reference import ROOT_SEED_OFFSET, init_weights
+from plexus.sharded_state import ShardedState
 from plexus.shards import node_chunk
 
 __all__ = ["ROOT_SEED_OFFSET", "PlexusGCN", "init_weights"]
 
 
-class PlexusGCN(nn.Module):
+class PlexusGCN(ShardedState, nn.Module):
     """An L-layer GCN or GraphSAGE whose every tensor is sharded over a 3D grid (x, y, z).
 
     Layer ``l`` (roles O, I, P)::
@@ -77,7 +70,7 @@ class PlexusGCN(nn.Module):
     gather of ``R_l``), never a full-size transfer.
 
     Where each tensor lives is declared in :mod:`plexus.shards` (``self.maps``); the
-    full <-> local methods below apply those maps.
+    full <-> local methods (:class:`plexus.sharded_state.ShardedState`) apply those maps.
 
     Args:
         shard: this rank's :class:`~plexus.data.shard.GraphShard` (``shard.root`` set for
@@ -207,11 +200,12 @@ class PlexusGCN(nn.Module):
         self.biases = nn.ParameterList(
             nn.Parameter(self.shard_vector(torch.zeros(shard.widths[layer + 1]), layer))
             for layer in range(self.num_layers) if bias)
-        self.norms = nn.ModuleList(self._make_norm(layer) for layer in range(self.num_layers - 1)
-                                   if norm != "none")
+        self.norms = nn.ModuleList(
+            make_norm(norm, layer, self.block_shapes[layer][1], shard, groups)
+            for layer in range(self.num_layers - 1) if norm != "none")
         block = shard.features_block  # [N/X, D_0/Y]
         if normalize_features:
-            block = self._normalized(block)
+            block = normalized_features(block, shard, groups)
         self.features_shape = self.maps["features", None].block_shape(sizes)
         assert tuple(block.shape) == self.features_shape, "features block and its map differ"
         feat = flat.flat_shard(block, groups["z"].size, groups["z"].rank)
@@ -518,98 +512,6 @@ class PlexusGCN(nn.Module):
         return keep_mask(self.dropout, seed=self.seed, step=step, layer=layer, rows=rows,
                          cols=cols).to(device)
 
-    def _make_norm(self, layer: int) -> nn.Module:
-        o_ax, _, p_ax = layout.roles(layer)
-        g, sh, width = self.groups, self.shard, self.block_shapes[layer][1]
-        if self.norm_kind == "batch":
-            order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[0]  # output rows
-            return ShardedBatchNorm(width, node_chunk(order, g[p_ax]) < sh.num_nodes,
-                                    sh.num_nodes, g[p_ax])
-        cols = torch.arange(width) + g[o_ax].rank * width
-        return ShardedLayerNorm(width, cols < sh.widths[layer + 1], sh.widths[layer + 1],
-                                g[o_ax], g[p_ax])
-
-    @torch.no_grad()
-    def _normalized(self, block: torch.Tensor) -> torch.Tensor:
-        """PyG's NormalizeFeatures on the features block [N/X, D_0/Y]: x - min over the whole
-        graph, then each row over its row sum (all-reduced over y) clamped to >= 1."""
-        g, sh = self.groups, self.shard
-        rows = node_chunk(sh.pc, g["x"]) < sh.num_nodes
-        width = block.shape[1]
-        cols = torch.arange(width) + g["y"].rank * width < sh.widths[0]
-        real = rows[:, None] & cols[None, :]
-        vals = torch.where(real, block, torch.inf)
-        low = (vals.min() if vals.numel() else torch.tensor(torch.inf)).reshape(1)
-        for ax in ("x", "y"):
-            low = coll.all_reduce(low, g[ax], op=dist.ReduceOp.MIN)
-        shifted = torch.where(real, block - low, 0.0)
-        sums = coll.all_reduce(shifted.sum(1), g["y"])
-        return shifted / sums.clamp(min=1.0)[:, None]
-
     def _apply(self, fn, recurse=True):  # .to(device) etc. must not keep a stale cache
         self._h0 = None
         return super()._apply(fn, recurse)
-
-    # ------------------------------------------------- full <-> local (plexus.shards maps)
-    def sharded_state(self) -> list[tuple[str, torch.Tensor, str, int | None]]:
-        """(name, local tensor, kind, layer) of every parameter and statistic in a fixed
-        order; (kind, layer) keys its map in :attr:`maps` (:meth:`gather`, :meth:`shard_full`,
-        :meth:`slab`). Used by checkpoints and the optimizer."""
-        out: list[tuple[str, torch.Tensor, str, int | None]] = []
-        for layer in range(self.num_layers):
-            out.append((f"w{layer}", self.weights[layer], "weight", layer))
-            if len(self.root_weights):
-                out.append((f"root{layer}", self.root_weights[layer], "weight", layer))
-            if len(self.biases):
-                out.append((f"b{layer}", self.biases[layer], "vector", layer))
-            if len(self.norms) and layer < self.num_layers - 1:
-                for key, t in [*self.norms[layer].named_parameters(),
-                               *self.norms[layer].named_buffers()]:
-                    if key in ("weight", "bias", "running_mean", "running_var"):
-                        out.append((f"norm{layer}.{key}", t, "vector", layer))
-        if isinstance(self.features, nn.Parameter):
-            out.append(("features", self.features, "features", None))
-        return out
-
-    def gather(self, kind: str, local: torch.Tensor, layer: int | None) -> torch.Tensor:
-        """The full tensor of a local one laid out as ``kind`` (collective)."""
-        return shards.gather(local, self.maps[kind, layer], self.groups)
-
-    def shard_full(self, kind: str, full: torch.Tensor, layer: int | None) -> torch.Tensor:
-        """This rank's local tensor of a full one laid out as ``kind`` (pure)."""
-        return shards.shard(full, self.maps[kind, layer], self.groups)
-
-    def slab(self, kind: str, layer: int | None) -> Slab:
-        """Where this rank's tensor of ``kind`` sits in the full one (pure)."""
-        return shards.slab(self.maps[kind, layer], self.groups)
-
-    def shard_weight(self, full: torch.Tensor, layer: int) -> torch.Tensor:
-        """The flat shard of a full ``W_l`` [D_l, D_l+1] (or its gradient, Adam moments)."""
-        return self.shard_full("weight", full, layer)
-
-    def gather_weight(self, local: torch.Tensor, layer: int) -> torch.Tensor:
-        return self.gather("weight", local, layer)
-
-    def shard_vector(self, full: torch.Tensor, layer: int) -> torch.Tensor:
-        """The chunk [D_l+1/O] of a full per-output-column vector [D_l+1] of layer ``layer``
-        (bias, norm parameters and statistics); padding is zero."""
-        return self.shard_full("vector", full, layer)
-
-    def gather_vector(self, local: torch.Tensor, layer: int) -> torch.Tensor:
-        return self.gather("vector", local, layer)
-
-    def shard_features(self, full: torch.Tensor) -> torch.Tensor:
-        """The flat shard of full input features [N, D_0] in original node order."""
-        return self.shard_full("features", full, None)
-
-    def gather_features(self, local: torch.Tensor) -> torch.Tensor:
-        return self.gather("features", local, None)
-
-    def full_weights(self, grads: bool = False) -> list[torch.Tensor]:
-        """Every full (unpadded) ``W_l`` (or its gradient), on every rank (collective)."""
-        return [self.gather_weight(w.grad if grads else w.detach(), layer)
-                for layer, w in enumerate(self.weights)]
-
-    def full_features(self, grads: bool = False) -> torch.Tensor:
-        """The full input features [N, D_0] (or their gradient), original node order."""
-        return self.gather_features(self.features.grad if grads else self.features.detach())

@@ -342,6 +342,10 @@ def _log_setup(trainer: Trainer, ctx: DistContext, start_bytes: int = 0) -> None
         print(f"  adjacency layout {lay} (O,I,P)=({o},{i},{p}): max/mean nonzeros per "
               f"block {blk.balance.max_nnz:,}/{blk.balance.mean_nnz:,.0f} = "
               f"{blk.balance.ratio:.3f}", flush=True)
+    if any(model.weight_first):  # the layers that multiply first (--weight-first)
+        print("  multiply first, A (F W): layer " + ", ".join(
+            str(layer) for layer, first in enumerate(model.weight_first) if first)
+            + "; the others aggregate first, (A F) W", flush=True)
     mib = 2.0**20
     gpu = ""
     if "gpu_peak_allocated_bytes_after_setup" in after:

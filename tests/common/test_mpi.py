@@ -187,10 +187,14 @@ def test_transport_choice(tmp_path, launcher, comm, expect):
     r = launch([str(script)], ranks=2, launcher=launcher, timeout=120)
     refused = "MPI sees" in expect
     # torchrun stops the other rank (SIGTERM, exit code -15) once the first has exited: a rank
-    # still starting then is reported stopped instead of printing its refusal
+    # still starting then is reported stopped instead of printing its refusal, and one that
+    # printed it but had not exited yet is reported stopped too (both seen in fresh clones)
+    printed = r.stdout.count(expect)
     stopped = re.findall(r"exitcode\s+:\s*-15", r.stderr) if refused else []
-    assert r.stdout.count(expect) + len(stopped) == 2 and r.stdout.count(expect) >= 1, \
-        r.stdout + r.stderr
+    if refused:
+        assert 1 <= printed <= 2 and printed + len(stopped) >= 2, r.stdout + r.stderr
+    else:
+        assert printed == 2, r.stdout + r.stderr
     assert (r.returncode != 0) == refused
 
 

@@ -75,18 +75,22 @@ def test_help_lists_the_flags():
                  "--device", "--spmm", "--no-retain-freed-memory", "--dist-timeout",
                  "--checkpoint-dir", "--checkpoint-every", "--keep-checkpoints", "--resume",
                  "--model", "--dropout", "--no-bias", "--norm", "--normalize-features",
-                 "--symmetrize", "--optimizer", "--runs", "--eval-every", "--labelled-rows"):
+                 "--symmetrize", "--optimizer", "--runs", "--eval-every", "--labelled-rows",
+                 "--weight-first", "--keep-first-aggregation"):
         assert flag in r.stdout
 
 
 def test_labelled_rows_on_and_off_print_the_same_run(tmp_path):
     """--labelled-rows on and off: the same losses and accuracies on the built-in graph (its
-    nodes outside every split make the row subset real); a bad value exits 2."""
+    nodes outside every split make the row subset real); a bad value exits 2. Both with
+    --weight-first off (one layer order); --weight-first on says which layers multiply first."""
     rows = {}
     for mode in ("on", "off"):
         path = tmp_path / f"{mode}.jsonl"
-        r = cli(["--epochs", "3", "--labelled-rows", mode, "--metrics", str(path)], timeout=120)
+        r = cli(["--epochs", "3", "--labelled-rows", mode, "--weight-first", "off", "--metrics",
+                 str(path)], timeout=120)
         assert r.returncode == 0, r.stderr
+        assert "multiply first" not in r.stdout
         rows[mode] = [json.loads(line) for line in path.read_text().splitlines()]
     keys = ("loss", "train_acc", "val_acc", "test_acc")
     epochs = {m: [[row[k] for k in keys] for row in rs if "epoch" in row and "loss" in row]
@@ -95,6 +99,9 @@ def test_labelled_rows_on_and_off_print_the_same_run(tmp_path):
     for a, b in zip(epochs["on"], epochs["off"]):  # later epochs: dW to float rounding
         assert b[1:] == a[1:] and abs(a[0] - b[0]) <= 1e-5 * abs(b[0])
     assert cli(["--labelled-rows", "sometimes"], timeout=60).returncode == 2
+    r = cli(["--epochs", "1", "--labelled-rows", "off", "--weight-first", "on"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "multiply first, A (F W): layer 1, 2;" in r.stdout, r.stdout
 
 
 def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_says_so(tmp_path):
