@@ -33,13 +33,6 @@ FORCED = {"1x1x1": [True, True, True, True], "2x1x1": [False, False, True, False
           "1x2x1": [False, True, False, False], "1x1x2": [True, False, False, True]}
 
 
-def _by_axis(stats: CommStats) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for key, v in stats.as_dict().items():
-        out[key.split("/")[0]] = out.get(key.split("/")[0], 0) + v["bytes"]
-    return out
-
-
 def _runs(ctx, grids):
     """Per grid and case: one training pass and backward with weight_first True (and None on
     one rank) and False: the layers chosen, logits (training and evaluation), loss, full
@@ -78,7 +71,8 @@ def _runs(ctx, grids):
                 per[option] = {
                     "layers": list(model.weight_first), "loss": loss.item(),
                     "logits": logits.detach(),
-                    "eval": eval_logits, "bytes": _by_axis(stats),
+                    "eval": eval_logits,
+                    "bytes": {ax: r.bytes for ax, r in stats.by_axis().items()},
                     "grads": {n: model.gather(k, t.grad, layer)
                               for n, t, k, layer in model.sharded_state()
                               if t.grad is not None}}
