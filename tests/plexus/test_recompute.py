@@ -95,12 +95,28 @@ def _saved_bytes(fn):
     return out, total[0]
 
 
-def _by_axis(stats: CommStats) -> dict[str, int]:
-    """Bytes moved per axis (the model's collectives; the loss was given no stats)."""
-    out: dict[str, int] = {}
-    for key, v in stats.as_dict().items():
-        out[key.split("/")[0]] = out.get(key.split("/")[0], 0) + v["bytes"]
-    return out
+def train_and_eval(model, shard, groups, num_classes: int, step: int) -> dict:
+    """One training pass of ``model`` (dropout mask of ``step``), the sharded loss on the
+    training split, backward, then an evaluation pass: logits, loss, evaluation logits, the
+    bytes autograd saved in the training pass, the bytes the model's collectives moved per
+    axis (the loss is given no stats) and every full gradient. Also used by
+    tests/plexus/test_weight_first.py."""
+    from plexus.loss import sharded_cross_entropy
+
+    o_ax, _, p_ax = roles(model.num_layers - 1)
+    stats = CommStats()
+    logits, saved = _saved_bytes(lambda: model(stats, step=step))
+    loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
+                                 num_classes=num_classes, count=shard.split_counts["train"],
+                                 group_o=groups[o_ax], group_p=groups[p_ax])
+    loss.backward()
+    model.eval()
+    with torch.no_grad():
+        eval_logits = model()
+    return {"logits": logits.detach(), "loss": loss.item(), "eval": eval_logits,
+            "saved": saved, "bytes": {ax: r.bytes for ax, r in stats.by_axis().items()},
+            "grads": {n: model.gather(k, t.grad, layer)
+                      for n, t, k, layer in model.sharded_state() if t.grad is not None}}
 
 
 CASES = [("gcn", 3, "fp32"), ("sage", 2, "fp32"), ("gcn", 3, "bf16")]
@@ -110,7 +126,6 @@ def _runs(ctx, grids):
     """Per grid and case: one training pass and backward with recompute_first on and off:
     logits, loss, gradients, the bytes autograd saved and the bytes moved by axis."""
     from common.grid import ProcessGrid
-    from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
     graph = small_graph()
@@ -121,7 +136,6 @@ def _runs(ctx, grids):
         for kind, num_layers, precision in CASES:
             widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
             source = model_source(graph, kind)
-            o_ax, _, p_ax = roles(num_layers - 1)
             per = {}
             for recompute in (True, False):
                 shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
@@ -129,26 +143,12 @@ def _runs(ctx, grids):
                                   labelled_rows_only=False, precision=precision,
                                   recompute_first=recompute)
                 assert model.recompute_first == recompute
-                stats = CommStats()
-                logits, saved = _saved_bytes(lambda m=model, s=stats: m(s, step=STEP))
-                loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
-                                             num_classes=graph.num_classes,
-                                             count=shard.split_counts["train"],
-                                             group_o=groups[o_ax], group_p=groups[p_ax])
-                loss.backward()
-                model.eval()  # layer 0 in row blocks too, without dropout
-                with torch.no_grad():
-                    eval_logits = model()
+                # (the evaluation pass runs layer 0 in row blocks too, without dropout)
                 per[recompute] = {
-                    "logits": logits.detach(), "loss": loss.item(), "saved": saved,
-                    "eval": eval_logits,
-                    "bytes": _by_axis(stats),
+                    **train_and_eval(model, shard, groups, graph.num_classes, STEP),
                     # H_0 [N/P, D_0/I] as GatheredMatmul keeps it (bf16: 2 bytes)
                     "h0_bytes": model.shard.adj[0].a.shape[0] * model.block_shapes[0][0]
-                    * (2 if precision == "bf16" else 4),
-                    "grads": {n: model.gather(k, t.grad, layer)
-                              for n, t, k, layer in model.sharded_state()
-                              if t.grad is not None}}
+                    * (2 if precision == "bf16" else 4)}
             out.append({"case": (grid_text, kind, num_layers, precision),
                         "shape": grid.shape, "on": per[True], "off": per[False]})
     return out

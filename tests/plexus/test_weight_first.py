@@ -12,13 +12,12 @@ and the planner's SpMM bytes and kept memory follow the order.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from common.comm_stats import CommStats
-from plexus.layout import layer_widths, roles
+from plexus.layout import layer_widths
 from tests.distributed import run_ranks
 from tests.plexus.data.shards import model_source, small_graph
 from tests.plexus.test_model import rel
+from tests.plexus.test_recompute import train_and_eval
 
 HIDDEN, SEED, STEP = 12, 5, 2  # hidden 12 -> 5 classes: the last layer narrows
 
@@ -38,7 +37,6 @@ def _runs(ctx, grids):
     one rank) and False: the layers chosen, logits (training and evaluation), loss, full
     gradients and bytes by axis."""
     from common.grid import ProcessGrid
-    from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
     graph = small_graph()
@@ -50,7 +48,6 @@ def _runs(ctx, grids):
         for kind, num_layers, precision, learn, residual, norm in CASES:
             widths = layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
             source = model_source(graph, kind)
-            o_ax, _, p_ax = roles(num_layers - 1)
             per = {}
             for option in options:
                 shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
@@ -58,24 +55,8 @@ def _runs(ctx, grids):
                                   learn_features=learn, residual=residual, norm=norm,
                                   labelled_rows_only=False, precision=precision,
                                   weight_first=option)
-                stats = CommStats()
-                logits = model(stats, step=STEP)
-                loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
-                                             num_classes=graph.num_classes,
-                                             count=shard.split_counts["train"],
-                                             group_o=groups[o_ax], group_p=groups[p_ax])
-                loss.backward()
-                model.eval()
-                with torch.no_grad():
-                    eval_logits = model()
-                per[option] = {
-                    "layers": list(model.weight_first), "loss": loss.item(),
-                    "logits": logits.detach(),
-                    "eval": eval_logits,
-                    "bytes": {ax: r.bytes for ax, r in stats.by_axis().items()},
-                    "grads": {n: model.gather(k, t.grad, layer)
-                              for n, t, k, layer in model.sharded_state()
-                              if t.grad is not None}}
+                per[option] = {"layers": list(model.weight_first),
+                               **train_and_eval(model, shard, groups, graph.num_classes, STEP)}
             out.append({"case": (grid_text, kind, num_layers, precision, learn, residual, norm),
                         "per": per})
     return out
