@@ -233,9 +233,12 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         other = (rows * b * F32 if layer == last else _bits(rows * b)) + norm
         recomputed = layer == 0 and work.recomputes_first
         first = work.weight_first_layer(layer, shape)
-        # kept for dW: H [rows, a] per term, or F' [N/O, a] (one float32 tensor for both terms)
-        kept_h = (0 if recomputed else (1 if kept == F32 else k) * (n // shape[o]) * a * kept
-                  if first else k * rows * a * kept)
+        if recomputed:  # kept for dW: nothing,
+            kept_h = 0
+        elif first:  # F' [N/O, a] (in float32 one tensor for both terms, in bf16 one copy each)
+            kept_h = (1 if kept == F32 else k) * (n // shape[o]) * a * kept
+        else:  # or H [rows, a] per term
+            kept_h = k * rows * a * kept
         out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,
                     "o_size": shape[o], "i_size": shape[i], "p_size": shape[p],
                     "kept_h": kept_h, "kept_other": other,
