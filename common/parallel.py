@@ -58,7 +58,7 @@ class ParallelState:
     def comm_offloaded(self) -> bool:
         """Whether collectives run beside the compute without taking its cores: on a GPU
         (NCCL), or on a CPU with at least two cores per rank of this node (a core for the
-        MPI transport's communication thread; common.perf.gcn.overlap_pays)."""
+        MPI transport's communication thread; common.perf.gcn_workload.overlap_pays)."""
         if self.device.type != "cpu":
             return True
         local = self.ctx.local_world_size if self.ctx is not None else self.grid.num_ranks

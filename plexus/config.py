@@ -48,12 +48,12 @@ class ModelConfig:
         residual: ``F_l+1 = relu(norm(Q_l)) + F_l`` in the hidden-to-hidden layers.
         labelled_rows_only: the last layer computes only the rows of nodes in a split: None
             (auto: where at most half the nodes are labelled,
-            :func:`common.perf.gcn.labelled_rows_pay`), True or False. Exact either way.
+            :func:`common.perf.gcn_workload.labelled_rows_pay`), True or False. Exact either way.
         overlap: run each aggregation in row blocks whose all-reduces (and the weight's
             all-gather) travel while the next block computes (plexus.ops.BlockedAggregation):
             None (auto: where some axis has more than one rank and the communication has
             resources of its own, a GPU or two cores per rank,
-            :func:`common.perf.gcn.overlap_pays`), True or False.
+            :func:`common.perf.gcn_workload.overlap_pays`), True or False.
         aggregation_blocks: row blocks of the blocked aggregation; None: 4 with overlap, else
             1 (the unblocked layer). Blocks without overlap give the overlapped bits.
         precision: ``fp32``, or ``bf16``: the input features, their all-gather and the
@@ -64,8 +64,8 @@ class ModelConfig:
             one more layer-0 SpMM per step; ``dW_0`` equal to float rounding.
         weight_first: multiply by the weight before aggregating, ``A (F' W)``, in layers that
             narrow and have one rank (plexus.model.PlexusGCN): None (auto:
-            :func:`common.perf.gcn.weight_first_pays`), True (every layer whose O and I axes
-            have one rank) or False. Equal to float rounding.
+            :func:`common.perf.gcn_workload.weight_first_pays`), True (every layer whose O
+            and I axes have one rank) or False. Equal to float rounding.
     """
 
     model: str = "gcn"

@@ -31,9 +31,9 @@ from common import autograd, flat
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
-from common.perf.gcn import (
+from common.perf.gcn_memory import RECOMPUTE_BLOCKS
+from common.perf.gcn_workload import (
     AGGREGATION_BLOCKS,
-    RECOMPUTE_BLOCKS,
     labelled_rows_pay,
     overlap_pays,
     weight_first_pays,
@@ -96,17 +96,18 @@ class PlexusGCN(ShardedState, nn.Module):
             accuracies read: its SpMM runs over those rows of ``A`` (and ``S``), gathered once
             (:meth:`GraphShard.restrict_last_layer`), and its H, Q, logits and collectives (2),
             (4), (7) shrink to them. None (default): when at most half the nodes are labelled
-            (:func:`common.perf.gcn.labelled_rows_pay`; on a fully labelled graph the
+            (:func:`common.perf.gcn_workload.labelled_rows_pay`; on a fully labelled graph the
             gathered rows would copy the whole block for nothing). ``forward(all_rows=True)``
             computes every row (:func:`plexus.trainer.predictions`).
         overlap: aggregate in ``aggregation_blocks`` row blocks whose all-reduces over O
             (2, 7) travel while the next block computes (:class:`plexus.ops.BlockedAggregation`)
             and start each weight's all-gather over P (3) before the aggregation, waiting for
             it after. None (default): where some axis has more than one rank
-            (:func:`common.perf.gcn.overlap_pays`).
-        aggregation_blocks: row blocks (None: :data:`common.perf.gcn.AGGREGATION_BLOCKS` with
-            overlap, else 1). Blocks > 1 without overlap run the same collectives
-            synchronously: the same bits as with overlap.
+            (:func:`common.perf.gcn_workload.overlap_pays`).
+        aggregation_blocks: row blocks (None:
+            :data:`common.perf.gcn_workload.AGGREGATION_BLOCKS` with overlap, else 1). Blocks
+            > 1 without overlap run the same collectives synchronously: the same bits as
+            with overlap.
         precision: ``fp32``, or ``bf16``: the input feature shard, its all-gather (1), the
             cached ``H_0``, the ``H_l`` (and ``R_l``) kept for ``dW`` and the norm's saved
             inputs are bf16 (``H`` is rounded to bf16 before ``H W``, so the product reads what
@@ -117,12 +118,12 @@ class PlexusGCN(ShardedState, nn.Module):
         recompute_first: with fixed input features and dropout (``H_0`` differs every pass, so
             it is not cached), layer 0 does not keep ``H_0`` (``R_0``) ``[N/P, D_0/I]`` for
             ``dW_0``: backward aggregates ``dropout(F_0)`` again with the same mask, in
-            :data:`common.perf.gcn.RECOMPUTE_BLOCKS` row blocks on the CPU
+            :data:`common.perf.gcn_memory.RECOMPUTE_BLOCKS` row blocks on the CPU
             (:class:`plexus.ops.RecomputedMatmul`): one more layer-0 SpMM and collectives (1)
             and (2) again, for the largest block a step keeps. ``dW_0`` is then summed over the
             row blocks: equal to float rounding. False keeps ``H_0``.
         weight_first: multiply by the weight before aggregating, ``Q = A (F' W)``, in the
-            layers where :func:`common.perf.gcn.weight_first_pays` (:attr:`weight_first`):
+            layers where :func:`common.perf.gcn_workload.weight_first_pays` (:attr:`weight_first`):
             the SpMMs of both passes run ``D_l+1`` wide instead of ``D_l``, as PyG's
             ``GCNConv`` does where a layer narrows. Only where the layer's O and I have one
             rank (then ``F'`` holds whole rows and columns); not in layer 0 with fixed features

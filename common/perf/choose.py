@@ -1,9 +1,10 @@
 """Choose a grid: rank every factorization of G ranks for a workload, pick the best.
 
 One :func:`plan` and one :func:`auto_grid` serve both engines: the engine hands over its
-workload (:class:`~common.perf.gcn.GCNWorkload` or :class:`~common.perf.gpt.GPTWorkload`) and
-its grid constraints (functions ``shape -> [problem, ...]``, as :meth:`ProcessGrid.check`
-takes). Both trainers' ``--grid`` goes through the same two calls, parsed once::
+workload (:class:`~common.perf.gcn_workload.GCNWorkload` or
+:class:`~common.perf.gpt.GPTWorkload`) and its grid constraints (functions
+``shape -> [problem, ...]``, as :meth:`ProcessGrid.check` takes). Both trainers' ``--grid``
+goes through the same two calls, parsed once::
 
     spec = parse_grid(args.grid, ctx.world_size, axes)     # "2x2x2", "data=2,row=2", "auto:PROFILE"
     grid, note = choose_grid(spec, work, ctx.world_size, constraints=[source.grid_problems])
@@ -37,7 +38,7 @@ def plan(work: Workload, num_ranks: int, *,
     """Every grid of ``num_ranks`` ranks for ``work``, runnable ones first, fastest first.
 
     Args:
-        work: a :class:`~common.perf.gcn.GCNWorkload` (``x, y, z`` grids) or a
+        work: a :class:`~common.perf.gcn_workload.GCNWorkload` (``x, y, z`` grids) or a
             :class:`~common.perf.gpt.GPTWorkload` (``data, depth, row, col`` grids).
         num_ranks: G.
         machine: a :class:`MachineProfile`, a profile name or JSON path, or None

@@ -13,7 +13,7 @@ Prints, per grid: predicted time split into compute and communication per axis, 
 rank, and whether it fits (see :mod:`common.perf`). ``--collectives`` picks the collective
 algorithm (:mod:`common.perf.machine`: ``ring``, PCCL's ``two-level``, ``auto``: the cheaper per
 call); ``both`` prints the ring and the two-level plan and whether two-level pays. The engines
-hand the planner their workload (:class:`~common.perf.gcn.GCNWorkload`,
+hand the planner their workload (:class:`~common.perf.gcn_workload.GCNWorkload`,
 :class:`~common.perf.gpt.GPTWorkload`); the trainers' ``--grid`` goes through
 :func:`common.perf.choose.parse_grid` and :func:`~common.perf.choose.choose_grid` (``auto``:
 :func:`~common.perf.choose.auto_grid`), and ``python -m llm.plan`` adds the llm presets on top
@@ -191,7 +191,7 @@ def print_plan(build: Callable[[], Workload], args: argparse.Namespace) -> int:
 def overlap_line(work: Any, best: Any, machine: Any, ranks_per_node: int | None) -> str:
     """One line: the best grid's communication and the part the compute waits for, with the
     overlapped aggregation and without (both predicted on that grid), and which one the
-    workload's ``overlap`` option (auto: :func:`common.perf.gcn.overlap_pays`) runs."""
+    workload's ``overlap`` option (auto: :func:`common.perf.gcn_workload.overlap_pays`) runs."""
     on, off = (perf_gcn.predict_gcn(dataclasses.replace(work, overlap=flag), best.shape, machine,
                                     ranks_per_node=ranks_per_node) for flag in (True, False))
     used = "on" if best.hidden > 0 else "off"

@@ -52,49 +52,17 @@ Pure Python.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
 
 from common.grid import round_up
+from common.perf.gcn_workload import F32, GCNWorkload
 
 __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
-F32 = 4
 RECOMPUTE_BLOCKS = 8  # row blocks of a recomputed H_0 on the CPU (plexus.ops.RecomputedMatmul)
 # the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/2 of a
 # 32 MiB last-level cache; the planner does not read the machine's cache)
 SLICE_BUDGET_BYTES = (32 << 20) // 2
 PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
-
-
-class GCNWorkload(Protocol):
-    """What the memory model reads of :class:`common.perf.gcn.GCNWorkload` (a protocol, so
-    that this module does not import the one that imports it)."""
-
-    @property
-    def nnz(self) -> int: ...
-    @property
-    def num_nodes(self) -> int: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def imbalance(self) -> float: ...
-    @property
-    def learn_features(self) -> bool: ...
-    @property
-    def dropout(self) -> float: ...
-    @property
-    def norm(self) -> str: ...
-    @property
-    def terms(self) -> int: ...
-    @property
-    def stored_bytes(self) -> int: ...
-    @property
-    def recomputes_first(self) -> bool: ...
-    def padded(self, shape: Mapping[str, int]) -> tuple[int, list[int]]: ...
-    def output_rows(self, shape: Mapping[str, int]) -> int: ...
-    def axes(self, layer: int) -> tuple[str, str, str]: ...
-    def weight_first_layer(self, layer: int, shape: Mapping[str, int]) -> bool: ...
-    def index_width(self) -> int: ...
 
 
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:

@@ -1,7 +1,7 @@
 """Layers that multiply by the weight before they aggregate, ``Q = A (F' W)``
 (PlexusGCN(weight_first=...), docs/design/plexus-3d.md section 12), against aggregating first.
 
-What must hold: the layers the model picks are the ones common.perf.gcn.weight_first_pays
+What must hold: the layers the model picks are the ones common.perf.gcn_workload.weight_first_pays
 names (narrowing layers of one rank by default; with ``True`` every layer whose O and I have
 one rank, P > 1 included, where the partial ``A^T dQ`` is summed over P by collectives (6) and
 (8)); the logits, the loss and every gradient agree with the aggregate-first path to float
