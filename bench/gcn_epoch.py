@@ -5,7 +5,8 @@
     python bench/gcn_epoch.py --device cuda --nodes 100000   # both on one GPU
 
 Both train the same 3-layer GCN (hidden 128, no bias, AdamW, cross-entropy on the training
-split) on the same graph with the same number of torch threads. PyG gets its fastest CPU path:
+split) on the same graph with the same number of torch threads, and both step torch's fused
+AdamW (ours makes it by default; PyG is given it). PyG gets its fastest CPU path:
 ``GCNConv(normalize=False)`` on a precomputed normalised CSR adjacency (``torch.sparse_csr``),
 so neither side spends time on normalisation inside the epoch. Two workloads, each equal work:
 
@@ -47,6 +48,7 @@ from collections.abc import Callable
 import scipy.sparse as sp
 import torch
 
+from common import dense
 from common.alloc import retain_freed_memory
 from common.dist import init_distributed
 from common.grid import ProcessGrid
@@ -99,19 +101,41 @@ def spmm_throughput(adj: sp.csr_matrix, width: int, reps: int = 5,
     theirs = to_torch_csr(adj).to(device)
     x = torch.randn(adj.shape[1], width, device=device)
     moved = adj.nnz * (4 + 4 + 4 * width) + adj.shape[0] * 4 * width
-    sync = synchronizer(device)
     out = {}
     for name, fn in (("ours", lambda: ours.matmul(x)), ("torch CSR", lambda: theirs @ x)):
-        fn()
-        times = []
-        for _ in range(reps):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t)
-        sec = statistics.median(times)
+        sec = timed(fn, reps, device)
         out[name] = (sec, moved / sec / 1e9)
+    return out
+
+
+def timed(fn: Callable[[], object], reps: int, device: torch.device = CPU) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after one untimed call."""
+    sync = synchronizer(device)
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def gemm_throughput(rows: int, width: int, backend: str, reps: int = 5,
+                    device: torch.device = CPU) -> dict[str, float]:
+    """{name: GFLOP/s} of a layer's ``[rows, width] @ [width, width]`` float32 product through
+    ``torch.mm`` (what PyG's linear layers run) and :func:`common.dense.mm` with ``backend``
+    (ours), and the largest difference between the two relative to the largest entry."""
+    h = torch.randn(rows, width, device=device)
+    w = torch.randn(width, width, device=device) / width**0.5
+    flops = 2.0 * rows * width * width
+    out = {"torch.mm": flops / timed(lambda: torch.mm(h, w), reps, device) / 1e9,
+           f"ours ({backend})": flops / timed(lambda: dense.mm(h, w, backend=backend), reps,
+                                              device) / 1e9}
+    want = torch.mm(h, w)
+    out["relative difference"] = ((dense.mm(h, w, backend=backend) - want).abs().max()
+                                  / want.abs().max()).item()
     return out
 
 
@@ -132,7 +156,7 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
         params.append(x)
     else:  # the cached first aggregation ours has: A X once
         x = (adj @ x).detach()
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=5e-4)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=5e-4, fused=True)  # as ours steps
     train = graph.train_idx.to(device)
     y = graph.y.to(device)[train]
     sync = synchronizer(device)
@@ -173,6 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
     p.add_argument("--spmm", choices=SPMM_KERNELS, default="auto",
                    help="our CPU SpMM kernel (ablation: torch)")
+    p.add_argument("--gemm", choices=dense.BACKENDS, default="auto",
+                   help="our dense products' backend (ablation: torch, PyG's)")
     p.add_argument("--no-retain-freed-memory", dest="retain", action="store_false",
                    help="ablation: leave glibc's allocator settings alone in our run")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -212,7 +238,8 @@ def worker(args: argparse.Namespace) -> None:
                            ctx.device, args.variant)[1:]
     else:
         cfg = split_config(epochs=args.epochs + 1, hidden=args.hidden, num_layers=args.layers,
-                           lr=0.01, spmm=args.spmm, retain_freed_memory=args.retain,
+                           lr=0.01, spmm=args.spmm, gemm=args.gemm,
+                           retain_freed_memory=args.retain,
                            bias=False, dropout=0.0, optimizer="adamw",
                            learn_features=args.variant == "learn")  # PyG's side's model
         result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
@@ -230,6 +257,7 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
            "--avg-degree", str(args.avg_degree), "--features", str(args.features),
            "--classes", str(args.classes), "--hidden", str(args.hidden), "--layers",
            str(args.layers), "--epochs", str(args.epochs), "--spmm", args.spmm,
+           "--gemm", args.gemm,
            "--device", args.device]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -295,6 +323,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, (sec, gbs) in spmm_throughput(a_hat, args.hidden, device=device).items():
         print(f"  {name:10} {1000 * sec:7.1f} ms  {gbs:6.2f} GB/s of minimum traffic = "
               f"{100 * gbs / bw:5.1f}% of the copy bandwidth")
+    gemm = gemm_throughput(a_hat.shape[0], args.hidden, args.gemm, device=device)
+    diff = gemm.pop("relative difference")
+    print(f"dense product [{a_hat.shape[0]:,} x {args.hidden}] @ [{args.hidden} x {args.hidden}] "
+          f"(relative difference {diff:.1e}):")
+    for name, gflops in gemm.items():
+        print(f"  {name:18} {gflops:7.1f} GFLOP/s")
     ctx.close()
 
 

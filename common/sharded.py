@@ -390,7 +390,8 @@ def load_state(ck: ShardedCheckpoint, entries: Sequence[Entry],
     the entries' tensors and their AdamW state (not collective).
 
     A tensor is cast to its own dtype; the AdamW moments keep the saved dtype and go to the
-    tensor's device, the step count is a float32 scalar on the CPU (as AdamW makes it). The
+    tensor's device, the step count is a float32 scalar on the CPU (as AdamW makes it; on the
+    tensor's device for torch's fused AdamW). The
     state of a tensor the checkpoint has no step count for is left as it is.
 
     Raises:
@@ -398,10 +399,13 @@ def load_state(ck: ShardedCheckpoint, entries: Sequence[Entry],
             another global shape.
     """
     steps = ck.meta.get("adam_steps", {})
+    # torch's fused Adam keeps the step count on the parameters' device, the others on the CPU
+    fused = any(group.get("fused") for group in optimizer.param_groups)
     with torch.no_grad():
         for name, t, slab in entries:
             t.copy_(ck.read(name, slab).to(t.dtype))
             if name in steps:
                 optimizer.state[t] = {
-                    "step": torch.tensor(steps[name], dtype=torch.float32),
+                    "step": torch.tensor(steps[name], dtype=torch.float32,
+                                         device=t.device if fused else "cpu"),
                     **{key: ck.read(f"{name}.{key}", slab).to(t.device) for key in ADAM_MOMENTS}}

@@ -17,7 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from common.perf.gcn import GCNWorkload
+from common import dense
+from common.perf.gcn_workload import GCNWorkload
 from plexus.sparse import SPMM_KERNELS
 
 MODELS = ("gcn", "sage")
@@ -157,6 +158,8 @@ class RunConfig:
         spmm: CPU SpMM kernel: ``auto`` (numba if installed), ``numba`` (both the
             cache-blocked kernel, plexus.spmm), ``numba-rows`` (the row kernel) or
             ``torch``.
+        gemm: the backend of the dense products (:func:`common.dense.mm`): ``auto`` (oneDNN
+            for float32 products on the CPU), ``onednn`` or ``torch`` (torch's BLAS).
         retain_freed_memory: keep large freed buffers in the heap on CPU (common.alloc), so
             every epoch reuses its activation pages.
     """
@@ -165,6 +168,7 @@ class RunConfig:
     eval_every: int = 1
     seed: int = 0
     spmm: str = "auto"
+    gemm: str = "auto"
     retain_freed_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -174,6 +178,7 @@ class RunConfig:
             raise ValueError(f"need eval_every >= 1 (1: every epoch), got {self.eval_every}")
         if self.spmm not in SPMM_KERNELS:
             raise ValueError(f"unknown SpMM kernel {self.spmm!r}; choose from {SPMM_KERNELS}")
+        dense.check_backend(self.gemm)
 
 
 CONFIGS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig}

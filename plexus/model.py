@@ -27,7 +27,7 @@ import itertools
 import torch
 from torch import nn
 
-from common import autograd, flat
+from common import autograd, dense, flat
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
@@ -132,6 +132,9 @@ class PlexusGCN(ShardedState, nn.Module):
             layer where O and I are 1; False: never. ``dW = F'^T (A^T dQ)`` keeps ``F'`` (in
             the stored precision) instead of ``H``. The sums run in another order: equal to
             float rounding.
+        gemm: the backend of the dense products ``H W`` and ``dQ W^T`` (:func:`common.dense.mm`):
+            ``auto`` (oneDNN for float32 CPU products, where torch's MKL leaves AVX-512
+            unused on AMD CPUs), ``onednn`` or ``torch``. Equal to float rounding.
 
     Each logit row is the same sum in the same order either way, so the logits, the loss and
     the accuracies agree bit for bit where the all-reduces over O and I add two operands
@@ -164,6 +167,7 @@ class PlexusGCN(ShardedState, nn.Module):
         precision: str = "fp32",
         recompute_first: bool = True,
         weight_first: bool | None = None,
+        gemm: str = "auto",
     ) -> None:
         super().__init__()
         if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
@@ -175,6 +179,7 @@ class PlexusGCN(ShardedState, nn.Module):
             raise ValueError("precision 'bf16' keeps the input features in bf16 and cannot "
                              "train them: use precision 'fp32' with learn_features")
         self.precision = precision
+        self.gemm = dense.check_backend(gemm)  # the dense products' backend (common.dense)
         # the dtype F_0 and the kept activations are stored in (None: float32, as computed)
         self.keep_dtype = torch.bfloat16 if precision == "bf16" else None
         if model == "sage" and shard.root is None:
@@ -345,7 +350,7 @@ class PlexusGCN(ShardedState, nn.Module):
         return ops.RecomputedMatmul.apply(
             lambda: self._first_blocks(bits, stats), self.shard.adj[0].a.shape[0], p_group,
             self.block_shapes[0], stats, gathered, self.weights[0],
-            self.root_weights[0] if sage else None)
+            self.root_weights[0] if sage else None, self.gemm)
 
     def _first_blocks(self, bits: ops.BitMask | None, stats: CommStats | None):
         """Yield ``(term, lo, hi, rows lo..hi of H_0 (term 0) or R_0 (term 1))``: F_0
@@ -446,7 +451,7 @@ class PlexusGCN(ShardedState, nn.Module):
         p_group = self.groups[layout.roles(layer)[2]]
         keep = self.keep_dtype if torch.is_grad_enabled() else None  # no copy for no backward
         return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
-                                        stats, gathered, keep)
+                                        stats, gathered, keep, self.gemm)
 
     def _sum_inner(self, layer: int, q: torch.Tensor, stats: CommStats | None):
         """Q summed over I (collective 4, in place: q is fresh), then ``+ b_l`` in place (the

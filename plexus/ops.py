@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from common import collectives as coll
-from common import flat
+from common import dense, flat
 from common.grid import AxisGroup
 from plexus.csr import _load_numba
 from plexus.sparse import sum_dtype
@@ -196,7 +196,8 @@ class GatheredMatmul(torch.autograd.Function):
 
     ``keep``: the dtype ``H`` is kept in for ``dW`` (None: as it comes). With bf16, ``H`` may
     also come in bf16 (the cached ``H_0``, no gradient): it is widened for the product, which is
-    float32 either way, and kept as it is.
+    float32 either way, and kept as it is. ``gemm``: the backend of ``H W`` and ``dQ W^T``
+    (:func:`common.dense.mm`: oneDNN on the CPU by default); ``dW = H^T dQ`` runs on torch.
 
     Shapes: h [N/P, D_l/I], w_shard [ceil(D_l/I * D_l+1/O / P)], shape (D_l/I, D_l+1/O)
     -> [N/P, D_l+1/O]
@@ -204,14 +205,14 @@ class GatheredMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats, gathered=None,
-                keep: torch.dtype | None = None):
+                keep: torch.dtype | None = None, gemm: str = "auto"):
         """``gathered``: the handle of this W's all-gather issued earlier (async, so that it
         travels during the aggregation), or None to gather now."""
-        ctx.group, ctx.shape, ctx.stats = group, shape, stats
+        ctx.group, ctx.shape, ctx.stats, ctx.gemm = group, shape, stats, gemm
         ctx.save_for_backward(h if keep is None else h.to(keep), w_shard)
         w = (flat.gather(w_shard, group, shape, stats=stats) if gathered is None
              else gathered.wait())
-        return (h if h.dtype == w.dtype else h.to(w.dtype)) @ w
+        return dense.mm(h if h.dtype == w.dtype else h.to(w.dtype), w, backend=gemm)
 
     @staticmethod
     def backward(ctx: Any, dq):
@@ -219,10 +220,11 @@ class GatheredMatmul(torch.autograd.Function):
         group, shape, stats = ctx.group, ctx.shape, ctx.stats
         dh = None
         if ctx.needs_input_grad[0]:
-            dh = dq @ flat.gather(w_shard, group, shape, stats=stats).t()
+            dh = dense.mm(dq, flat.gather(w_shard, group, shape, stats=stats).t(),
+                          backend=ctx.gemm)
         h = h if h.dtype == dq.dtype else h.to(dq.dtype)  # bf16 H: widened for dW only
         return (dh, flat.reduce_scatter(h.t() @ dq, group, stats=stats), None, None, None, None,
-                None)
+                None, None)
 
 
 class RecomputedMatmul(torch.autograd.Function):
@@ -239,14 +241,15 @@ class RecomputedMatmul(torch.autograd.Function):
 
     ``blocks()`` yields ``(term, lo, hi, rows lo..hi of H (term 0) or R (term 1))``, float32,
     all of term 0 first; ``rows``: the height of H. ``gathered``: the handles of the weights'
-    all-gathers issued earlier, or Nones.
+    all-gathers issued earlier, or Nones. ``gemm``: the backend of the forward products
+    (:func:`common.dense.mm`).
 
     Shapes: w, w_r flat shards of ``shape`` (D_0/I, D_1/O) -> [rows, D_1/O]
     """
 
     @staticmethod
     def forward(ctx: Any, blocks, rows: int, group: AxisGroup, shape, stats, gathered, w,
-                w_r=None):
+                w_r=None, gemm: str = "auto"):
         ctx.blocks, ctx.group, ctx.shape, ctx.stats = blocks, group, shape, stats
         ctx.save_for_backward(w, w_r)
         full = [flat.gather(s, group, shape, stats=stats) if h is None else h.wait()
@@ -254,9 +257,9 @@ class RecomputedMatmul(torch.autograd.Function):
         q = torch.empty(rows, shape[1], dtype=full[0].dtype, device=full[0].device)
         for term, lo, hi, x in blocks():
             if term == 0:
-                torch.mm(x, full[0], out=q[lo:hi])
+                dense.mm(x, full[0], backend=gemm, out=q[lo:hi])
             else:
-                q[lo:hi] += x @ full[1]
+                q[lo:hi] += dense.mm(x, full[1], backend=gemm)
         return q
 
     @staticmethod
@@ -269,7 +272,7 @@ class RecomputedMatmul(torch.autograd.Function):
         grads = [None if shard is None else flat.reduce_scatter(
             dw[t] if dw[t] is not None else dq.new_zeros(ctx.shape), ctx.group,
             stats=ctx.stats) for t, shard in enumerate((w, w_r))]
-        return None, None, None, None, None, None, grads[0], grads[1]
+        return None, None, None, None, None, None, grads[0], grads[1], None
 
 
 class Rounded(torch.autograd.Function):

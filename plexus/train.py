@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from common import dense
 from common.checkpoint import CheckpointError
 from common.dist import DistContext
 from common.exchange import max_over_ranks
@@ -155,6 +156,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spmm", choices=SPMM_KERNELS, default=r.spmm,
                    help="CPU SpMM kernel: numba, cache-blocked (auto when numba is installed), "
                    "numba-rows (row-parallel, no column slices) or torch.sparse")
+    p.add_argument("--gemm", choices=dense.BACKENDS, default=r.gemm,
+                   help="backend of the dense products H W and dQ W^T: auto (oneDNN for "
+                   "float32 on the CPU: it uses AVX-512 where torch's MKL does not, on AMD "
+                   "CPUs), onednn or torch (torch's BLAS)")
     p.add_argument("--no-retain-freed-memory", dest="retain_freed_memory",
                    action="store_false",
                    help="give large freed buffers back to the OS (default: keep them, so "
@@ -266,7 +271,7 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
         "optim": OptimConfig(optimizer=args.optimizer, lr=args.lr,
                              weight_decay=args.weight_decay),
         "run": RunConfig(epochs=args.epochs, eval_every=args.eval_every, seed=args.seed,
-                         spmm=args.spmm,
+                         spmm=args.spmm, gemm=args.gemm,
                          retain_freed_memory=args.retain_freed_memory),
     }
     configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth

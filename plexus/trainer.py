@@ -58,8 +58,9 @@ class TrainResult:
 
 
 def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelConfig, *,
-                    seed: int = 0) -> tuple[GraphShard, PlexusGCN]:
-    """This rank's shard of ``source`` and its shards of the model (on the CPU).
+                    seed: int = 0, gemm: str = "auto") -> tuple[GraphShard, PlexusGCN]:
+    """This rank's shard of ``source`` and its shards of the model (on the CPU); ``gemm``:
+    the dense products' backend (:class:`~plexus.config.RunConfig`).
 
     If reading the shard fails on any rank (a damaged file may touch some ranks only), every
     rank raises: the failing ones their own error, the others a DatasetCorruptError saying so,
@@ -84,7 +85,8 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
                     overlap=overlap_pays(grid.shape, model.overlap,
                                          comm_offloaded=parallel.comm_offloaded()),
                     aggregation_blocks=model.aggregation_blocks, precision=model.precision,
-                    recompute_first=model.recompute_first, weight_first=model.weight_first)
+                    recompute_first=model.recompute_first, weight_first=model.weight_first,
+                    gemm=gemm)
     # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
     shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))
     return shard, net
@@ -108,15 +110,22 @@ def upload_adjacency(shard: GraphShard, device: torch.device | str, *,
 
 def make_optimizer(net: PlexusGCN, optim: OptimConfig) -> torch.optim.Optimizer:
     """Adam or AdamW over ``net``'s parameters, one group per layer with that layer's weight
-    decay (the input features, if trained, join layer 0)."""
+    decay (the input features, if trained, join layer 0).
+
+    torch's fused implementation where every parameter is a float32 tensor on the CPU or a
+    GPU: one pass over each tensor instead of one per operation (a trained [200K, 128]
+    feature block: 10 ms a step against 42-53 ms on the development machine), the same update
+    to float rounding."""
     decays = optim.layer_decays(net.num_layers)
     groups: list[list[torch.nn.Parameter]] = [[] for _ in decays]
     for _name, t, _kind, layer in net.sharded_state():
         if isinstance(t, torch.nn.Parameter):
             groups[layer or 0].append(t)
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32
+                for ps in groups for p in ps)
     cls = torch.optim.Adam if optim.optimizer == "adam" else torch.optim.AdamW
     return cls([{"params": ps, "weight_decay": wd} for ps, wd in zip(groups, decays) if ps],
-               lr=optim.lr)
+               lr=optim.lr, fused=fused or None)
 
 
 class Trainer:
@@ -162,7 +171,8 @@ class Trainer:
             # their defaults, since left alone they rise to each freed buffer's size (up to
             # 32 MiB) and keep such buffers in the heap after all (see common.alloc)
             retain_freed_memory(self.run_cfg.retain_freed_memory)
-        self.shard, self.model = shard_and_model(source, parallel, model, seed=self.run_cfg.seed)
+        self.shard, self.model = shard_and_model(source, parallel, model, seed=self.run_cfg.seed,
+                                                 gemm=self.run_cfg.gemm)
         self.model.to(device)
         upload_adjacency(self.shard, device, kernel=self.run_cfg.spmm)
         self.optimizer = make_optimizer(self.model, self.optim_cfg)

@@ -1,0 +1,67 @@
+"""The dense products of a plexus layer (``H W``, ``dQ W^T``, the recomputed layer 0's row
+blocks) through common.dense: oneDNN by default on the CPU, torch's BLAS with ``gemm="torch"``;
+the two train alike to float rounding (the same losses, accuracies within a node, weights
+within 1e-5), oneDNN really runs where it applies, and the optimizer is torch's fused AdamW."""
+
+import pytest
+
+from common import dense
+from common.grid import ProcessGrid
+from plexus.config import RunConfig, split_config
+from plexus.data import InMemorySource
+from plexus.data.generators import planted_partition
+from plexus.trainer import train_gcn
+
+# big enough that every product passes common.dense.MIN_WORK: 1500 x 64 x 64 multiply-adds
+GRAPH = {"num_nodes": 1500, "num_features": 64, "num_classes": 5, "seed": 7}
+
+
+def _train(gemm: str, **config) -> dict:
+    graph = planted_partition(**GRAPH)
+    res = train_gcn(InMemorySource(graph), ProcessGrid.plexus(1, 1, 1), 0,
+                    **split_config(epochs=3, hidden=64, num_layers=3, lr=0.01, gemm=gemm,
+                                   optimizer="adamw", **config))
+    state = {name: res.model.gather(kind, t.detach(), layer)
+             for name, t, kind, layer in res.model.sharded_state()}
+    return {"history": res.history, "state": state, "model": res.model}
+
+
+@pytest.mark.skipif(not dense.onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("config", [
+    {"dropout": 0.0},                       # cached H_0, weight first in the last layer
+    {"dropout": 0.5},                       # layer 0 recomputed in row blocks
+    {"dropout": 0.0, "learn_features": True},
+    {"dropout": 0.5, "model": "sage"},
+], ids=["cached", "recomputed", "learned", "sage"])
+def test_onednn_and_torch_products_train_alike(config, monkeypatch):
+    calls = []
+    real = dense.uses_onednn
+    monkeypatch.setattr(dense, "uses_onednn",
+                        lambda a, b, backend="auto": calls.append(real(a, b, backend))
+                        or calls[-1])
+    ours = _train("auto", **config)
+    assert any(calls), "no product went through oneDNN"
+    calls.clear()
+    theirs = _train("torch", **config)
+    assert not any(calls), "gemm='torch' still called oneDNN"
+    for a, b in zip(ours["history"], theirs["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        for split in ("train", "val", "test"):
+            assert abs(a[f"{split}_acc"] - b[f"{split}_acc"]) <= 1 / 300  # a node at most
+    for name, t in ours["state"].items():
+        want = theirs["state"][name]
+        assert (t - want).abs().max() <= 1e-5 * max(want.abs().max().item(), 1.0), name
+    opt_fused = {group.get("fused") for group in _optimizer_groups(ours["model"])}
+    assert opt_fused == {True}
+
+
+def _optimizer_groups(model):
+    from plexus.config import OptimConfig
+    from plexus.trainer import make_optimizer
+
+    return make_optimizer(model, OptimConfig(optimizer="adamw")).param_groups
+
+
+def test_the_gemm_option_is_checked():
+    with pytest.raises(ValueError, match="unknown dense product backend 'blas'"):
+        RunConfig(gemm="blas")
