@@ -71,16 +71,15 @@ def uses_onednn(a: torch.Tensor, b: torch.Tensor, backend: str = "auto") -> bool
             and onednn_available())
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
-       out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` (into ``out`` when given), through oneDNN where :func:`uses_onednn`, else
-    ``torch.mm``.
+def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``a @ b``, a new tensor, through oneDNN where :func:`uses_onednn`, else ``torch.mm``.
+    (oneDNN's primitive has no ``out=`` form: a product meant for rows of a larger tensor is
+    better written there by ``torch.mm(..., out=...)`` than copied from a temporary.)
 
     Shapes: a [m, k], b [k, n] -> [m, n]
     """
     if not uses_onednn(a, b, backend):
-        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+        return torch.mm(a, b)
     # the primitive computes x @ weight^T with weight [n, k]; b is small (a weight), so the
     # copy that makes its transpose contiguous is cheap (none when b is a transposed view)
-    q = torch.ops.mkldnn._linear_pointwise(a, b.t().contiguous(), None, "none", [], "")
-    return q if out is None else out.copy_(q)
+    return torch.ops.mkldnn._linear_pointwise(a, b.t().contiguous(), None, "none", [], "")

@@ -241,8 +241,9 @@ class RecomputedMatmul(torch.autograd.Function):
 
     ``blocks()`` yields ``(term, lo, hi, rows lo..hi of H (term 0) or R (term 1))``, float32,
     all of term 0 first; ``rows``: the height of H. ``gathered``: the handles of the weights'
-    all-gathers issued earlier, or Nones. ``gemm``: the backend of the forward products
-    (:func:`common.dense.mm`).
+    all-gathers issued earlier, or Nones. ``gemm``: the backend of GraphSAGE's root products
+    (:func:`common.dense.mm`); ``H_b W`` is written into Q's rows by ``torch.mm``, since a
+    product through oneDNN would hold a temporary block beside Q.
 
     Shapes: w, w_r flat shards of ``shape`` (D_0/I, D_1/O) -> [rows, D_1/O]
     """
@@ -256,8 +257,8 @@ class RecomputedMatmul(torch.autograd.Function):
                 for s, h in zip((w, w_r), gathered) if s is not None]
         q = torch.empty(rows, shape[1], dtype=full[0].dtype, device=full[0].device)
         for term, lo, hi, x in blocks():
-            if term == 0:
-                dense.mm(x, full[0], backend=gemm, out=q[lo:hi])
+            if term == 0:  # into Q's rows, no temporary block: oneDNN's has no out= form
+                torch.mm(x, full[0], out=q[lo:hi])
             else:
                 q[lo:hi] += dense.mm(x, full[1], backend=gemm)
         return q
