@@ -19,7 +19,8 @@ cores and loopback contention are part of the numbers):
   for several widths, by the kernel the GCN trainer runs (``--spmm-kernel``, default plexus's
   numba kernel when importable, else torch's CSR matmul); one bandwidth is fitted under
   :func:`common.perf.gcn.spmm_bytes`;
-* GEMM: float32 matmuls of GCN-like shapes, the median flop/s;
+* GEMM: float32 matmuls of GCN-like shapes through :func:`common.dense.mm` (as the GCN
+  layers' forward products run), the median flop/s;
 * memory bandwidth: a large copy, (read + write) bytes/s.
 
 Freed buffers stay in the heap (:func:`common.alloc.retain_freed_memory`), as in the trainers.
@@ -82,6 +83,7 @@ def _measure(ctx, args) -> dict:
     import torch.distributed as dist
 
     from common import collectives as coll
+    from common import dense
     from common.exchange import max_over_ranks
     from common.grid import ProcessGrid
 
@@ -156,7 +158,7 @@ def _measure(ctx, args) -> dict:
     flops = []
     for m, k, nn in GEMMS:
         h, w = torch.rand(m, k, generator=gen), torch.rand(k, nn, generator=gen)
-        flops.append(2 * m * k * nn / timed(lambda h=h, w=w: h @ w, 5, args.rounds))
+        flops.append(2 * m * k * nn / timed(lambda h=h, w=w: dense.mm(h, w), 5, args.rounds))
     gemm = statistics.median(flops)
     result["compute"] = {"ranks_per_node": world, "spmm_bandwidth": spmm_bw,
                          "gemm_flops": gemm, "memory_bandwidth": mem_bw}
