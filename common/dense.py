@@ -6,18 +6,19 @@ its AVX2 kernels even where the CPU has AVX-512; oneDNN, which torch also ships 
 ``torch.compile`` calls for CPU linear layers), picks the widest instruction set the CPU
 reports, whoever made it. On the development machine (a 2-core AMD EPYC VM with AVX-512) a
 ``[200K, 128] @ [128, 128]`` float32 product takes 19 ms through oneDNN against 35 ms
-through ``torch.mm`` (344 and 189 GFLOP/s; ``python bench/gemm.py``).
+through ``torch.mm`` (344 and 189 GFLOP/s; ``python bench/gcn_epoch.py`` prints both rates
+for a layer's product).
 
 :func:`mm` is ``a @ b`` through oneDNN's linear primitive
 (``torch.ops.mkldnn._linear_pointwise``) where that applies: ``backend`` ``auto`` or
 ``onednn``, both operands float32 2-D CPU tensors, ``a`` row-major (a transposed view, as
 in ``dW = H^T dQ``, would be copied first, which costs more than it saves: those stay with
 torch), at least :data:`MIN_WORK` multiply-adds, and no autograd graph to record (the callers
-are ``autograd.Function`` passes). The
-precision is the same, float32 products summed in float32 (unless the user lowered torch's
-``torch.backends.mkldnn`` fp32 precision, which oneDNN then follows as torch's own oneDNN
-paths do); the summation order is oneDNN's, so results equal torch's to float rounding, not
-bit for bit. ``torch`` keeps every product on ``torch.mm``.
+are ``autograd.Function`` passes). The precision is the same, float32 products summed in
+float32 (unless the user lowered torch's ``torch.backends.mkldnn`` fp32 precision, which
+oneDNN then follows as torch's own oneDNN paths do); the summation order is oneDNN's, so
+results equal torch's to float rounding, not bit for bit. ``torch`` keeps every product on
+``torch.mm``.
 
 Shapes: a [m, k] @ b [k, n] -> [m, n]
 """
