@@ -15,9 +15,9 @@ for a layer's product).
 in ``dW = H^T dQ``, would be copied first, which costs more than it saves: those stay with
 torch), at least :data:`MIN_WORK` multiply-adds, and no autograd graph to record (the callers
 are ``autograd.Function`` passes). The precision is the same, float32 products summed in
-float32 (unless the user lowered torch's ``torch.backends.mkldnn`` fp32 precision, which
-oneDNN then follows as torch's own oneDNN paths do); the summation order is oneDNN's, so
-results equal torch's to float rounding, not bit for bit. ``torch`` keeps every product on
+float32 (the primitive did not follow ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``
+here: its error against float64 stayed 5e-7); the summation order is oneDNN's, so results
+equal torch's to float rounding, not bit for bit. ``torch`` keeps every product on
 ``torch.mm``.
 
 Shapes: a [m, k] @ b [k, n] -> [m, n]
