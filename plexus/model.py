@@ -126,12 +126,13 @@ class PlexusGCN(ShardedState, nn.Module):
             layers where :func:`common.perf.gcn_workload.weight_first_pays` (:attr:`weight_first`):
             the SpMMs of both passes run ``D_l+1`` wide instead of ``D_l``, as PyG's
             ``GCNConv`` does where a layer narrows. Only where the layer's O and I have one
-            rank (then ``F'`` holds whole rows and columns); not in layer 0 with fixed features
-            (its ``H_0`` is cached or recomputed) nor in a last layer on labelled rows only.
-            None (default): where the layer also has one rank on P and narrows; True: every
-            layer where O and I are 1; False: never. ``dW = F'^T (A^T dQ)`` keeps ``F'`` (in
-            the stored precision) instead of ``H``. The sums run in another order: equal to
-            float rounding.
+            rank (then ``F'`` holds whole rows and columns); not in a last layer on labelled
+            rows only, nor in layer 0 with fixed features but where True asks for it and
+            ``H_0`` would be recomputed (:meth:`_first_remade`: ``dropout(F_0)`` remade in
+            backward). None (default): where the layer also has one rank on P and narrows;
+            True: every layer where O and I are 1; False: never. ``dW = F'^T (A^T dQ)`` keeps
+            ``F'`` (in the stored precision) instead of ``H``. The sums run in another order:
+            equal to float rounding.
         gemm: the backend of the dense products ``H W`` and ``dQ W^T`` (:func:`common.dense.mm`):
             ``auto`` (oneDNN for float32 CPU products, where torch's MKL leaves AVX-512
             unused on AMD CPUs), ``onednn`` or ``torch``. Equal to float rounding.
@@ -243,7 +244,7 @@ class PlexusGCN(ShardedState, nn.Module):
         self.weight_first = [weight_first_pays(
             tuple(sizes[ax] for ax in layout.roles(layer)), shard.widths_padded[layer],
             shard.widths_padded[layer + 1], option=weight_first,
-            fixed_first=layer == 0 and not learn_features,
+            fixed_first=layer == 0 and not learn_features, remade=self.recompute_first,
             rows_only=layer == self.num_layers - 1 and rows is not None)
             for layer in range(self.num_layers)]
         self.aggregation_blocks = (aggregation_blocks if aggregation_blocks is not None
@@ -263,7 +264,9 @@ class PlexusGCN(ShardedState, nn.Module):
             rows_only = self._rows_only(layer, all_rows)   # last layer: labelled rows only
             w = self._prefetch(layer, stats)               # W_l's all-gather in flight (3)
             skip = None
-            if layer == 0 and self._recomputes(rows_only):
+            if layer == 0 and self.weight_first[0] and self.recompute_first:
+                q = self._first_remade(step, stats, w)     # A_0 (F' W_0), F' remade  (1)-(7)
+            elif layer == 0 and self._recomputes(rows_only):
                 q = self._first_recomputed(step, stats, w)  # H_0 W_0, H_0 not kept (1)-(3)
             elif self.weight_first[layer]:
                 f = self._input(layer, f, stats)           # F_l                      (1) or (8)
@@ -351,6 +354,34 @@ class PlexusGCN(ShardedState, nn.Module):
             lambda: self._first_blocks(bits, stats), self.shard.adj[0].a.shape[0], p_group,
             self.block_shapes[0], stats, gathered, self.weights[0],
             self.root_weights[0] if sage else None, self.gemm)
+
+    def _first_remade(self, step: int, stats: CommStats | None, gathered) -> torch.Tensor:
+        """``A_0 (F' W_0)`` (GraphSAGE: ``+ S_0 (F' R_0)``) [N/P, D_1/O] for fixed features
+        with dropout in a layer that multiplies first (O and I of one rank): ``F' =
+        dropout(F_0)`` is made for the products and made again for ``dW`` in backward from
+        this pass's mask, kept as bits (:class:`plexus.ops.RemadeInputMatmul`); nothing of
+        ``F'`` or ``H_0`` is kept, and the SpMMs of both passes run ``D_1`` wide."""
+        bits = (ops.BitMask(self._keep_mask(0, step, self.features.device)) if self.training
+                else None)
+
+        def make() -> torch.Tensor:  # F' [N/O, D_0/I]: F_0 gathered over P (1), dropped out
+            with torch.no_grad():
+                f = self._input(0, None, stats)
+                if bits is None:
+                    return f
+                if f.dtype == torch.float32:  # dropped()'s values, no bool mask unpacked
+                    return bits.clear_(f.mul(torch.ones((), dtype=f.dtype)
+                                             / (1.0 - self.dropout)))
+                return self._dropout(0, f, 0, drop=bits.unpack(invert=True).to(f.device))
+
+        sage = self.kind == "sage"
+        g = ops.RemadeInputMatmul.apply(make, self.groups[layout.roles(0)[2]],
+                                        self.block_shapes[0], stats, gathered, self.weights[0],
+                                        self.root_weights[0] if sage else None, self.gemm)
+        q = self._spmm_o(self.shard.adj, 0, g[0], stats)
+        if sage:
+            q = q + self._spmm_o(self.shard.root, 0, g[1], stats)
+        return q
 
     def _first_blocks(self, bits: ops.BitMask | None, stats: CommStats | None):
         """Yield ``(term, lo, hi, rows lo..hi of H_0 (term 0) or R_0 (term 1))``: F_0

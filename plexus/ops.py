@@ -27,7 +27,7 @@ from plexus.csr import _load_numba
 from plexus.sparse import sum_dtype
 
 __all__ = ["BitMask", "BlockedAggregation", "GatheredMatmul", "ReLU", "RecomputedMatmul",
-           "Rounded", "SpMM", "StoredIn"]
+           "RemadeInputMatmul", "Rounded", "SpMM", "StoredIn"]
 
 
 class SpMM(torch.autograd.Function):
@@ -142,6 +142,17 @@ class BitMask:
         bits = ~self.bits if invert else self.bits
         flat = (bits[:, None] >> _SHIFTS.to(self.device)) & 1
         return flat.reshape(-1)[:n].to(torch.bool).reshape(self.shape)
+
+    def clear_(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (of the mask's shape) with ``+0.0`` where the mask is False, in place: the
+        values of ``x.masked_fill_(~mask, 0.0)``. On a large float32 CPU block one numba pass
+        reads the bits (``plexus.kernels.masked_by_bits``), with no bool mask made."""
+        kernels = _fused_kernels(x)
+        if kernels is None or tuple(x.shape) != tuple(self.shape):
+            return x.masked_fill_(self.unpack(invert=True).to(x.device), 0.0)
+        words = x.view(-1).numpy().view(np.uint32)
+        kernels.masked_by_bits(words, self.bits.numpy(), words)
+        return x
 
 
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
@@ -274,6 +285,46 @@ class RecomputedMatmul(torch.autograd.Function):
             dw[t] if dw[t] is not None else dq.new_zeros(ctx.shape), ctx.group,
             stats=ctx.stats) for t, shard in enumerate((w, w_r))]
         return None, None, None, None, None, None, grads[0], grads[1], None
+
+
+class RemadeInputMatmul(torch.autograd.Function):
+    """``F' W`` (GraphSAGE: and ``F' W_r``) for an ``F'`` that takes no gradient and is cheap
+    to make again: ``make()`` gives it in each pass and neither pass keeps it. plexus.model
+    uses it for layer 0 with fixed input features and dropout where the layer multiplies
+    first (docs/design/plexus-3d.md section 12): ``F' = dropout(F_0)`` is made from ``F_0``
+    and the pass's mask, kept as bits.
+
+    ``W`` is gathered over P as in :class:`GatheredMatmul` (3); backward sums
+    ``dW = F'^T dG`` and reduce-scatters it (6). ``F'`` takes no gradient, so ``W`` is not
+    gathered again (no 5). ``gathered``: the handles of the weights' all-gathers issued
+    earlier, or Nones; ``gemm``: the products' backend (:func:`common.dense.mm`).
+
+    Shapes: make() -> [N/O, D_0/I]; w, w_r flat shards of ``shape`` (D_0/I, D_1/O)
+    -> one [N/O, D_1/O] per term, as a tuple
+    """
+
+    @staticmethod
+    def forward(ctx: Any, make, group: AxisGroup, shape, stats, gathered, w, w_r=None,
+                gemm: str = "auto"):
+        ctx.make, ctx.group, ctx.shape, ctx.stats = make, group, shape, stats
+        full = [flat.gather(s, group, shape, stats=stats) if h is None else h.wait()
+                for s, h in zip((w, w_r), gathered) if s is not None]
+        f = make()
+        f = f if f.dtype == full[0].dtype else f.to(full[0].dtype)
+        ctx.rows = f.shape[0]
+        return tuple(dense.mm(f, x, backend=gemm) for x in full)
+
+    @staticmethod
+    def backward(ctx: Any, *dgs):
+        f = ctx.make()
+        dtype = next(dg.dtype for dg in dgs if dg is not None) if any(
+            dg is not None for dg in dgs) else torch.float32
+        f = f if f.dtype == dtype else f.to(dtype)
+        grads = [flat.reduce_scatter(
+            f.t() @ dg if dg is not None else f.new_zeros(ctx.shape), ctx.group,
+            stats=ctx.stats) for dg in dgs]
+        return (None, None, None, None, None, grads[0],
+                grads[1] if len(grads) > 1 else None, None)
 
 
 class Rounded(torch.autograd.Function):

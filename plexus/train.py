@@ -350,7 +350,8 @@ def _log_setup(trainer: Trainer, ctx: DistContext, start_bytes: int = 0) -> None
     if any(model.weight_first):  # the layers that multiply first (--weight-first)
         print("  multiply first, A (F W): layer " + ", ".join(
             str(layer) for layer, first in enumerate(model.weight_first) if first)
-            + "; the others aggregate first, (A F) W", flush=True)
+            + ("; the others aggregate first, (A F) W" if not all(model.weight_first)
+               else ""), flush=True)
     mib = 2.0**20
     gpu = ""
     if "gpu_peak_allocated_bytes_after_setup" in after:

@@ -38,7 +38,9 @@ Compute per rank:
 * GEMM ``[m, k] @ [k, n]``: roofline ``max(2 m k n / flops, 4 (m k + k n + m n) / mem_bw)``.
 * A layer that multiplies first (:func:`weight_first_pays`, ``Q = A (F' W)``): its SpMMs, both
   passes, gather ``D_l+1/O``-wide float32 rows, and its GEMMs run over the ``N/O`` rows of
-  ``F'`` (the same as ``N/P`` on one rank).
+  ``F'`` (the same as ``N/P`` on one rank). Layer 0 of fixed features with dropout that
+  multiplies first runs its SpMM once forward and ``A^T dQ`` backward (for ``dW``; no ``dF``),
+  and aggregates nothing again (``F'`` is remade, an elementwise pass).
 * Elementwise: ReLU forward/backward, the out-of-place copy of each all-reduce, the loss and
   AdamW, as bytes / memory bandwidth.
 
@@ -182,8 +184,11 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         k = work.terms
         forward, backward = work._runs(layer, first_epoch)
         x_bytes = work.stored_bytes if layer == 0 else F32  # F_0 is bf16, later F_l float32
-        again = 2 if layer == 0 and work.recomputes_first else 1  # H_0 recomputed backward
         first = work.weight_first_layer(layer, shape)  # A (F' W): the SpMMs b wide, O = I = 1
+        # H_0 recomputed in backward; where layer 0 multiplies first, F' is remade instead
+        again = 2 if layer == 0 and work.recomputes_first and not first else 1
+        # dG = A^T dQ for dW: a layer that multiplies first needs it without dF too
+        back_spmm = backward or (first and forward)
         spmm_width, x_bytes = (b, F32) if first else (a, x_bytes)
         for blk in [nnz, root][:k]:
             if forward:
@@ -192,8 +197,9 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
                 moved += again * 2 * rows * a * F32 * (O > 1)  # copy of H (R), all-reduce
                 if work.stored_bytes < F32:  # round H (F') in place, keep a bf16 copy for dW
                     moved += (n // O if first else rows) * a * (3 * F32 + 3 * work.stored_bytes)
-            if backward:
+            if back_spmm:
                 spmm += spmm_bytes(n // O, blk, spmm_width, index_bytes=idx, cache_line=line)
+            if backward:
                 moved += 2 * rows * a * F32 * (O > 1) + 2 * (n // O) * a * F32 * (P > 1)
         n_gemm = 3 if backward else 2  # Q = H W, dW = H^T dQ, and dH = dQ W^T
         gemm += k * n_gemm * gemm_seconds(n // O if first else rows, a, b, rate.gemm_flops,

@@ -114,7 +114,14 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             f_in = lay["in_rows"] * a * F32
         base = before + lay["dropout"]
         q32 = rows * b * F32
-        if lay["first"]:  # F' W (per term), then A G (summed for SAGE); O = I = 1
+        if lay["remade"]:  # F' made (beside its mask), F' W per term, then A G; nothing kept
+            g32, f0 = lay["in_rows"] * b * F32, lay["in_rows"] * a
+            wide_f = f0 * F32 if work.stored_bytes != F32 else 0  # bf16 F' widened for W
+            phases["forward 0 make"] = base + _remade(work, lay)
+            phases["forward 0 matmul"] = base + f0 * work.stored_bytes + wide_f + k * g32 + \
+                weights
+            phases["forward 0 aggregate"] = base + k * g32 + (3 if k == 2 else 1) * q32
+        elif lay["first"]:  # F' W (per term), then A G (summed for SAGE); O = I = 1
             g32 = lay["in_rows"] * b * F32
             wide_f = f_in if work.stored_bytes != F32 else 0  # bf16: F' rounded, a copy kept
             phases[f"forward {lay['index']} matmul"] = base + f_in + wide_f + k * g32 + weights
@@ -143,6 +150,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             blocks = 3 if work.norm != "none" else 2  # product, dq)
             phases[f"backward {lay['index']} activation"] = before + own + blocks * q32
         grad_in = lay["index"] > 0 or work.learn_features
+        if lay["remade"]:  # dQ -> dG = A^T dQ (per term); F' made again; dW = F'^T dG
+            g32, f0 = lay["in_rows"] * b * F32, lay["in_rows"] * a
+            wide_f = f0 * F32 if work.stored_bytes != F32 else 0
+            phases["backward 0 dG"] = base + q32 + k * g32
+            phases["backward 0 matmul"] = base + k * g32 + max(
+                _remade(work, lay), f0 * work.stored_bytes + wide_f + 2 * a * b * F32)
+            continue
         if lay["first"]:  # dQ -> dG = A^T dQ (per term) -> dF' = dG W^T, dW -> dF over P
             g32, df = lay["in_rows"] * b * F32, lay["in_rows"] * a * F32
             phases[f"backward {lay['index']} dG"] = base + lay["kept_h"] + q32 + k * g32
@@ -175,6 +189,13 @@ def _recompute(work: GCNWorkload, lay: dict) -> float:
         block + _reduce_buffer(block, lay["o_size"]) + 2 * a * b * F32)
 
 
+def _remade(work: GCNWorkload, lay: dict) -> float:
+    """What making ``F' = dropout(F_0)`` holds (plexus.ops.RemadeInputMatmul, either pass):
+    ``F'`` beside its unpacked bool mask and, over P > 1, the gathered ``F_0``."""
+    f0 = lay["in_rows"] * lay["a"]
+    return f0 * work.stored_bytes + f0 * (1 + work.stored_bytes * (lay["p_size"] > 1))
+
+
 def _bits(entries: int) -> int:
     """Bytes of a mask of ``entries`` kept one bit an entry (plexus.ops.BitMask)."""
     return -(-entries // 8)
@@ -199,9 +220,11 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         norm = rows * b * kept if work.norm != "none" and layer != last else 0
         # the logits, or the ReLU's mask in bits
         other = (rows * b * F32 if layer == last else _bits(rows * b)) + norm
-        recomputed = layer == 0 and work.recomputes_first
         first = work.weight_first_layer(layer, shape)
-        if recomputed:  # kept for dW: nothing,
+        # layer 0 of fixed features with dropout: H_0 recomputed, or F' remade (multiplying first)
+        recomputed = layer == 0 and work.recomputes_first and not first
+        remade = layer == 0 and work.recomputes_first and first
+        if recomputed or remade:  # kept for dW: nothing,
             kept_h = 0
         elif first:  # F' [N/O, a] (in float32 one tensor for both terms, in bf16 one copy each)
             kept_h = (1 if kept == F32 else k) * (n // shape[o]) * a * kept
@@ -210,11 +233,11 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,
                     "o_size": shape[o], "i_size": shape[i], "p_size": shape[p],
                     "kept_h": kept_h, "kept_other": other,
-                    "norm": norm, "recomputed": recomputed, "first": first,
+                    "norm": norm, "recomputed": recomputed, "first": first, "remade": remade,
                     # the keep-mask of F_l in bits, kept where a gradient flows back through
-                    # it, or for recomputing H_0
+                    # it, or for recomputing H_0 or remaking F'
                     "dropout": _bits((n // shape[o]) * a) if work.dropout > 0 and (
-                        layer > 0 or work.learn_features or recomputed) else 0})
+                        layer > 0 or work.learn_features or recomputed or remade) else 0})
     return out
 
 
@@ -248,7 +271,8 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int]) -> float:
         width = (w[layer + 1] // shape[o] if work.weight_first_layer(layer, shape)
                  else w[layer] // shape[i])  # a layer that multiplies first: D_l+1/O wide
         row_bytes = width * F32
-        grad = layer > 0 or work.learn_features
+        # A^T runs where a gradient flows back, or for dW where layer 0 multiplies first
+        grad = layer > 0 or work.learn_features or work.weight_first_layer(layer, shape)
         for transposed, rows, cols in ((False, rows_a, rows_t), (True, rows_t, rows_a)):
             if (transposed and not grad) or (key, transposed, row_bytes) in planned:
                 continue

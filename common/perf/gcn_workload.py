@@ -39,15 +39,20 @@ def labelled_rows_pay(labelled_fraction: float, option: bool | None = None) -> b
 
 
 def weight_first_pays(sizes: Sequence[int], d_in: int, d_out: int, *,
-                      fixed_first: bool = False, rows_only: bool = False,
+                      fixed_first: bool = False, remade: bool = False, rows_only: bool = False,
                       option: bool | None = None) -> bool:
     """Whether a layer multiplies by its weight before it aggregates, ``Q = A (F' W)``
     (plexus.model.PlexusGCN's ``weight_first``; docs/design/plexus-3d.md section 12).
 
     ``sizes``: the layer's (O, I, P) group sizes; ``d_in``, ``d_out``: its padded widths;
-    ``fixed_first``: layer 0 with fixed input features (its ``H_0`` is cached or recomputed,
-    so it aggregates first); ``rows_only``: the last layer on labelled rows only (weight first
-    would multiply every row and keep ``F'`` of every row for a few output rows).
+    ``fixed_first``: layer 0 with fixed input features: it aggregates first (a cached ``H_0``
+    costs no SpMM at all), except where ``remade`` (dropout, and ``H_0`` would be recomputed
+    in backward) and ``option`` is True: then ``F' = dropout(F_0)`` is made again for ``dW``
+    from the mask's bits (plexus.ops.RemadeInputMatmul) and no ``H_0`` is aggregated twice.
+    Not by default: on the 1M-node papers100M-format graph it took an epoch from 3.47 to 2.76
+    s but the peak from 2290 to 2417 MiB (docs/benchmarks.md). ``rows_only``: the last layer
+    on labelled rows only (weight first would multiply every row and keep ``F'`` of every row
+    for a few output rows).
 
     The order is a local choice only where O and I are 1: ``F'`` then holds whole rows and
     whole columns, ``F' W`` needs no sum over I and its rows are the columns ``A`` reads. The
@@ -57,8 +62,10 @@ def weight_first_pays(sizes: Sequence[int], d_in: int, d_out: int, *,
     (``d_out < d_in``); True takes it wherever O and I are 1; False never.
     """
     o_size, i_size, p_size = sizes
-    if option is False or fixed_first or rows_only or o_size > 1 or i_size > 1:
+    if option is False or rows_only or o_size > 1 or i_size > 1:
         return False
+    if fixed_first:
+        return remade and option is True
     return option is True or (p_size == 1 and d_out < d_in)
 
 
@@ -236,7 +243,7 @@ class GCNWorkload:
         last = self.num_layers - 1
         return weight_first_pays(
             tuple(shape[ax] for ax in roles(layer)), w[layer], w[layer + 1],
-            fixed_first=layer == 0 and not self.learn_features,
+            fixed_first=layer == 0 and not self.learn_features, remade=self.recomputes_first,
             rows_only=layer == last and labelled_rows_pay(self.labelled_fraction,
                                                           self.labelled_rows_only),
             option=self.weight_first)

@@ -82,6 +82,26 @@ def test_the_fused_relu_kernels_give_torchs_values_and_mask_bits(shape):
     assert torch.equal(x.grad, dy.masked_fill(~(want > 0), 0.0))
 
 
+@pytest.mark.parametrize("shape", [(4099, 64), (3, 5)])
+def test_a_bit_mask_clears_what_masked_fill_clears(shape):
+    """BitMask.clear_ (the remade layer 0's dropout, plexus.model._first_remade): the numba
+    pass on a large float32 block, masked_fill on a small one; the same bits either way, in
+    place, -0 and NaN kept where the mask keeps them."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(shape, generator=g)
+    x.view(-1)[::7] = float("nan")
+    x.view(-1)[3::11] = -0.0
+    keep = torch.rand(shape, generator=g) > 0.4
+    want = x.masked_fill(~keep, 0.0)
+    got = x.clone()
+    if got.numel() >= 1 << 16:
+        pytest.importorskip("numba")
+        assert ops._fused_kernels(got) is not None  # the numba pass runs
+    out = ops.BitMask(keep).clear_(got)
+    assert out.data_ptr() == got.data_ptr()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bit for bit
+
+
 def _saved_bytes(fn):
     """(result of fn(), bytes of the tensors autograd saves while it runs)."""
     total = [0]
@@ -139,9 +159,11 @@ def _runs(ctx, grids):
             per = {}
             for recompute in (True, False):
                 shard = source.shard(grid.shape, grid.coords(ctx.rank), widths)
+                # (weight_first off: a narrowing layer 0 would otherwise multiply first and
+                # remake F' instead of recomputing H_0, tests/plexus/test_weight_first.py)
                 model = PlexusGCN(shard, groups, model=kind, seed=SEED, dropout=0.5,
                                   labelled_rows_only=False, precision=precision,
-                                  recompute_first=recompute)
+                                  recompute_first=recompute, weight_first=False)
                 assert model.recompute_first == recompute
                 # (the evaluation pass runs layer 0 in row blocks too, without dropout)
                 per[recompute] = {
@@ -181,7 +203,7 @@ def _assert_recompute_equals_keep(results):
                                num_features=graph.num_features, num_classes=graph.num_classes,
                                num_layers=num_layers, hidden=HIDDEN, dropout=0.5,
                                cache_first_aggregation=False, labelled_rows_only=False,
-                               precision=precision, norm="none")
+                               precision=precision, norm="none", weight_first=False)
             for mode, recompute in (("on", True), ("off", False)):
                 w = GCNWorkload(**{**work.__dict__, "recompute_first": recompute})
                 assert w.recomputes_first == recompute
@@ -204,8 +226,9 @@ def test_recomputed_first_aggregation_equals_keeping_it(world, grids):
 def test_the_planner_drops_h0_and_adds_the_recompute_phase():
     from common.perf.gcn import GCNWorkload, gcn_memory_parts, gcn_memory_phases
 
+    # (weight_first off: the narrowing layer 0 would multiply first and remake F' instead)
     base = dict(num_nodes=100_000, nnz=1_000_000, num_features=128, num_classes=10,
-                hidden=64, dropout=0.5, cache_first_aggregation=False)
+                hidden=64, dropout=0.5, cache_first_aggregation=False, weight_first=False)
     shape = {"x": 1, "y": 1, "z": 1}
     on, off = GCNWorkload(**base), GCNWorkload(**base, recompute_first=False)
     assert on.recomputes_first and not off.recomputes_first

@@ -101,7 +101,8 @@ def test_labelled_rows_on_and_off_print_the_same_run(tmp_path):
     assert cli(["--labelled-rows", "sometimes"], timeout=60).returncode == 2
     r = cli(["--epochs", "1", "--labelled-rows", "off", "--weight-first", "on"], timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "multiply first, A (F W): layer 1, 2;" in r.stdout, r.stdout
+    # fixed features with dropout (the default 0.5): layer 0 too, its F' remade in backward
+    assert "multiply first, A (F W): layer 0, 1, 2\n" in r.stdout, r.stdout
 
 
 def test_eval_every_evaluates_every_nth_and_the_last_epoch_and_says_so(tmp_path):

@@ -26,8 +26,8 @@ CASES = [("gcn", 3, "fp32", False, False, "none"), ("gcn", 3, "fp32", True, Fals
          ("sage", 2, "fp32", True, False, "none"), ("gcn", 4, "fp32", False, True, "batch"),
          ("gcn", 3, "bf16", False, False, "none")]
 
-# which layers multiply first with weight_first=True, per grid (layer 0 only when the
-# features are trained: fixed ones are cached or recomputed)
+# which layers multiply first with weight_first=True, per grid (layer 0 with fixed features
+# too: with dropout F' = dropout(F_0) is remade in backward, plexus.ops.RemadeInputMatmul)
 FORCED = {"1x1x1": [True, True, True, True], "2x1x1": [False, False, True, False],
           "1x2x1": [False, True, False, False], "1x1x2": [True, False, False, True]}
 
@@ -65,13 +65,12 @@ def _runs(ctx, grids):
 def _assert_weight_first_equals_aggregate_first(results):
     for per_rank in zip(*results):
         for r in per_rank:
-            grid_text, _, num_layers, precision, learn, _, _ = r["case"]
+            grid_text, _, num_layers, precision, _, _, _ = r["case"]
             tag = f"case {r['case']}"
             per, off = r["per"], r["per"][False]
             assert off["layers"] == [False] * num_layers, tag
-            forced = [f and (layer > 0 or learn)
-                      for layer, f in enumerate(FORCED[grid_text][:num_layers])]
-            assert per[True]["layers"] == forced, tag
+            # every case has dropout, so layer 0 of fixed features (remade) may multiply first
+            assert per[True]["layers"] == FORCED[grid_text][:num_layers], tag
             if None in per:  # one rank: the narrowing last layer (hidden 12 -> 5 classes)
                 assert per[None]["layers"] == [False] * (num_layers - 1) + [True], tag
             # bf16 rounds F' (weight first) instead of H: a few bf16 steps apart
@@ -112,6 +111,10 @@ def test_the_planner_runs_a_weight_first_layer_at_its_output_width():
     assert weight_first_pays((1, 1, 2), 100, 256, option=True)
     assert not weight_first_pays((2, 1, 1), 256, 47, option=True)
     assert not weight_first_pays((1, 1, 1), 256, 47, fixed_first=True)
+    # layer 0 of fixed features: only asked for, and only where F' can be remade (dropout)
+    assert not weight_first_pays((1, 1, 1), 256, 47, fixed_first=True, remade=True)
+    assert weight_first_pays((1, 1, 2), 256, 47, fixed_first=True, remade=True, option=True)
+    assert not weight_first_pays((1, 1, 1), 256, 47, fixed_first=True, option=True)
     assert not weight_first_pays((1, 1, 1), 256, 47, rows_only=True)
     assert not weight_first_pays((1, 1, 1), 256, 47, option=False)
     base = dict(num_nodes=100_000, nnz=2_000_000, num_features=100, num_classes=47,
@@ -122,7 +125,20 @@ def test_the_planner_runs_a_weight_first_layer_at_its_output_width():
     # few labelled rows: the last layer runs on them and aggregates first
     few = GCNWorkload(**base, labelled_fraction=0.01)
     assert not few.weight_first_layer(2, one)
+    # papers100M's shape (128 -> 64, dropout): layer 0 remade only with weight_first=True,
+    # then its SpMMs 64 wide once each way instead of 128 wide twice, and nothing kept
+    # (16 classes: the last layer narrows and multiplies first either way; layer 1 keeps its
+    # width, so only layer 0's SpMMs differ)
+    paper = dict(num_nodes=100_000, nnz=2_000_000, num_features=128, num_classes=16,
+                 hidden=64, dropout=0.5, cache_first_aggregation=False)
+    remade, kept = GCNWorkload(**paper, weight_first=True), GCNWorkload(**paper)
+    assert remade.weight_first_layer(0, one) and not kept.weight_first_layer(0, one)
+    assert not GCNWorkload(**{**paper, "dropout": 0.0}, weight_first=True).weight_first_layer(
+        0, one)  # H_0 cached: no SpMM to save
     machine = load_profile("local-cpu")
+    spmm = {w: gcn_compute(w, one, machine, node_ranks=1)["spmm"] for w in (remade, kept)}
+    assert spmm[remade] < 0.75 * spmm[kept]  # layer 0: 2 x 64 wide instead of 2 x 128
+    assert gcn_memory_parts(remade, one)["kept_h"] == gcn_memory_parts(kept, one)["kept_h"]
     spmm_auto = gcn_compute(auto, one, machine, node_ranks=1)["spmm"]
     spmm_off = gcn_compute(off, one, machine, node_ranks=1)["spmm"]
     assert spmm_auto < 0.8 * spmm_off  # the last layer's two SpMMs 47 wide instead of 256
