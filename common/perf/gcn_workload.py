@@ -49,10 +49,11 @@ def weight_first_pays(sizes: Sequence[int], d_in: int, d_out: int, *,
     costs no SpMM at all), except where ``remade`` (dropout, and ``H_0`` would be recomputed
     in backward) and ``option`` is True: then ``F' = dropout(F_0)`` is made again for ``dW``
     from the mask's bits (plexus.ops.RemadeInputMatmul) and no ``H_0`` is aggregated twice.
-    Not by default: on the 1M-node papers100M-format graph it took an epoch from 3.47 to 2.76
-    s but the peak from 2290 to 2417 MiB (docs/benchmarks.md). ``rows_only``: the last layer
-    on labelled rows only (weight first would multiply every row and keep ``F'`` of every row
-    for a few output rows).
+    Not by default: on the 1M-node papers100M-format graph it took an epoch from 3.12 to 2.64
+    s but the peak from 2349 to 2473 MiB, mostly the pages of the transposed block that fixed
+    features never read otherwise (docs/design/plexus-3d.md section 12). ``rows_only``: the
+    last layer on labelled rows only (weight first would multiply every row and keep ``F'`` of
+    every row for a few output rows).
 
     The order is a local choice only where O and I are 1: ``F'`` then holds whole rows and
     whole columns, ``F' W`` needs no sum over I and its rows are the columns ``A`` reads. The
