@@ -238,6 +238,13 @@ class GatheredMatmul(torch.autograd.Function):
                 None, None)
 
 
+def _gathered_weights(shards, gathered, group: AxisGroup, shape, stats) -> list[torch.Tensor]:
+    """The full weights of the flat ``shards`` that are not None, each gathered over P now
+    (collective 3) or waited for where ``gathered`` holds the handle of an earlier gather."""
+    return [flat.gather(s, group, shape, stats=stats) if h is None else h.wait()
+            for s, h in zip(shards, gathered) if s is not None]
+
+
 class RecomputedMatmul(torch.autograd.Function):
     """``H W`` (GraphSAGE: ``H W + R W_r``) for a layer whose ``H`` (``R``) takes no gradient,
     computed row block by row block from ``blocks()`` and kept by neither pass: backward
@@ -264,8 +271,7 @@ class RecomputedMatmul(torch.autograd.Function):
                 w_r=None, gemm: str = "auto"):
         ctx.blocks, ctx.group, ctx.shape, ctx.stats = blocks, group, shape, stats
         ctx.save_for_backward(w, w_r)
-        full = [flat.gather(s, group, shape, stats=stats) if h is None else h.wait()
-                for s, h in zip((w, w_r), gathered) if s is not None]
+        full = _gathered_weights((w, w_r), gathered, group, shape, stats)
         q = torch.empty(rows, shape[1], dtype=full[0].dtype, device=full[0].device)
         for term, lo, hi, x in blocks():
             if term == 0:  # into Q's rows, no temporary block: oneDNN's has no out= form
@@ -307,19 +313,16 @@ class RemadeInputMatmul(torch.autograd.Function):
     def forward(ctx: Any, make, group: AxisGroup, shape, stats, gathered, w, w_r=None,
                 gemm: str = "auto"):
         ctx.make, ctx.group, ctx.shape, ctx.stats = make, group, shape, stats
-        full = [flat.gather(s, group, shape, stats=stats) if h is None else h.wait()
-                for s, h in zip((w, w_r), gathered) if s is not None]
+        full = _gathered_weights((w, w_r), gathered, group, shape, stats)
+        ctx.dtype = full[0].dtype  # of the products and their gradients (float32)
         f = make()
-        f = f if f.dtype == full[0].dtype else f.to(full[0].dtype)
-        ctx.rows = f.shape[0]
+        f = f if f.dtype == ctx.dtype else f.to(ctx.dtype)
         return tuple(dense.mm(f, x, backend=gemm) for x in full)
 
     @staticmethod
     def backward(ctx: Any, *dgs):
         f = ctx.make()
-        dtype = next(dg.dtype for dg in dgs if dg is not None) if any(
-            dg is not None for dg in dgs) else torch.float32
-        f = f if f.dtype == dtype else f.to(dtype)
+        f = f if f.dtype == ctx.dtype else f.to(ctx.dtype)
         grads = [flat.reduce_scatter(
             f.t() @ dg if dg is not None else f.new_zeros(ctx.shape), ctx.group,
             stats=ctx.stats) for dg in dgs]
