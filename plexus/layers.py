@@ -93,19 +93,20 @@ class _Dropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-        ctx.keep = BitMask(keep)
-        ctx.scale = torch.ones((), dtype=x.dtype) / (1.0 - p)  # as keep.float() / (1 - p)
+        ctx.keep, ctx.p = BitMask(keep), p
         return dropped(x, ~keep, p)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        return dy.mul(ctx.scale).masked_fill_(ctx.keep.unpack(invert=True), 0.0), None, None
+        return dropped(dy, ctx.keep, ctx.p), None, None
 
 
-def dropped(x: torch.Tensor, drop: torch.Tensor, p: float) -> torch.Tensor:
-    """``x * keep / (1 - p)`` as a new tensor, given the negated mask ``drop`` (no graph):
-    the values :func:`apply_dropout` gives."""
-    return x.mul(torch.ones((), dtype=x.dtype) / (1.0 - p)).masked_fill_(drop, 0.0)
+def dropped(x: torch.Tensor, drop: torch.Tensor | BitMask, p: float) -> torch.Tensor:
+    """``x * keep / (1 - p)`` as a new tensor (no graph): the values :func:`apply_dropout`
+    gives. ``drop``: the negated mask (bool), or the mask itself as bits, cleared without
+    unpacking it where :meth:`BitMask.clear_` can (a large float32 CPU block)."""
+    scaled = x.mul(torch.ones((), dtype=x.dtype) / (1.0 - p))  # as keep.float() / (1 - p)
+    return drop.clear_(scaled) if isinstance(drop, BitMask) else scaled.masked_fill_(drop, 0.0)
 
 
 def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:

@@ -324,16 +324,18 @@ class PlexusGCN(ShardedState, nn.Module):
         return autograd.identity_all_reduce(f, p_group, stats)
 
     def _dropout(self, layer: int, f: torch.Tensor, step: int,
-                 drop: torch.Tensor | None = None) -> torch.Tensor:
-        """F' = dropout(F_l) with the mask of ``step``; ``drop``: the negated mask, drawn
-        already (then no graph is built: F' of fixed features, recomputed)."""
+                 kept: ops.BitMask | None = None) -> torch.Tensor:
+        """F' = dropout(F_l) with the mask of ``step``; ``kept``: the mask drawn already, as
+        bits (then no graph is built: F' of fixed features, recomputed or remade)."""
         if not self.training or self.dropout == 0:
             return f
         if f.dtype != torch.float32:  # bf16 F_0 (no gradient): scaled in float32, rounded once
-            drop = ~self._keep_mask(layer, step, f.device) if drop is None else drop
-            return f.mul(1.0 / (1.0 - self.dropout)).masked_fill_(drop, 0.0)
-        if drop is not None:
-            return dropped(f, drop, self.dropout)
+            scaled = f.mul(1.0 / (1.0 - self.dropout))
+            if kept is not None:
+                return kept.clear_(scaled)
+            return scaled.masked_fill_(~self._keep_mask(layer, step, f.device), 0.0)
+        if kept is not None:
+            return dropped(f, kept, self.dropout)
         return apply_dropout(f, self._keep_mask(layer, step, f.device), self.dropout)
 
     def _recomputes(self, rows_only: bool) -> bool:
@@ -367,12 +369,7 @@ class PlexusGCN(ShardedState, nn.Module):
         def make() -> torch.Tensor:  # F' [N/O, D_0/I]: F_0 gathered over P (1), dropped out
             with torch.no_grad():
                 f = self._input(0, None, stats)
-                if bits is None:
-                    return f
-                if f.dtype == torch.float32:  # dropped()'s values, no bool mask unpacked
-                    return bits.clear_(f.mul(torch.ones((), dtype=f.dtype)
-                                             / (1.0 - self.dropout)))
-                return self._dropout(0, f, 0, drop=bits.unpack(invert=True).to(f.device))
+                return f if bits is None else self._dropout(0, f, 0, kept=bits)
 
         sage = self.kind == "sage"
         g = ops.RemadeInputMatmul.apply(make, self.groups[layout.roles(0)[2]],
@@ -393,7 +390,7 @@ class PlexusGCN(ShardedState, nn.Module):
         with torch.no_grad():
             f = self._input(0, None, stats)                              # (1)
             if bits is not None:
-                f = self._dropout(0, f, 0, drop=bits.unpack(invert=True).to(f.device))
+                f = self._dropout(0, f, 0, kept=bits)
             terms = [self.shard.adj] + ([self.shard.root] if self.kind == "sage" else [])
             for term, blocks in enumerate(terms):
                 a = blocks[0].a

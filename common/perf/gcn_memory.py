@@ -178,22 +178,31 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
 
 def _recompute(work: GCNWorkload, lay: dict) -> float:
     """What a recomputed layer 0 holds in either pass (plexus.ops.RecomputedMatmul): ``Q``
-    (forward) or ``dQ`` (backward); ``dropout(F_0)``, made beside its unpacked bool mask (and
-    the gathered ``F_0`` over P > 1); then one row block of ``H_0`` with its all-reduce buffer
-    and its product with ``W`` (``dW``'s part)."""
+    (forward) or ``dQ`` (backward); ``dropout(F_0)``, made beside its bool mask where that is
+    unpacked (:func:`_unpacked_mask`) and the gathered ``F_0`` over P > 1; then one row block
+    of ``H_0`` with its all-reduce buffer and its product with ``W`` (``dW``'s part)."""
     a, b = lay["a"], lay["b"]
     f0 = lay["in_rows"] * a
     block = lay["rows"] * a * F32 / RECOMPUTE_BLOCKS
     return lay["rows"] * b * F32 + f0 * work.stored_bytes + max(
-        f0 * (1 + work.stored_bytes * (lay["p_size"] > 1)),
+        _unpacked_mask(work, f0) + f0 * work.stored_bytes * (lay["p_size"] > 1),
         block + _reduce_buffer(block, lay["o_size"]) + 2 * a * b * F32)
 
 
 def _remade(work: GCNWorkload, lay: dict) -> float:
     """What making ``F' = dropout(F_0)`` holds (plexus.ops.RemadeInputMatmul, either pass):
-    ``F'`` beside its unpacked bool mask and, over P > 1, the gathered ``F_0``."""
+    ``F'`` beside its bool mask where that is unpacked (:func:`_unpacked_mask`) and, over
+    P > 1, the gathered ``F_0``."""
     f0 = lay["in_rows"] * lay["a"]
-    return f0 * work.stored_bytes + f0 * (1 + work.stored_bytes * (lay["p_size"] > 1))
+    return f0 * work.stored_bytes + _unpacked_mask(work, f0) + f0 * work.stored_bytes * (
+        lay["p_size"] > 1)
+
+
+def _unpacked_mask(work: GCNWorkload, entries: int) -> int:
+    """Bytes of the bool mask a remade ``dropout(F_0)`` unpacks from its bits: none in
+    float32, where plexus.ops.BitMask.clear_ reads the bits in one numba pass on the CPU (the
+    planner's device), one an entry in bf16."""
+    return entries if work.stored_bytes != F32 else 0
 
 
 def _bits(entries: int) -> int:
