@@ -20,13 +20,37 @@ here: its error against float64 stayed 5e-7); the summation order is oneDNN's, s
 equal torch's to float rounding, not bit for bit. ``torch`` keeps every product on
 ``torch.mm``.
 
-Shapes: a [m, k] @ b [k, n] -> [m, n]
+:func:`tn` is the weight gradient ``a^T b`` (``dW = H^T dQ``: both operands tall, the sum
+over their rows). oneDNN's linear primitive would first copy the transposed ``a``, but its
+inner-product backward-weights primitive (``aten::mkldnn_linear_backward_weights``) sums over
+the rows of two row-major operands as they lie: ``[200K, 128]^T @ [200K, 128]`` in 20-23 ms
+against MKL's 38 here. That primitive reads only tensors in oneDNN's own layout, and copying
+two tall operands into it costs what it saves, so the tall tensors that feed a ``dW`` (the
+SpMM's output ``H``, the ReLU's gradient ``dQ``) are allocated by :func:`empty`: a oneDNN
+tensor in the plain row-major layout, seen by torch (and numba) as an ordinary dense tensor
+over the same memory. :func:`tn` finds the oneDNN tensor behind each operand by its address
+and runs the primitive on both without a copy; an operand that was not allocated so (a view,
+a slice, another dtype) takes ``torch.mm``. Same float32 precision, another summation order.
+
+The buffers of :func:`empty` are tall (``[N, D]``, 102 MB at 200K x 128) and a training step
+allocates and frees the same ones every step. Above glibc's retention cap (common.alloc) each
+is a fresh ``mmap``, faulted in and zeroed by the kernel again: 4.5 ms against 2.8 for filling
+a reused one here, and about 3 in 100 such allocations stalled for 10-120 ms, which made whole
+epochs 50-100% slower. With :func:`pool_freed` on (the trainers turn it on with their
+``retain_freed_memory``), a freed buffer is kept for the next request of its shape, within a
+bound: the buffers held, in use or pooled, never exceed the most that were in use at once
+before by more than one buffer (:class:`_Pool`).
+
+Shapes: a [m, k] @ b [k, n] -> [m, n]; tn: a [m, k], b [m, n] -> [k, n]
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 
+import numpy as np
 import torch
 
 BACKENDS = ("auto", "onednn", "torch")
@@ -34,6 +58,9 @@ BACKENDS = ("auto", "onednn", "torch")
 # more than its faster kernel saves: [3000, 16] @ [16, 16] took 0.023 ms against torch's
 # 0.013, [3000, 64] @ [64, 64] 0.085 against 0.127
 MIN_WORK = 1 << 20
+# the rows of one oneDNN call of mm: its input and output blocks at most this big, which
+# glibc serves from its retained heap (common.alloc) and the cache holds until copied out
+BLOCK_BYTES = 4 << 20
 
 
 @functools.cache
@@ -72,15 +99,196 @@ def uses_onednn(a: torch.Tensor, b: torch.Tensor, backend: str = "auto") -> bool
             and onednn_available())
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """``a @ b``, a new tensor, through oneDNN where :func:`uses_onednn`, else ``torch.mm``.
-    (oneDNN's primitive has no ``out=`` form: a product meant for rows of a larger tensor is
-    better written there by ``torch.mm(..., out=...)`` than copied from a temporary.)
+def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
+       out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` through oneDNN where :func:`uses_onednn`, else ``torch.mm``; into ``out``
+    (a contiguous [m, n] tensor, or rows of one) if given, else into a new tensor from
+    :func:`empty`.
+
+    oneDNN's primitive has no ``out=`` form and would allocate the whole product afresh, so
+    it runs on row blocks of ``a`` whose products (at most :data:`BLOCK_BYTES`) glibc keeps
+    in its heap, each copied into ``out`` while it is still in the cache: the same time as one
+    call (20.3 ms against 20.4-20.6 for ``[200K, 128] @ [128, 128]`` here), and the tall
+    output is a reusable buffer of :func:`empty` instead of a fresh ``mmap`` (the module
+    docstring). Each row's sum is the primitive's either way.
 
     Shapes: a [m, k], b [k, n] -> [m, n]
     """
     if not uses_onednn(a, b, backend):
-        return torch.mm(a, b)
+        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+    m, n = a.shape[0], b.shape[1]
+    if out is None:
+        out = empty(m, n, dtype=a.dtype, device=a.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {(m, n)} tensor of {a.dtype}")
     # the primitive computes x @ weight^T with weight [n, k]; b is small (a weight), so the
     # copy that makes its transpose contiguous is cheap (none when b is a transposed view)
-    return torch.ops.mkldnn._linear_pointwise(a, b.t().contiguous(), None, "none", [], "")
+    weight = b.t().contiguous()
+    rows = max(1, BLOCK_BYTES // (a.element_size() * max(n, a.shape[1])))
+    for lo in range(0, m, rows):
+        out[lo:lo + rows].copy_(torch.ops.mkldnn._linear_pointwise(
+            a[lo:lo + rows], weight, None, "none", [], ""))
+    return out
+
+
+_ONEDNN_LAYOUT = getattr(torch, "_mkldnn", None)  # oneDNN's (mkldnn's) tensor layout
+
+# below this many elements a tensor is allocated by torch.empty: the pairing costs a few tens
+# of microseconds, and a tn of such operands is under MIN_WORK anyway
+PAIR_MIN = 1 << 16
+
+
+class _Owner:
+    """Holds a oneDNN tensor and exposes its memory to numpy (``__array_interface__``): the
+    dense tensor made over it keeps this owner, and so the memory, alive."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "onednn")
+
+    def __init__(self, onednn: torch.Tensor) -> None:
+        self.onednn = onednn
+        self.__array_interface__ = {
+            "shape": tuple(onednn.shape), "typestr": "<f4", "version": 3,
+            "data": (torch.ops.mkldnn.data_ptr(onednn), False)}
+
+
+# address -> the owner of the oneDNN tensor at it; an entry leaves with its owner, i.e. when
+# the last dense tensor over that memory is freed (so an address is never stale)
+_OWNERS: weakref.WeakValueDictionary[int, _Owner] = weakref.WeakValueDictionary()
+
+
+@functools.cache
+def onednn_tn_available() -> bool:
+    """Whether this torch can pair a dense tensor with a oneDNN one (:func:`empty`) and run
+    oneDNN's backward-weights primitive on the pair (:func:`tn`)."""
+    if (not onednn_available() or _ONEDNN_LAYOUT is None
+            or not hasattr(torch.ops.mkldnn, "data_ptr")):
+        return False
+    try:
+        a, b = _paired(64, 3), _paired(64, 2)
+        a.copy_(torch.arange(192.0).reshape(64, 3))
+        b.copy_(torch.ones(64, 2))
+        got = _onednn_tn(_OWNERS[a.data_ptr()], _OWNERS[b.data_ptr()])
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError, KeyError):
+        return False
+    return bool(torch.equal(got, a.t() @ b))
+
+
+class _Pool:
+    """Freed oneDNN buffers of :func:`empty`, kept for the next request of the same shape
+    (:func:`pool_freed`; the module docstring).
+
+    Bound: the buffers held, in use and pooled, never exceed the most that were in use at one
+    time before by more than one pooled buffer. A request the pool cannot serve first hands
+    back, oldest first, what would take the total beyond that. (Without the one buffer, a
+    step whose last layer is narrower than the others lost a buffer of each width to this
+    rule every step and faulted in two fresh ones.)
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.enabled = False
+        self.free: list[torch.Tensor] = []  # oneDNN tensors, oldest first
+        self.in_use = self.pooled = self.mark = 0  # bytes
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """A oneDNN [rows, cols] float32 tensor: a pooled one, or a new one."""
+        size = 4 * rows * cols
+        with self.lock:
+            self.in_use += size
+            for i in range(len(self.free) - 1, -1, -1):  # the last freed is the warmest
+                if tuple(self.free[i].shape) == (rows, cols):
+                    self.pooled -= size
+                    return self.free.pop(i)
+            self.mark = max(self.mark, self.in_use)
+            while self.free and (self.in_use + self.pooled - self.mark
+                                 > 4 * max(t.numel() for t in self.free)):
+                self.pooled -= 4 * self.free.pop(0).numel()
+        return torch.empty(rows, cols, layout=_ONEDNN_LAYOUT)
+
+    def give(self, onednn: torch.Tensor) -> None:
+        """Called when the last dense tensor over ``onednn`` is freed."""
+        size = 4 * onednn.numel()
+        with self.lock:
+            self.in_use -= size
+            if self.enabled:
+                self.free.append(onednn)
+                self.pooled += size
+
+    def release(self) -> None:
+        with self.lock:
+            self.free.clear()
+            self.pooled = 0
+
+
+_POOL = _Pool()
+
+
+def pool_freed(enable: bool = True) -> None:
+    """Keep the freed buffers of :func:`empty` for later requests of the same shape
+    (``enable``), or hand them back to the OS now and from now on. Off until called; the
+    trainers call it with their ``retain_freed_memory`` setting (common.alloc)."""
+    _POOL.enabled = enable
+    if not enable:
+        _POOL.release()
+
+
+def _paired(rows: int, cols: int) -> torch.Tensor:
+    onednn = _POOL.take(rows, cols)
+    owner = _Owner(onednn)
+    t = torch.from_numpy(np.asarray(owner))
+    _OWNERS[t.data_ptr()] = owner
+    weakref.finalize(owner, _POOL.give, onednn).atexit = False
+    return t
+
+
+def empty(rows: int, cols: int, *, dtype: torch.dtype = torch.float32,
+          device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.empty(rows, cols, dtype=, device=)``; for a float32 CPU tensor of at least
+    :data:`PAIR_MIN` elements where oneDNN runs, over the memory of a oneDNN tensor, so that
+    :func:`tn` can read it in place (the module docstring)."""
+    if (torch.device(device).type != "cpu" or dtype != torch.float32
+            or rows * cols < PAIR_MIN or not onednn_tn_available()):
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    return _paired(rows, cols)
+
+
+def _onednn_of(t: torch.Tensor) -> _Owner | None:
+    """The owner of the oneDNN tensor that ``t`` is the whole of, or None."""
+    owner = _OWNERS.get(t.data_ptr()) if t.device.type == "cpu" else None
+    if (owner is None or tuple(t.shape) != owner.__array_interface__["shape"]
+            or t.dtype != torch.float32 or not t.is_contiguous()):
+        return None
+    return owner
+
+
+def _onednn_tn(a: _Owner, b: _Owner) -> torch.Tensor:
+    # the primitive gives dW^T = b^T a ([n, k]) and wants a oneDNN tensor of dW^T's shape
+    k, n = a.onednn.shape[1], b.onednn.shape[1]
+    shape_of = torch.empty(n, k, layout=_ONEDNN_LAYOUT)
+    got = torch.ops.aten.mkldnn_linear_backward_weights(b.onednn, a.onednn, shape_of, False)[0]
+    return got.to_dense().t().contiguous()
+
+
+def uses_onednn_tn(a: torch.Tensor, b: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether :func:`tn` computes ``a^T b`` through oneDNN: ``backend`` not ``torch``, both
+    operands whole tensors from :func:`empty`, at least :data:`MIN_WORK` multiply-adds and no
+    autograd graph to record."""
+    if backend not in BACKENDS:
+        check_backend(backend)  # raises
+    return (backend != "torch" and a.dim() == 2 and b.dim() == 2
+            and a.shape[0] * a.shape[1] * b.shape[1] >= MIN_WORK
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+            and _onednn_of(a) is not None and _onednn_of(b) is not None)
+
+
+def tn(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``a^T @ b``, a new contiguous tensor, through oneDNN where :func:`uses_onednn_tn`, else
+    ``torch.mm(a.t(), b)``.
+
+    Shapes: a [m, k], b [m, n] -> [k, n]
+    """
+    if not uses_onednn_tn(a, b, backend):
+        return a.t() @ b
+    owner_a, owner_b = _onednn_of(a), _onednn_of(b)
+    assert owner_a is not None and owner_b is not None
+    return _onednn_tn(owner_a, owner_b)

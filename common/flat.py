@@ -64,11 +64,14 @@ def flat_shard(block: torch.Tensor, num: int, index: int) -> torch.Tensor:
 
 
 def unflatten(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """The block of a gathered flat buffer: its first ``prod(shape)`` elements, viewed.
+    """The block of a gathered flat buffer: its first ``prod(shape)`` elements, viewed
+    (without a slice where they are all of it: a slice's backward writes its gradient into a
+    fresh zeroed buffer of the whole size, a view's backward is a view).
 
     Shapes: flat [g*s] -> shape
     """
-    return flat[: math.prod(shape)].view(tuple(shape))
+    size = math.prod(shape)
+    return (flat if flat.numel() == size else flat[:size]).view(tuple(shape))
 
 
 @overload

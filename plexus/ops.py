@@ -70,7 +70,7 @@ class BlockedAggregation(torch.autograd.Function):
                 overlap: bool):
         bounds, parts = a.row_blocks(num_blocks)
         f = f.detach()
-        out = torch.empty(a.shape[0], f.shape[1], dtype=sum_dtype(f.dtype), device=f.device)
+        out = dense.empty(a.shape[0], f.shape[1], dtype=sum_dtype(f.dtype), device=f.device)
         handles = []
         for (lo, hi), part in zip(itertools.pairwise(bounds), parts):
             part.matmul(f, out=out[lo:hi])
@@ -192,7 +192,8 @@ class ReLU(torch.autograd.Function):
         kernels = _fused_kernels(dy)
         if kernels is None or tuple(dy.shape) != tuple(ctx.keep.shape):
             return dy.masked_fill(ctx.keep.unpack(invert=True), 0.0)
-        out = torch.empty_like(dy)
+        out = (dense.empty(*dy.shape, dtype=dy.dtype, device=dy.device) if dy.dim() == 2
+               else torch.empty_like(dy))  # dense.empty: read in place by the dW it feeds
         kernels.masked_by_bits(dy.reshape(-1).numpy().view(np.uint32), ctx.keep.bits.numpy(),
                                out.view(-1).numpy().view(np.uint32))
         return out
@@ -208,7 +209,9 @@ class GatheredMatmul(torch.autograd.Function):
     ``keep``: the dtype ``H`` is kept in for ``dW`` (None: as it comes). With bf16, ``H`` may
     also come in bf16 (the cached ``H_0``, no gradient): it is widened for the product, which is
     float32 either way, and kept as it is. ``gemm``: the backend of ``H W`` and ``dQ W^T``
-    (:func:`common.dense.mm`: oneDNN on the CPU by default); ``dW = H^T dQ`` runs on torch.
+    (:func:`common.dense.mm`: oneDNN on the CPU by default) and of ``dW = H^T dQ``
+    (:func:`common.dense.tn`: oneDNN where both were allocated by :func:`common.dense.empty`,
+    as the SpMM's output and the ReLU's gradient are).
 
     Shapes: h [N/P, D_l/I], w_shard [ceil(D_l/I * D_l+1/O / P)], shape (D_l/I, D_l+1/O)
     -> [N/P, D_l+1/O]
@@ -234,7 +237,8 @@ class GatheredMatmul(torch.autograd.Function):
             dh = dense.mm(dq, flat.gather(w_shard, group, shape, stats=stats).t(),
                           backend=ctx.gemm)
         h = h if h.dtype == dq.dtype else h.to(dq.dtype)  # bf16 H: widened for dW only
-        return (dh, flat.reduce_scatter(h.t() @ dq, group, stats=stats), None, None, None, None,
+        dw = dense.tn(h, dq, backend=ctx.gemm)
+        return (dh, flat.reduce_scatter(dw, group, stats=stats), None, None, None, None,
                 None, None)
 
 
@@ -259,9 +263,8 @@ class RecomputedMatmul(torch.autograd.Function):
 
     ``blocks()`` yields ``(term, lo, hi, rows lo..hi of H (term 0) or R (term 1))``, float32,
     all of term 0 first; ``rows``: the height of H. ``gathered``: the handles of the weights'
-    all-gathers issued earlier, or Nones. ``gemm``: the backend of GraphSAGE's root products
-    (:func:`common.dense.mm`); ``H_b W`` is written into Q's rows by ``torch.mm``, since a
-    product through oneDNN would hold a temporary block beside Q.
+    all-gathers issued earlier, or Nones. ``gemm``: the products' backend
+    (:func:`common.dense.mm`, which writes ``H_b W`` into Q's rows).
 
     Shapes: w, w_r flat shards of ``shape`` (D_0/I, D_1/O) -> [rows, D_1/O]
     """
@@ -272,10 +275,10 @@ class RecomputedMatmul(torch.autograd.Function):
         ctx.blocks, ctx.group, ctx.shape, ctx.stats = blocks, group, shape, stats
         ctx.save_for_backward(w, w_r)
         full = _gathered_weights((w, w_r), gathered, group, shape, stats)
-        q = torch.empty(rows, shape[1], dtype=full[0].dtype, device=full[0].device)
+        q = dense.empty(rows, shape[1], dtype=full[0].dtype, device=full[0].device)
         for term, lo, hi, x in blocks():
-            if term == 0:  # into Q's rows, no temporary block: oneDNN's has no out= form
-                torch.mm(x, full[0], out=q[lo:hi])
+            if term == 0:  # into Q's rows
+                dense.mm(x, full[0], backend=gemm, out=q[lo:hi])
             else:
                 q[lo:hi] += dense.mm(x, full[1], backend=gemm)
         return q
@@ -312,7 +315,7 @@ class RemadeInputMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, make, group: AxisGroup, shape, stats, gathered, w, w_r=None,
                 gemm: str = "auto"):
-        ctx.make, ctx.group, ctx.shape, ctx.stats = make, group, shape, stats
+        ctx.make, ctx.group, ctx.shape, ctx.stats, ctx.gemm = make, group, shape, stats, gemm
         full = _gathered_weights((w, w_r), gathered, group, shape, stats)
         ctx.dtype = full[0].dtype  # of the products and their gradients (float32)
         f = make()
@@ -324,7 +327,8 @@ class RemadeInputMatmul(torch.autograd.Function):
         f = ctx.make()
         f = f if f.dtype == ctx.dtype else f.to(ctx.dtype)
         grads = [flat.reduce_scatter(
-            f.t() @ dg if dg is not None else f.new_zeros(ctx.shape), ctx.group,
+            dense.tn(f, dg, backend=ctx.gemm) if dg is not None else f.new_zeros(ctx.shape),
+            ctx.group,
             stats=ctx.stats) for dg in dgs]
         return (None, None, None, None, None, grads[0],
                 grads[1] if len(grads) > 1 else None, None)

@@ -41,6 +41,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from common import dense
 from plexus import spmm
 from plexus.csr import CSRBlock, _load_numba
 
@@ -291,8 +292,8 @@ class BlockSparse:
         tile = d if feature_tile is None else feature_tile
         if d and (tile < 1 or d % tile):
             raise ValueError(f"feature_tile={feature_tile} must divide the width d={d}")
-        if out is None:
-            out = torch.empty(self.shape[0], d, dtype=sum_dtype(x.dtype), device=x.device)
+        if out is None:  # dense.empty: oneDNN can read it in place for the dW it may feed
+            out = dense.empty(self.shape[0], d, dtype=sum_dtype(x.dtype), device=x.device)
         elif (tuple(out.shape) != (self.shape[0], d) or not out.is_contiguous()
               or out.dtype != sum_dtype(x.dtype)):
             raise ValueError(f"out must be a contiguous {(self.shape[0], d)} tensor of "

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from common import collectives as coll
+from common import dense
 from common.alloc import retain_freed_memory
 from common.checkpoint import list_steps
 from common.comm_stats import CommStats
@@ -171,6 +172,7 @@ class Trainer:
             # their defaults, since left alone they rise to each freed buffer's size (up to
             # 32 MiB) and keep such buffers in the heap after all (see common.alloc)
             retain_freed_memory(self.run_cfg.retain_freed_memory)
+            dense.pool_freed(self.run_cfg.retain_freed_memory)  # the tall [N, D] buffers
         self.shard, self.model = shard_and_model(source, parallel, model, seed=self.run_cfg.seed,
                                                  gemm=self.run_cfg.gemm)
         self.model.to(device)

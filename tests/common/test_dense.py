@@ -57,3 +57,76 @@ def test_onednn_asked_where_torch_lacks_it_is_refused(monkeypatch):
     a, b = torch.randn(4096, 128), torch.randn(128, 128)
     assert not dense.uses_onednn(a, b)
     _close(dense.mm(a, b), a, b)  # auto falls back to torch
+
+
+ONEDNN_TN = pytest.mark.skipif(not dense.onednn_tn_available(),
+                               reason="this torch cannot pair a tensor with oneDNN's")
+
+
+def _paired(m: int, k: int, seed: int) -> torch.Tensor:
+    t = dense.empty(m, k)
+    t.copy_(torch.randn(m, k, generator=torch.Generator().manual_seed(seed)))
+    return t
+
+
+@pytest.mark.parametrize("backend", dense.BACKENDS)
+@pytest.mark.parametrize("shape", [(3000, 64, 64), (4099, 100, 47), (70000, 3, 2), (5, 7, 3)])
+def test_tn_is_the_transposed_product_on_every_backend(backend, shape):
+    m, k, n = shape
+    a, b = _paired(m, k, 1), _paired(m, n, 2)
+    got = dense.tn(a, b, backend=backend)
+    assert got.is_contiguous()
+    _close(got, a.t(), b)
+    _close(dense.tn(a.clone(), b, backend=backend), a.t(), b)  # not paired: torch
+    _close(dense.tn(a[1:], b[1:], backend=backend), a[1:].t(), b[1:])  # views: torch
+
+
+@ONEDNN_TN
+def test_which_transposed_products_go_through_onednn():
+    a, b = _paired(4096, 128, 1), _paired(4096, 64, 2)
+    assert dense.uses_onednn_tn(a, b)
+    assert not dense.uses_onednn_tn(a, b, "torch")
+    assert not dense.uses_onednn_tn(a.clone(), b)  # torch's own memory
+    assert not dense.uses_onednn_tn(a, b.clone())
+    assert not dense.uses_onednn_tn(a[:4000], b[:4000])  # a part of the oneDNN tensor
+    assert not dense.uses_onednn_tn(a[:, :64], b)
+    assert not dense.uses_onednn_tn(a.t().contiguous().t()[:, :64], b)
+    small_a, small_b = _paired(256, 256, 3), _paired(256, 8, 4)  # paired, too little work
+    assert not dense.uses_onednn_tn(small_a, small_b)
+    a.requires_grad_()
+    assert not dense.uses_onednn_tn(a, b)  # autograd would not see the product
+    with torch.no_grad():
+        assert dense.uses_onednn_tn(a, b)
+    assert dense.uses_onednn_tn(a.detach(), b)  # another tensor over the same memory: found
+
+
+@ONEDNN_TN
+def test_a_paired_tensor_is_an_ordinary_tensor_that_owns_its_memory():
+    import gc
+
+    t = dense.empty(1024, 96)
+    assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    assert t.shape == (1024, 96) and t.data_ptr() in dense._OWNERS
+    t.numpy()[:] = 3.0  # numba and numpy write it through numpy
+    view = t[10:20]
+    addr = t.data_ptr()
+    del t
+    gc.collect()
+    assert addr in dense._OWNERS and float(view.sum()) == 3.0 * 10 * 96  # the view keeps it
+    del view
+    gc.collect()
+    assert addr not in dense._OWNERS  # freed with its last tensor: no stale address
+
+
+def test_empty_pairs_only_large_float32_cpu_tensors(monkeypatch):
+    def paired(t):
+        return t.data_ptr() in dense._OWNERS
+
+    assert not paired(dense.empty(8, 8))  # under PAIR_MIN
+    assert not paired(dense.empty(1024, 96, dtype=torch.float64))
+    assert not paired(dense.empty(1024, 96, dtype=torch.bfloat16))
+    assert dense.empty(1024, 96, dtype=torch.float64).dtype == torch.float64
+    assert paired(dense.empty(1024, 96)) == dense.onednn_tn_available()
+    monkeypatch.setattr(dense, "onednn_tn_available", lambda: False)
+    t = dense.empty(1024, 96)
+    assert not paired(t) and t.shape == (1024, 96)

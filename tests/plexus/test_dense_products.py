@@ -1,7 +1,8 @@
-"""The dense products of a plexus layer (``H W``, ``dQ W^T``, the recomputed layer 0's row
-blocks) through common.dense: oneDNN by default on the CPU, torch's BLAS with ``gemm="torch"``;
-the two train alike to float rounding (the same losses, accuracies within a node, weights
-within 1e-5), oneDNN really runs where it applies, and the optimizer is torch's fused AdamW."""
+"""The dense products of a plexus layer (``H W``, ``dQ W^T``, ``dW = H^T dQ``, the recomputed
+layer 0's row blocks) through common.dense: oneDNN by default on the CPU, torch's BLAS with
+``gemm="torch"``; the two train alike to float rounding (the same losses, accuracies within a
+node, weights within 5e-5), oneDNN really runs where it applies, and the optimizer is torch's
+fused AdamW."""
 
 import pytest
 
@@ -34,23 +35,28 @@ def _train(gemm: str, **config) -> dict:
     {"dropout": 0.5, "model": "sage"},
 ], ids=["cached", "recomputed", "learned", "sage"])
 def test_onednn_and_torch_products_train_alike(config, monkeypatch):
-    calls = []
-    real = dense.uses_onednn
-    monkeypatch.setattr(dense, "uses_onednn",
-                        lambda a, b, backend="auto": calls.append(real(a, b, backend))
-                        or calls[-1])
+    calls, tn_calls = [], []
+    for name, seen in (("uses_onednn", calls), ("uses_onednn_tn", tn_calls)):
+        real = getattr(dense, name)
+        monkeypatch.setattr(dense, name, lambda a, b, backend="auto", real=real, seen=seen:
+                            seen.append(real(a, b, backend)) or seen[-1])
     ours = _train("auto", **config)
     assert any(calls), "no product went through oneDNN"
+    if dense.onednn_tn_available() and config.get("model") != "sage":
+        assert any(tn_calls), "no dW = H^T dQ went through oneDNN"
     calls.clear()
+    tn_calls.clear()
     theirs = _train("torch", **config)
-    assert not any(calls), "gemm='torch' still called oneDNN"
+    assert not any(calls) and not any(tn_calls), "gemm='torch' still called oneDNN"
     for a, b in zip(ours["history"], theirs["history"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         for split in ("train", "val", "test"):
             assert abs(a[f"{split}_acc"] - b[f"{split}_acc"]) <= 1 / 300  # a node at most
     for name, t in ours["state"].items():
         want = theirs["state"][name]
-        assert (t - want).abs().max() <= 1e-5 * max(want.abs().max().item(), 1.0), name
+        # 5e-5: float rounding of the products, through three AdamW steps (lr 0.01), whose
+        # normalised steps carry an entry's rounding of a near-zero gradient in full
+        assert (t - want).abs().max() <= 5e-5 * max(want.abs().max().item(), 1.0), name
     opt_fused = {group.get("fused") for group in _optimizer_groups(ours["model"])}
     assert opt_fused == {True}
 
