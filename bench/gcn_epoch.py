@@ -20,7 +20,9 @@ Allocator: PyTorch's CPU allocator faults in every 4 KiB page of a fresh large t
 ``THP_MEM_ALLOC_ENABLE=1`` (huge pages, which importing ``common`` sets) and our trainer's
 retained heap (common.alloc) avoid that. Each side runs in its own process (the settings are
 process-wide and read once): ours as it runs by default (huge pages, retained heap), PyG as a
-PyG user has it (neither), with huge pages, and with both; the fastest PyG counts. Printed:
+PyG user has it (neither), with huge pages, and with both; the fastest PyG counts. Ours also
+runs with its opt-in pool of tall buffers (``--pool-buffers``, common.dense), printed beside
+with its own ratio; the target is judged on the default. Printed:
 the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35), and the
 SpMM throughput of our kernel and of torch's CSR matmul against the machine's memory bandwidth
 measured here by a large copy (STREAM-copy style). ``--spmm torch`` runs ours on torch's CSR
@@ -139,6 +141,23 @@ def gemm_throughput(rows: int, width: int, backend: str, reps: int = 5,
     return out
 
 
+def weight_grad_throughput(rows: int, width: int, backend: str, reps: int = 5,
+                           device: torch.device = CPU) -> dict[str, float]:
+    """The same for a layer's weight gradient ``H^T dQ`` (both ``[rows, width]``, allocated as
+    our layers allocate them: :func:`common.dense.empty`) through ``torch.mm`` and
+    :func:`common.dense.tn` with ``backend``."""
+    g = torch.Generator(device=device).manual_seed(1)
+    h, dq = (dense.empty(rows, width, device=device).normal_(generator=g) for _ in range(2))
+    flops = 2.0 * rows * width * width
+    out = {"torch.mm": flops / timed(lambda: torch.mm(h.t(), dq), reps, device) / 1e9,
+           f"ours ({backend})": flops / timed(lambda: dense.tn(h, dq, backend=backend), reps,
+                                              device) / 1e9}
+    want = torch.mm(h.t(), dq)
+    out["relative difference"] = ((dense.tn(h, dq, backend=backend) - want).abs().max()
+                                  / want.abs().max()).item()
+    return out
+
+
 def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
                device: torch.device = CPU, variant: str = "fixed") -> list[float]:
     """PyG's epoch times; ``variant`` ``fixed`` (``A X`` precomputed once, untimed, the first
@@ -207,6 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma list from {VARIANTS} (default: both)")
     p.add_argument("--worker", choices=("ours", "pyg"), help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=VARIANTS, default="fixed", help=argparse.SUPPRESS)
+    p.add_argument("--pool-buffers", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-retain", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -240,6 +260,7 @@ def worker(args: argparse.Namespace) -> None:
         cfg = split_config(epochs=args.epochs + 1, hidden=args.hidden, num_layers=args.layers,
                            lr=0.01, spmm=args.spmm, gemm=args.gemm,
                            retain_freed_memory=args.retain,
+                           pool_buffers=args.pool_buffers,
                            bias=False, dropout=0.0, optimizer="adamw",
                            learn_features=args.variant == "learn")  # PyG's side's model
         result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
@@ -250,7 +271,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
-               retain: bool) -> list[float]:
+               retain: bool, pool: bool = False) -> list[float]:
     """Epoch times of one side in a fresh process with ``THP_MEM_ALLOC_ENABLE=thp``."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--variant",
            variant, "--worker-retain", str(int(retain)), "--nodes", str(args.nodes),
@@ -263,6 +284,8 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
         cmd += ["--threads", str(args.threads)]
     if not args.retain:
         cmd.append("--no-retain-freed-memory")
+    if pool:
+        cmd.append("--pool-buffers")
     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": thp}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -291,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{threads} threads; on {device}; built in {time.perf_counter() - t:.1f} s",
           flush=True)
     settings = PYG_SETTINGS if device.type == "cpu" else PYG_SETTINGS[:1]
-    ours_label = ("huge pages + retained heap" if args.retain else "huge pages")
+    ours_label = "huge pages + retained heap" if args.retain else "huge pages"
     ratios = {}
     for variant in args.variants:
         what = ("fixed features (A X computed once on both sides)" if variant == "fixed"
@@ -299,20 +322,28 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{variant}: {what}", flush=True)
         rows = [(f"ours (Plexus 1x1x1), {ours_label}",
                  run_worker(args, "ours", variant, "1", args.retain))]
+        if device.type == "cpu":  # the opt-in pool of tall buffers, printed beside
+            pooled = run_worker(args, "ours", variant, "1", args.retain, pool=True)
         for label, thp, retain in settings:
             rows.append((f"PyG GCNConv (CSR), {label}",
                          run_worker(args, "pyg", variant, thp, retain)))
+        best_name, best = min(((n, statistics.median(t)) for n, t in rows[1:]),
+                              key=lambda nt: nt[1])
+        if device.type == "cpu":
+            rows.insert(1, ("ours, --pool-buffers (opt-in)", pooled))
         print(f"{'':48}{'median s/epoch':>16}{'min':>10}{'max':>10}")
         for name, times in rows:
             print(f"{name:48}{statistics.median(times):>16.3f}{min(times):>10.3f}"
                   f"{max(times):>10.3f}", flush=True)
         ours = statistics.median(rows[0][1])
-        best_name, best = min(((n, statistics.median(t)) for n, t in rows[1:]),
-                              key=lambda nt: nt[1])
         ratios[variant] = ours / best
         print(f"{variant}: ours/PyG {ours / best:.3f} against {best_name.split(', ')[1]} "
               f"(the fastest PyG)  (target <= {TARGET}: "
               f"{'met' if ours / best <= TARGET else 'MISSED'})")
+        if device.type == "cpu":
+            print(f"{variant}: with --pool-buffers ours/PyG "
+                  f"{statistics.median(pooled) / best:.3f} (not the default: the pool's idle "
+                  "buffers raise the peak)")
     if ratios:  # the line bench/gpu_check.py reads, and ours' time of the first workload
         first = args.variants[0]
         print(f"\nratio ours/PyG: {ratios[first]:.3f}  ({first}; target <= {TARGET})")
@@ -323,12 +354,15 @@ def main(argv: list[str] | None = None) -> None:
     for name, (sec, gbs) in spmm_throughput(a_hat, args.hidden, device=device).items():
         print(f"  {name:10} {1000 * sec:7.1f} ms  {gbs:6.2f} GB/s of minimum traffic = "
               f"{100 * gbs / bw:5.1f}% of the copy bandwidth")
-    gemm = gemm_throughput(a_hat.shape[0], args.hidden, args.gemm, device=device)
-    diff = gemm.pop("relative difference")
-    print(f"dense product [{a_hat.shape[0]:,} x {args.hidden}] @ [{args.hidden} x {args.hidden}] "
-          f"(relative difference {diff:.1e}):")
-    for name, gflops in gemm.items():
-        print(f"  {name:18} {gflops:7.1f} GFLOP/s")
+    n, d = a_hat.shape[0], args.hidden
+    for what, measure in ((f"dense product [{n:,} x {d}] @ [{d} x {d}]", gemm_throughput),
+                          (f"weight gradient [{n:,} x {d}]^T @ [{n:,} x {d}]",
+                           weight_grad_throughput)):
+        rates = measure(n, d, args.gemm, device=device)
+        diff = rates.pop("relative difference")
+        print(f"{what} (relative difference {diff:.1e}):")
+        for name, gflops in rates.items():
+            print(f"  {name:18} {gflops:7.1f} GFLOP/s")
     ctx.close()
 
 

@@ -36,10 +36,9 @@ The buffers of :func:`empty` are tall (``[N, D]``, 102 MB at 200K x 128) and a t
 allocates and frees the same ones every step. Above glibc's retention cap (common.alloc) each
 is a fresh ``mmap``, faulted in and zeroed by the kernel again: 4.5 ms against 2.8 for filling
 a reused one here, and about 3 in 100 such allocations stalled for 10-120 ms, which made whole
-epochs 50-100% slower. With :func:`pool_freed` on (the trainers turn it on with their
-``retain_freed_memory``), a freed buffer is kept for the next request of its shape, within a
-bound: the buffers held, in use or pooled, never exceed the most that were in use at once
-before by more than one buffer (:class:`_Pool`).
+epochs 50-100% slower. With :func:`pool_freed` on (plexus: ``--pool-buffers``), a freed
+buffer is kept for the next request of its shape (or a smaller one), within a bound
+(:class:`_Pool`). It is off by default: the idle pooled buffers add to the step's peak.
 
 Shapes: a [m, k] @ b [k, n] -> [m, n]; tn: a [m, k], b [m, n] -> [k, n]
 """
@@ -61,6 +60,8 @@ MIN_WORK = 1 << 20
 # the rows of one oneDNN call of mm: its input and output blocks at most this big, which
 # glibc serves from its retained heap (common.alloc) and the cache holds until copied out
 BLOCK_BYTES = 4 << 20
+# a pooled buffer serves a request of another shape if at most this many times its size
+FIT = 4
 
 
 @functools.cache
@@ -174,14 +175,18 @@ def onednn_tn_available() -> bool:
 
 
 class _Pool:
-    """Freed oneDNN buffers of :func:`empty`, kept for the next request of the same shape
-    (:func:`pool_freed`; the module docstring).
+    """Freed oneDNN buffers of :func:`empty`, kept for later requests (:func:`pool_freed`; the
+    module docstring).
 
-    Bound: the buffers held, in use and pooled, never exceed the most that were in use at one
-    time before by more than one pooled buffer. A request the pool cannot serve first hands
-    back, oldest first, what would take the total beyond that. (Without the one buffer, a
-    step whose last layer is narrower than the others lost a buffer of each width to this
-    rule every step and faulted in two fresh ones.)
+    A request takes a pooled buffer of its shape, else the smallest pooled one that holds it
+    and is at most :data:`FIT` times its size (the request is then a view of its first
+    elements, which :func:`tn` leaves to torch), else a new one. Bound: the buffers held, in
+    use and pooled, never exceed the most that were in use at one time before by more than
+    one pooled buffer: a request the pool cannot serve first hands back, oldest first, what
+    would take the total beyond. (Without the one buffer, a step whose last layer is
+    narrower than the others lost a buffer to this rule and faulted in a fresh one every
+    step.) The pooled buffers are idle memory: on the 1M-node papers100M-format graph (one
+    rank, hidden 64) they raised the step's peak by 21% (bench/memory.py with pooling).
     """
 
     def __init__(self) -> None:
@@ -191,14 +196,19 @@ class _Pool:
         self.in_use = self.pooled = self.mark = 0  # bytes
 
     def take(self, rows: int, cols: int) -> torch.Tensor:
-        """A oneDNN [rows, cols] float32 tensor: a pooled one, or a new one."""
-        size = 4 * rows * cols
+        """A oneDNN float32 tensor of shape [rows, cols] (pooled or new), or a pooled one of
+        at least rows * cols elements."""
+        need = rows * cols
         with self.lock:
-            self.in_use += size
-            for i in range(len(self.free) - 1, -1, -1):  # the last freed is the warmest
-                if tuple(self.free[i].shape) == (rows, cols):
-                    self.pooled -= size
-                    return self.free.pop(i)
+            fits = [i for i, t in enumerate(self.free) if need <= t.numel() <= FIT * need]
+            exact = [i for i in fits if tuple(self.free[i].shape) == (rows, cols)]
+            if exact or fits:  # the same shape, the last freed (the warmest); else the smallest
+                i = exact[-1] if exact else min(fits, key=lambda i: self.free[i].numel())
+                got = self.free.pop(i)
+                self.pooled -= 4 * got.numel()
+                self.in_use += 4 * got.numel()
+                return got
+            self.in_use += 4 * need
             self.mark = max(self.mark, self.in_use)
             while self.free and (self.in_use + self.pooled - self.mark
                                  > 4 * max(t.numel() for t in self.free)):
@@ -224,9 +234,9 @@ _POOL = _Pool()
 
 
 def pool_freed(enable: bool = True) -> None:
-    """Keep the freed buffers of :func:`empty` for later requests of the same shape
-    (``enable``), or hand them back to the OS now and from now on. Off until called; the
-    trainers call it with their ``retain_freed_memory`` setting (common.alloc)."""
+    """Keep the freed buffers of :func:`empty` for later requests (``enable``), or hand them
+    back to the OS now and from now on. Off until called; plexus's trainer calls it with its
+    ``pool_buffers`` setting (``--pool-buffers``; off by default)."""
     _POOL.enabled = enable
     if not enable:
         _POOL.release()
@@ -236,6 +246,8 @@ def _paired(rows: int, cols: int) -> torch.Tensor:
     onednn = _POOL.take(rows, cols)
     owner = _Owner(onednn)
     t = torch.from_numpy(np.asarray(owner))
+    if tuple(t.shape) != (rows, cols):  # a larger pooled buffer: a view of its start
+        t = t.view(-1)[:rows * cols].view(rows, cols)
     _OWNERS[t.data_ptr()] = owner
     weakref.finalize(owner, _POOL.give, onednn).atexit = False
     return t

@@ -162,6 +162,9 @@ class RunConfig:
             for float32 products on the CPU), ``onednn`` or ``torch`` (torch's BLAS).
         retain_freed_memory: keep large freed buffers in the heap on CPU (common.alloc), so
             every epoch reuses its activation pages.
+        pool_buffers: keep the freed tall ``[N, D]`` buffers on CPU for reuse
+            (:func:`common.dense.pool_freed`): no fresh pages for them after the first
+            epochs, at the price of idle buffers at the step's peak (off: the default).
     """
 
     epochs: int = 100
@@ -170,6 +173,7 @@ class RunConfig:
     spmm: str = "auto"
     gemm: str = "auto"
     retain_freed_memory: bool = True
+    pool_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.epochs < 0:

@@ -157,13 +157,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU SpMM kernel: numba, cache-blocked (auto when numba is installed), "
                    "numba-rows (row-parallel, no column slices) or torch.sparse")
     p.add_argument("--gemm", choices=dense.BACKENDS, default=r.gemm,
-                   help="backend of the dense products H W and dQ W^T: auto (oneDNN for "
+                   help="backend of the dense products H W, dQ W^T and dW: auto (oneDNN for "
                    "float32 on the CPU: it uses AVX-512 where torch's MKL does not, on AMD "
                    "CPUs), onednn or torch (torch's BLAS)")
     p.add_argument("--no-retain-freed-memory", dest="retain_freed_memory",
                    action="store_false",
                    help="give large freed buffers back to the OS (default: keep them, so "
                    "every epoch reuses its activation pages; see common.alloc)")
+    p.add_argument("--pool-buffers", action="store_true",
+                   help="keep freed activation buffers (the tall [N, D] ones) for reuse: no "
+                   "fresh pages for them after the first epochs (faster where fresh pages are "
+                   "slow, as on VMs), at the price of a higher peak (common.dense)")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write JSON lines (one per epoch, then a summary) from rank 0")
     p.add_argument("--log-every", type=int, default=10, help="print every N epochs")
@@ -272,7 +276,8 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
                              weight_decay=args.weight_decay),
         "run": RunConfig(epochs=args.epochs, eval_every=args.eval_every, seed=args.seed,
                          spmm=args.spmm, gemm=args.gemm,
-                         retain_freed_memory=args.retain_freed_memory),
+                         retain_freed_memory=args.retain_freed_memory,
+                         pool_buffers=args.pool_buffers),
     }
     configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth
     if args.runs < 1:

@@ -172,7 +172,7 @@ class Trainer:
             # their defaults, since left alone they rise to each freed buffer's size (up to
             # 32 MiB) and keep such buffers in the heap after all (see common.alloc)
             retain_freed_memory(self.run_cfg.retain_freed_memory)
-            dense.pool_freed(self.run_cfg.retain_freed_memory)  # the tall [N, D] buffers
+            dense.pool_freed(self.run_cfg.pool_buffers)  # the tall [N, D] buffers
         self.shard, self.model = shard_and_model(source, parallel, model, seed=self.run_cfg.seed,
                                                  gemm=self.run_cfg.gemm)
         self.model.to(device)

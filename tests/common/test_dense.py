@@ -130,3 +130,66 @@ def test_empty_pairs_only_large_float32_cpu_tensors(monkeypatch):
     monkeypatch.setattr(dense, "onednn_tn_available", lambda: False)
     t = dense.empty(1024, 96)
     assert not paired(t) and t.shape == (1024, 96)
+
+
+@pytest.fixture
+def pooling(monkeypatch):
+    """A fresh pool, on (no marks or buffers of other tests)."""
+    monkeypatch.setattr(dense, "_POOL", dense._Pool())
+    dense.pool_freed(True)
+    yield dense._POOL
+    dense.pool_freed(False)
+
+
+@ONEDNN_TN
+def test_a_freed_buffer_serves_the_next_request_of_its_shape_or_a_smaller_one(pooling):
+    import gc
+
+    t = dense.empty(1024, 96)
+    addr = t.data_ptr()
+    del t
+    gc.collect()
+    assert pooling.pooled == 4 * 1024 * 96
+    again = dense.empty(1024, 96)
+    assert again.data_ptr() == addr and pooling.pooled == 0  # the same memory, no fresh pages
+    assert dense.uses_onednn_tn(again, dense.empty(1024, 2048))
+    del again
+    gc.collect()
+    narrower = dense.empty(2048, 32)  # 2/3 of the pooled buffer: a view of its start
+    assert narrower.data_ptr() == addr and narrower.shape == (2048, 32)
+    narrower.fill_(2.0)
+    assert float(narrower.sum()) == 2.0 * 2048 * 32
+    assert not dense.uses_onednn_tn(narrower, dense.empty(2048, 2048))  # not the whole: torch
+    del narrower
+    gc.collect()
+    wider = dense.empty(4096, 96)  # more than it holds: a new buffer
+    assert wider.data_ptr() != addr
+    dense.pool_freed(False)
+    assert pooling.free == [] and pooling.pooled == 0
+
+
+@ONEDNN_TN
+def test_the_pool_holds_at_most_one_buffer_beyond_the_most_in_use_at_once(pooling):
+    import gc
+
+    a, b = dense.empty(1024, 64), dense.empty(1024, 64)  # 2 x 256 KiB in use at once
+    del a, b
+    gc.collect()
+    assert pooling.pooled == 2 * 4 * 1024 * 64
+    c = dense.empty(1024, 512)  # fits neither: the mark becomes c; one of them may stay
+    assert pooling.mark == 4 * 1024 * 512 and pooling.pooled == 4 * 1024 * 64
+    del c
+    gc.collect()
+    d = dense.empty(2048, 512)  # a new mark: c, the largest pooled buffer, may stay beside it
+    assert pooling.pooled == 4 * 1024 * 512 and pooling.in_use == 4 * 2048 * 512
+    del d
+
+
+def test_a_disabled_pool_keeps_nothing():
+    import gc
+
+    dense.pool_freed(False)
+    t = dense.empty(1024, 96)
+    del t
+    gc.collect()
+    assert dense._POOL.pooled == 0 and dense._POOL.free == []

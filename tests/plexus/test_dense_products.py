@@ -71,3 +71,33 @@ def _optimizer_groups(model):
 def test_the_gemm_option_is_checked():
     with pytest.raises(ValueError, match="unknown dense product backend 'blas'"):
         RunConfig(gemm="blas")
+
+
+@pytest.mark.skipif(not dense.onednn_tn_available(), reason="this torch has no oneDNN")
+def test_pooled_buffers_train_alike(monkeypatch):
+    """``pool_buffers`` reuses memory, not numbers: the same history as without it, and the
+    pool really served requests."""
+    served = []
+    real = dense._Pool.take
+
+    def take(self, rows, cols):
+        before = len(self.free)
+        got = real(self, rows, cols)
+        served.append(len(self.free) < before)
+        return got
+
+    monkeypatch.setattr(dense._Pool, "take", take)
+    pooled = _train("auto", dropout=0.5, pool_buffers=True)
+    assert dense._POOL.enabled and any(served), "the pool served no request"
+    plain = _train("auto", dropout=0.5)
+    assert not dense._POOL.enabled and dense._POOL.free == []
+    for a, b in zip(pooled["history"], plain["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_pool_buffers_is_an_opt_in_flag():
+    from plexus.train import parse_args
+
+    assert not parse_args(["--dataset", "cora"]).pool_buffers
+    assert parse_args(["--dataset", "cora", "--pool-buffers"]).pool_buffers
+    assert not RunConfig().pool_buffers
