@@ -11,9 +11,9 @@ for a layer's product).
 
 :func:`mm` is ``a @ b`` through oneDNN's linear primitive
 (``torch.ops.mkldnn._linear_pointwise``) where that applies: ``backend`` ``auto`` or
-``onednn``, both operands float32 2-D CPU tensors, ``a`` row-major (a transposed view, as
-in ``dW = H^T dQ``, would be copied first, which costs more than it saves: those stay with
-torch), at least :data:`MIN_WORK` multiply-adds, and no autograd graph to record (the callers
+``onednn``, both operands float32 2-D CPU tensors, ``a`` row-major (the primitive would
+copy a transposed view first, which costs more than it saves: ``dW = H^T dQ`` is
+:func:`tn`'s), at least :data:`MIN_WORK` multiply-adds, and no autograd graph to record (the callers
 are ``autograd.Function`` passes). The precision is the same, float32 products summed in
 float32 (the primitive did not follow ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``
 here: its error against float64 stayed 5e-7); the summation order is oneDNN's, so results
@@ -109,9 +109,10 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
     oneDNN's primitive has no ``out=`` form and would allocate the whole product afresh, so
     it runs on row blocks of ``a`` whose products (at most :data:`BLOCK_BYTES`) glibc keeps
     in its heap, each copied into ``out`` while it is still in the cache: the same time as one
-    call (20.3 ms against 20.4-20.6 for ``[200K, 128] @ [128, 128]`` here), and the tall
-    output is a reusable buffer of :func:`empty` instead of a fresh ``mmap`` (the module
-    docstring). Each row's sum is the primitive's either way.
+    call (20.3 ms against 20.4-20.6 for ``[200K, 128] @ [128, 128]`` into a reused output
+    here), and the tall output is a buffer of :func:`empty`, which :func:`tn` reads in place
+    and the pool can reuse (the module docstring). Each row's sum is the primitive's either
+    way.
 
     Shapes: a [m, k], b [k, n] -> [m, n]
     """
