@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import autograd
+from common import autograd, dense
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
@@ -105,7 +105,12 @@ def dropped(x: torch.Tensor, drop: torch.Tensor | BitMask, p: float) -> torch.Te
     """``x * keep / (1 - p)`` as a new tensor (no graph): the values :func:`apply_dropout`
     gives. ``drop``: the negated mask (bool), or the mask itself as bits, cleared without
     unpacking it where :meth:`BitMask.clear_` can (a large float32 CPU block)."""
-    scaled = x.mul(torch.ones((), dtype=x.dtype) / (1.0 - p))  # as keep.float() / (1 - p)
+    factor = torch.ones((), dtype=x.dtype) / (1.0 - p)  # as keep.float() / (1 - p)
+    # a 2-D block goes into a buffer of common.dense.empty (reusable; readable by dense.tn)
+    if x.dim() == 2 and not (torch.is_grad_enabled() and x.requires_grad):
+        scaled = torch.mul(x, factor, out=dense.empty(*x.shape, dtype=x.dtype, device=x.device))
+    else:
+        scaled = x.mul(factor)
     return drop.clear_(scaled) if isinstance(drop, BitMask) else scaled.masked_fill_(drop, 0.0)
 
 

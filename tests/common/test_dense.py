@@ -155,8 +155,9 @@ def test_a_freed_buffer_serves_the_next_request_of_its_shape_or_a_smaller_one(po
     assert dense.uses_onednn_tn(again, dense.empty(1024, 2048))
     del again
     gc.collect()
-    narrower = dense.empty(2048, 32)  # 2/3 of the pooled buffer: a view of its start
+    narrower = dense.empty(2048, 32)  # 2/3 of the pooled buffer: its start
     assert narrower.data_ptr() == addr and narrower.shape == (2048, 32)
+    assert not narrower._is_view() and narrower.is_contiguous()
     narrower.fill_(2.0)
     assert float(narrower.sum()) == 2.0 * 2048 * 32
     assert not dense.uses_onednn_tn(narrower, dense.empty(2048, 2048))  # not the whole: torch
@@ -169,21 +170,54 @@ def test_a_freed_buffer_serves_the_next_request_of_its_shape_or_a_smaller_one(po
 
 
 @ONEDNN_TN
-def test_the_pool_holds_at_most_one_buffer_beyond_the_most_in_use_at_once(pooling):
+def test_the_pool_never_holds_more_than_was_in_use_at_once(pooling):
     import gc
 
     a, b = dense.empty(1024, 64), dense.empty(1024, 64)  # 2 x 256 KiB in use at once
     del a, b
     gc.collect()
-    assert pooling.pooled == 2 * 4 * 1024 * 64
-    c = dense.empty(1024, 512)  # fits neither: the mark becomes c; one of them may stay
-    assert pooling.mark == 4 * 1024 * 512 and pooling.pooled == 4 * 1024 * 64
+    assert pooling.pooled == 2 * 4 * 1024 * 64 and pooling.mark == 2 * 4 * 1024 * 64
+    c = dense.empty(1024, 512)  # fits neither, and 2 MiB is a new mark: both go back
+    assert pooling.mark == 4 * 1024 * 512 and pooling.pooled == 0
     del c
     gc.collect()
-    d = dense.empty(2048, 512)  # a new mark: c, the largest pooled buffer, may stay beside it
-    assert pooling.pooled == 4 * 1024 * 512 and pooling.in_use == 4 * 2048 * 512
+    e = dense.empty(1024, 256)  # half of c: served by it
+    assert pooling.pooled == 0 and pooling.in_use == 4 * 1024 * 512
+    f = dense.empty(1024, 300)  # a miss within the mark: c is in use, nothing to hand back
+    assert pooling.in_use == 4 * 1024 * (512 + 300) and pooling.mark == pooling.in_use
+    del e, f
+    gc.collect()
+    assert pooling.pooled == 4 * 1024 * (512 + 300)
+    d = dense.empty(2048, 700)  # a new mark above both: they go back, oldest first
+    assert pooling.pooled == 0 and pooling.in_use == pooling.mark == 4 * 2048 * 700
     del d
 
+
+@ONEDNN_TN
+def test_a_larger_buffer_served_to_a_custom_function_can_be_modified_in_place(pooling):
+    """A request served by the start of a larger pooled buffer is a tensor of its own, not a
+    torch view: autograd forbids modifying a custom Function's view output in place (the
+    bias is added to ``H W`` in place)."""
+    import gc
+
+    t = dense.empty(1024, 96)
+    del t
+    gc.collect()
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return dense.mm(x, torch.eye(64), out=dense.empty(2048, 64))
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy
+
+    x = torch.randn(2048, 64, requires_grad=True)
+    y = Product.apply(x)
+    assert not y._is_view() and pooling.pooled == 0  # the pooled buffer served it
+    y.add_(1.0).sum().backward()
+    assert torch.equal(x.grad, torch.ones(2048, 64))
 
 def test_a_disabled_pool_keeps_nothing():
     import gc
