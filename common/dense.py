@@ -180,10 +180,11 @@ class _Pool:
     module docstring).
 
     A request takes a pooled buffer of its shape, else the smallest pooled one that holds it
-    and is at most :data:`FIT` times its size (the request is then a view of its first
-    elements, which :func:`tn` leaves to torch), else a new one. Bound: the buffers held, in
-    use and pooled, never exceed the most that were in use at one time before: a request
-    the pool cannot serve first hands back, oldest first, what would take the total beyond.
+    and is at most :data:`FIT` times its size (the request then gets its first elements, as a
+    tensor of its own, which :func:`tn` leaves to torch), else a new one. Bound: the buffers
+    held, in use and pooled, never exceed the most that were in use at one time before: a
+    request the pool cannot serve first hands back, oldest first, what would take the total
+    beyond.
     The pooled buffers are still idle memory while other tensors peak: on the 1M-node
     papers100M-format graph (one rank, hidden 64) they raised the run's peak by 14% (2665
     MiB against 2332; 2.28 s an epoch against 3.19).
