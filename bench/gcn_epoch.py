@@ -124,21 +124,26 @@ def timed(fn: Callable[[], object], reps: int, device: torch.device = CPU) -> fl
     return statistics.median(times)
 
 
+def _rates(flops: float, theirs: Callable[[], torch.Tensor], ours: Callable[[], torch.Tensor],
+           backend: str, reps: int, device: torch.device) -> dict[str, float]:
+    """{name: GFLOP/s} of the same product through ``torch.mm`` (``theirs``) and ours, and
+    the largest difference between the two relative to the largest entry."""
+    out = {"torch.mm": flops / timed(theirs, reps, device) / 1e9,
+           f"ours ({backend})": flops / timed(ours, reps, device) / 1e9}
+    want = theirs()
+    out["relative difference"] = ((ours() - want).abs().max() / want.abs().max()).item()
+    return out
+
+
 def gemm_throughput(rows: int, width: int, backend: str, reps: int = 5,
                     device: torch.device = CPU) -> dict[str, float]:
-    """{name: GFLOP/s} of a layer's ``[rows, width] @ [width, width]`` float32 product through
+    """:func:`_rates` of a layer's ``[rows, width] @ [width, width]`` float32 product through
     ``torch.mm`` (what PyG's linear layers run) and :func:`common.dense.mm` with ``backend``
-    (ours), and the largest difference between the two relative to the largest entry."""
+    (ours)."""
     h = torch.randn(rows, width, device=device)
     w = torch.randn(width, width, device=device) / width**0.5
-    flops = 2.0 * rows * width * width
-    out = {"torch.mm": flops / timed(lambda: torch.mm(h, w), reps, device) / 1e9,
-           f"ours ({backend})": flops / timed(lambda: dense.mm(h, w, backend=backend), reps,
-                                              device) / 1e9}
-    want = torch.mm(h, w)
-    out["relative difference"] = ((dense.mm(h, w, backend=backend) - want).abs().max()
-                                  / want.abs().max()).item()
-    return out
+    return _rates(2.0 * rows * width * width, lambda: torch.mm(h, w),
+                  lambda: dense.mm(h, w, backend=backend), backend, reps, device)
 
 
 def weight_grad_throughput(rows: int, width: int, backend: str, reps: int = 5,
@@ -148,14 +153,8 @@ def weight_grad_throughput(rows: int, width: int, backend: str, reps: int = 5,
     :func:`common.dense.tn` with ``backend``."""
     g = torch.Generator(device=device).manual_seed(1)
     h, dq = (dense.empty(rows, width, device=device).normal_(generator=g) for _ in range(2))
-    flops = 2.0 * rows * width * width
-    out = {"torch.mm": flops / timed(lambda: torch.mm(h.t(), dq), reps, device) / 1e9,
-           f"ours ({backend})": flops / timed(lambda: dense.tn(h, dq, backend=backend), reps,
-                                              device) / 1e9}
-    want = torch.mm(h.t(), dq)
-    out["relative difference"] = ((dense.tn(h, dq, backend=backend) - want).abs().max()
-                                  / want.abs().max()).item()
-    return out
+    return _rates(2.0 * rows * width * width, lambda: torch.mm(h.t(), dq),
+                  lambda: dense.tn(h, dq, backend=backend), backend, reps, device)
 
 
 def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,

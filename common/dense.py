@@ -265,6 +265,14 @@ def empty(rows: int, cols: int, *, dtype: torch.dtype = torch.float32,
     return _paired(rows, cols)
 
 
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of ``t``'s shape, dtype and device: :func:`empty` for a 2-D
+    ``t``, ``torch.empty_like`` for any other."""
+    if t.dim() != 2:
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    return empty(*t.shape, dtype=t.dtype, device=t.device)
+
+
 def _onednn_of(t: torch.Tensor) -> _Owner | None:
     """The owner of the oneDNN tensor that ``t`` is the whole of, or None."""
     owner = _OWNERS.get(t.data_ptr()) if t.device.type == "cpu" else None

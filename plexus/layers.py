@@ -106,9 +106,9 @@ def dropped(x: torch.Tensor, drop: torch.Tensor | BitMask, p: float) -> torch.Te
     gives. ``drop``: the negated mask (bool), or the mask itself as bits, cleared without
     unpacking it where :meth:`BitMask.clear_` can (a large float32 CPU block)."""
     factor = torch.ones((), dtype=x.dtype) / (1.0 - p)  # as keep.float() / (1 - p)
-    # a 2-D block goes into a buffer of common.dense.empty (reusable; readable by dense.tn)
-    if x.dim() == 2 and not (torch.is_grad_enabled() and x.requires_grad):
-        scaled = torch.mul(x, factor, out=dense.empty(*x.shape, dtype=x.dtype, device=x.device))
+    # into a buffer of common.dense.empty where it can (reusable; readable by dense.tn)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        scaled = torch.mul(x, factor, out=dense.empty_like(x))
     else:
         scaled = x.mul(factor)
     return drop.clear_(scaled) if isinstance(drop, BitMask) else scaled.masked_fill_(drop, 0.0)

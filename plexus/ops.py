@@ -192,8 +192,7 @@ class ReLU(torch.autograd.Function):
         kernels = _fused_kernels(dy)
         if kernels is None or tuple(dy.shape) != tuple(ctx.keep.shape):
             return dy.masked_fill(ctx.keep.unpack(invert=True), 0.0)
-        out = (dense.empty(*dy.shape, dtype=dy.dtype, device=dy.device) if dy.dim() == 2
-               else torch.empty_like(dy))  # dense.empty: read in place by the dW it feeds
+        out = dense.empty_like(dy)  # read in place by the dW it feeds (common.dense.tn)
         kernels.masked_by_bits(dy.reshape(-1).numpy().view(np.uint32), ctx.keep.bits.numpy(),
                                out.view(-1).numpy().view(np.uint32))
         return out

@@ -227,3 +227,13 @@ def test_a_disabled_pool_keeps_nothing():
     del t
     gc.collect()
     assert dense._POOL.pooled == 0 and dense._POOL.free == []
+
+
+def test_empty_like_is_contiguous_and_pairs_2d_blocks():
+    block = torch.randn(96, 1024).t()  # a non-contiguous 2-D block
+    got = dense.empty_like(block)
+    assert got.shape == block.shape and got.dtype == block.dtype and got.is_contiguous()
+    assert (got.data_ptr() in dense._OWNERS) == dense.onednn_tn_available()
+    cube = torch.randn(4, 8, 2048).transpose(0, 2)
+    got = dense.empty_like(cube)
+    assert got.shape == cube.shape and got.is_contiguous() and got.data_ptr() not in dense._OWNERS
