@@ -45,6 +45,7 @@ Shapes: a [m, k] @ b [k, n] -> [m, n]; tn: a [m, k], b [m, n] -> [k, n]
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import weakref
@@ -195,12 +196,15 @@ class _Pool:
         self.enabled = False
         self.free: list[torch.Tensor] = []  # oneDNN tensors, oldest first
         self.in_use = self.pooled = self.mark = 0  # bytes
+        # buffers freed while the lock was held, not yet counted: see give
+        self.returned: collections.deque[torch.Tensor] = collections.deque()
 
     def take(self, rows: int, cols: int) -> torch.Tensor:
         """A oneDNN float32 tensor of shape [rows, cols] (pooled or new), or a pooled one of
         at least rows * cols elements."""
         need = rows * cols
         with self.lock:
+            self._settle()
             fits = [i for i, t in enumerate(self.free) if need <= t.numel() <= FIT * need]
             exact = [i for i in fits if tuple(self.free[i].shape) == (rows, cols)]
             if exact or fits:  # the same shape, the last freed (the warmest); else the smallest
@@ -208,17 +212,34 @@ class _Pool:
                 got = self.free.pop(i)
                 self.pooled -= 4 * got.numel()
                 self.in_use += 4 * got.numel()
+                self._settle()
                 return got
             self.in_use += 4 * need
             self.mark = max(self.mark, self.in_use)
             while self.free and self.in_use + self.pooled > self.mark:
                 self.pooled -= 4 * self.free.pop(0).numel()
+            self._settle()
         return torch.empty(rows, cols, layout=_ONEDNN_LAYOUT)
 
     def give(self, onednn: torch.Tensor) -> None:
-        """Called when the last dense tensor over ``onednn`` is freed."""
-        size = 4 * onednn.numel()
-        with self.lock:
+        """Called when the last dense tensor over ``onednn`` is freed: by a garbage collection
+        this can run inside ``take`` on the same thread (any allocation there may start one),
+        so it never waits for the lock. It queues the buffer (``deque.append`` runs no Python
+        code) and counts the queue now if the lock is free, else the lock's holder counts it
+        before letting go."""
+        self.returned.append(onednn)
+        if self.lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self.lock.release()
+
+    def _settle(self) -> None:
+        """Count the queued freed buffers, pooling them if enabled (with the lock held; a
+        buffer queued while this runs is counted by this loop too)."""
+        while self.returned:
+            onednn = self.returned.popleft()
+            size = 4 * onednn.numel()
             self.in_use -= size
             if self.enabled:
                 self.free.append(onednn)
@@ -226,6 +247,7 @@ class _Pool:
 
     def release(self) -> None:
         with self.lock:
+            self._settle()
             self.free.clear()
             self.pooled = 0
 

@@ -219,6 +219,78 @@ def test_a_larger_buffer_served_to_a_custom_function_can_be_modified_in_place(po
     y.add_(1.0).sum().backward()
     assert torch.equal(x.grad, torch.ones(2048, 64))
 
+@ONEDNN_TN
+def test_a_buffer_freed_while_the_pool_is_locked_is_queued_not_waited_for(pooling):
+    """The last reference to a buffer can go inside ``_Pool.take`` itself, on the same thread:
+    any allocation there may start a garbage collection that frees a cycle holding one. Its
+    finalizer waited for the lock that thread held, and the rank hung (a 4-rank CI run,
+    session 23). Now it queues the buffer and the holder counts it."""
+    import gc
+    import threading
+
+    class NoWait:
+        """The pool's lock, raising where a blocking acquire would wait (for ever, here)."""
+
+        def __init__(self):
+            self.inner = threading.Lock()
+
+        def acquire(self, blocking=True):
+            got = self.inner.acquire(blocking=False)
+            if not got and blocking:
+                raise AssertionError("waited for the pool's lock")
+            return got
+
+        def release(self):
+            self.inner.release()
+
+        def __enter__(self):
+            return self.acquire()
+
+        def __exit__(self, *exc):
+            self.release()
+
+    pooling.lock = NoWait()
+    t = dense.empty(1024, 96)
+    addr = t.data_ptr()
+    with pooling.lock:  # as take holds it
+        del t
+        gc.collect()
+        assert len(pooling.returned) == 1 and pooling.pooled == 0 and pooling.in_use > 0
+    again = dense.empty(1024, 96)  # take counts the queue first: the freed buffer serves it
+    assert again.data_ptr() == addr and not pooling.returned
+    assert pooling.in_use == 4 * 1024 * 96 and pooling.pooled == 0
+    del again
+    gc.collect()  # the lock is free: counted at once
+    assert pooling.pooled == 4 * 1024 * 96 and pooling.in_use == 0 and not pooling.returned
+
+
+@ONEDNN_TN
+def test_garbage_collections_inside_the_pool_never_hang():
+    """End to end: cycles holding buffers, collected at many points of ``empty`` (a small
+    first-generation threshold moves where a collection starts; before the fix 6 of these 7
+    thresholds hung), in a child process so that a hang fails the test instead of the suite."""
+    import subprocess
+    import sys
+
+    from tests.distributed import ROOT
+
+    code = """
+import gc
+from common import dense
+for threshold in range(7, 14):
+    gc.set_threshold(threshold, 1, 1)
+    for i in range(1500):
+        class Cycle: pass
+        c = Cycle(); c.c = c; c.t = dense.empty(300, 256)
+        del c
+        junk = [[] for _ in range(i % 7)]
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 def test_a_disabled_pool_keeps_nothing():
     import gc
 
