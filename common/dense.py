@@ -295,6 +295,18 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return empty(*t.shape, dtype=t.dtype, device=t.device)
 
 
+def like_empty(t: torch.Tensor) -> bool:
+    """Whether writing over ``t`` serves as well as :func:`empty_like` would: ``t`` is
+    contiguous and, where :func:`empty_like` would pair it (a large 2-D float32 CPU block),
+    the whole of a paired buffer, so that :func:`tn` still reads it in place."""
+    if not t.is_contiguous():
+        return False
+    if (t.dim() != 2 or t.device.type != "cpu" or t.dtype != torch.float32
+            or t.numel() < PAIR_MIN or not onednn_tn_available()):
+        return True
+    return _onednn_of(t) is not None
+
+
 def _onednn_of(t: torch.Tensor) -> _Owner | None:
     """The owner of the oneDNN tensor that ``t`` is the whole of, or None."""
     owner = _OWNERS.get(t.data_ptr()) if t.device.type == "cpu" else None

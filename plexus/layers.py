@@ -89,34 +89,61 @@ def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tens
 
 class _Dropout(torch.autograd.Function):
     """``x * keep / (1 - p)`` keeping only the mask for backward, one bit per entry
-    (:class:`plexus.ops.BitMask`; a float mask would take 32)."""
+    (:class:`plexus.ops.BitMask`; a float mask would take 32). ``over_x``, ``over_grad``:
+    written over ``x`` (forward), over the incoming gradient (backward): :func:`apply_dropout`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-        ctx.keep, ctx.p = BitMask(keep), p
-        return dropped(x, ~keep, p)
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, p: float, over_x: bool,
+                over_grad: bool) -> torch.Tensor:
+        ctx.keep, ctx.p, ctx.over_grad = BitMask(keep), p, over_grad
+        if over_x:
+            ctx.mark_dirty(x)
+        return dropped(x, ~keep, p, inplace=over_x)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        return dropped(dy, ctx.keep, ctx.p), None, None
+        return dropped(dy, ctx.keep, ctx.p, inplace=ctx.over_grad), None, None, None, None
 
 
-def dropped(x: torch.Tensor, drop: torch.Tensor | BitMask, p: float) -> torch.Tensor:
-    """``x * keep / (1 - p)`` as a new tensor (no graph): the values :func:`apply_dropout`
-    gives. ``drop``: the negated mask (bool), or the mask itself as bits, cleared without
-    unpacking it where :meth:`BitMask.clear_` can (a large float32 CPU block)."""
+def dropped(x: torch.Tensor, drop: torch.Tensor | BitMask, p: float, *,
+            inplace: bool = False) -> torch.Tensor:
+    """``x * keep / (1 - p)`` (no graph): the values :func:`apply_dropout` gives, as a new
+    tensor or, with ``inplace`` where ``x`` serves as a new one would
+    (:func:`common.dense.like_empty`), written over ``x``. ``drop``: the
+    negated mask (bool), or the mask itself as bits, cleared without unpacking it where
+    :meth:`BitMask.clear_` can (a large float32 CPU block)."""
     factor = torch.ones((), dtype=x.dtype) / (1.0 - p)  # as keep.float() / (1 - p)
-    # into a buffer of common.dense.empty where it can (reusable; readable by dense.tn)
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    if inplace and dense.like_empty(x):
+        scaled = x.mul_(factor)
+    elif not (torch.is_grad_enabled() and x.requires_grad):
+        # into a buffer of common.dense.empty where it can (reusable; readable by dense.tn)
         scaled = torch.mul(x, factor, out=dense.empty_like(x))
     else:
         scaled = x.mul(factor)
     return drop.clear_(scaled) if isinstance(drop, BitMask) else scaled.masked_fill_(drop, 0.0)
 
 
-def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    """Dropout of ``x`` with the keep-mask ``keep`` (same shape, bool) and rate ``p``."""
-    return _Dropout.apply(x, keep, p)
+def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float, *,
+                  spent: bool = False) -> torch.Tensor:
+    """Dropout of ``x`` with the keep-mask ``keep`` (same shape, bool) and rate ``p``.
+
+    ``spent`` (the caller's promise): nothing reads ``x`` after this, and the gradient that
+    reaches the output is read by nothing but this function's backward (the output feeds
+    operations that each return a fresh gradient, and no two of them the same tensor). Then
+    the passes write over their input instead of a new [N, D] block: the same values, one
+    tall allocation fewer each way. Forward does so only where autograd lets ``x`` be
+    modified in place (:func:`can_spend`); backward always.
+    """
+    return _Dropout.apply(x, keep, p, spent and can_spend(x), spent)
+
+
+def can_spend(x: torch.Tensor) -> bool:
+    """Whether autograd lets ``x`` be overwritten by a custom Function, and it serves as a new
+    block would (:func:`common.dense.like_empty`: contiguous, and read in place by the weight
+    gradient where a new one would be): no view (a custom Function's view output may not be
+    modified in place) and no leaf that requires grad."""
+    return (dense.like_empty(x) and not x._is_view()
+            and not (x.is_leaf and x.requires_grad))
 
 
 class _RowSplitBatchNorm(torch.autograd.Function):

@@ -291,7 +291,7 @@ class PlexusGCN(ShardedState, nn.Module):
             q = self._sum_inner(layer, q, stats)           # Q summed over I (4), + b_l
             if layer < self.num_layers - 1:
                 q = self._norm(layer, q, stats)            # norm(Q)
-                q = ops.ReLU.apply(q)                      # relu, in place
+                q = ops.ReLU.apply(q, skip is None)        # relu, in place both ways
                 q = q if skip is None else q + skip        # + F_l
             f, q = q, None  # F_l+1: held by f alone, so the next layer frees it once spent
         return f
@@ -336,7 +336,8 @@ class PlexusGCN(ShardedState, nn.Module):
             return scaled.masked_fill_(~self._keep_mask(layer, step, f.device), 0.0)
         if kept is not None:
             return dropped(f, kept, self.dropout)
-        return apply_dropout(f, self._keep_mask(layer, step, f.device), self.dropout)
+        # F_l is read by nothing after this, F' feeds the aggregation or H W alone: in place
+        return apply_dropout(f, self._keep_mask(layer, step, f.device), self.dropout, spent=True)
 
     def _recomputes(self, rows_only: bool) -> bool:
         """Whether this pass's layer 0 runs in row blocks and leaves ``H_0`` to backward

@@ -172,11 +172,14 @@ class ReLU(torch.autograd.Function):
     entry (:class:`BitMask`; the output is the next layer's input, which is spent once its
     aggregation has run). Same values as ``torch.relu_`` both ways. On a large float32 CPU
     block each pass is one numba kernel (:func:`plexus.kernels.relu_pack`, ``masked_by_bits``)
-    instead of four and three torch/numpy passes."""
+    instead of four and three torch/numpy passes. ``over_grad`` (the caller's promise that the
+    gradient reaching the output is read by nothing else, as :func:`plexus.layers.
+    apply_dropout`'s ``spent``): backward writes over it instead of a new block."""
 
     @staticmethod
-    def forward(ctx: Any, q):
+    def forward(ctx: Any, q, over_grad: bool = False):
         ctx.mark_dirty(q)
+        ctx.over_grad = over_grad
         kernels = _fused_kernels(q)
         if kernels is None:
             out = torch.relu_(q)
@@ -190,12 +193,15 @@ class ReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy):
         kernels = _fused_kernels(dy)
+        over = ctx.over_grad and dense.like_empty(dy)  # (an expanded gradient is not)
         if kernels is None or tuple(dy.shape) != tuple(ctx.keep.shape):
-            return dy.masked_fill(ctx.keep.unpack(invert=True), 0.0)
-        out = dense.empty_like(dy)  # read in place by the dW it feeds (common.dense.tn)
+            fill = dy.masked_fill_ if over else dy.masked_fill
+            return fill(ctx.keep.unpack(invert=True), 0.0), None
+        # a buffer of common.dense.empty either way, read in place by the dW it feeds (tn)
+        out = dy if over else dense.empty_like(dy)
         kernels.masked_by_bits(dy.reshape(-1).numpy().view(np.uint32), ctx.keep.bits.numpy(),
                                out.view(-1).numpy().view(np.uint32))
-        return out
+        return out, None
 
 
 class GatheredMatmul(torch.autograd.Function):

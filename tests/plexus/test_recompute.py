@@ -10,9 +10,12 @@ memory phases count it.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
+from common import dense
 from common.comm_stats import CommStats
 from plexus import ops
 from plexus.layout import layer_widths, roles
@@ -57,6 +60,84 @@ def test_relu_and_dropout_keep_their_masks_as_bits():
     y.backward(torch.ones_like(y))
     assert torch.equal(x.grad, ((x > 0) & keep).float() * 2.0)
     assert torch.equal(y, torch.relu(x) * keep * 2.0)
+
+
+class _Probe(torch.autograd.Function):
+    """Identity both ways; records the address of the gradient it passes back."""
+
+    seen: ClassVar[list[int]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return dense.empty_like(x).copy_(x)  # a block the trainer's ops would make
+
+    @staticmethod
+    def backward(ctx, dy):
+        _Probe.seen.append(dy.data_ptr())
+        return dy
+
+
+class _Fresh(torch.autograd.Function):
+    """``x * w``, returning a fresh gradient whose address it records."""
+
+    made: ClassVar[list[int]] = []
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w,) = ctx.saved_tensors
+        dx = torch.mul(dy, w, out=dense.empty_like(dy))
+        _Fresh.made.append(dx.data_ptr())
+        return dx, None
+
+
+@pytest.mark.parametrize("shape", [(37, 11), (4099, 64)])
+def test_spent_relu_and_dropout_write_over_their_inputs_with_the_same_values(shape):
+    """``ReLU.apply(q, True)`` and ``apply_dropout(..., spent=True)`` (plexus.model's layers):
+    forward writes over the ReLU's output, backward over the incoming gradient, so the block
+    that reaches the ReLU's input is the one the consumer made; values and gradients equal
+    the out-of-place ones bit for bit (torch's ops on a small block, the numba pass on a large
+    one; there in buffers of common.dense.empty, as the trainer's ops make them)."""
+    from plexus.layers import apply_dropout
+
+    g = torch.Generator().manual_seed(7)
+    x0 = torch.randn(shape, generator=g)
+    keep = torch.rand(shape, generator=g) > 0.3
+    w = torch.randn(shape, generator=g)
+    got = {}
+    for spent in (False, True):
+        _Probe.seen.clear()
+        _Fresh.made.clear()
+        x = x0.clone().requires_grad_(True)
+        q = _Probe.apply(x)
+        r = ops.ReLU.apply(q, spent)
+        y = apply_dropout(r, keep, 0.3, spent=spent)
+        assert (y.data_ptr() == q.data_ptr()) == spent  # dropout wrote over relu(q)
+        _Fresh.apply(y, w).sum().backward()
+        assert (_Probe.seen == _Fresh.made) == spent  # the consumer's gradient, overwritten
+        got[spent] = (y.detach(), x.grad)
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    factor = torch.ones(()) / (1.0 - 0.3)  # dropout's scale, as plexus.layers.dropped has it
+    assert torch.equal(got[False][1], (w * factor).masked_fill(~((x0 > 0) & keep), 0.0))
+
+
+def test_a_view_is_not_written_over_but_its_gradient_is():
+    """Autograd forbids writing over a custom Function's view output: forward makes a new
+    block (:func:`plexus.layers.can_spend`), backward still writes over the gradient."""
+    from plexus.layers import apply_dropout, can_spend
+
+    x = torch.randn(64, 8, requires_grad=True)
+    view = x.view(8, 64)
+    assert not can_spend(view) and not can_spend(x) and can_spend(x * 1.0)
+    keep = torch.ones(8, 64, dtype=torch.bool)
+    y = apply_dropout(view, keep, 0.5, spent=True)
+    assert y.data_ptr() != view.data_ptr() and torch.equal(y, view.detach() * 2.0)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((64, 8), 2.0))
 
 
 @pytest.mark.parametrize("shape", [(300, 257), (8192, 8), (70001, 1)])
