@@ -19,10 +19,12 @@ without one. tests/conftest.py wraps these as fixtures (``mpiexec``, ``threads``
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import traceback
@@ -120,6 +122,7 @@ def _torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
             out: Any) -> None:
     os.environ.update(_torchrun_env(rank, world, port))
+    _stacks_on_signal()
     try:
         from common.dist import init_distributed
 
@@ -129,6 +132,36 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         out.put((rank, True, pickle.dumps(result)))
     except BaseException:  # reported to the parent
         out.put((rank, False, traceback.format_exc()))
+
+
+# sent to a rank that outlived its test's timeout: it writes every thread's stack to its
+# stderr (faulthandler), which the test's failure then shows
+HUNG_SIGNAL = signal.SIGUSR2  # SIGUSR1 is the trainers' preemption signal
+
+
+def _stacks_on_signal() -> None:
+    faulthandler.register(HUNG_SIGNAL, all_threads=True)
+
+
+def _report_hung(children: Sequence[Any], errs: Sequence[str] | None = None) -> str:
+    """Ask the children still alive for their stacks (:data:`HUNG_SIGNAL`) and return, for
+    each, what it has written to its stderr file (``errs``; else the stacks go to the stderr
+    the children share with the test). Called before they are killed."""
+    import time
+
+    hung = [(r, c) for r, c in enumerate(children) if c.is_alive()]
+    for _, child in hung:
+        try:
+            os.kill(child.pid, HUNG_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0)
+    lines = [f"ranks {[r for r, _ in hung]} still running; their stacks:"]
+    for r, _ in hung:
+        if errs is not None and os.path.exists(errs[r]):
+            tail = Path(errs[r]).read_text(errors="replace")[-6000:]
+            lines.append(f"--- rank {r} (the end of its stderr) ---\n{tail}")
+    return "\n".join(lines)
 
 
 # What every rank imports anyway, imported once into the fork server that starts the ranks:
@@ -159,6 +192,7 @@ def _module_as_main(module: str, argv: list[str], env: dict[str, str], cwd: str,
     for fd, path in ((1, out), (2, err)):
         with open(path, "wb") as f:
             os.dup2(f.fileno(), fd)
+    _stacks_on_signal()
     sys.argv = [module, *argv]
     code = 0
     try:
@@ -216,6 +250,7 @@ def run_module(module: str, argv: Sequence[str], *, ranks: int = 1,
             for child in children:
                 child.join(max(0.0, deadline - time.monotonic()))
             if any(child.is_alive() for child in children):
+                print(_report_hung(children, [e for _, e in files]), file=sys.stderr)
                 raise subprocess.TimeoutExpired(command, timeout)
         finally:
             for child in children:
@@ -267,6 +302,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     except queue.Empty:
         missing = sorted(set(range(world_size)) - set(results))
         errors.append(f"ranks {missing} did not finish within {timeout} s")
+        errors.append(_report_hung(procs))  # the stacks go to the test's captured stderr
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
