@@ -35,10 +35,12 @@ a slice, another dtype) takes ``torch.mm``. Same float32 precision, another summ
 The buffers of :func:`empty` are tall (``[N, D]``, 102 MB at 200K x 128) and a training step
 allocates and frees the same ones every step. Above glibc's retention cap (common.alloc) each
 is a fresh ``mmap``, faulted in and zeroed by the kernel again: 4.5 ms against 2.8 for filling
-a reused one here, and about 3 in 100 such allocations stalled for 10-120 ms, which made whole
-epochs 50-100% slower. With :func:`pool_freed` on (plexus: ``--pool-buffers``), a freed
-buffer is kept for the next request of its shape (or a smaller one), within a bound
-(:class:`_Pool`). It is off by default: the idle pooled buffers add to the step's peak.
+a reused one here. On a VM that hands freed guest pages back to its host (free page
+reporting: the development machine's does so at once) about 5 in 100 such allocations stall
+for about 115 ms while the host provides the pages again, which made whole epochs 50-100%
+slower. With :func:`pool_freed` on (plexus: whenever it retains freed memory, its default), a
+freed buffer is kept for the next request of its shape (or a smaller one) under rules that
+keep idle buffers from adding to a step's peak (:class:`_Pool`, :func:`hand_back_pooled`).
 
 Shapes: a [m, k] @ b [k, n] -> [m, n]; tn: a [m, k], b [m, n] -> [k, n]
 """
@@ -63,6 +65,8 @@ MIN_WORK = 1 << 20
 BLOCK_BYTES = 4 << 20
 # a pooled buffer serves a request of another shape if at most this many times its size
 FIT = 4
+# a pooled buffer that served none of this many requests since it was pooled goes back
+AGE = 6
 
 
 @functools.cache
@@ -182,19 +186,26 @@ class _Pool:
 
     A request takes a pooled buffer of its shape, else the smallest pooled one that holds it
     and is at most :data:`FIT` times its size (the request then gets its first elements, as a
-    tensor of its own, which :func:`tn` leaves to torch), else a new one. Bound: the buffers
-    held, in use and pooled, never exceed the most that were in use at one time before: a
-    request the pool cannot serve first hands back, oldest first, what would take the total
-    beyond.
-    The pooled buffers are still idle memory while other tensors peak: on the 1M-node
-    papers100M-format graph (one rank, hidden 64) they raised the run's peak by 14% (2665
-    MiB against 2332; 2.28 s an epoch against 3.19).
+    tensor of its own, which :func:`tn` leaves to torch), else a new one.
+
+    Idle pooled buffers are memory other tensors cannot use, so the pool keeps few:
+    - a request it cannot serve hands back at least as many pooled bytes as it asks for,
+      oldest first: the pool's total (in use and pooled) never grows while it holds what
+      could make room, and so never exceeds the most that was in use at one time (``mark``);
+    - one idle buffer of a shape at most (a second freed one replaces the first);
+    - a buffer that served none of the next :data:`AGE` requests goes back;
+    - :func:`hand_back_pooled` empties it where a step's memory peaks.
+    Measured on the 1M-node papers100M-format graph (one rank, hidden 64, 4 epochs): the peak
+    2468 MiB against 2354 without the pool (+4.8%; the first version, bounded by ``mark``
+    alone, +14%); on the 200K-node bench graph and at ogbn-products' size within 1%.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.enabled = False
         self.free: list[torch.Tensor] = []  # oneDNN tensors, oldest first
+        self.stamps: list[int] = []  # for each, the count of requests when it was pooled
+        self.requests = 0
         self.in_use = self.pooled = self.mark = 0  # bytes
         # buffers freed while the lock was held, not yet counted: see give
         self.returned: collections.deque[torch.Tensor] = collections.deque()
@@ -205,19 +216,24 @@ class _Pool:
         need = rows * cols
         with self.lock:
             self._settle()
+            self.requests += 1
+            while self.free and self.requests - self.stamps[0] > AGE:  # unused too long
+                self._drop(0)
             fits = [i for i, t in enumerate(self.free) if need <= t.numel() <= FIT * need]
             exact = [i for i in fits if tuple(self.free[i].shape) == (rows, cols)]
             if exact or fits:  # the same shape, the last freed (the warmest); else the smallest
                 i = exact[-1] if exact else min(fits, key=lambda i: self.free[i].numel())
-                got = self.free.pop(i)
-                self.pooled -= 4 * got.numel()
+                got = self._drop(i)
                 self.in_use += 4 * got.numel()
                 self._settle()
                 return got
+            # a miss: new memory comes in, so as much idle memory goes back, oldest first
+            # (the pool's total never grows while it holds what could make room)
+            handed = 0
+            while self.free and handed < 4 * need:
+                handed += 4 * self._drop(0).numel()
             self.in_use += 4 * need
             self.mark = max(self.mark, self.in_use)
-            while self.free and self.in_use + self.pooled > self.mark:
-                self.pooled -= 4 * self.free.pop(0).numel()
             self._settle()
         return torch.empty(rows, cols, layout=_ONEDNN_LAYOUT)
 
@@ -242,13 +258,26 @@ class _Pool:
             size = 4 * onednn.numel()
             self.in_use -= size
             if self.enabled:
+                # one idle buffer of a shape at most: an older one of its shape goes back
+                same = [i for i, t in enumerate(self.free) if t.shape == onednn.shape]
+                for i in reversed(same):
+                    self._drop(i)
                 self.free.append(onednn)
+                self.stamps.append(self.requests)
                 self.pooled += size
+
+    def _drop(self, i: int) -> torch.Tensor:
+        """Take the i-th pooled buffer out of the pool (with the lock held)."""
+        self.stamps.pop(i)
+        got = self.free.pop(i)
+        self.pooled -= 4 * got.numel()
+        return got
 
     def release(self) -> None:
         with self.lock:
             self._settle()
             self.free.clear()
+            self.stamps.clear()
             self.pooled = 0
 
 
@@ -258,9 +287,18 @@ _POOL = _Pool()
 def pool_freed(enable: bool = True) -> None:
     """Keep the freed buffers of :func:`empty` for later requests (``enable``), or hand them
     back to the OS now and from now on. Off until called; plexus's trainer calls it with its
-    ``pool_buffers`` setting (``--pool-buffers``; off by default)."""
+    ``pool_buffers`` setting (by default on where it retains freed memory, which it does by
+    default: ``--no-pool-buffers``, ``--no-retain-freed-memory`` turn it off)."""
     _POOL.enabled = enable
     if not enable:
+        _POOL.release()
+
+
+def hand_back_pooled() -> None:
+    """Hand the pooled buffers back to the OS now, the pool staying on: called where a step's
+    memory peaks (plexus: before backward, and before the recomputed layer 0's backward),
+    so that idle pooled buffers do not add to the peak."""
+    if _POOL.enabled:
         _POOL.release()
 
 

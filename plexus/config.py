@@ -163,8 +163,9 @@ class RunConfig:
         retain_freed_memory: keep large freed buffers in the heap on CPU (common.alloc), so
             every epoch reuses its activation pages.
         pool_buffers: keep the freed tall ``[N, D]`` buffers on CPU for reuse
-            (:func:`common.dense.pool_freed`): no fresh pages for them after the first
-            epochs, at the price of idle buffers at the step's peak (off: the default).
+            (:func:`common.dense.pool_freed`): no fresh pages for most of them after the
+            first step, for a few percent more peak memory (its rules keep idle buffers
+            out of a step's peak). None (the default): as ``retain_freed_memory``.
     """
 
     epochs: int = 100
@@ -173,7 +174,7 @@ class RunConfig:
     spmm: str = "auto"
     gemm: str = "auto"
     retain_freed_memory: bool = True
-    pool_buffers: bool = False
+    pool_buffers: bool | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
@@ -183,6 +184,11 @@ class RunConfig:
         if self.spmm not in SPMM_KERNELS:
             raise ValueError(f"unknown SpMM kernel {self.spmm!r}; choose from {SPMM_KERNELS}")
         dense.check_backend(self.gemm)
+
+    @property
+    def pools_buffers(self) -> bool:
+        """Whether the trainer pools the tall buffers (:attr:`pool_buffers`, resolved)."""
+        return self.retain_freed_memory if self.pool_buffers is None else self.pool_buffers
 
 
 CONFIGS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig}

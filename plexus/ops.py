@@ -290,6 +290,7 @@ class RecomputedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dq):
+        dense.hand_back_pooled()  # H_0 made again: where a step's memory may peak
         w, w_r = ctx.saved_tensors
         dw: list[torch.Tensor | None] = [None, None]
         for term, lo, hi, x in ctx.blocks():
@@ -329,6 +330,7 @@ class RemadeInputMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *dgs):
+        dense.hand_back_pooled()  # F' made again: where a step's memory may peak
         f = ctx.make()
         f = f if f.dtype == ctx.dtype else f.to(ctx.dtype)
         grads = [flat.reduce_scatter(

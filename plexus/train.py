@@ -164,10 +164,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    action="store_false",
                    help="give large freed buffers back to the OS (default: keep them, so "
                    "every epoch reuses its activation pages; see common.alloc)")
-    p.add_argument("--pool-buffers", action="store_true",
+    p.add_argument("--pool-buffers", action=argparse.BooleanOptionalAction, default=None,
                    help="keep freed activation buffers (the tall [N, D] ones) for reuse: no "
-                   "fresh pages for them after the first epochs (faster where fresh pages are "
-                   "slow, as on VMs), at the price of a higher peak (common.dense)")
+                   "fresh pages for most of them after the first step (faster where fresh "
+                   "pages are slow, as on VMs that hand freed memory back to their host), for "
+                   "a few percent more peak memory (common.dense). Default: on where freed "
+                   "memory is retained (see --no-retain-freed-memory)")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write JSON lines (one per epoch, then a summary) from rank 0")
     p.add_argument("--log-every", type=int, default=10, help="print every N epochs")

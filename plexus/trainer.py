@@ -172,7 +172,7 @@ class Trainer:
             # their defaults, since left alone they rise to each freed buffer's size (up to
             # 32 MiB) and keep such buffers in the heap after all (see common.alloc)
             retain_freed_memory(self.run_cfg.retain_freed_memory)
-            dense.pool_freed(self.run_cfg.pool_buffers)  # the tall [N, D] buffers
+            dense.pool_freed(self.run_cfg.pools_buffers)  # the tall [N, D] buffers
         self.shard, self.model = shard_and_model(source, parallel, model, seed=self.run_cfg.seed,
                                                  gemm=self.run_cfg.gemm)
         self.model.to(device)
@@ -238,6 +238,7 @@ class Trainer:
                                      group_o=self.group_o, group_p=self.group_p,
                                      stats=self.stats)
         del logits  # the evaluation pass must not find this pass's logits still alive
+        dense.hand_back_pooled()  # every activation alive: the step's usual peak
         loss.backward()
         self.optimizer.step()
         loss_value = loss.item()
@@ -310,8 +311,19 @@ def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None,
     sets ``trainer.preempted`` and returns early.
     """
     ck, epochs = checkpoint or trainer.checkpoint, trainer.run_cfg.epochs
-    p, every = trainer.parallel, trainer.run_cfg.eval_every
+    every = trainer.run_cfg.eval_every
     rows = []
+    try:
+        _epochs(trainer, ck, epochs, every, rows, on_row, should_stop)
+    finally:
+        dense.hand_back_pooled()  # no idle tall buffer kept past the loop
+    return rows
+
+
+def _epochs(trainer: Trainer, ck: CheckpointConfig, epochs: int, every: int,
+            rows: list[dict[str, Any]], on_row: Callable[[dict[str, Any]], None] | None,
+            should_stop: Callable[[], bool] | None) -> None:
+    p = trainer.parallel
     while trainer.epoch < epochs:
         row = trainer.train_step()
         stop = should_stop is not None and any_rank(should_stop(), p.device, p.transport)
@@ -329,7 +341,6 @@ def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None,
         if stop:
             trainer.preempted = True
             break
-    return rows
 
 
 _loop = run  # train_gcn's keyword ``run`` (the RunConfig) hides the function

@@ -170,27 +170,52 @@ def test_a_freed_buffer_serves_the_next_request_of_its_shape_or_a_smaller_one(po
 
 
 @ONEDNN_TN
-def test_the_pool_never_holds_more_than_was_in_use_at_once(pooling):
+def test_the_pool_keeps_few_idle_buffers(pooling):
+    """A miss hands back at least what it asks for (so the total never exceeds the most in
+    use at once), one idle buffer of a shape at most, none after hand_back_pooled."""
     import gc
 
-    a, b = dense.empty(1024, 64), dense.empty(1024, 64)  # 2 x 256 KiB in use at once
-    del a, b
+    small, big = 2048 * 64, 1024 * 512  # elements
+    a, b = dense.empty(2048, 64), dense.empty(2048, 64)
+    del a
     gc.collect()
-    assert pooling.pooled == 2 * 4 * 1024 * 64 and pooling.mark == 2 * 4 * 1024 * 64
-    c = dense.empty(1024, 512)  # fits neither, and 2 MiB is a new mark: both go back
-    assert pooling.mark == 4 * 1024 * 512 and pooling.pooled == 0
-    del c
+    assert pooling.pooled == 4 * small
+    del b  # a second idle [2048, 64] replaces the first
     gc.collect()
-    e = dense.empty(1024, 256)  # half of c: served by it
-    assert pooling.pooled == 0 and pooling.in_use == 4 * 1024 * 512
-    f = dense.empty(1024, 300)  # a miss within the mark: c is in use, nothing to hand back
-    assert pooling.in_use == 4 * 1024 * (512 + 300) and pooling.mark == pooling.in_use
-    del e, f
+    assert pooling.pooled == 4 * small and len(pooling.free) == 1
+    c = dense.empty(1024, 80)  # served by it (5/8 of its size): nothing idle
+    d = dense.empty(1024, 512)  # a miss, nothing to hand back
+    assert pooling.pooled == 0 and pooling.in_use == 4 * (small + big) == pooling.mark
+    del c, d
     gc.collect()
-    assert pooling.pooled == 4 * 1024 * (512 + 300)
-    d = dense.empty(2048, 700)  # a new mark above both: they go back, oldest first
-    assert pooling.pooled == 0 and pooling.in_use == pooling.mark == 4 * 2048 * 700
-    del d
+    assert pooling.pooled == 4 * (small + big)
+    e = dense.empty(4096, 300)  # a miss larger than both: both go back
+    assert pooling.pooled == 0 and pooling.in_use == 4 * 4096 * 300 == pooling.mark
+    del e
+    gc.collect()
+    f = dense.empty(1024, 72)  # too small for e (1/16 of it): a miss, and e goes back
+    assert pooling.pooled == 0 and pooling.in_use == 4 * 1024 * 72 <= pooling.mark
+    del f
+    gc.collect()
+    assert pooling.pooled == 4 * 1024 * 72
+    dense.hand_back_pooled()
+    assert pooling.pooled == 0 and pooling.free == [] and pooling.enabled
+
+
+@ONEDNN_TN
+def test_a_pooled_buffer_unused_for_age_requests_goes_back(pooling):
+    import gc
+
+    f, x = dense.empty(1024, 72), dense.empty(8192, 64)  # f too small to be served by x
+    del f, x
+    gc.collect()
+    for _ in range(dense.AGE):
+        x = dense.empty(8192, 64)  # served by x's buffer every time
+        del x
+        gc.collect()
+        assert any(t.shape == (1024, 72) for t in pooling.free)
+    dense.empty(8192, 64)  # the AGE + 1-th request since f was pooled
+    assert all(t.shape != (1024, 72) for t in pooling.free)
 
 
 @ONEDNN_TN

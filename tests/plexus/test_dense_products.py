@@ -75,8 +75,8 @@ def test_the_gemm_option_is_checked():
 
 @pytest.mark.skipif(not dense.onednn_tn_available(), reason="this torch has no oneDNN")
 def test_pooled_buffers_train_alike(monkeypatch):
-    """``pool_buffers`` reuses memory, not numbers: the same history as without it, and the
-    pool really served requests."""
+    """``pool_buffers`` (on by default) reuses memory, not numbers: the same history as
+    without it, and the pool really served requests."""
     served = []
     real = dense._Pool.take
 
@@ -87,17 +87,20 @@ def test_pooled_buffers_train_alike(monkeypatch):
         return got
 
     monkeypatch.setattr(dense._Pool, "take", take)
-    pooled = _train("auto", dropout=0.5, pool_buffers=True)
+    pooled = _train("auto", dropout=0.5)  # the default
     assert dense._POOL.enabled and any(served), "the pool served no request"
-    plain = _train("auto", dropout=0.5)
+    plain = _train("auto", dropout=0.5, pool_buffers=False)
     assert not dense._POOL.enabled and dense._POOL.free == []
     for a, b in zip(pooled["history"], plain["history"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
-def test_pool_buffers_is_an_opt_in_flag():
+def test_pool_buffers_follows_retain_freed_memory_unless_given():
     from plexus.train import parse_args
 
-    assert not parse_args(["--dataset", "cora"]).pool_buffers
-    assert parse_args(["--dataset", "cora", "--pool-buffers"]).pool_buffers
-    assert not RunConfig().pool_buffers
+    assert parse_args(["--dataset", "cora"]).pool_buffers is None
+    assert parse_args(["--dataset", "cora", "--pool-buffers"]).pool_buffers is True
+    assert parse_args(["--dataset", "cora", "--no-pool-buffers"]).pool_buffers is False
+    assert RunConfig().pools_buffers and not RunConfig(retain_freed_memory=False).pools_buffers
+    assert not RunConfig(pool_buffers=False).pools_buffers
+    assert RunConfig(retain_freed_memory=False, pool_buffers=True).pools_buffers

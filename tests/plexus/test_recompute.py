@@ -78,9 +78,10 @@ class _Probe(torch.autograd.Function):
 
 
 class _Fresh(torch.autograd.Function):
-    """``x * w``, returning a fresh gradient whose address it records."""
+    """``x * w``, returning a fresh gradient that it keeps (so no other block can take its
+    address)."""
 
-    made: ClassVar[list[int]] = []
+    made: ClassVar[list[torch.Tensor]] = []
 
     @staticmethod
     def forward(ctx, x, w):
@@ -91,7 +92,7 @@ class _Fresh(torch.autograd.Function):
     def backward(ctx, dy):
         (w,) = ctx.saved_tensors
         dx = torch.mul(dy, w, out=dense.empty_like(dy))
-        _Fresh.made.append(dx.data_ptr())
+        _Fresh.made.append(dx)
         return dx, None
 
 
@@ -118,7 +119,8 @@ def test_spent_relu_and_dropout_write_over_their_inputs_with_the_same_values(sha
         y = apply_dropout(r, keep, 0.3, spent=spent)
         assert (y.data_ptr() == q.data_ptr()) == spent  # dropout wrote over relu(q)
         _Fresh.apply(y, w).sum().backward()
-        assert (_Probe.seen == _Fresh.made) == spent  # the consumer's gradient, overwritten
+        made = [t.data_ptr() for t in _Fresh.made]
+        assert (_Probe.seen == made) == spent  # the consumer's gradient, overwritten
         got[spent] = (y.detach(), x.grad)
     assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
     factor = torch.ones(()) / (1.0 - 0.3)  # dropout's scale, as plexus.layers.dropped has it
