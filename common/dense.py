@@ -65,8 +65,6 @@ MIN_WORK = 1 << 20
 BLOCK_BYTES = 4 << 20
 # a pooled buffer serves a request of another shape if at most this many times its size
 FIT = 4
-# a pooled buffer that served none of this many requests since it was pooled goes back
-AGE = 6
 
 
 @functools.cache
@@ -188,24 +186,21 @@ class _Pool:
     and is at most :data:`FIT` times its size (the request then gets its first elements, as a
     tensor of its own, which :func:`tn` leaves to torch), else a new one.
 
-    Idle pooled buffers are memory other tensors cannot use, so the pool keeps few:
-    - a request it cannot serve hands back at least as many pooled bytes as it asks for,
-      oldest first: the pool's total (in use and pooled) never grows while it holds what
-      could make room, and so never exceeds the most that was in use at one time (``mark``);
-    - one idle buffer of a shape at most (a second freed one replaces the first);
-    - a buffer that served none of the next :data:`AGE` requests goes back;
-    - :func:`hand_back_pooled` empties it where a step's memory peaks.
+    Idle pooled buffers are memory other tensors cannot use, so the pool keeps few: a request
+    it cannot serve hands back at least as many pooled bytes as it asks for, oldest first (the
+    pool's total, in use and pooled, never grows while it holds what could make room, and so
+    never exceeds the most that was in use at one time: ``mark``), and
+    :func:`hand_back_pooled` empties it where a step's memory peaks.
     Measured on the 1M-node papers100M-format graph (one rank, hidden 64, 4 epochs): the peak
-    2468 MiB against 2354 without the pool (+4.8%; the first version, bounded by ``mark``
-    alone, +14%); on the 200K-node bench graph and at ogbn-products' size within 1%.
+    about 6% above the run without the pool (the first version, bounded by ``mark`` alone,
+    14%); about 1% or less on the 200K-node bench graph and at ogbn-products' size
+    (docs/benchmarks.md).
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.enabled = False
         self.free: list[torch.Tensor] = []  # oneDNN tensors, oldest first
-        self.stamps: list[int] = []  # for each, the count of requests when it was pooled
-        self.requests = 0
         self.in_use = self.pooled = self.mark = 0  # bytes
         # buffers freed while the lock was held, not yet counted: see give
         self.returned: collections.deque[torch.Tensor] = collections.deque()
@@ -216,9 +211,6 @@ class _Pool:
         need = rows * cols
         with self.lock:
             self._settle()
-            self.requests += 1
-            while self.free and self.requests - self.stamps[0] > AGE:  # unused too long
-                self._drop(0)
             fits = [i for i, t in enumerate(self.free) if need <= t.numel() <= FIT * need]
             exact = [i for i in fits if tuple(self.free[i].shape) == (rows, cols)]
             if exact or fits:  # the same shape, the last freed (the warmest); else the smallest
@@ -258,17 +250,11 @@ class _Pool:
             size = 4 * onednn.numel()
             self.in_use -= size
             if self.enabled:
-                # one idle buffer of a shape at most: an older one of its shape goes back
-                same = [i for i, t in enumerate(self.free) if t.shape == onednn.shape]
-                for i in reversed(same):
-                    self._drop(i)
                 self.free.append(onednn)
-                self.stamps.append(self.requests)
                 self.pooled += size
 
     def _drop(self, i: int) -> torch.Tensor:
         """Take the i-th pooled buffer out of the pool (with the lock held)."""
-        self.stamps.pop(i)
         got = self.free.pop(i)
         self.pooled -= 4 * got.numel()
         return got
@@ -277,7 +263,6 @@ class _Pool:
         with self.lock:
             self._settle()
             self.free.clear()
-            self.stamps.clear()
             self.pooled = 0
 
 
