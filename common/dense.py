@@ -186,15 +186,13 @@ class _Pool:
     and is at most :data:`FIT` times its size (the request then gets its first elements, as a
     tensor of its own, which :func:`tn` leaves to torch), else a new one.
 
-    Idle pooled buffers are memory other tensors cannot use, so the pool keeps few: a request
-    it cannot serve hands back at least as many pooled bytes as it asks for, oldest first (the
-    pool's total, in use and pooled, never grows while it holds what could make room, and so
-    never exceeds the most that was in use at one time: ``mark``), and
-    :func:`hand_back_pooled` empties it where a step's memory peaks.
+    Bound: the buffers held, in use and pooled, never exceed the most that were in use at one
+    time before (``mark``): a request the pool cannot serve first hands back, oldest first,
+    what would take the total beyond. Idle pooled buffers are still memory other tensors
+    cannot use, so :func:`hand_back_pooled` empties the pool where a step's memory peaks.
     Measured on the 1M-node papers100M-format graph (one rank, hidden 64, 4 epochs): the peak
-    about 6% above the run without the pool (the first version, bounded by ``mark`` alone,
-    14%); about 1% or less on the 200K-node bench graph and at ogbn-products' size
-    (docs/benchmarks.md).
+    about 5% above the run without the pool (14% with the bound alone); about 1% or less on
+    the 200K-node bench graph and at ogbn-products' size (docs/benchmarks.md).
     """
 
     def __init__(self) -> None:
@@ -219,13 +217,10 @@ class _Pool:
                 self.in_use += 4 * got.numel()
                 self._settle()
                 return got
-            # a miss: new memory comes in, so as much idle memory goes back, oldest first
-            # (the pool's total never grows while it holds what could make room)
-            handed = 0
-            while self.free and handed < 4 * need:
-                handed += 4 * self._drop(0).numel()
             self.in_use += 4 * need
             self.mark = max(self.mark, self.in_use)
+            while self.free and self.in_use + self.pooled > self.mark:  # oldest first
+                self._drop(0)
             self._settle()
         return torch.empty(rows, cols, layout=_ONEDNN_LAYOUT)
 

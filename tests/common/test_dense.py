@@ -170,9 +170,9 @@ def test_a_freed_buffer_serves_the_next_request_of_its_shape_or_a_smaller_one(po
 
 
 @ONEDNN_TN
-def test_the_pool_keeps_few_idle_buffers(pooling):
-    """A miss hands back at least what it asks for, oldest first (so the total never exceeds
-    the most in use at once); hand_back_pooled empties the pool and leaves it on."""
+def test_the_pool_never_holds_more_than_was_in_use_at_once(pooling):
+    """A miss hands back, oldest first, what would take the total (in use and pooled) beyond
+    the most in use at once; hand_back_pooled empties the pool and leaves it on."""
     import gc
 
     small, big = 2048 * 64, 1024 * 512  # elements
@@ -181,17 +181,17 @@ def test_the_pool_keeps_few_idle_buffers(pooling):
     gc.collect()
     assert pooling.pooled == 2 * 4 * small
     c = dense.empty(1024, 80)  # served by one of them (5/8 of its size)
-    d = dense.empty(1024, 512)  # a miss of 2 MiB: the other (512 KiB) goes back
+    d = dense.empty(1024, 512)  # a miss: a new mark, and the other would pass it: it goes
     assert pooling.pooled == 0 and pooling.in_use == 4 * (small + big)
     assert pooling.mark == 4 * (small + big)
     del c, d
     gc.collect()
     assert pooling.pooled == 4 * (small + big)
-    e = dense.empty(4096, 300)  # a miss larger than both: both go back
+    e = dense.empty(4096, 300)  # a miss larger than both: a new mark, both go back
     assert pooling.pooled == 0 and pooling.in_use == 4 * 4096 * 300 == pooling.mark
     del e
     gc.collect()
-    f = dense.empty(1024, 72)  # too small for e (1/16 of it): a miss, and e goes back
+    f = dense.empty(1024, 72)  # too small for e (1/16 of it): a miss; f + e > the mark
     assert pooling.pooled == 0 and pooling.in_use == 4 * 1024 * 72 <= pooling.mark
     del f
     gc.collect()
