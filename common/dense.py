@@ -276,8 +276,8 @@ def pool_freed(enable: bool = True) -> None:
 
 def hand_back_pooled() -> None:
     """Hand the pooled buffers back to the OS now, the pool staying on: called where a step's
-    memory peaks (plexus: before backward, and before the recomputed layer 0's backward),
-    so that idle pooled buffers do not add to the peak."""
+    memory peaks, so that idle pooled buffers do not add to the peak (plexus: before backward
+    and before the recomputed layer 0's backward), and after plexus's training loop."""
     if _POOL.enabled:
         _POOL.release()
 
