@@ -226,6 +226,7 @@ def test_a_larger_buffer_served_to_a_custom_function_can_be_modified_in_place(po
     y.add_(1.0).sum().backward()
     assert torch.equal(x.grad, torch.ones(2048, 64))
 
+
 @ONEDNN_TN
 def test_a_buffer_freed_while_the_pool_is_locked_is_queued_not_waited_for(pooling):
     """The last reference to a buffer can go inside ``_Pool.take`` itself, on the same thread:
