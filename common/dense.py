@@ -299,10 +299,15 @@ def empty(rows: int, cols: int, *, dtype: torch.dtype = torch.float32,
     """``torch.empty(rows, cols, dtype=, device=)``; for a float32 CPU tensor of at least
     :data:`PAIR_MIN` elements where oneDNN runs, over the memory of a oneDNN tensor, so that
     :func:`tn` can read it in place (the module docstring)."""
-    if (torch.device(device).type != "cpu" or dtype != torch.float32
-            or rows * cols < PAIR_MIN or not onednn_tn_available()):
+    if not _pairs(rows * cols, dtype, device):
         return torch.empty(rows, cols, dtype=dtype, device=device)
     return _paired(rows, cols)
+
+
+def _pairs(numel: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether :func:`empty` pairs a 2-D tensor of ``numel`` elements with a oneDNN one."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and numel >= PAIR_MIN and onednn_tn_available())
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -319,8 +324,7 @@ def like_empty(t: torch.Tensor) -> bool:
     the whole of a paired buffer, so that :func:`tn` still reads it in place."""
     if not t.is_contiguous():
         return False
-    if (t.dim() != 2 or t.device.type != "cpu" or t.dtype != torch.float32
-            or t.numel() < PAIR_MIN or not onednn_tn_available()):
+    if t.dim() != 2 or not _pairs(t.numel(), t.dtype, t.device):
         return True
     return _onednn_of(t) is not None
 
