@@ -311,36 +311,30 @@ def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None,
     sets ``trainer.preempted`` and returns early.
     """
     ck, epochs = checkpoint or trainer.checkpoint, trainer.run_cfg.epochs
-    every = trainer.run_cfg.eval_every
+    p, every = trainer.parallel, trainer.run_cfg.eval_every
     rows = []
     try:
-        _epochs(trainer, ck, epochs, every, rows, on_row, should_stop)
+        while trainer.epoch < epochs:
+            row = trainer.train_step()
+            stop = should_stop is not None and any_rank(should_stop(), p.device, p.transport)
+            last = stop or trainer.epoch == epochs
+            if last or trainer.epoch % every == 0:
+                # draws no random numbers (dropout masks are hashed) and only reads batch
+                # norm's running statistics: training is the same whether or not an epoch
+                # is evaluated
+                row.update(trainer.evaluate())
+            trainer.record(row)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+            if ck.dir and (last or (ck.every and trainer.epoch % ck.every == 0)):
+                trainer.save(ck.dir, keep=ck.keep)
+            if stop:
+                trainer.preempted = True
+                break
     finally:
         dense.hand_back_pooled()  # no idle tall buffer kept past the loop
     return rows
-
-
-def _epochs(trainer: Trainer, ck: CheckpointConfig, epochs: int, every: int,
-            rows: list[dict[str, Any]], on_row: Callable[[dict[str, Any]], None] | None,
-            should_stop: Callable[[], bool] | None) -> None:
-    p = trainer.parallel
-    while trainer.epoch < epochs:
-        row = trainer.train_step()
-        stop = should_stop is not None and any_rank(should_stop(), p.device, p.transport)
-        last = stop or trainer.epoch == epochs
-        if last or trainer.epoch % every == 0:
-            # draws no random numbers (dropout masks are hashed) and only reads batch norm's
-            # running statistics: training is the same whether or not an epoch is evaluated
-            row.update(trainer.evaluate())
-        trainer.record(row)
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
-        if ck.dir and (last or (ck.every and trainer.epoch % ck.every == 0)):
-            trainer.save(ck.dir, keep=ck.keep)
-        if stop:
-            trainer.preempted = True
-            break
 
 
 _loop = run  # train_gcn's keyword ``run`` (the RunConfig) hides the function
