@@ -1,7 +1,7 @@
 """One-rank GCN epoch time: ours (Plexus, grid 1x1x1) against PyG's GCNConv, equal work, in one run.
 
     python bench/gcn_epoch.py                       # 200K nodes, 3.2M edges, 128 features
-    python bench/gcn_epoch.py --nodes 20000 --epochs 3   # quick
+    python bench/gcn_epoch.py --nodes 20000 --rounds 1 --warmup 1   # quick
     python bench/gcn_epoch.py --device cuda --nodes 100000   # both on one GPU
 
 Both train the same 3-layer GCN (hidden 128, no bias, AdamW, cross-entropy on the training
@@ -23,8 +23,15 @@ process-wide and read once): ours as it runs by default (huge pages, retained he
 pool of tall buffers, common.dense), PyG as a PyG user has it (neither), with huge pages, and
 with both; the fastest PyG counts. Ours also runs without the pool (``--no-pool-buffers``: the
 tall buffers handed back as PyG's are), printed beside with its own ratio; the target is
-judged on the default. Printed:
-the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35), and the
+judged on the default.
+
+Timing: every process trains ``--warmup`` untimed epochs, then ``--epochs`` timed ones (ours
+reaches its steady epoch after about three: the first touches of memory the VM took back, see
+docs/benchmarks.md). The processes run in ``--rounds`` rounds, each round every side once, the
+order reversed every other round, so that a machine whose speed drifts over minutes slows
+both sides alike; each side's median is over all its timed epochs. Printed:
+the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35) with
+the ratio of each round's medians beside it, and the
 SpMM throughput of our kernel and of torch's CSR matmul against the machine's memory bandwidth
 measured here by a large copy (STREAM-copy style). ``--spmm torch`` runs ours on torch's CSR
 matmul. ``--device cuda`` runs both on one GPU (ours through torch's CSR matmul there, as
@@ -212,7 +219,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--classes", type=int, default=32)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=4, help="timed epochs (after one warm-up)")
+    p.add_argument("--epochs", type=int, default=3,
+                   help="timed epochs per process and round (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed epochs first, in every process (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of every side once, the order reversed every other round "
+                        "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
     p.add_argument("--spmm", choices=SPMM_KERNELS, default="auto",
                    help="our CPU SpMM kernel (ablation: torch)")
@@ -230,6 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=argparse.SUPPRESS)
     p.add_argument("--worker-retain", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.epochs < 1 or args.warmup < 1 or args.rounds < 1:
+        p.error("--epochs, --warmup and --rounds must be at least 1")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if bad := [v for v in args.variants if v not in VARIANTS]:
         p.error(f"unknown variant(s) {bad}; choose from {VARIANTS}")
@@ -255,18 +270,18 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "pyg":
         if args.worker_retain:
             retain_freed_memory()
-        times = pyg_epochs(graph, adj, args.hidden, args.layers, args.epochs + 1, 0.01,
-                           ctx.device, args.variant)[1:]
+        times = pyg_epochs(graph, adj, args.hidden, args.layers, args.warmup + args.epochs,
+                           0.01, ctx.device, args.variant)[args.warmup:]
     else:
-        cfg = split_config(epochs=args.epochs + 1, hidden=args.hidden, num_layers=args.layers,
-                           lr=0.01, spmm=args.spmm, gemm=args.gemm,
+        cfg = split_config(epochs=args.warmup + args.epochs, hidden=args.hidden,
+                           num_layers=args.layers, lr=0.01, spmm=args.spmm, gemm=args.gemm,
                            retain_freed_memory=args.retain,
                            pool_buffers=args.pool_buffers,
                            bias=False, dropout=0.0, optimizer="adamw",
                            learn_features=args.variant == "learn")  # PyG's side's model
         result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
                            device=ctx.device, **cfg)
-        times = [r["epoch_s"] for r in result.history[1:]]
+        times = [r["epoch_s"] for r in result.history[args.warmup:]]
     print(json.dumps({"times": times, "threads": torch.get_num_threads()}), flush=True)
     ctx.close()
 
@@ -278,7 +293,8 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
            variant, "--worker-retain", str(int(retain)), "--nodes", str(args.nodes),
            "--avg-degree", str(args.avg_degree), "--features", str(args.features),
            "--classes", str(args.classes), "--hidden", str(args.hidden), "--layers",
-           str(args.layers), "--epochs", str(args.epochs), "--spmm", args.spmm,
+           str(args.layers), "--epochs", str(args.epochs), "--warmup", str(args.warmup),
+           "--spmm", args.spmm,
            "--gemm", args.gemm,
            "--device", args.device]
     if args.threads:
@@ -293,6 +309,18 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
         sys.exit(f"the {side} worker ({variant}, THP={thp}) failed with exit code "
                  f"{done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["times"]
+
+
+def run_round(args: argparse.Namespace, variant: str,
+              sides: list[tuple[str, str, str, bool, bool | None]]) -> dict[str, list[float]]:
+    """One round: each side's timed epochs, the sides run one after another in this order."""
+    return {name: run_worker(args, side, variant, thp, retain, pool)
+            for name, side, thp, retain, pool in sides}
+
+
+def _round_ratio(got: dict[str, list[float]], ours: str, pyg: list[str]) -> float:
+    """One round's ours/PyG: our median over the fastest PyG median of that round."""
+    return statistics.median(got[ours]) / min(statistics.median(got[n]) for n in pyg)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,30 +349,32 @@ def main(argv: list[str] | None = None) -> None:
         what = ("fixed features (A X computed once on both sides)" if variant == "fixed"
                 else "trainable features (every SpMM every epoch)")
         print(f"\n{variant}: {what}", flush=True)
-        rows = [(f"ours (Plexus 1x1x1), {ours_label}",
-                 run_worker(args, "ours", variant, "1", args.retain))]
+        # (name, side, THP_MEM_ALLOC_ENABLE, retained heap, pool): ours first, PyG's after
+        sides = [(f"ours (Plexus 1x1x1), {ours_label}", "ours", "1", args.retain, None)]
         if device.type == "cpu":  # without the pool of tall buffers, printed beside
-            unpooled = run_worker(args, "ours", variant, "1", args.retain, pool=False)
-        for label, thp, retain in settings:
-            rows.append((f"PyG GCNConv (CSR), {label}",
-                         run_worker(args, "pyg", variant, thp, retain)))
-        best_name, best = min(((n, statistics.median(t)) for n, t in rows[1:]),
-                              key=lambda nt: nt[1])
-        if device.type == "cpu":
-            rows.insert(1, ("ours, --no-pool-buffers", unpooled))
+            sides.append(("ours, --no-pool-buffers", "ours", "1", args.retain, False))
+        sides += [(f"PyG GCNConv (CSR), {label}", "pyg", thp, retain, None)
+                  for label, thp, retain in settings]
+        rounds = [run_round(args, variant, sides[::-1] if r % 2 else sides)
+                  for r in range(args.rounds)]
+        times = {name: [t for got in rounds for t in got[name]] for name, *_ in sides}
+        pyg = [name for name, side, *_ in sides if side == "pyg"]
+        best_name = min(pyg, key=lambda n: statistics.median(times[n]))
+        best = statistics.median(times[best_name])
         print(f"{'':48}{'median s/epoch':>16}{'min':>10}{'max':>10}")
-        for name, times in rows:
-            print(f"{name:48}{statistics.median(times):>16.3f}{min(times):>10.3f}"
-                  f"{max(times):>10.3f}", flush=True)
-        ours = statistics.median(rows[0][1])
+        for name, *_ in sides:
+            print(f"{name:48}{statistics.median(times[name]):>16.3f}{min(times[name]):>10.3f}"
+                  f"{max(times[name]):>10.3f}", flush=True)
+        ours = statistics.median(times[sides[0][0]])
         ratios[variant] = ours / best
+        each = ", ".join(f"{_round_ratio(got, sides[0][0], pyg):.3f}" for got in rounds)
         print(f"{variant}: ours/PyG {ours / best:.3f} against {best_name.split(', ')[1]} "
               f"(the fastest PyG)  (target <= {TARGET}: "
-              f"{'met' if ours / best <= TARGET else 'MISSED'})")
+              f"{'met' if ours / best <= TARGET else 'MISSED'}); round by round {each}")
         if device.type == "cpu":
             print(f"{variant}: with --no-pool-buffers ours/PyG "
-                  f"{statistics.median(unpooled) / best:.3f} (every tall buffer a fresh "
-                  "mmap: on a VM that hands freed pages to its host, some stall)")
+                  f"{statistics.median(times[sides[1][0]]) / best:.3f} (every tall buffer a "
+                  "fresh mmap: on a VM that hands freed pages to its host, some stall)")
     if ratios:  # the line bench/gpu_check.py reads, and ours' time of the first workload
         first = args.variants[0]
         print(f"\nratio ours/PyG: {ratios[first]:.3f}  ({first}; target <= {TARGET})")

@@ -39,7 +39,7 @@ GRACE_S = 15.0  # after a command's limit, before it is killed (pytest writes it
 NO_GPU = "no CUDA device: nothing to check"
 JUNIT = "pytest-gpu.xml"  # pytest's report, in the log directory
 # small GPU settings: a 100K-node graph (1.6M edges), the small GPT on 8 x 256 tokens
-GCN_ARGS = ["--device", "cuda", "--nodes", "100000", "--epochs", "5"]
+GCN_ARGS = ["--device", "cuda", "--nodes", "100000", "--epochs", "5", "--rounds", "1"]
 LLM_ARGS = ["--device", "cuda", "--preset", "small", "--batch-size", "8", "--seq-len", "256",
             "--steps", "20", "--warmup", "3", "--threads", "0"]
 

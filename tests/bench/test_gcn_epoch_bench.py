@@ -1,0 +1,88 @@
+"""bench/gcn_epoch.py's rounds, in process: every side runs once a round, the order reversed
+every other round; each side's median is over all its rounds; the ratio is against the fastest
+PyG setting; each round's ratio is its own medians'. The workers are replaced by fixed epoch
+times, so the printed figures can be recomputed exactly (the real workers run in
+tests/bench/test_gpu_check.py)."""
+
+import importlib.util
+import re
+import statistics
+import sys
+
+import pytest
+
+from tests.distributed import ROOT
+
+SCRIPT = ROOT / "bench" / "gcn_epoch.py"
+# (side, THP, retained heap, pool) -> epoch times of round 0, round 1
+TIMES = {("ours", "1", True, None): ([0.30, 0.32, 0.31], [0.40, 0.41, 0.42]),
+         ("ours", "1", True, False): ([0.50, 0.60, 0.55], [0.52, 0.53, 0.54]),
+         ("pyg", "0", False, None): ([1.30, 1.20, 1.25], [1.35, 1.36, 1.37]),
+         ("pyg", "1", False, None): ([1.00, 1.10, 1.05], [1.30, 1.31, 1.32]),
+         ("pyg", "1", True, None): ([1.10, 1.15, 1.12], [1.20, 1.22, 1.21])}
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("gcn_epoch_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def bench(monkeypatch):
+    module = _bench_module()
+    calls = []
+
+    def run_worker(args, side, variant, thp, retain, pool=None):
+        key = (side, thp, retain, pool)
+        calls.append(key)
+        return list(TIMES[key][sum(c == key for c in calls) - 1])
+
+    monkeypatch.setattr(module, "run_worker", run_worker)
+    # the throughput lines after the ratios are not under test here
+    monkeypatch.setattr(module, "memory_bandwidth", lambda **_: 1.0)
+    monkeypatch.setattr(module, "spmm_throughput", lambda *a, **k: {})
+    monkeypatch.setattr(module, "gemm_throughput", lambda *a, **k: {"relative difference": 0})
+    monkeypatch.setattr(module, "weight_grad_throughput",
+                        lambda *a, **k: {"relative difference": 0})
+    return module, calls
+
+
+def test_rounds_reverse_the_order_and_pool_every_round(bench, capsys):
+    module, calls = bench
+    module.main(["--nodes", "500", "--rounds", "2", "--variants", "fixed", "--threads", "1"])
+    out = capsys.readouterr().out
+    order = list(TIMES)
+    assert calls == order + order[::-1]  # every side once a round, reversed in the second
+
+    def median(key):
+        return statistics.median(TIMES[key][0] + TIMES[key][1])
+
+    ours = median(order[0])
+    fastest = min(order[2:], key=median)  # over both rounds: huge pages + retained heap
+    assert fastest == ("pyg", "1", True, None)
+    row = re.search(r"^ours \(Plexus 1x1x1\)[^\n]*?\s{2,}([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                    out, re.M)
+    assert row and float(row[1]) == pytest.approx(ours, abs=5e-4)
+    assert (float(row[2]), float(row[3])) == (0.30, 0.42)
+    got = re.search(r"^fixed: ours/PyG ([\d.]+) against huge pages \+ retained heap .*"
+                    r"round by round ([\d.]+), ([\d.]+)$", out, re.M)
+    assert got, out
+    assert float(got[1]) == pytest.approx(ours / median(fastest), abs=5e-4)
+    # each round against its own fastest PyG (round 0: huge pages; round 1: + retained heap)
+    for r in range(2):
+        pyg = min(statistics.median(TIMES[k][r]) for k in order[2:])
+        assert float(got[2 + r]) == pytest.approx(statistics.median(TIMES[order[0]][r]) / pyg,
+                                                  abs=5e-4)
+    assert re.search(r"^ratio ours/PyG: ([\d.]+)", out, re.M)[1] == got[1]
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--warmup", "--epochs"])
+def test_counts_below_one_are_refused(bench, flag, capsys):
+    module, _ = bench
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args([flag, "0"])
+    assert exc.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
