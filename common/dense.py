@@ -189,10 +189,11 @@ class _Pool:
     Bound: the buffers held, in use and pooled, never exceed the most that were in use at one
     time before (``mark``): a request the pool cannot serve first hands back, oldest first,
     what would take the total beyond. Idle pooled buffers are still memory other tensors
-    cannot use, so :func:`hand_back_pooled` empties the pool where a step's memory peaks.
-    Measured on the 1M-node papers100M-format graph (one rank, hidden 64, 4 epochs): the peak
-    about 5% above the run without the pool (14% with the bound alone); about 1% or less on
-    the 200K-node bench graph and at ogbn-products' size (docs/benchmarks.md).
+    cannot use, so :func:`hand_back_pooled` empties the pool where a step's memory peaks, or
+    where a freed buffer would otherwise wait idle through most of the step. Measured on the
+    1M-node papers100M-format graph (one rank, hidden 64, 4 epochs): the peak as without the
+    pool (14% above it with the bound alone); about 1% or less above it on the 200K-node
+    bench graph and at ogbn-products' size (docs/benchmarks.md).
     """
 
     def __init__(self) -> None:
@@ -277,7 +278,9 @@ def pool_freed(enable: bool = True) -> None:
 def hand_back_pooled() -> None:
     """Hand the pooled buffers back to the OS now, the pool staying on: called where a step's
     memory peaks, so that idle pooled buffers do not add to the peak (plexus: before backward
-    and before the recomputed layer 0's backward), and after plexus's training loop."""
+    and before the recomputed or remade layer 0's backward), after that layer's forward (its
+    input, made again in backward, would wait idle through the step) and after plexus's
+    training loop."""
     if _POOL.enabled:
         _POOL.release()
 

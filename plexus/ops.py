@@ -286,6 +286,7 @@ class RecomputedMatmul(torch.autograd.Function):
                 dense.mm(x, full[0], backend=gemm, out=q[lo:hi])
             else:
                 q[lo:hi] += dense.mm(x, full[1], backend=gemm)
+        dense.hand_back_pooled()  # F' of the blocks, made again in backward: not kept idle
         return q
 
     @staticmethod
@@ -326,7 +327,10 @@ class RemadeInputMatmul(torch.autograd.Function):
         ctx.dtype = full[0].dtype  # of the products and their gradients (float32)
         f = make()
         f = f if f.dtype == ctx.dtype else f.to(ctx.dtype)
-        return tuple(dense.mm(f, x, backend=gemm) for x in full)
+        out = tuple(dense.mm(f, x, backend=gemm) for x in full)
+        del f
+        dense.hand_back_pooled()  # F', made again in backward: not kept idle
+        return out
 
     @staticmethod
     def backward(ctx: Any, *dgs):
