@@ -25,11 +25,12 @@ with both; the fastest PyG counts. Ours also runs without the pool (``--no-pool-
 tall buffers handed back as PyG's are), printed beside with its own ratio; the target is
 judged on the default.
 
-Timing: every process trains ``--warmup`` untimed epochs, then ``--epochs`` timed ones (ours
-reaches its steady epoch after about three: the first touches of memory the VM took back, see
-docs/benchmarks.md). The processes run in ``--rounds`` rounds, each round every side once, the
-order reversed every other round, so that a machine whose speed drifts over minutes slows
-both sides alike; each side's median is over all its timed epochs. Printed:
+Timing: every process trains ``--warmup`` untimed epochs, then ``--epochs`` timed ones (ours'
+first epochs after the first are slower, about three of them; docs/benchmarks.md). The
+processes run in ``--rounds`` rounds, each round every side once, the order reversed every
+other round, so that a machine whose speed drifts over minutes slows both sides alike and
+one slow process moves no median by much; each side's median is over all its timed epochs.
+Printed:
 the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35) with
 the ratio of each round's medians beside it, and the
 SpMM throughput of our kernel and of torch's CSR matmul against the machine's memory bandwidth
@@ -223,7 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed epochs per process and round (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed epochs first, in every process (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--rounds", type=int, default=3,
                    help="rounds of every side once, the order reversed every other round "
                         "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
