@@ -136,6 +136,82 @@ def test_async_collectives_progress_without_wait():
         assert all(agree), agree  # max_over_ranks / any_rank as gloo's; objects
 
 
+
+class _CountingComm:
+    """A communicator that counts its all-reduce calls (blocking and not) and passes every
+    call on."""
+
+    def __init__(self, comm):
+        self.comm, self.calls = comm, 0
+
+    def Allreduce(self, *args, **kwargs):  # noqa: N802 (mpi4py's name)
+        self.calls += 1
+        return self.comm.Allreduce(*args, **kwargs)
+
+    def Iallreduce(self, *args, **kwargs):  # noqa: N802 (mpi4py's name)
+        self.calls += 1
+        return self.comm.Iallreduce(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+
+def _pieces(ctx):
+    """All-reduces in pieces of 64 bytes (rank 1 asks for 128: the ranks agree on the
+    smaller) against gloo's whole ones, every dtype, sync, queued and polite; and the number
+    of MPI calls one all-reduce makes."""
+    import os
+
+    from common.mpi import ENV_ALLREDUCE_PIECE
+
+    os.environ[ENV_ALLREDUCE_PIECE] = str(64 * (1 + ctx.rank))
+    failures, calls, pieces = [], [], []
+    for polite in ("none", "all"):
+        t = MPITransport(polite=polite)
+        try:
+            pieces.append(t.piece)
+            grid = ProcessGrid.parse("1x2x1", PLEXUS_AXES)
+            mpi = grid.create_groups(ctx.rank, [("y",)], transport=t)
+            gloo = grid.create_groups(ctx.rank, [("y",)], transport=None)
+            for dtype in DTYPES:
+                want, got = _results(gloo, dtype), _results(mpi, dtype)
+                failures += [f"polite={polite} {dtype} {key} differs"
+                             for key, w in want.items() if not torch.equal(got[key], w)]
+            m = mpi["y"].mpi
+            m.comm = counting = _CountingComm(m.comm)
+            x = _data(ctx.rank, (100,), torch.float32)  # 400 bytes: 6 pieces of 64, then 16
+            got = coll.all_reduce(x, mpi["y"])
+            calls.append(counting.calls)
+            want = coll.all_reduce(x, gloo["y"])
+            if not torch.equal(got, want):
+                failures.append(f"polite={polite} the 400-byte all-reduce differs")
+        finally:
+            t.close()
+    return failures, calls, pieces
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_large_all_reduces_run_in_pieces_with_the_same_result():
+    for failures, calls, pieces in run_ranks(_pieces, 2, comm="mpi"):
+        assert not failures, "\n".join(failures[:20])
+        assert pieces == [64, 64]
+        assert calls == [7, 7]
+
+
+def test_the_piece_size_comes_from_the_environment(monkeypatch):
+    from common.mpi import ALLREDUCE_PIECE_BYTES, ENV_ALLREDUCE_PIECE, _piece_from_env
+
+    monkeypatch.delenv(ENV_ALLREDUCE_PIECE, raising=False)
+    assert _piece_from_env() == ALLREDUCE_PIECE_BYTES
+    monkeypatch.setenv(ENV_ALLREDUCE_PIECE, "0")
+    assert _piece_from_env() == 0
+    for bad in ("-1", "4MiB"):
+        monkeypatch.setenv(ENV_ALLREDUCE_PIECE, bad)
+        with pytest.raises(ValueError, match=r"HPC_MPI_ALLREDUCE_PIECE=.*size in bytes"):
+            _piece_from_env()
+
+
 def test_progress_thread_runs_jobs_in_order_and_hands_back_errors():
     p = ProgressThread()
     try:
