@@ -3,14 +3,13 @@
 sage, and prints one table row per pair with finite numbers on both sides. The 1-point
 parity target is not asserted at quick settings (30 epochs, 2 seeds); the full run checks it."""
 
-import importlib.util
 import json
 import math
 import re
-import sys
 
 import pytest
 
+from tests.bench.scripts import load_bench
 from tests.distributed import ROOT, launch
 
 SCRIPT = ROOT / "bench" / "accuracy.py"
@@ -20,14 +19,6 @@ ACC = rf"\s+{NUM}\+-{NUM}"
 ROW = re.compile(r"^(planted|arxiv-like)\s+(gcn|sage)" + ACC * 4 + r"\s+([+-][0-9.]+|nan)"
                  + rf"\s+{NUM} / {NUM}" * 2 + r"\s+(PASS|FAIL)\s*$")
 CHANCE = {"planted": 100 / 8, "arxiv-like": 100 / 5}  # points: the graphs' planted classes
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("accuracy_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -57,7 +48,7 @@ def test_bench_accuracy_quick_prints_both_sides(tmp_path):
 
 
 def test_rows_pass_within_tolerance_and_select_first_best_val():
-    bench = _bench_module()
+    bench = load_bench("accuracy")
     history = [{"epoch": e, "val_acc": v, "test_acc": t, "epoch_s": 0.1, "eval_s": 0.05}
                for e, (v, t) in enumerate([(0.5, 0.4), (0.7, 0.6), (0.7, 0.9), (0.6, 0.8)], 1)]
     run = bench.summarize(history)

@@ -3,35 +3,25 @@ tokenizer.json built locally, fine-tuned through llm.train --init with and witho
 loss, memorization evaluated, KV-cache decoding timed; every figure is printed and in the JSON.
 The checks' thresholds need the full run (minutes), so only their presence is asserted here."""
 
-import importlib.util
 import json
 import math
-import sys
 
 import pytest
 
-from tests.distributed import ROOT
+from tests.bench.scripts import load_bench
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-SCRIPT = ROOT / "bench" / "finetune_goldfish.py"
 TOY = ["--vocab", "300", "--layers", "1", "--hidden", "32", "--ffn", "64", "--heads", "2",
        "--docs", "4", "--seq-len", "32", "--suffix-len", "8", "--epochs", "2",
        "--batch-size", "4", "--eval-batches", "1", "--prompt-len", "8", "--new-tokens", "16",
        "--repeats", "1", "--threads", "1", "--json"]
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("finetune_goldfish_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_bench_runs_at_toy_sizes(tmp_path, capsys):
-    code = _bench_module().main([*TOY, "--out", str(tmp_path)])
+    code = load_bench("finetune_goldfish").main([*TOY, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert code == (0 if all(result["checks"].values()) else 1)

@@ -4,16 +4,13 @@ PyG setting; each round's ratio is its own medians'. The workers are replaced by
 times, so the printed figures can be recomputed exactly (the real workers run in
 tests/bench/test_gpu_check.py)."""
 
-import importlib.util
 import re
 import statistics
-import sys
 
 import pytest
 
-from tests.distributed import ROOT
+from tests.bench.scripts import load_bench
 
-SCRIPT = ROOT / "bench" / "gcn_epoch.py"
 # (side, THP, retained heap, pool) -> epoch times of round 0, round 1
 TIMES = {("ours", "1", True, None): ([0.30, 0.32, 0.31], [0.40, 0.41, 0.42]),
          ("ours", "1", True, False): ([0.50, 0.60, 0.55], [0.52, 0.53, 0.54]),
@@ -22,17 +19,10 @@ TIMES = {("ours", "1", True, None): ([0.30, 0.32, 0.31], [0.40, 0.41, 0.42]),
          ("pyg", "1", True, None): ([1.10, 1.15, 1.12], [1.20, 1.22, 1.21])}
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("gcn_epoch_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture()
 def bench(monkeypatch):
-    module = _bench_module()
+    module = load_bench("gcn_epoch")
     calls = []
 
     def run_worker(args, side, variant, thp, retain, pool=None):

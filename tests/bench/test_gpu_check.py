@@ -3,7 +3,6 @@ read from the two benches' real output (run here on the CPU with ``--device cpu`
 read from a real pytest JUnit report, the table, the no-GPU message, and that ``pytest -m gpu``
 collects the GPU tests of both packages."""
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,22 +10,14 @@ import textwrap
 
 import pytest
 
+from tests.bench.scripts import load_bench
 from tests.distributed import ROOT, launch_env
 
-SCRIPT = ROOT / "bench" / "gpu_check.py"
 # the GPU tests tests/llm/test_gpu.py holds (its parametrizations counted), at least
 NUM_LLM_GPU_TESTS = 23
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load()
+gpu_check = load_bench("gpu_check")
 
 
 def test_the_commands_are_every_gpu_test_and_both_benches_on_cuda_within_the_budget(tmp_path):

@@ -7,17 +7,16 @@ description of failures (the OOM killer's SIGKILL, an allocator's error) and the
 checked on made-up rows. No time or memory is compared with a threshold."""
 
 import gzip
-import importlib.util
 import io
 import json
 import re
 import signal
 import statistics
-import sys
 
 import numpy as np
 import pytest
 
+from tests.bench.scripts import load_bench
 from tests.distributed import ROOT, launch, needs_mpi
 
 SCRIPT = ROOT / "bench" / "products_scale.py"
@@ -36,13 +35,6 @@ def printed_as(text: str, value: float) -> bool:
     decimals = len(text.partition(".")[2])
     return abs(float(text) - value) <= 0.5 * 10.0 ** -decimals + 1e-9 * abs(value)
 
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("products_scale_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def printed_rows(stdout: str) -> dict[tuple[str, int], str]:
@@ -145,7 +137,7 @@ def test_products_scale_prints_what_it_measured_and_survives_a_failed_pyg(tmp_pa
 
 
 def test_failures_are_described():
-    bench = _bench_module()
+    bench = load_bench("products_scale")
     assert bench.describe_failure(-signal.SIGKILL, ["epoch 1/3"]) == (
         "killed by SIGKILL (signal 9), as the kernel's OOM killer does", True)
     alloc = ("RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
@@ -164,7 +156,7 @@ def test_failures_are_described():
 
 
 def test_verdicts_follow_the_targets():
-    bench = _bench_module()
+    bench = load_bench("products_scale")
 
     def side(ranks, seconds, peak_sum):
         return {"ranks": ranks, "ok": True, "median_epoch_s": seconds, "peak_sum_bytes": peak_sum}
@@ -184,7 +176,7 @@ def test_verdicts_follow_the_targets():
 
 
 def test_csv_text_reads_back():
-    bench = _bench_module()
+    bench = load_bench("products_scale")
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((50, 7)) * 30).astype(np.float32)
     x[0, :4] = [0.0, -4e-7, 6e-7, -12.5]

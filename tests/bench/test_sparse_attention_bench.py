@@ -4,29 +4,17 @@ refit interval given), QuantSpec, the plot or CSV and the checks. The Loki thres
 full run's model, so only its presence and the exit status's agreement with the checks are
 asserted here."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from tests.distributed import ROOT
-
-SCRIPT = ROOT / "bench" / "sparse_attention.py"
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("sparse_attention_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.scripts import load_bench
 
 
 def test_quick_run_prints_every_row(tmp_path, capsys):
-    code = _bench_module().main(["--quick", "--out", str(tmp_path / "run"),
-                                 "--results", str(tmp_path / "results"), "--json",
-                                 "--sift-warmup", "3", "--sift-refit-every", "4"])
+    code = load_bench("sparse_attention").main(
+        ["--quick", "--out", str(tmp_path / "run"), "--results", str(tmp_path / "results"),
+         "--json", "--sift-warmup", "3", "--sift-refit-every", "4"])
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     checks = result["checks"]
@@ -55,5 +43,5 @@ def test_quick_run_prints_every_row(tmp_path, capsys):
 @pytest.mark.parametrize("flags", [["--sift-warmup", "1"], ["--sift-refit-every", "-2"]])
 def test_bad_sift_flags_are_refused(flags, capsys):
     with pytest.raises(SystemExit):
-        _bench_module().parse_args(flags)
+        load_bench("sparse_attention").parse_args(flags)
     assert "--sift-warmup >= 2 and --sift-refit-every >= 0" in capsys.readouterr().err

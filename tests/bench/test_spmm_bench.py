@@ -4,16 +4,15 @@ follows the stated formula on the bench's own matrices; the verdict follows the 
 blocked variant is bit-identical to the row kernel (exit 0). No time is compared with a
 threshold."""
 
-import importlib.util
 import json
 import math
 import re
 import statistics
-import sys
 
 import numpy as np
 
 from common.mpi import cores_available
+from tests.bench.scripts import load_bench
 from tests.distributed import ROOT, launch
 
 SCRIPT = ROOT / "bench" / "spmm.py"
@@ -32,13 +31,6 @@ def printed_as(text: str, value: float) -> bool:
     decimals = len(text.partition(".")[2])
     return abs(float(text) - value) <= 0.5 * 10.0 ** -decimals + 1e-9 * abs(value)
 
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("spmm_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def printed_cases(stdout: str) -> dict[str, dict[str, list[str]]]:
@@ -67,7 +59,7 @@ def test_bench_spmm_prints_what_it_measured(tmp_path):
     assert saved["copy_gbps"] == copy_gbps and len(saved["copy_times_s"]) == 2 * 3
     assert f"copy bandwidth: {copy_gbps:.2f} GB/s" in r.stdout
 
-    bench = _bench_module()
+    bench = load_bench("spmm")
     matrices = {"uniform": bench.uniform_matrix(3000, 60000, 0),
                 "rmat": bench.rmat_matrix(11, 16, 0)}
     printed = printed_cases(r.stdout)
