@@ -419,7 +419,14 @@ class MPITransport:
         if polite not in ("none", "async", "all"):
             raise ValueError(f"polite={polite!r}: use none, async or all")
         self.polite = polite
-        self.piece = self.world.allreduce(_piece_from_env(), op=mpi.MIN)
+        try:  # agreed before raising, so that a rank with a bad value leaves none waiting
+            mine, bad = _piece_from_env(), None
+        except ValueError as e:
+            mine, bad = -1, e
+        self.piece = self.world.allreduce(mine, op=mpi.MIN)
+        if self.piece < 0:
+            raise bad or ValueError(f"{ENV_ALLREDUCE_PIECE} on another rank of the job is not "
+                                    "a size in bytes")
         self.progress = ProgressThread()
         self._comms: list[Any] = []
 

@@ -199,6 +199,30 @@ def test_large_all_reduces_run_in_pieces_with_the_same_result():
         assert calls == [7, 7]
 
 
+def _bad_piece(ctx):
+    """Rank 1 alone gives a piece size that is not one: every rank refuses, none waits."""
+    import os
+
+    from common.mpi import ENV_ALLREDUCE_PIECE
+
+    if ctx.rank == 1:
+        os.environ[ENV_ALLREDUCE_PIECE] = "4MiB"
+    try:
+        MPITransport().close()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_a_bad_piece_size_on_one_rank_is_refused_on_every_rank():
+    first, second = run_ranks(_bad_piece, 2, comm="mpi")
+    assert first == "HPC_MPI_ALLREDUCE_PIECE on another rank of the job is not a size in bytes"
+    assert second == ("HPC_MPI_ALLREDUCE_PIECE='4MiB': give a size in bytes (0: all-reduce "
+                      "whole messages)")
+
+
 def test_the_piece_size_comes_from_the_environment(monkeypatch):
     from common.mpi import ALLREDUCE_PIECE_BYTES, ENV_ALLREDUCE_PIECE, _piece_from_env
 
