@@ -23,10 +23,11 @@ the same order. Collectives of one process must be issued from one thread (as wi
 Large all-reduces in pieces. An all-reduce of more than :data:`ALLREDUCE_PIECE_BYTES` runs as
 one MPI all-reduce per piece of that size, in order: the sums are the same elementwise
 operation, and MPICH's shared-memory all-reduce of a message beyond the last-level cache is
-far slower than of pieces that fit (32 MiB of float32 on this machine: 15.5 ms whole, 5.8 ms
-in 4 MiB pieces on 2 ranks; 43 ms and 16.5 ms on 4; bench/collectives.py). All-gathers and
-reduce-scatters keep their speed at that size and go whole. ``HPC_MPI_ALLREDUCE_PIECE``
-(bytes; 0: whole) changes the size; the ranks agree on the smallest given.
+about half as fast as of pieces that fit (64 MiB on this machine: MPI's own call 32.9 ms,
+ours in 4 MiB pieces 17.5 ms on 2 ranks; 79.0 and 40.4 ms on 4: ``mpiexec -n N python
+bench/collectives.py --ops all_reduce``). All-gathers and reduce-scatters go whole.
+``HPC_MPI_ALLREDUCE_PIECE`` (bytes; 0: whole) changes the size; the ranks agree on the
+smallest given.
 
 Dtypes. Buffers are passed to MPI zero-copy (the tensors' addresses: :meth:`MPIGroup._msg`).
 MPI has no reduction for bfloat16 and float16: those are reduced in float32 and rounded once
