@@ -131,6 +131,18 @@ def threads() -> Iterator[Callable[[int], None]]:
 
 
 @pytest.fixture
+def pooling(monkeypatch):
+    """common.dense's pool of tall buffers, fresh (no marks or buffers of other tests) and on;
+    off again after the test."""
+    from common import dense
+
+    monkeypatch.setattr(dense, "_POOL", dense._Pool())
+    dense.pool_freed(True)
+    yield dense._POOL
+    dense.pool_freed(False)
+
+
+@pytest.fixture
 def tiny_graph():
     """A 203-node planted-partition graph (a prime node count: every grid but 1x1x1 pads),
     5 classes, 7 features, a few nodes in no split (tests/plexus/data/shards.py)."""

@@ -132,15 +132,6 @@ def test_empty_pairs_only_large_float32_cpu_tensors(monkeypatch):
     assert not paired(t) and t.shape == (1024, 96)
 
 
-@pytest.fixture
-def pooling(monkeypatch):
-    """A fresh pool, on (no marks or buffers of other tests)."""
-    monkeypatch.setattr(dense, "_POOL", dense._Pool())
-    dense.pool_freed(True)
-    yield dense._POOL
-    dense.pool_freed(False)
-
-
 @ONEDNN_TN
 def test_a_freed_buffer_serves_the_next_request_of_its_shape_or_a_smaller_one(pooling):
     import gc

@@ -326,7 +326,7 @@ def test_the_planner_drops_h0_and_adds_the_recompute_phase():
 
 
 @pytest.mark.parametrize("op", ["recomputed", "remade"])
-def test_layer_zeros_input_is_handed_back_when_its_forward_ends(monkeypatch, op):
+def test_layer_zeros_input_is_handed_back_when_its_forward_ends(monkeypatch, pooling, op):
     """F' (layer 0's input) is made again in backward by RecomputedMatmul's blocks and
     RemadeInputMatmul's make, so their forward hands it back from the pool of tall buffers
     instead of keeping it idle through the rest of the step (on the 1M-node papers100M-format
@@ -334,13 +334,11 @@ def test_layer_zeros_input_is_handed_back_when_its_forward_ends(monkeypatch, op)
     product is unchanged and backward makes F' again."""
     from common.grid import AxisGroup
 
-    monkeypatch.setattr(dense, "_POOL", dense._Pool())
-    dense.pool_freed(True)
     pooled_at_hand_back = []
     real = dense.hand_back_pooled
 
     def hand_back():
-        pooled_at_hand_back.append(dense._POOL.pooled)
+        pooled_at_hand_back.append(pooling.pooled)
         real()
 
     monkeypatch.setattr(dense, "hand_back_pooled", hand_back)
@@ -360,17 +358,14 @@ def test_layer_zeros_input_is_handed_back_when_its_forward_ends(monkeypatch, op)
         for lo, hi in ((0, 1000), (1000, rows)):
             yield 0, lo, hi, f[lo:hi].clone()
 
-    try:
-        if op == "recomputed":
-            q = ops.RecomputedMatmul.apply(blocks, rows, group, (d0, d1), None, (None, None), w)
-        else:
-            q = ops.RemadeInputMatmul.apply(make, group, (d0, d1), None, (None, None), w)[0]
-        assert pooled_at_hand_back == [4 * rows * d0]  # F', freed, then handed back
-        assert dense._POOL.pooled == 0 and dense._POOL.free == []
-        torch.testing.assert_close(q, x @ w.detach().view(d0, d1), rtol=1e-5, atol=1e-5)
-        q.sum().backward()
-        assert len(made) == 2  # made again for dW
-        torch.testing.assert_close(w.grad.view(d0, d1), x.t() @ torch.ones(rows, d1),
-                                   rtol=1e-4, atol=1e-3)
-    finally:
-        dense.pool_freed(False)
+    if op == "recomputed":
+        q = ops.RecomputedMatmul.apply(blocks, rows, group, (d0, d1), None, (None, None), w)
+    else:
+        q = ops.RemadeInputMatmul.apply(make, group, (d0, d1), None, (None, None), w)[0]
+    assert pooled_at_hand_back == [4 * rows * d0]  # F', freed, then handed back
+    assert pooling.pooled == 0 and pooling.free == []
+    torch.testing.assert_close(q, x @ w.detach().view(d0, d1), rtol=1e-5, atol=1e-5)
+    q.sum().backward()
+    assert len(made) == 2  # made again for dW
+    torch.testing.assert_close(w.grad.view(d0, d1), x.t() @ torch.ones(rows, d1),
+                               rtol=1e-4, atol=1e-3)
