@@ -168,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep freed activation buffers (the tall [N, D] ones) for reuse: no "
                    "fresh pages for most of them after the first step (faster where fresh "
                    "pages are slow, as on VMs that hand freed memory back to their host), for "
-                   "a few percent more peak memory (common.dense). Default: on where freed "
+                   "about 1%% more peak memory or less (common.dense). Default: on where freed "
                    "memory is retained (see --no-retain-freed-memory)")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write JSON lines (one per epoch, then a summary) from rank 0")
