@@ -19,7 +19,6 @@ TIMES = {("ours", "1", True, None): ([0.30, 0.32, 0.31], [0.40, 0.41, 0.42]),
          ("pyg", "1", True, None): ([1.10, 1.15, 1.12], [1.20, 1.22, 1.21])}
 
 
-
 @pytest.fixture()
 def bench(monkeypatch):
     module = load_bench("gcn_epoch")
