@@ -19,7 +19,6 @@ TOY = ["--vocab", "300", "--layers", "1", "--hidden", "32", "--ffn", "64", "--he
        "--repeats", "1", "--threads", "1", "--json"]
 
 
-
 def test_bench_runs_at_toy_sizes(tmp_path, capsys):
     code = load_bench("finetune_goldfish").main([*TOY, "--out", str(tmp_path)])
     out = capsys.readouterr().out

@@ -36,7 +36,6 @@ def printed_as(text: str, value: float) -> bool:
     return abs(float(text) - value) <= 0.5 * 10.0 ** -decimals + 1e-9 * abs(value)
 
 
-
 def printed_rows(stdout: str) -> dict[tuple[str, int], str]:
     """(side, ranks) -> the rest of its table row (the last table printed)."""
     rows = {}

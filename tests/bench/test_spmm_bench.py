@@ -32,7 +32,6 @@ def printed_as(text: str, value: float) -> bool:
     return abs(float(text) - value) <= 0.5 * 10.0 ** -decimals + 1e-9 * abs(value)
 
 
-
 def printed_cases(stdout: str) -> dict[str, dict[str, list[str]]]:
     """case -> kernel -> the printed fields after the name; plus the ratio line."""
     cases, name = {}, None
