@@ -49,25 +49,26 @@ def _mix32(x: np.ndarray) -> np.ndarray:
 
 
 def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
-              cols: torch.Tensor) -> torch.Tensor:
+              cols: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """Keep-mask of dropout with rate ``p`` on the block of global ``rows`` (node ids) x
-    ``cols`` (column ids) of layer ``layer``'s input at ``step``.
+    ``cols`` (column ids) of layer ``layer``'s input at ``step``, on ``device`` (default: the
+    CPU).
 
     Entry (r, c) depends only on (seed, step, layer, r, c) (node ids modulo 2^32). Computed on
     the CPU by a numba kernel, rows in parallel (:func:`plexus.kernels.keep_mask`), or without
     numba (and for small blocks) in numpy's wrapping uint32 arithmetic, in row chunks of about
-    2^22 entries so the hash's temporaries stay small: the same bits either way. Shapes: rows
-    [a], cols [b] -> [a, b] bool.
+    2^22 entries so the hash's temporaries stay small; on another device (a GPU) by torch's
+    int64 operations there (:func:`_keep_mask_torch`), so that no mask of the block's size is
+    made on the host and copied over: the same bits every way. Shapes: rows [a], cols [b] ->
+    [a, b] bool.
     """
-    key = np.array([seed, step, layer], dtype=np.int64).astype(np.uint32)
-    k = _U32(0x5BD1E995)
-    threshold = _U32(min(int(p * 2.0**32), 2**32 - 1))
+    k, threshold = _mask_key(p, seed, step, layer)
+    if device is not None and torch.device(device).type != "cpu":  # (ids kept there: no wait)
+        return _keep_mask_torch(rows.to(device), cols.to(device), int(k), int(threshold))
     c = cols.numpy().astype(np.uint32)[None, :]
     out = np.empty((rows.numel(), c.shape[1]), dtype=bool)
     step_rows = max(1, (1 << 22) // max(c.shape[1], 1))
     with np.errstate(over="ignore"):
-        for part in key:
-            k = _mix32(np.array([k ^ part], dtype=np.uint32))[0]
         r_all = rows.numpy().astype(np.uint32)
         kernels = _load_numba() if out.size >= 1 << 16 else None  # threads pay above
         if kernels is not None:  # the same hash, rows in parallel, no temporaries
@@ -78,6 +79,48 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
             h = _mix32((r[:, None] ^ c) * _U32(0x9E3779B1) ^ k)
             np.greater_equal(h, threshold, out=out[lo:lo + step_rows])
     return torch.from_numpy(out)
+
+
+def _mask_key(p: float, seed: int, step: int, layer: int) -> tuple[np.uint32, np.uint32]:
+    """The hash's key of (seed, step, layer) and the threshold of rate ``p`` (uint32)."""
+    k = _U32(0x5BD1E995)
+    with np.errstate(over="ignore"):
+        for part in np.array([seed, step, layer], dtype=np.int64).astype(np.uint32):
+            k = _mix32(np.array([k ^ part], dtype=np.uint32))[0]
+    return k, _U32(min(int(p * 2.0**32), 2**32 - 1))
+
+
+_LOW32 = 0xFFFFFFFF
+TORCH_MASK_ENTRIES = 1 << 22  # entries per row chunk of the torch hash (32 MiB int64 temporaries)
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x * m mod 2^32`` for int64 ``x`` in [0, 2^32) and a constant ``m`` below 2^32, exact
+    in int64 (no product reaches 2^63): ``m``'s high and low 16 bits multiplied apart."""
+    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & _LOW32
+
+
+def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix32` on int64 values in [0, 2^32), in place where it can."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x ^= x >> 15
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _keep_mask_torch(rows: torch.Tensor, cols: torch.Tensor, k: int,
+                     threshold: int) -> torch.Tensor:
+    """:func:`keep_mask`'s hash in torch int64 arithmetic on the device of ``rows`` and
+    ``cols``, in row chunks of :data:`TORCH_MASK_ENTRIES` entries: the numpy path's bits."""
+    c = (cols.to(torch.int64) & _LOW32)[None, :]
+    r_all = _mix32_torch((rows.to(torch.int64) & _LOW32) ^ k)
+    out = torch.empty((rows.numel(), c.shape[1]), dtype=torch.bool, device=rows.device)
+    step_rows = max(1, TORCH_MASK_ENTRIES // max(c.shape[1], 1))
+    for lo in range(0, r_all.numel(), step_rows):
+        h = _mix32_torch(_mul32(r_all[lo:lo + step_rows, None] ^ c, 0x9E3779B1) ^ k)
+        torch.ge(h, threshold, out=out[lo:lo + step_rows])
+    return out
 
 
 def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,

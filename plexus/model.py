@@ -232,6 +232,7 @@ class PlexusGCN(ShardedState, nn.Module):
         self._h0: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._h0_rows_only = False  # a one-layer model caches the rows its pass computed
         self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._device_ids: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         labelled = sum(shard.split_counts.values()) / max(shard.num_nodes, 1)
         self.labelled_rows: torch.Tensor | None  # int64 [R]: output rows the logits hold
         rows = None
@@ -543,9 +544,16 @@ class PlexusGCN(ShardedState, nn.Module):
         return self._ids[layer]
 
     def _keep_mask(self, layer: int, step: int, device) -> torch.Tensor:
-        rows, cols = self._input_ids(layer)
+        """Layer ``layer``'s dropout mask at ``step``, drawn on ``device`` (on a GPU from ids
+        copied there once: a copy from host memory would wait for the GPU every epoch)."""
+        device = torch.device(device)
+        key = (layer, device)
+        if key not in self._device_ids:
+            rows, cols = self._input_ids(layer)
+            self._device_ids[key] = (rows.to(device), cols.to(device))
+        rows, cols = self._device_ids[key]
         return keep_mask(self.dropout, seed=self.seed, step=step, layer=layer, rows=rows,
-                         cols=cols).to(device)
+                         cols=cols, device=device)
 
     def _apply(self, fn, recurse=True):  # .to(device) etc. must not keep a stale cache
         self._h0 = None

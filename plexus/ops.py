@@ -121,8 +121,10 @@ class BitMask:
             self.bits = torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
         else:
             pad = -flat.numel() % 8
-            eight = torch.nn.functional.pad(flat, (0, pad)).view(-1, 8).to(torch.uint8)
-            self.bits = (eight << _SHIFTS.to(flat.device)).sum(1, dtype=torch.uint8)
+            if pad:  # (a pad of nothing would still copy the mask)
+                flat = torch.nn.functional.pad(flat, (0, pad))
+            eight = flat.view(-1, 8).to(torch.uint8)
+            self.bits = (eight << _shifts(flat.device)).sum(1, dtype=torch.uint8)
 
     @classmethod
     def of_bits(cls, bits: torch.Tensor, shape: torch.Size, device: torch.device) -> BitMask:
@@ -140,7 +142,7 @@ class BitMask:
             flat = torch.from_numpy(np.unpackbits(bits, count=n, bitorder="little"))
             return flat.view(torch.bool).reshape(self.shape)
         bits = ~self.bits if invert else self.bits
-        flat = (bits[:, None] >> _SHIFTS.to(self.device)) & 1
+        flat = (bits[:, None] >> _shifts(self.device)) & 1
         return flat.reshape(-1)[:n].to(torch.bool).reshape(self.shape)
 
     def clear_(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +157,17 @@ class BitMask:
         return x
 
 
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """``[0, 1, ..., 7]`` (uint8) on ``device``, made there once: copying it from host memory
+    at every call made each ReLU, both ways, wait for the GPU to finish its queue (a copy
+    from pageable memory synchronizes the stream), four waits an epoch of a 3-layer GCN."""
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return shifts
 
 
 def _fused_kernels(t: torch.Tensor):

@@ -177,6 +177,44 @@ def test_the_numba_dropout_hash_draws_the_numpy_bits(p, monkeypatch):
     assert abs(float(fast.float().mean()) - (1 - p)) < 0.01
 
 
+def _torch_hash_bits(p, device, monkeypatch):
+    """(keep_mask's bits from torch's int64 hash on ``device``, in chunks of 512 entries,
+    numpy's bits) of a block whose node ids pass 2^32 and whose rows do not fill the last
+    chunk."""
+    from plexus import layers
+
+    rows = torch.cat([torch.arange(2000) * 7919, torch.tensor([2**32 + 5, 2**33 - 1])])
+    cols = torch.arange(3, 70)
+    monkeypatch.setattr(layers, "TORCH_MASK_ENTRIES", 512)
+    monkeypatch.setattr(layers, "_load_numba", lambda: None)
+    want = layers.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
+    k, threshold = layers._mask_key(p, 4, 9, 2)
+    got = layers._keep_mask_torch(rows.to(device), cols.to(device), int(k), int(threshold))
+    return got, want
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.97])
+def test_the_torch_dropout_hash_draws_the_numpy_bits(p, monkeypatch):
+    """A GPU draws its masks with torch's int64 operations (no [a, b] mask copied from the
+    host): the same hash, exact without 64-bit overflow, bit for bit numpy's."""
+    got, want = _torch_hash_bits(p, "cpu", monkeypatch)
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    assert abs(float(got.float().mean()) - (1 - p)) < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_dropout_mask_is_drawn_there_with_the_cpu_bits(monkeypatch):
+    from plexus import layers
+
+    got, want = _torch_hash_bits(0.5, "cuda", monkeypatch)
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    rows, cols = torch.arange(300, device="cuda"), torch.arange(20, device="cuda")
+    mask = layers.keep_mask(0.3, seed=1, step=2, layer=1, rows=rows, cols=cols, device="cuda")
+    assert mask.is_cuda and torch.equal(mask.cpu(), layers.keep_mask(
+        0.3, seed=1, step=2, layer=1, rows=rows.cpu(), cols=cols.cpu()))
+
+
 @pytest.mark.parametrize("world, grids", [
     (1, ["1x1x1"]),
     pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], marks=pytest.mark.slow),
