@@ -31,7 +31,8 @@ processes run in ``--rounds`` rounds, each round every side once, the order reve
 other round, so that a machine whose speed drifts over minutes slows both sides alike and
 one slow process moves no median by much; each side's median is over all its timed epochs.
 Printed:
-the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35) with
+the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35 on the
+CPU; <= 1.0 on a GPU, where both sides run the same vendor kernels: :data:`TARGETS`) with
 the ratio of each round's medians beside it, and the
 SpMM throughput of our kernel and of torch's CSR matmul against the machine's memory bandwidth
 measured here by a large copy (STREAM-copy style). ``--spmm torch`` runs ours on torch's CSR
@@ -205,7 +206,10 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
     return times
 
 
-TARGET = 0.35  # ours / PyG (the best of its allocator settings), per workload
+# ours / PyG (the best of its allocator settings), per workload: on the CPU ours runs its own
+# kernels (issue 28's target); on a GPU both sides run cuSPARSE's SpMM and cuBLAS's products,
+# so ours must only not be slower (its own cost there is launching, and waiting for the GPU)
+TARGETS = {"cpu": 0.35, "cuda": 1.0}
 VARIANTS = ("fixed", "learn")
 # PyG's allocator settings: (label, THP_MEM_ALLOC_ENABLE, retained heap)
 PYG_SETTINGS = (("default allocator", "0", False), ("huge pages", "1", False),
@@ -344,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{threads} threads; on {device}; built in {time.perf_counter() - t:.1f} s",
           flush=True)
     settings = PYG_SETTINGS if device.type == "cpu" else PYG_SETTINGS[:1]
+    target = TARGETS[device.type]
     ours_label = "huge pages + retained heap" if args.retain else "huge pages"
     ratios = {}
     for variant in args.variants:
@@ -370,15 +375,15 @@ def main(argv: list[str] | None = None) -> None:
         ratios[variant] = ours / best
         each = ", ".join(f"{_round_ratio(got, sides[0][0], pyg):.3f}" for got in rounds)
         print(f"{variant}: ours/PyG {ours / best:.3f} against {best_name.split(', ')[1]} "
-              f"(the fastest PyG)  (target <= {TARGET}: "
-              f"{'met' if ours / best <= TARGET else 'MISSED'}); round by round {each}")
+              f"(the fastest PyG)  (target <= {target}: "
+              f"{'met' if ours / best <= target else 'MISSED'}); round by round {each}")
         if device.type == "cpu":
             print(f"{variant}: with --no-pool-buffers ours/PyG "
                   f"{statistics.median(times[sides[1][0]]) / best:.3f} (every tall buffer a "
                   "fresh mmap: on a VM that hands freed pages to its host, some stall)")
     if ratios:  # the line bench/gpu_check.py reads, and ours' time of the first workload
         first = args.variants[0]
-        print(f"\nratio ours/PyG: {ratios[first]:.3f}  ({first}; target <= {TARGET})")
+        print(f"\nratio ours/PyG: {ratios[first]:.3f}  ({first}; target <= {target})")
 
     bw = memory_bandwidth(device=device)
     print(f"\nSpMM [{a_hat.shape[0]:,} x {a_hat.shape[1]:,}, {a_hat.nnz:,} nnz] @ "

@@ -102,8 +102,9 @@ def checks(junit: Path, workers: int = 0) -> list[Check]:
     parallel = ["-n", str(workers)] if workers > 0 else []
     return [
         Check("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                *parallel, f"--junitxml={junit}", "tests"], 400.0, "pytest"),
-        Check("bench/gcn_epoch.py --device cuda", ["bench/gcn_epoch.py", *GCN_ARGS], 70.0,
+                                *parallel, f"--junitxml={junit}", "tests"], 350.0, "pytest"),
+        # (the bench's four processes took 60 s on one H100 and more than 70 s on another)
+        Check("bench/gcn_epoch.py --device cuda", ["bench/gcn_epoch.py", *GCN_ARGS], 110.0,
               "bench", gcn_key),
         Check("bench/llm_throughput.py --device cuda", ["bench/llm_throughput.py", *LLM_ARGS],
               70.0, "bench", llm_key),
