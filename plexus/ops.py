@@ -157,17 +157,12 @@ class BitMask:
         return x
 
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
 def _shifts(device: torch.device) -> torch.Tensor:
-    """``[0, 1, ..., 7]`` (uint8) on ``device``, made there once: copying it from host memory
-    at every call made each ReLU, both ways, wait for the GPU to finish its queue (a copy
-    from pageable memory synchronizes the stream), four waits an epoch of a 3-layer GCN."""
-    shifts = _SHIFTS.get(device)
-    if shifts is None:
-        shifts = _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
-    return shifts
+    """``[0, 1, ..., 7]`` (uint8), made on ``device`` (one small kernel on a GPU): a constant
+    copied from host memory instead made each ReLU, both ways, wait for the GPU to finish its
+    queue (a copy from pageable memory synchronizes the stream), four waits an epoch of a
+    3-layer GCN."""
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def _fused_kernels(t: torch.Tensor):
