@@ -63,7 +63,8 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
     [a, b] bool.
     """
     k, threshold = _mask_key(p, seed, step, layer)
-    if device is not None and torch.device(device).type != "cpu":  # (ids kept there: no wait)
+    # (ids already on the device move nowhere; ids on the host are copied, and wait for it)
+    if device is not None and torch.device(device).type != "cpu":
         return _keep_mask_torch(rows.to(device), cols.to(device), int(k), int(threshold))
     c = cols.numpy().astype(np.uint32)[None, :]
     out = np.empty((rows.numel(), c.shape[1]), dtype=bool)
