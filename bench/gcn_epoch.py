@@ -3,6 +3,7 @@
     python bench/gcn_epoch.py                       # 200K nodes, 3.2M edges, 128 features
     python bench/gcn_epoch.py --nodes 20000 --rounds 1 --warmup 1   # quick
     python bench/gcn_epoch.py --device cuda --nodes 100000   # both on one GPU
+    python bench/gcn_epoch.py --dropout 0.5         # OGB's recipe: dropout on both sides
 
 Both train the same 3-layer GCN (hidden 128, no bias, AdamW, cross-entropy on the training
 split) on the same graph with the same number of torch threads, and both step torch's fused
@@ -15,6 +16,11 @@ so neither side spends time on normalisation inside the epoch. Two workloads, ea
   it (``(A X) W = A (X W)``).
 * ``learn``: trainable input features (a parameter on both sides): every epoch runs every
   SpMM, the first layer's backward included.
+
+``--dropout P`` (default 0, as above) drops every layer's input on both sides, the features'
+included: ours with its grid-independent hashed masks (recomputing layer 0's aggregation in
+backward with fixed features), PyG with ``F.dropout``. ``A X`` then changes every epoch, so
+with fixed features both sides aggregate every layer every epoch.
 
 Allocator: PyTorch's CPU allocator faults in every 4 KiB page of a fresh large tensor;
 ``THP_MEM_ALLOC_ENABLE=1`` (huge pages, which importing ``common`` sets) and our trainer's
@@ -168,9 +174,12 @@ def weight_grad_throughput(rows: int, width: int, backend: str, reps: int = 5,
 
 
 def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
-               device: torch.device = CPU, variant: str = "fixed") -> list[float]:
+               device: torch.device = CPU, variant: str = "fixed",
+               dropout: float = 0.0) -> list[float]:
     """PyG's epoch times; ``variant`` ``fixed`` (``A X`` precomputed once, untimed, the first
-    layer a linear map of it) or ``learn`` (the features a trainable parameter)."""
+    layer a linear map of it; with ``dropout`` every layer aggregates, as ours then must) or
+    ``learn`` (the features a trainable parameter). ``dropout``: ``F.dropout`` on every layer's
+    input, the features' included, where ours drops too."""
     from torch_geometric.nn import GCNConv
 
     torch.manual_seed(0)
@@ -182,8 +191,9 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
     if variant == "learn":
         x = torch.nn.Parameter(x.clone())
         params.append(x)
-    else:  # the cached first aggregation ours has: A X once
+    elif dropout == 0:  # the cached first aggregation ours has: A X once
         x = (adj @ x).detach()
+    first_linear = variant == "fixed" and dropout == 0
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=5e-4, fused=True)  # as ours steps
     train = graph.train_idx.to(device)
     y = graph.y.to(device)[train]
@@ -195,8 +205,9 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
         opt.zero_grad()
         h = x
         for i, conv in enumerate(convs):
+            h = torch.nn.functional.dropout(h, dropout) if dropout else h
             # GCNConv(normalize=False, bias=False) is A (h W); on A X the first is (A X) W
-            h = conv.lin(h) if i == 0 and variant == "fixed" else conv(h, adj)
+            h = conv.lin(h) if i == 0 and first_linear else conv(h, adj)
             h = h.relu() if i < len(convs) - 1 else h
         loss = torch.nn.functional.cross_entropy(h[train], y)
         loss.backward()
@@ -231,6 +242,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of every side once, the order reversed every other round "
                         "(default: %(default)s)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on every layer's input, both sides (default: %(default)s; "
+                        "with dropout the fixed workload aggregates every layer every epoch)")
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
     p.add_argument("--spmm", choices=SPMM_KERNELS, default="auto",
                    help="our CPU SpMM kernel (ablation: torch)")
@@ -250,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.epochs < 1 or args.warmup < 1 or args.rounds < 1:
         p.error("--epochs, --warmup and --rounds must be at least 1")
+    if not 0 <= args.dropout < 1:
+        p.error(f"--dropout {args.dropout}: give a rate in [0, 1)")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if bad := [v for v in args.variants if v not in VARIANTS]:
         p.error(f"unknown variant(s) {bad}; choose from {VARIANTS}")
@@ -276,13 +292,13 @@ def worker(args: argparse.Namespace) -> None:
         if args.worker_retain:
             retain_freed_memory()
         times = pyg_epochs(graph, adj, args.hidden, args.layers, args.warmup + args.epochs,
-                           0.01, ctx.device, args.variant)[args.warmup:]
+                           0.01, ctx.device, args.variant, args.dropout)[args.warmup:]
     else:
         cfg = split_config(epochs=args.warmup + args.epochs, hidden=args.hidden,
                            num_layers=args.layers, lr=0.01, spmm=args.spmm, gemm=args.gemm,
                            retain_freed_memory=args.retain,
                            pool_buffers=args.pool_buffers,
-                           bias=False, dropout=0.0, optimizer="adamw",
+                           bias=False, dropout=args.dropout, optimizer="adamw",
                            learn_features=args.variant == "learn")  # PyG's side's model
         result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
                            device=ctx.device, **cfg)
@@ -299,7 +315,7 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
            "--avg-degree", str(args.avg_degree), "--features", str(args.features),
            "--classes", str(args.classes), "--hidden", str(args.hidden), "--layers",
            str(args.layers), "--epochs", str(args.epochs), "--warmup", str(args.warmup),
-           "--spmm", args.spmm,
+           "--dropout", str(args.dropout), "--spmm", args.spmm,
            "--gemm", args.gemm,
            "--device", args.device]
     if args.threads:
@@ -344,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     graph, a_hat, adj = build_graph(args)
     print(f"graph: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges "
           f"({adj.values().numel():,} nonzeros with self-loops), {args.features} features, "
-          f"{args.classes} classes; {args.layers} layers, hidden {args.hidden}; "
+          f"{args.classes} classes; {args.layers} layers, hidden {args.hidden}, "
+          f"dropout {args.dropout}; "
           f"{threads} threads; on {device}; built in {time.perf_counter() - t:.1f} s",
           flush=True)
     settings = PYG_SETTINGS if device.type == "cpu" else PYG_SETTINGS[:1]
@@ -352,8 +369,10 @@ def main(argv: list[str] | None = None) -> None:
     ours_label = "huge pages + retained heap" if args.retain else "huge pages"
     ratios = {}
     for variant in args.variants:
-        what = ("fixed features (A X computed once on both sides)" if variant == "fixed"
-                else "trainable features (every SpMM every epoch)")
+        what = ("trainable features (every SpMM every epoch)" if variant == "learn"
+                else f"fixed features, dropout {args.dropout} on every layer's input (every "
+                "SpMM every epoch)" if args.dropout
+                else "fixed features (A X computed once on both sides)")
         print(f"\n{variant}: {what}", flush=True)
         # (name, side, THP_MEM_ALLOC_ENABLE, retained heap, pool): ours first, PyG's after
         sides = [(f"ours (Plexus 1x1x1), {ours_label}", "ours", "1", args.retain, None)]

@@ -75,3 +75,40 @@ def test_counts_below_one_are_refused(bench, flag, capsys):
         module.parse_args([flag, "0"])
     assert exc.value.code == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", ["1.0", "-0.1"])
+def test_a_dropout_rate_outside_zero_to_one_is_refused(bench, rate, capsys):
+    module, _ = bench
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(["--dropout", rate])
+    assert exc.value.code == 2
+    assert f"--dropout {float(rate)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["fixed", "learn"])
+def test_pyg_drops_every_layer_input_and_aggregates_every_layer_with_dropout(variant,
+                                                                            monkeypatch):
+    """With --dropout PyG's side drops each layer's input (3 layers: 3 calls an epoch) and,
+    with fixed features, cannot use the precomputed A X: every layer aggregates, as ours."""
+    import torch
+    from torch_geometric.nn import GCNConv
+
+    from plexus.data.generators import planted_partition
+
+    module = load_bench("gcn_epoch")
+    graph = planted_partition(num_nodes=60, num_features=8, num_classes=3, seed=0)
+    adj = module.to_torch_csr(module.normalized_adjacency(graph.edge_index.numpy(), 60))
+    dropped, aggregated = [], []
+    real_dropout, real_forward = torch.nn.functional.dropout, GCNConv.forward
+    monkeypatch.setattr(torch.nn.functional, "dropout",
+                        lambda h, p, *a, **k: dropped.append(p) or real_dropout(h, p, *a, **k))
+    monkeypatch.setattr(GCNConv, "forward",
+                        lambda self, *a, **k: aggregated.append(1) or real_forward(self, *a, **k))
+    for rate in (0.0, 0.5):
+        dropped.clear(), aggregated.clear()
+        times = module.pyg_epochs(graph, adj, 4, 3, 2, 0.01, variant=variant, dropout=rate)
+        assert len(times) == 2 and all(t > 0 for t in times)
+        assert dropped == ([0.5] * 6 if rate else [])
+        # fixed without dropout: layer 0 is a linear map of the cached A X (2 of 3 aggregate)
+        assert len(aggregated) == (4 if variant == "fixed" and not rate else 6)
