@@ -95,19 +95,22 @@ _LOW32 = 0xFFFFFFFF
 TORCH_MASK_ENTRIES = 1 << 22  # entries per row chunk of the torch hash (32 MiB int64 temporaries)
 
 
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    """``x * m mod 2^32`` for int64 ``x`` in [0, 2^32) and a constant ``m`` below 2^32, exact
-    in int64 (no product reaches 2^63): ``m``'s high and low 16 bits multiplied apart."""
-    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & _LOW32
+def _mul32_(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x * m mod 2^32`` in place, for int64 ``x`` in [0, 2^32) and a constant ``m`` below
+    2^32, exact in int64: ``m`` of 2^31 or more is taken as ``m - 2^32`` (the same residue),
+    so no product leaves (-2^63, 2^63), and the low 32 bits of the two's complement result
+    are the residue. Two passes over ``x``."""
+    return x.mul_(m - (1 << 32) if m >= 1 << 31 else m).bitwise_and_(_LOW32)
 
 
 def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
-    """:func:`_mix32` on int64 values in [0, 2^32), in place where it can."""
+    """:func:`_mix32` on int64 values in [0, 2^32) (a new tensor; ``x`` is not changed)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = _mul32_(x, 0x7FEB352D)
     x ^= x >> 15
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    x = _mul32_(x, 0x846CA68B)
+    x ^= x >> 16
+    return x
 
 
 def _keep_mask_torch(rows: torch.Tensor, cols: torch.Tensor, k: int,
@@ -119,7 +122,7 @@ def _keep_mask_torch(rows: torch.Tensor, cols: torch.Tensor, k: int,
     out = torch.empty((rows.numel(), c.shape[1]), dtype=torch.bool, device=rows.device)
     step_rows = max(1, TORCH_MASK_ENTRIES // max(c.shape[1], 1))
     for lo in range(0, r_all.numel(), step_rows):
-        h = _mix32_torch(_mul32(r_all[lo:lo + step_rows, None] ^ c, 0x9E3779B1) ^ k)
+        h = _mix32_torch(_mul32_(r_all[lo:lo + step_rows, None] ^ c, 0x9E3779B1).bitwise_xor_(k))
         torch.ge(h, threshold, out=out[lo:lo + step_rows])
     return out
 
