@@ -231,8 +231,7 @@ class PlexusGCN(ShardedState, nn.Module):
         self.recompute_first = recompute_first and not learn_features and dropout > 0
         self._h0: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._h0_rows_only = False  # a one-layer model caches the rows its pass computed
-        self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._device_ids: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ids: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         labelled = sum(shard.split_counts.values()) / max(shard.num_nodes, 1)
         self.labelled_rows: torch.Tensor | None  # int64 [R]: output rows the logits hold
         rows = None
@@ -531,27 +530,24 @@ class PlexusGCN(ShardedState, nn.Module):
         return t.index_select(0, self.labelled_rows.to(t.device))
 
     # ------------------------------------------------------------------ set-up helpers
-    def _input_ids(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(node ids [N/O], column ids [D_l/I]) of the rows and columns of F_l on this rank."""
-        if layer not in self._ids:
+    def _input_ids(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(node ids [N/O], column ids [D_l/I]) of the rows and columns of F_l on this rank,
+        on ``device``: made once (a copy from host memory every epoch would make the host
+        wait for a GPU)."""
+        if (layer, device) not in self._ids:
             o_ax, i_ax, _ = layout.roles(layer)
             g, sh = self.groups, self.shard
             order = partition.layer_orders(layer % 2, sh.pr, sh.pc)[1]
             rows = node_chunk(order, g[o_ax])
             width = sh.widths_padded[layer] // g[i_ax].size
             cols = torch.arange(width) + g[i_ax].rank * width
-            self._ids[layer] = (rows, cols)
-        return self._ids[layer]
+            self._ids[layer, device] = (rows.to(device), cols.to(device))
+        return self._ids[layer, device]
 
     def _keep_mask(self, layer: int, step: int, device) -> torch.Tensor:
-        """Layer ``layer``'s dropout mask at ``step``, drawn on ``device`` (on a GPU from ids
-        copied there once: a copy from host memory would wait for the GPU every epoch)."""
+        """Layer ``layer``'s dropout mask at ``step`` [N/O, D_l/I], drawn on ``device``."""
         device = torch.device(device)
-        key = (layer, device)
-        if key not in self._device_ids:
-            rows, cols = self._input_ids(layer)
-            self._device_ids[key] = (rows.to(device), cols.to(device))
-        rows, cols = self._device_ids[key]
+        rows, cols = self._input_ids(layer, device)
         return keep_mask(self.dropout, seed=self.seed, step=step, layer=layer, rows=rows,
                          cols=cols, device=device)
 
