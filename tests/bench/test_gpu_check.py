@@ -22,16 +22,18 @@ gpu_check = load_bench("gpu_check")
 
 def test_the_commands_are_every_gpu_test_and_both_benches_on_cuda_within_the_budget(tmp_path):
     junit = tmp_path / "r.xml"
-    pytest_run, gcn, llm = gpu_check.checks(junit)
+    pytest_run, gcn, dropout, llm = gpu_check.checks(junit)
     assert pytest_run.kind == "pytest" and pytest_run.args[:4] == ["-m", "pytest", "-m", "gpu"]
     assert f"--junitxml={junit}" in pytest_run.args and pytest_run.args[-1] == "tests"
-    assert gcn.args[0] == "bench/gcn_epoch.py" and llm.args[0] == "bench/llm_throughput.py"
-    for bench in (gcn, llm):
+    assert gcn.args[0] == dropout.args[0] == "bench/gcn_epoch.py"
+    assert llm.args[0] == "bench/llm_throughput.py"
+    assert dropout.args[dropout.args.index("--dropout") + 1] == "0.5"
+    for bench in (gcn, dropout, llm):
         assert bench.kind == "bench" and bench.key is not None
         assert bench.args[bench.args.index("--device") + 1] == "cuda"
         assert (ROOT / bench.args[0]).is_file()
     # each command's limit and the grace it gets when interrupted, together within 10 minutes
-    limits = [c.timeout_s + gpu_check.GRACE_S for c in (pytest_run, gcn, llm)]
+    limits = [c.timeout_s + gpu_check.GRACE_S for c in (pytest_run, gcn, dropout, llm)]
     assert sum(limits) <= gpu_check.BUDGET_S == 600
     assert "-n" not in pytest_run.args  # no workers asked: no pytest-xdist
     parallel = gpu_check.checks(junit, 3)[0].args
@@ -153,8 +155,9 @@ def test_without_a_gpu_it_says_so_and_exits_0(capsys, monkeypatch, tmp_path):
     assert not (tmp_path / "logs").exists()
     assert gpu_check.main(["--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert len(listed) == 3 and "-m pytest -m gpu" in listed[0]
+    assert len(listed) == 4 and "-m pytest -m gpu" in listed[0]
     assert "bench/gcn_epoch.py --device cuda" in listed[1]
+    assert "--dropout 0.5" in listed[2] and "bench/llm_throughput.py" in listed[3]
 
 
 def test_make_gpu_check_runs_the_driver():
