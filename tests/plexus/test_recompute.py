@@ -185,6 +185,27 @@ def test_a_bit_mask_clears_what_masked_fill_clears(shape):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bit for bit
 
 
+@pytest.mark.parametrize("spent", [False, True])
+def test_dropout_forward_on_a_large_block_is_torchs_bit_for_bit(spent):
+    """apply_dropout's forward on a large float32 CPU block clears the dropped entries from
+    the packed bits (numba) instead of masked_fill_ with the negated mask: the same bits as
+    ``x * keep / (1 - p)`` written by torch, -0 and NaN kept where kept, in place or not."""
+    from plexus.layers import apply_dropout
+
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4099, 64, generator=g)
+    x.view(-1)[::7] = float("nan")
+    x.view(-1)[3::11] = -0.0
+    keep = torch.rand(x.shape, generator=g) > 0.5
+    want = (x * (torch.ones(()) / 0.5)).masked_fill_(~keep, 0.0)
+    src = (x * 1.0).requires_grad_(True) if spent else x.clone().requires_grad_(True)
+    y = apply_dropout(src * 1.0 if spent else src, keep, 0.5, spent=spent)
+    assert torch.equal(y.detach().view(torch.int32), want.view(torch.int32))
+    y.backward(torch.ones_like(y))
+    assert torch.equal(src.grad, keep.float() * 2.0)
+
+
 def _saved_bytes(fn):
     """(result of fn(), bytes of the tensors autograd saves while it runs)."""
     total = [0]
