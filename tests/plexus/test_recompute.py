@@ -199,8 +199,8 @@ def test_dropout_forward_on_a_large_block_is_torchs_bit_for_bit(spent):
     x.view(-1)[3::11] = -0.0
     keep = torch.rand(x.shape, generator=g) > 0.5
     want = (x * (torch.ones(()) / 0.5)).masked_fill_(~keep, 0.0)
-    src = (x * 1.0).requires_grad_(True) if spent else x.clone().requires_grad_(True)
-    y = apply_dropout(src * 1.0 if spent else src, keep, 0.5, spent=spent)
+    src = x.clone().requires_grad_(True)
+    y = apply_dropout(src * 1.0 if spent else src, keep, 0.5, spent=spent)  # spent: a fresh x
     assert torch.equal(y.detach().view(torch.int32), want.view(torch.int32))
     y.backward(torch.ones_like(y))
     assert torch.equal(src.grad, keep.float() * 2.0)
