@@ -5,6 +5,7 @@
 #             make train DEVICE=auto               (one GPU per rank where there are enough)
 #             make test TEST_WORKERS=1             (one pytest process; default 2 xdist workers,
 #                                                   each pinned to its share of the cores)
+#             make test-cpus                       (the suite under other CPUs' code paths)
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -19,7 +20,7 @@ BIN    := $(VENV)/bin
 MPIEXEC ?= $(if $(wildcard $(BIN)/mpiexec),$(BIN)/mpiexec,mpiexec)
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint gpu-check clean
+.PHONY: setup train test test-fast test-cpus lint gpu-check clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -43,6 +44,12 @@ test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy common
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"
+
+# the suite again under each of the other CPUs' code paths that this CPU can take (MKL, oneDNN
+# and ATen switches; tests/cpu_variants.py, docs/testing.md): one full run per variant
+test-cpus: $(STAMP)
+	$(BIN)/python -m tests.cpu_variants
+	$(BIN)/python -m tests.cpu_variants --run -- -q $(PYTEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -88,6 +88,19 @@ def llm_key(out: str) -> str:
     return f"ours {ours[1]} tok/s, ours/plain {ratio[1]}"
 
 
+def host_cpu() -> str:
+    """The host CPU's model name and whether it has AVX-512 (MKL, oneDNN and ATen take other
+    code paths there: docs/testing.md), from /proc/cpuinfo; ``unknown CPU`` without it."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    avx512 = "avx512f" in fields.get("flags", "").split()
+    return f"{fields.get('model name', 'unknown CPU')}, {'with' if avx512 else 'no'} AVX-512"
+
+
 def default_workers() -> int:
     """pytest-xdist workers for the GPU tests: a quarter of the cores, at most 4 (the tests
     share the one GPU, and several start ranks of their own), 0 without pytest-xdist."""
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     junit = log_dir / JUNIT
     print(f"GPU check on {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} GPU(s)), "
-          f"torch {torch.__version__}; logs in {log_dir}", flush=True)
+          f"torch {torch.__version__}, host CPU {host_cpu()}; logs in {log_dir}", flush=True)
     start, rows, tails = time.perf_counter(), [], []
     for check in checks(junit, workers):
         print(f"running: {check.name}", flush=True)

@@ -8,10 +8,12 @@ compute issued in between. Buffers are allocated on the input's device.
 
 Transport: a CPU tensor on a group with an MPI communicator (``group.mpi``, set up when the job
 was started by an MPI launcher; :mod:`common.mpi`) goes through MPI; anything else (CUDA tensors:
-NCCL; jobs without MPI: gloo) through the group's ``torch.distributed`` group. The results and
-the byte counts are the same either way. Seconds: wall time on the CPU; for CUDA tensors the
-time between CUDA events on the current stream (NCCL's ``wait()`` does not block the CPU),
-resolved when the stats are read.
+NCCL; jobs without MPI: gloo) through the group's ``torch.distributed`` group. The byte counts
+are the same either way, and so are the results of gathers and of sums over at most two ranks;
+a sum over more ranks is the transport's, whose order (and so whose last bits) depends on the
+library, the algorithm it picks for the message size and blocking or not. Seconds: wall time on
+the CPU; for CUDA tensors the time between CUDA events on the current stream (NCCL's
+``wait()`` does not block the CPU), resolved when the stats are read.
 
 Shapes (``g`` = group size, ``dim`` = the tensor dimension gathered or scattered):
     all_reduce:      x [*]                       -> [*]

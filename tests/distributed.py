@@ -45,6 +45,9 @@ needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside sys.ex
                                "on PATH (pip install mpich)")
 # the two transports of CPU tensors, as a parametrization (the MPI one skips without mpiexec)
 COMMS = ("torch", pytest.param("mpi", marks=needs_mpi))
+# set for the rerun of the cross_shape tests under other CPUs' code paths inside make test
+# (tests/test_cpu_variants.py): launches of several ranks skip there, `make test-cpus` runs them
+IN_PROCESS_ONLY = "HPC_TEST_IN_PROCESS_ONLY"
 
 
 def require_mpiexec() -> str:
@@ -53,6 +56,11 @@ def require_mpiexec() -> str:
     if found is None:
         pytest.skip("no mpiexec beside sys.executable or on PATH (pip install mpich)")
     return found
+
+
+def _skip_launch_of(ranks: int) -> None:
+    if ranks > 1 and os.environ.get(IN_PROCESS_ONLY) == "1":
+        pytest.skip(f"{ranks} ranks: this rerun keeps to in-process tests ({IN_PROCESS_ONLY})")
 
 
 def launch_env(env: Mapping[str, str] | None = None, *, pythonpath: str | None = str(ROOT)
@@ -103,6 +111,7 @@ def launch(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec",
     (``HPC_MPI_POLITE=all``, unless ``env`` sets it), as in :mod:`tests.mpi_worker`: with
     spinning waits a rank can starve the one it waits for, and the 17 s ogbn-arxiv-like job
     of tests/plexus/test_train.py took 80-300 s in full-suite runs."""
+    _skip_launch_of(ranks)
     if launcher == "mpiexec":
         env = _polite_at_density(env, ranks)
     return subprocess.run(launch_command(args, ranks=ranks, launcher=launcher), cwd=cwd,
@@ -225,6 +234,7 @@ def run_module(module: str, argv: Sequence[str], *, ranks: int = 1,
     captured and joined in rank order; the exit status is a signal's (negative) if any rank
     died of one, else the largest. For the CLI tests that are not about the launcher or the
     MPI transport."""
+    _skip_launch_of(ranks)
     import tempfile
     import time
 
@@ -271,6 +281,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     ``comm="torch"``: spawned processes over gloo; ``"mpi"``: under mpiexec with the MPI
     transport (``ctx.transport``; use ``ctx.create_groups(grid)`` in ``fn``)."""
+    _skip_launch_of(world_size)
     if comm == "mpi":
         return _run_ranks_mpi(fn, world_size, args, timeout)
     if comm != "torch":

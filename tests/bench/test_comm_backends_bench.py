@@ -32,6 +32,7 @@ def printed_as(text: str, value: float) -> bool:
 
 @needs_mpi
 @pytest.mark.slow
+@pytest.mark.cross_shape  # 1 rank against 2: dense products of other heights (losses below)
 def test_bench_comm_backends_prints_what_it_measured(tmp_path):
     out = tmp_path / "comm.json"
     r = launch([str(SCRIPT), "--jobs", "planted", "--epochs", str(EPOCHS), "--ranks", "2",
@@ -72,7 +73,11 @@ def test_bench_comm_backends_prints_what_it_measured(tmp_path):
     ((text, verdict),) = SCALING.findall(r.stdout)
     assert printed_as(text, scaling) and verdict == ("met" if met else "MISSED"), r.stdout
 
-    # the same numbers on every run: same losses (2 ranks on either transport, and 1 rank)
+    # the same numbers on every run: same losses (2 ranks on either transport, and 1 rank), to
+    # rounding: 2 ranks multiply dense blocks of half the height of 1 rank's (MKL/oneDNN sum
+    # in other orders; the SpMM kernels and a 2-rank sum fix theirs), and 3 epochs of updates
+    # carry such differences on, so no first-order bound applies; rel 1e-4 (the bench's own
+    # transport check) is generous against float32's 6e-8 per operation at this toy size
     losses = runs["one rank"]["losses"]
     for name in ("torch", "mpi"):
         assert runs[name]["losses"] == pytest.approx(losses, rel=1e-4), name

@@ -35,6 +35,9 @@ def test_bench_runs_at_toy_sizes(tmp_path, capsys):
         assert 0 <= row["exact_match"] <= 1 and 0 <= row["rouge_l"] <= 1
         assert math.isfinite(row["train_loss"]) and math.isfinite(row["val_loss"])
     kv = result["kv_cache"]
+    # greedy tokens of 1-token cached decode steps against full-window forwards: other
+    # product heights, so the logits differ to rounding and a near-tie could flip a token
+    # (GPT.generate's docstring); kept: none at this seed, and the check is the bench's point
     assert kv["identical"] and kv["new_tokens"] == 16 and kv["speedup"] > 0
     assert "--init " + str(tmp_path / "llama") in out and "--goldfish-k 4" in out
     assert "exact match" in out and "speed-up" in out

@@ -187,3 +187,12 @@ def test_pytest_collects_the_gpu_tests_of_both_packages():
         assert f"tests/llm/test_gpu.py::{name}" in ids, name
     assert {i.partition("::")[0] for i in ids} >= {"tests/llm/test_gpu.py",
                                                    "tests/plexus/test_gpu.py"}
+
+
+def test_the_header_names_the_host_cpu_and_its_avx512():
+    """The host CPU of a lent GPU machine decides which code paths MKL, oneDNN and ATen take
+    (docs/testing.md), so the check's header names it, as /proc/cpuinfo does."""
+    text = gpu_check.host_cpu()
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    want = "with AVX-512" if "avx512f" in flags.split() else "no AVX-512"
+    assert text.endswith(want) and not text.startswith("unknown"), text

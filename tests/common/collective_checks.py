@@ -21,6 +21,11 @@ from common import collectives as coll
 from common.comm_stats import CommStats, ring_bytes
 from common.grid import AXONN_AXES, PLEXUS_AXES, ProcessGrid
 
+# Generous: the sums over the group are gloo's or MPI's, in an order they pick by algorithm,
+# message size and rank count (common.collectives does not fix it; over 3+ ranks the bits
+# differ from the serial left-to-right sum), but in float64 over at most 8 members of
+# randn data, two orders differ by at most 2 gamma(7) sum|x_i| ~ 1.6e-15 * 8 * 5, far below
+# atol. Gathers and splits are copies, within any tolerance.
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 

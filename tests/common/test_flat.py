@@ -14,9 +14,20 @@ import torch
 from common import flat
 from common.grid import ProcessGrid
 from tests.distributed import run_ranks
+from tests.rounding import gamma
 
 BLOCKS = [(5, 3), (2, 3), (1, 1)]
-TOL = {"rtol": 1e-12, "atol": 0.0}
+
+
+def _sums_agree(got: torch.Tensor, want: torch.Tensor, terms: list[torch.Tensor]) -> bool:
+    """``got`` and ``want`` are the elementwise sum of ``terms`` (one per member) in two orders:
+    the reduce-scatter's is gloo's or MPI's (by algorithm, message size and rank count; not
+    fixed by common.collectives), the reference's left to right. Each is within
+    ``gamma(g - 1) sum |x_i|`` of the exact sum, so they differ by at most twice that; two
+    terms (and one) add the same in any order: bits."""
+    g = len(terms)
+    room = 2 * gamma(g - 1, want.dtype) * sum(t.abs() for t in terms) if g > 2 else 0
+    return bool(((got - want).abs() <= room).all())
 
 
 def test_flat_shard_chunks_and_pads():
@@ -66,15 +77,17 @@ def _check_group(grp, tag: str) -> list[str]:
         (got * outs[me]).sum().backward()
         if not torch.equal(got.detach(), block):
             failures.append(f"{where}: all_gather_reduce_scatter forward differs")
-        if not torch.allclose(mine.grad, want, **TOL):
+        terms = [flat.flat_shard(o, g, me) for o in outs]  # the members' gradients of W
+        if not _sums_agree(mine.grad, want, terms):
             failures.append(f"{where}: all_gather_reduce_scatter gradient differs")
         # reduce-scatter of every member's gradient block into this member's flat shard
         grads = [_data(3, r, shape) for r in members]
         want = flat.flat_shard(sum(grads), g, me)
-        if not torch.allclose(flat.reduce_scatter(grads[me], grp), want, **TOL):
+        terms = [flat.flat_shard(x, g, me) for x in grads]
+        if not _sums_agree(flat.reduce_scatter(grads[me], grp), want, terms):
             failures.append(f"{where}: reduce_scatter differs")
         handle = flat.reduce_scatter(grads[me], grp, async_op=True)
-        if not torch.allclose(handle.wait(), want, **TOL):
+        if not _sums_agree(handle.wait(), want, terms):
             failures.append(f"{where}: async reduce_scatter differs")
     return failures
 
@@ -89,6 +102,7 @@ def _check_grids(ctx, grids):
     return failures
 
 
+@pytest.mark.cross_shape  # gloo's order of the sums over 3 and 4 ranks (_sums_agree)
 @pytest.mark.parametrize("world, grids", [
     (4, ["4x1x1", "2x2x1"]),
     pytest.param(3, ["1x3x1"], marks=pytest.mark.slow),

@@ -20,7 +20,8 @@ DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.float
 
 
 def _data(rank: int, shape, dtype) -> torch.Tensor:
-    """Small integers: sums are exact in every dtype and order, so results compare bitwise."""
+    """Small integers: sums are exact in every dtype and order, so results compare bitwise
+    (gloo and MPI sum floats over 3+ ranks in other orders: other bits)."""
     g = torch.Generator().manual_seed(100 + rank)
     return (torch.randn(shape, generator=g) * 4).round().to(dtype)
 

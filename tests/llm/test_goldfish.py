@@ -7,6 +7,7 @@ import torch
 from torch.nn.functional import cross_entropy
 
 from llm.goldfish import goldfish_loss, goldfish_mask
+from tests.rounding import order_bound
 
 TABLE_SIZE = 1_000_003
 
@@ -194,12 +195,16 @@ def test_loss_equals_manual_masked_cross_entropy():
     assert logits.grad[~mask & (targets != -100)].abs().sum() > 0
 
 
+@pytest.mark.cross_shape
 def test_no_mask_is_the_standard_loss():
+    """cross_entropy's own mean against our sum of its per-token losses over the 60 targets:
+    one sum of positive terms in another order, within 2 gamma(60) of it (the per-token
+    losses are the same kernel's on the same [60, 11] input)."""
     logits = make_logits()
     targets = random_targets(3, 20, 11, seed=2, ignore=0.1)
     out = goldfish_loss(logits, targets, torch.zeros_like(targets, dtype=torch.bool))
     expected = cross_entropy(logits.reshape(-1, 11), targets.reshape(-1), ignore_index=-100)
-    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert out.loss.item() == pytest.approx(expected.item(), rel=order_bound(3 * 20))
     assert out.num_dropped.item() == 0 and out.dropped_loss.item() == 0.0
 
 

@@ -79,6 +79,7 @@ def test_init_trains_with_the_models_tokenizer(hf_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.cross_shape  # a grid's sums against one rank's, through training: measured 1e-5
 def test_init_on_8_ranks_equals_1_rank(hf_dir, tmp_path):
     one, eight = tmp_path / "1.jsonl", tmp_path / "8.jsonl"
     assert train_main(["--init", str(hf_dir), *ARGS, "--metrics", str(one)]) == 0

@@ -18,6 +18,8 @@ from llm.model import (
     rope_cache,
     tiny,
 )
+from tests.llm.helpers import assert_logits_agree
+from tests.rounding import assert_orders_agree
 
 
 def tiny_model(seed=0, **changes):
@@ -57,8 +59,10 @@ def test_rope_scores_depend_on_relative_position_only():
     assert torch.allclose(q.norm(dim=-1), q_vec.norm().expand(seq), atol=1e-5)  # a rotation
 
 
+@pytest.mark.cross_shape
 def test_grouped_query_attention_equals_replicated_heads():
-    """Query head j reads kv head j // (num_heads / num_kv_heads)."""
+    """Query head j reads kv head j // (num_heads / num_kv_heads); the k/v projections of
+    another height and the replicated heads' attention: float rounding of the logits."""
     gqa = tiny_model(num_kv_heads=2).eval()
     mha = tiny_model(num_kv_heads=4).eval()
     state = gqa.state_dict()
@@ -69,12 +73,16 @@ def test_grouped_query_attention_equals_replicated_heads():
             state[name] = heads.reshape(4 * head_dim, -1)
     mha.load_state_dict(state)
     idx = torch.randint(256, (2, 16))
-    assert torch.allclose(gqa(idx), mha(idx), atol=1e-5)
+    assert_logits_agree(gqa(idx), mha(idx), tiny(), seq_len=16, what="GQA against MHA")
 
 
+@pytest.mark.cross_shape
 def test_sharded_out_features_sum_to_the_full_block():
     """What tensor parallelism will do: split q, k, v, gate, up by out_features (whole heads)
-    and o, down by in_features; the shards' partial outputs must add up to the full output."""
+    and o, down by in_features; the shards' partial outputs must add up to the full output,
+    to float rounding: products of other shapes, o and down summed in two halves. Attention:
+    5 sums in turn (q/k/v over D = 64, scores over Dh = 16, softmax and values over 9
+    positions, o over 64); MLP: 2 (gate/up over 64, down over F = 192)."""
     block = tiny_model(num_kv_heads=2).blocks[0]
     x = torch.randn(2, 9, 64)
     cos, sin = rope_cache(16, 9)
@@ -99,8 +107,8 @@ def test_sharded_out_features_sum_to_the_full_block():
         gate = linear(x, mlp.gate_proj.weight[hidden])
         up = linear(x, mlp.up_proj.weight[hidden])
         parts_mlp = parts_mlp + linear(silu(gate) * up, mlp.down_proj.weight[:, hidden])
-    assert torch.allclose(parts_attn, full_attn, atol=1e-6)
-    assert torch.allclose(parts_mlp, full_mlp, atol=1e-6)
+    assert_orders_agree(parts_attn, full_attn, terms=64, products=5, what="attention")
+    assert_orders_agree(parts_mlp, full_mlp, terms=192, products=2, what="MLP")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

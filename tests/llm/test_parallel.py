@@ -21,6 +21,8 @@ from llm.goldfish import goldfish_loss, goldfish_mask
 from llm.loss import goldfish_sums
 from llm.model import GPT, GPTConfig
 from llm.parallel.gpt import ParallelGPT, batch_shard, make_groups, param_specs, shard_tensor
+from tests.llm.helpers import assert_greedy_agrees, logits_sums
+from tests.rounding import assert_orders_agree, order_bound
 
 BASE = GPTConfig(vocab_size=61, num_layers=2, num_heads=4, num_kv_heads=2, d_model=32, d_ff=45,
                  max_seq_len=16)
@@ -96,11 +98,14 @@ def generate_case(ctx):
     return model.generate_greedy(prompt, 6)
 
 
+@pytest.mark.cross_shape
 def test_parallel_greedy_generation_equals_serial(four_ranks):
+    """The ranks' products of other heights: the same tokens but at a near-tie."""
     prompt = torch.randint(BASE.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
-    want = GPT(BASE, seed=SEED).generate(prompt, 6)
+    model = GPT(BASE, seed=SEED)
+    want = model.generate(prompt, 6)
     for rank, result in enumerate(four_ranks):
-        assert torch.equal(result["generate"], want), rank
+        assert_greedy_agrees(model, result["generate"], want, f"rank {rank}")
 
 
 def rel(a, b):
@@ -116,16 +121,27 @@ CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.cross_shape
 def test_parallel_equals_serial_4_ranks(four_ranks):
     check_cases([r["parallel"] for r in four_ranks])
 
 
 @pytest.mark.slow
+@pytest.mark.cross_shape
 def test_parallel_equals_serial_8_ranks(eight_ranks):
     check_cases([r["parallel"] for r in eight_ranks])
 
 
 def check_cases(results):
+    """Loss and gradients against one rank, to float rounding: the shards' products have other
+    shapes and the grid's all-reduces sum partial products in another order. The bound: the
+    forward's sums (tests/llm/helpers.py's logits_sums, d_ff 45 the longest), the loss's two
+    (the log-sum-exp over the vocabulary, the mean over the targets) and the backward's as many
+    again as forward and loss; the gradients normwise (each element by the tensor's largest).
+    Overlap on against off is the same computation: bitwise."""
+    terms, products = logits_sums(BASE, 16)
+    terms, products = max(terms, 5 * 16), 2 * (products + 2)  # 80 targets
+    bound = order_bound(terms, products=products)
     refs = {}
     for per_rank in zip(*results):  # one case on every rank
         grid_text, changes, overlap, micro = per_rank[0]["case"]
@@ -135,13 +151,13 @@ def check_cases(results):
         loss, grads = refs[key]
         tag = f"grid {grid_text} {dict(changes)} overlap={overlap} micro={micro}"
         for rank, r in enumerate(per_rank):
-            assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), f"{tag} rank {rank}: loss"
+            assert abs(r["loss"] - loss) <= bound * abs(loss), f"{tag} rank {rank}: loss"
             assert set(r["grads"]) == set(grads), tag
             for name, want in grads.items():
                 got = r["grads"][name]
                 assert got.shape == want.shape, f"{tag}: {name} shape"
-                assert rel(got, want) < 1e-5, f"{tag} rank {rank}: grad of {name} " \
-                                              f"({rel(got, want):.2e})"
+                assert_orders_agree(got, want, terms=terms, products=products,
+                                    what=f"{tag} rank {rank}: grad of {name}")
         grid = ProcessGrid.parse(grid_text, AXONN_AXES)
         for axis in ("data", "depth", "row", "col"):  # communication only where size > 1
             assert (per_rank[0]["axes"].get(axis, 0) > 0) == (grid.size(axis) > 1), \

@@ -16,6 +16,7 @@ from llm.decode.quantspec import (
 )
 from llm.model import GPT, tiny
 from tests.llm.helpers import GQA64 as GQA
+from tests.llm.helpers import assert_greedy_agrees
 
 
 def prompt(length, seed):
@@ -44,6 +45,7 @@ def successor_model():
     return model
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 @pytest.mark.parametrize(("name", "length", "new", "seed"), [
     ("tiny", 7, 24, 1),   # 23 tokens after the prefill: not a multiple of 2, 4 or 6
@@ -55,7 +57,8 @@ def successor_model():
 def test_tokens_equal_greedy_generate(models, name, length, new, seed, gamma):
     model, idx = models[name], prompt(length, seed)
     got, stats = quantspec_generate(model, idx, new, gamma=gamma, fp_buffer=4, group_size=16)
-    assert torch.equal(got, model.generate(idx, new))
+    # verification passes of gamma + 1 rows against one-row decode steps: equal but at near-ties
+    assert_greedy_agrees(model, got, model.generate(idx, new), f"gamma {gamma}")
     assert stats.generated == new == stats.accepted + stats.target_passes
     assert 0 <= stats.accepted <= stats.drafted
     assert 0.0 <= stats.acceptance_rate <= 1.0
@@ -63,14 +66,18 @@ def test_tokens_equal_greedy_generate(models, name, length, new, seed, gamma):
     assert stats.drafted <= gamma * (stats.target_passes - 1)  # no drafts in the prefill
 
 
+@pytest.mark.cross_shape
 def test_the_buffer_outlasting_the_sequence_is_still_exact(models):
     model, idx = models["tiny"], prompt(5, 7)  # 5 + 20 positions < 2 * 32: nothing quantised
     got, _ = quantspec_generate(model, idx, 20, gamma=4, fp_buffer=32, group_size=64)
-    assert torch.equal(got, model.generate(idx, 20))
+    assert_greedy_agrees(model, got, model.generate(idx, 20), "nothing quantised")
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("gamma", [1, 4, 6])
 def test_a_draft_that_must_agree_is_always_accepted(gamma):
+    """Exact tokens across shapes and int4 weights: the successor's logit margin (an
+    embedding's squared norm) is far beyond rounding (successor_model)."""
     model, idx, new = successor_model(), prompt(9, 5), 30
     got, stats = quantspec_generate(model, idx, new, gamma=gamma, fp_buffer=4, group_size=32)
     want = (idx[0, -1] + torch.arange(1, new + 1)) % 256
@@ -202,6 +209,7 @@ def test_bad_settings_raise(models, kwargs, match):
         quantspec_generate(models["gqa"], prompt(4, 0), 5, **kwargs)
 
 
+@pytest.mark.cross_shape
 def test_bad_inputs_raise(models):
     model = models["gqa"]  # max_seq_len 64
     with pytest.raises(ValueError, match="batch size 2"):
@@ -213,6 +221,7 @@ def test_bad_inputs_raise(models):
     with pytest.raises(ValueError, match="max_new_tokens=-1"):
         quantspec_generate(model, prompt(4, 0), -1)
     fits, stats = quantspec_generate(model, prompt(60, 0), 5)  # 64 positions: just fits
-    assert torch.equal(fits, model.generate(prompt(60, 0), 5)) and stats.generated == 5
+    assert_greedy_agrees(model, fits, model.generate(prompt(60, 0), 5), "64 positions")
+    assert stats.generated == 5
     same, stats = quantspec_generate(model, prompt(4, 0), 0)
     assert torch.equal(same, prompt(4, 0)) and stats.generated == 0

@@ -168,7 +168,11 @@ def run_trainer(trainer, steps):
 
 
 @pytest.mark.slow
+@pytest.mark.cross_shape
 def test_training_on_8_ranks_tracks_1_rank(eight_ranks):
+    """The grids' products and all-reduces sum in other orders than one rank's, so the runs
+    agree to rounding carried through 20 AdamW steps: 1e-4 is measured slack, not a derived
+    bound (a step's update can amplify a rounding difference)."""
     serial_rows = run_trainer(make_trainer(one_rank()), TRAIN_STEPS)
     assert serial_rows[-1]["loss"] < 0.8 * serial_rows[0]["loss"]  # it learns
     assert serial_rows[0]["num_dropped"] > 0
@@ -185,6 +189,7 @@ def test_training_on_8_ranks_tracks_1_rank(eight_ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.cross_shape  # 8 ranks' steps against one rank's: to rounding, as above
 def test_checkpoint_from_8_ranks_continues_on_1_rank(eight_ranks):
     from common import sharded
 

@@ -27,6 +27,7 @@ def _train(gemm: str, **config) -> dict:
     return {"history": res.history, "state": state, "model": res.model}
 
 
+@pytest.mark.cross_shape
 @pytest.mark.skipif(not dense.onednn_available(), reason="this torch has no oneDNN")
 @pytest.mark.parametrize("config", [
     {"dropout": 0.0},                       # cached H_0, weight first in the last layer
@@ -73,6 +74,7 @@ def test_the_gemm_option_is_checked():
         RunConfig(gemm="blas")
 
 
+@pytest.mark.cross_shape
 @pytest.mark.skipif(not dense.onednn_tn_available(), reason="this torch has no oneDNN")
 def test_pooled_buffers_train_alike(monkeypatch):
     """``pool_buffers`` (on by default) reuses memory, not numbers: the same history as

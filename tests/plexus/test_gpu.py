@@ -65,6 +65,7 @@ def _close(a, b, rel=1e-4):
                                     for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.cross_shape
 def test_one_cuda_rank_follows_the_cpu_run(tmp_path):
     cpu = _losses(tmp_path, "cpu", device="cpu")
     gpu = _losses(tmp_path, "gpu", device="cuda")
@@ -105,6 +106,7 @@ def _train(device, *, source=None, epochs=5, **options):
     return [r["loss"] for r in res.history]
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("name", OPTIONS)
 def test_every_model_option_on_cuda_follows_the_cpu_run(name):
     cpu, gpu = _train("cpu", **OPTIONS[name]), _train("cuda", **OPTIONS[name])
@@ -143,6 +145,7 @@ def test_an_epoch_on_cuda_waits_for_the_gpu_once(options):
     assert len(waits) == 1, waits
 
 
+@pytest.mark.cross_shape
 def test_a_prepared_dataset_uploads_each_block_once_and_follows_the_cpu_run(tmp_path):
     """Three layers on 1x1x1 use the blocks of two matrices (one, transposed, for a symmetric
     graph): the upload costs the distinct blocks' bytes once, the layers share them, and no
@@ -183,6 +186,7 @@ def _trainer(device, epochs, directory, resume=False):
                    checkpoint=CheckpointConfig(dir=directory, resume=resume))
 
 
+@pytest.mark.cross_shape
 def test_a_checkpoint_saved_on_cuda_resumes_on_cuda_and_on_the_cpu(tmp_path):
     straight = _trainer("cuda", 6, None)
     run(straight)
@@ -223,6 +227,7 @@ def _watched_runs(ctx, argv):
     return seen
 
 
+@pytest.mark.cross_shape
 def test_runs_on_cuda_follow_the_cpu_runs_and_free_each_run_first(tmp_path):
     args = [*ARGS, "--runs", "2"]
     rows = {d: _cli(tmp_path, d, args, device=d)[0] for d in ("cpu", "cuda")}
@@ -254,6 +259,7 @@ def _fit_on(ctx, device, grid):
             data.x.device.type)
 
 
+@pytest.mark.cross_shape
 def test_fit_takes_a_pyg_data_on_cuda_and_trains_there():
     (cpu, cpu_dev, _), = run_ranks(_fit_on, 1, "cpu", "1x1x1")
     (gpu, gpu_dev, data_dev), = run_ranks(_fit_on, 1, "cuda", "1x1x1")
@@ -297,6 +303,7 @@ def _train_on_cuda0(ctx, grid, options):
     return [r["loss"] for r in res.history], devices, dist.get_backend()
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("grid", SHARED)
 def test_ranks_sharing_one_gpu_over_gloo_follow_the_serial_cpu_run(grid):
     serial = _train("cpu", **SHARED[grid])
@@ -305,6 +312,7 @@ def test_ranks_sharing_one_gpu_over_gloo_follow_the_serial_cpu_run(grid):
         assert _close(serial, losses, rel=1e-3), (grid, serial, losses)
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("grid", SHARED)
 def test_the_overlapped_aggregation_on_cuda_gives_the_bits_of_the_blocked_one(grid):
     """Issue 28's overlap on CUDA tensors: each row block's all-reduce (2), (7) and the weight
@@ -319,6 +327,7 @@ def test_the_overlapped_aggregation_on_cuda_gives_the_bits_of_the_blocked_one(gr
         assert _close(serial, on, rel=1e-3), (grid, serial, on)
 
 
+@pytest.mark.cross_shape
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_nccl_ranks_follow_one_cpu_rank(tmp_path):
     cpu = _losses(tmp_path, "cpu", device="cpu")

@@ -346,6 +346,7 @@ def _cuda_losses(device, **options):
     return [r["loss"] for r in res.history]
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("options", [{}, {"model": "sage", "norm": "batch", "residual": True,
                                           "num_layers": 4}], ids=["gcn", "sage-batch-residual"])
 @pytest.mark.gpu

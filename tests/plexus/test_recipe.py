@@ -215,6 +215,7 @@ def test_a_cuda_dropout_mask_is_drawn_there_with_the_cpu_bits(monkeypatch):
         0.3, seed=1, step=2, layer=1, rows=rows.cpu(), cols=cols.cpu()))
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("world, grids", [
     (1, ["1x1x1"]),
     pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], marks=pytest.mark.slow),

@@ -99,6 +99,7 @@ def _fit_losses(ctx, grid, epochs, config):
     return [(r["loss"], r["train_acc"], r["test_acc"]) for r in res.history]
 
 
+@pytest.mark.cross_shape
 @pytest.mark.slow
 def test_loss_curve_8_ranks_matches_1_rank():
     config = dict(hidden=32, num_layers=3, lr=0.01, learn_features=True,

@@ -90,6 +90,7 @@ def _assert_weight_first_equals_aggregate_first(results):
                         f"{tag} {option}: grad of {name} ({rel(got, want)})"
 
 
+@pytest.mark.cross_shape
 @pytest.mark.parametrize("world, grids", [
     (1, ["1x1x1"]),
     # a layer with O = I = 1 and P = 2 in each (layer 2, 1 and 0); 203 nodes pad to 204
