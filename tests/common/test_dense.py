@@ -54,7 +54,6 @@ def test_unknown_backends_are_refused():
     assert dense.check_backend("torch") == "torch"
 
 
-@pytest.mark.cross_shape
 def test_onednn_asked_where_torch_lacks_it_is_refused(monkeypatch):
     monkeypatch.setattr(dense, "onednn_available", lambda: False)
     with pytest.raises(ValueError, match="no usable oneDNN linear primitive; use 'auto'"):
