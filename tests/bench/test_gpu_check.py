@@ -192,7 +192,8 @@ def test_pytest_collects_the_gpu_tests_of_both_packages():
 def test_the_header_names_the_host_cpu_and_its_avx512():
     """The host CPU of a lent GPU machine decides which code paths MKL, oneDNN and ATen take
     (docs/testing.md), so the check's header names it, as /proc/cpuinfo does."""
+    from tests.cpu_variants import cpu_flags
+
     text = gpu_check.host_cpu()
-    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-    want = "with AVX-512" if "avx512f" in flags.split() else "no AVX-512"
+    want = "with AVX-512" if "avx512f" in cpu_flags() else "no AVX-512"
     assert text.endswith(want) and not text.startswith("unknown"), text

@@ -47,15 +47,10 @@ def logits_bound(config: GPTConfig, compute_dtype: Any = None,
     ``order_bound`` of :func:`logits_sums` (float32 accumulation), and where the activations
     are stored in a narrower ``compute_dtype`` (bf16), each of the products' stored results may
     round to the neighbouring value: ``2 u`` more per product."""
-    import torch
-
-    from tests.rounding import order_bound, unit_roundoff
+    from tests.rounding import order_bound
 
     terms, products = logits_sums(config, seq_len)
-    bound = order_bound(terms, products=products)
-    if compute_dtype is not None and compute_dtype != torch.float32:
-        bound += 2 * products * unit_roundoff(compute_dtype)
-    return bound
+    return order_bound(terms, products=products, stored=compute_dtype)
 
 
 def assert_logits_agree(got: Any, want: Any, config: GPTConfig, seq_len: int | None = None,

@@ -140,31 +140,33 @@ def last_layer_sums(exact: bool) -> int:
     return 1 if exact else 3
 
 
-def assert_loss_agrees(got, want, *, terms, sums, logit_max, train, classes, what):
-    """Two losses of logits that agree within order_bound(terms, sums) of ``logit_max``, the
-    largest |logit| of every rank (:func:`last_layer_sums`). The loss, the mean over the
-    ``train`` rows of ``logsumexp(z) - z_label``, moves by at most twice the largest logit's
-    change (its slope in a row's logits sums to at most 2 in absolute value), plus its own
-    rounding, twice: the row sum and each row's ``classes``-term log-sum-exp, within
+def assert_loss_agrees(got, want, *, terms, sums, logit_max, train, classes, what,
+                       stored=None):
+    """Two losses of logits that agree within order_bound(terms, sums, stored=stored) of
+    ``logit_max``, the largest |logit| of every rank (:func:`last_layer_sums`). The loss, the
+    mean over the ``train`` rows of ``logsumexp(z) - z_label``, moves by at most twice the
+    largest logit's change (its slope in a row's logits sums to at most 2 in absolute value),
+    plus its own rounding, twice: the row sum and each row's ``classes``-term log-sum-exp, within
     order_bound(train + classes) of their terms (the loss, two logits and log C)."""
     got, want = float(got), float(want)
-    moved = 2 * order_bound(terms, products=sums) * logit_max
+    moved = 2 * order_bound(terms, products=sums, stored=stored) * logit_max
     own = order_bound(train + classes) * (abs(want) + 2 * logit_max + math.log(classes))
     assert abs(got - want) <= moved + own, (what, got, want, moved + own)
 
 
-def assert_gradients_agree(got, want, *, terms, sums, what):
-    """Every gradient within order_bound(terms, sums) of the largest |gradient| of the model
+def assert_gradients_agree(got, want, *, terms, sums, what, stored=None):
+    """Every gradient within order_bound(terms, sums, stored=stored) of the largest |gradient|
+    of the model
     (normwise over the whole gradient: a bias before batch norm has a gradient of zero up to
     rounding, whose rounding is that of its terms, not of itself). ``terms``: the longest sum
     on backward's path, the rows a ``dW`` or a batch norm sums over (at most the padded node
     count); ``sums``: :func:`last_layer_sums`, the loss's gradient and :data:`BACKWARD_SUMS`
-    per layer."""
+    per layer; ``stored``: the dtype the activations are kept in (tests/rounding.py)."""
     assert sorted(got) == sorted(want), what
     scale = max((t.abs().max().item() for t in want.values() if t.numel()), default=0.0)
     for name, t in want.items():
         assert_orders_agree(got[name], t, terms=terms, products=sums, scale=scale,
-                            what=f"{what}: grad of {name}")
+                            stored=stored, what=f"{what}: grad of {name}")
 
 
 def full_logits(per_rank, key, rows_key, like, num_classes):
