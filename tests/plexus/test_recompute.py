@@ -20,8 +20,8 @@ from common.comm_stats import CommStats
 from plexus import ops
 from plexus.layout import layer_widths, roles
 from tests.distributed import run_ranks
+from tests.plexus.bounds import BACKWARD_SUMS, assert_gradients_agree, assert_loss_agrees
 from tests.plexus.data.shards import model_source, small_graph
-from tests.plexus.test_model import BACKWARD_SUMS, assert_gradients_agree, assert_loss_agrees
 from tests.rounding import assert_orders_agree, assert_product_orders_agree
 
 HIDDEN, SEED, STEP = 6, 5, 3
@@ -295,7 +295,7 @@ def _assert_recompute_equals_keep(results):
     normwise against the largest |logit| (these untrained logits do not cancel far below their
     terms) and the largest |gradient| of the model (a gradient near zero rounds as its terms
     do). The loss moves by at most twice the largest logit's change, plus its own rounding
-    (tests/plexus/test_model.py's assert_loss_agrees)."""
+    (tests/plexus/bounds.py's assert_loss_agrees)."""
     from common.perf.gcn import GCNWorkload, gcn_collectives
     from common.perf.model import bytes_by_axis
 
