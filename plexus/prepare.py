@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from plexus.data import partition as part
+from plexus.data.lock import preparing_lock
 from plexus.data.registry import load_dataset
 from plexus.data.schema import verify
 from plexus.data.sources import (
@@ -108,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if bad else 0
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        source = source_from_args(args, tmp_dir=str(out.parent))
-        m = prepare(source, out, blocks=args.blocks, permutation=args.permutation,
-                    seed=args.seed, force=args.force, quiet=args.quiet)
+        # not at once with a job preparing OUT; where flock fails, prepare unlocked
+        with preparing_lock(out, verbose=True, required=False):
+            source = source_from_args(args, tmp_dir=str(out.parent))
+            m = prepare(source, out, blocks=args.blocks, permutation=args.permutation,
+                        seed=args.seed, force=args.force, quiet=args.quiet)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

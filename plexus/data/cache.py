@@ -18,8 +18,12 @@ raw files' headers and count files only, exceeds :data:`IN_MEMORY_LIMIT_BYTES` (
 
 One rank (``is_writer``) prepares; the others poll the filesystem, which must be shared by
 every node, for the finished directory, never through a collective, so a preparation of
-hours hits no collective timeout. A writer that fails leaves ``OUT.failed`` (the error text and
-the job's token) so the waiters stop with its message; the next attempt removes it.
+hours hits no collective timeout. Across jobs (a sweep sharing ``--root``), the writers take
+turns on the ``flock`` of ``OUT.lock`` (:mod:`plexus.data.lock`): one prepares, the others
+print that they wait and for whom, then reuse its cache; the ``OUT.partial`` of a job that
+was killed is found by the next holder of the lock and written anew. A writer that fails
+leaves ``OUT.failed`` (the error text and the job's token) so the waiters stop with its
+message; the next attempt removes it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import zipfile
 from pathlib import Path
 
 from plexus.data.errors import DatasetCorruptError, DatasetNotFoundError
+from plexus.data.lock import preparing_lock
 from plexus.data.ogb import OGB_DATASETS, missing_files, not_found_message
 from plexus.data.schema import StaleFormatError, is_prepared, read_manifest
 
@@ -138,18 +143,28 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
     failed = Path(f"{out}.failed")
     if not is_writer:
         return _wait(out, failed, name, want, token, timeout_s, poll_s, report_every_s, verbose)
-    failed.unlink(missing_ok=True)  # an earlier attempt's
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        if out.exists():
-            raise ValueError(f"{out} exists but is not a prepared dataset (no manifest.json); "
-                             "delete or move it, and run again to prepare the cache there")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if verbose:
-            print(f"preparing {name} into {out} (once; later runs reuse it)", flush=True)
-        source = _source(name, root, edge_file, seed, symmetrize, tmp_dir=out.parent)
-        from plexus.data.writer import prepare
+        with preparing_lock(out, token=token, verbose=verbose, poll_s=poll_s,
+                            report_every_s=report_every_s, timeout_s=timeout_s) as previous:
+            if is_prepared(out):  # another job prepared it while this one waited
+                return _checked(out, name, want, verbose)
+            failed.unlink(missing_ok=True)  # an earlier attempt's
+            if out.exists():
+                raise ValueError(f"{out} exists but is not a prepared dataset (no "
+                                 "manifest.json); delete or move it, and run again to prepare "
+                                 "the cache there")
+            partial = Path(f"{out}.partial")
+            if verbose and partial.exists():  # its writer is gone: it held the lock
+                print(f"{partial} was left by a job that stopped ({previous}); preparing "
+                      "anew", flush=True)
+            if verbose:
+                print(f"preparing {name} into {out} (once; later runs reuse it)", flush=True)
+            source = _source(name, root, edge_file, seed, symmetrize, tmp_dir=out.parent)
+            from plexus.data.writer import prepare
 
-        prepare(source, out, blocks=blocks, permutation=permutation, seed=seed, quiet=quiet)
+            prepare(source, out, blocks=blocks, permutation=permutation, seed=seed,
+                    quiet=quiet)
     except BaseException as e:
         _write_marker(failed, {"token": token, "error": f"{type(e).__name__}: {e}"})
         raise
