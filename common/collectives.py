@@ -165,6 +165,8 @@ def all_reduce(
         return CommHandle.done(x) if async_op else x
     if inplace and not x.is_contiguous():
         raise ValueError("in-place all_reduce needs a contiguous tensor")
+    if _on_wire(x, group, op):
+        return _wire_sum(x, group, stats, async_op, inplace=inplace)
     mpi = group.mpi
     if mpi is not None and not async_op:  # the lean synchronous MPI path
         start = time.perf_counter()
@@ -199,6 +201,12 @@ def all_gather(
     g = group.size
     if g == 1:
         return CommHandle.done(x) if async_op else x
+    if _on_wire(x, group) and x.dtype != group.wire:  # gathered in the wire dtype
+        plain = group.on_wire(None)
+        got = all_gather(x.to(group.wire), plain, dim=dim, stats=stats, async_op=async_op)
+        if isinstance(got, CommHandle):
+            return CommHandle(None, lambda: got.wait().to(x.dtype))
+        return got.to(x.dtype)
     mpi = group.mpi
     if mpi is not None and not async_op and dim == 0:  # the lean synchronous MPI path
         start = time.perf_counter()
@@ -250,6 +258,8 @@ def reduce_scatter(
             f"reduce_scatter over axis {group.name!r}: dimension {dim} has size {shape[dim]}, "
             f"not divisible by the group size {g}; pad it to a multiple of {g}"
         )
+    if _on_wire(x, group):
+        return _wire_sum(x, group, stats, async_op, dim=dim)
     mpi = group.mpi
     if mpi is not None and not async_op and dim == 0:  # the lean synchronous MPI path
         start = time.perf_counter()
@@ -275,6 +285,79 @@ def reduce_scatter(
             out.view(-1), src.view(-1), group=group.group, async_op=True)
     return _run(group, "reduce_scatter", src.nbytes, stats, launch, out, async_op,
                 _stream_mark(out))
+
+
+# ----------------------------------------------------------------------------- the wire dtype
+def _on_wire(x: torch.Tensor, group: AxisGroup, op: Any = ReduceOp.SUM) -> bool:
+    """Whether ``x`` travels in ``group.wire``: float32 or wire-dtype data, summed or moved."""
+    return (group.wire is not None and x.dtype in (torch.float32, group.wire)
+            and op == ReduceOp.SUM)
+
+
+def _wire_sum(x: torch.Tensor, group: AxisGroup, stats: CommStats | None, async_op: bool, *,
+              dim: int | None = None, inplace: bool = False) -> torch.Tensor | CommHandle:
+    """The sum of every rank's ``x`` over ``group``, its messages in ``group.wire``: each rank
+    rounds its ``x`` to the wire dtype once and sends chunk ``j`` to rank ``j`` (an
+    all-to-all); rank ``j`` adds the ``g`` chunks it receives in float32, in group order.
+    ``dim`` None: an all-reduce, whose float32 chunk sums are rounded to the wire dtype once
+    more and all-gathered; else a reduce-scatter along ``dim`` (float32, ``x``'s chunk).
+    Same bytes per rank as a ring in the wire dtype; the same bits on every transport (the
+    order of the sum is ours); the error bound is in docs/design/plexus-3d.md section 11.
+    Result dtype: ``x``'s."""
+    g, wire = group.size, group.wire
+    shape = tuple(x.shape)
+    if dim is None:  # flat, padded to g chunks
+        n = x.numel()
+        c = -(-n // g)
+        send = torch.zeros(g * c, dtype=wire, device=x.device)
+        send[:n] = x.reshape(-1)
+    else:
+        dim = dim % len(shape)
+        c = shape[dim] // g
+        src = x.reshape((*shape[:dim], g, c, *shape[dim + 1:])).movedim(dim, 0)
+        send = src.to(wire, memory_format=torch.contiguous_format).reshape(-1)
+    recv = torch.empty_like(send)
+    chunk_shape = [-1] if dim is None else [*shape[:dim], c, *shape[dim + 1:]]
+    gathered = torch.empty_like(send) if dim is None else None
+    acc: list[torch.Tensor] = []
+
+    def add_up() -> torch.Tensor:  # float32, in group order
+        parts = recv.view(g, -1)
+        total = parts[0].float()
+        for j in range(1, g):
+            total.add_(parts[j])
+        return total
+
+    def result() -> torch.Tensor:
+        if dim is not None:
+            return acc[0].view(chunk_shape).to(x.dtype)
+        out = gathered[:x.numel()].view(shape)
+        return x.copy_(out) if inplace else out.to(x.dtype)
+
+    mpi = group.mpi
+    if mpi is not None and x.is_cpu:  # one job on MPI's progress thread: all of it overlaps
+        def job(exchange: Callable, gather: Callable) -> None:
+            exchange(send, recv)
+            acc.append(add_up())
+            if gathered is not None:
+                gather(acc[0].to(wire), gathered)
+
+        launch: Callable[[], Any] = lambda: mpi.run_composite(job, async_op)  # noqa: E731
+        finish: Callable[[], torch.Tensor] = result
+    else:  # gloo, NCCL: the all-to-all runs async; the sum (and its gather) when waited for
+        def launch() -> Any:
+            return dist.all_to_all_single(recv.view(torch.uint8), send.view(torch.uint8),
+                                          group=group.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            acc.append(add_up())
+            if gathered is not None:
+                _all_gather_single(gathered.view(torch.uint8), acc[0].to(wire).view(torch.uint8),
+                                   group=group.group)
+            return result()
+    op = "all_reduce" if dim is None else "reduce_scatter"
+    payload = x.numel() * send.element_size()  # the padding (< g elements) is not counted
+    return _run(group, op, payload, stats, launch, finish, async_op, _stream_mark(send))
 
 
 def chunk(x: torch.Tensor, group: AxisGroup, *, dim: int = 0) -> torch.Tensor:

@@ -17,6 +17,8 @@ it passes the job's MPI transport, which CPU tensors need to be fast under mpiex
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import math
 import re
@@ -310,6 +312,9 @@ class AxisGroup:
         members: global ranks of the group, in group-rank order.
         mpi: the group's :class:`~common.mpi.MPIGroup` (CPU tensors go through MPI), or
             ``None`` (no MPI transport, or ``size == 1``).
+        wire: the dtype that float32 messages travel in over this group (``torch.bfloat16``:
+            half the bytes; sums add in float32, :mod:`common.collectives`), or ``None``: as
+            they are. :meth:`on_wire` gives a view of the group with another one.
     """
 
     name: str
@@ -318,6 +323,11 @@ class AxisGroup:
     rank: int
     members: tuple[int, ...] = ()
     mpi: Any = None
+    wire: Any = None
+
+    def on_wire(self, dtype: Any) -> AxisGroup:
+        """This group, its float32 messages moved in ``dtype`` (None: as they are)."""
+        return dataclasses.replace(self, wire=dtype)
 
 
 def _parse_size(value: str, text: str, hint: str) -> int:

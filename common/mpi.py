@@ -286,6 +286,25 @@ class MPIGroup:
                 out.copy_(o)
         return self.progress.run(call, async_op)
 
+    def run_composite(self, fn: Any, async_op: bool) -> Work | Done:
+        """Run ``fn(exchange, gather)`` as one collective in issue order (on the progress
+        thread when async): ``exchange(src, out)`` is MPI's all-to-all of ``src`` [g * n]
+        into ``out`` [g * n] (chunk j to rank j), ``gather(src, out)`` its all-gather; both
+        move any dtype as 16-bit words or bytes (:mod:`common.lowp`'s bf16 sums)."""
+        nb, types, comm = self._nb(async_op), self._gather_types, self.comm
+
+        def exchange(src: torch.Tensor, out: torch.Tensor) -> None:
+            send, recv = self._msg(src, types), self._msg(out, types)
+            if nb:
+                _poll(comm.Ialltoall(send, recv))
+            else:
+                comm.Alltoall(send, recv)
+
+        def gather(src: torch.Tensor, out: torch.Tensor) -> None:
+            _allgather(comm, self._msg(src, types), self._msg(out, types), nb)
+
+        return self.progress.run(lambda: fn(exchange, gather), async_op)
+
     def _nb(self, async_op: bool) -> bool:
         """Non-blocking + :func:`_poll` (True) or MPI's blocking call (False)."""
         return self.polite == "all" or (async_op and self.polite == "async")

@@ -191,6 +191,10 @@ class PlexusGCN(ShardedState, nn.Module):
                                      {ax: g.rank for ax, g in groups.items()},
                                      len(shard.widths) - 1)
         self.shard, self.groups, self.kind = shard, groups, model
+        # the groups of the activation and gradient collectives (1)-(8): in bf16, their
+        # float32 messages travel as bf16 and sum in float32 (common.collectives)
+        self.wire = ({ax: g.on_wire(torch.bfloat16) for ax, g in groups.items()}
+                     if precision == "bf16" else groups)
         self.residual = residual
         self.seed, self.dropout, self.norm_kind = seed, dropout, norm
         self.num_layers = len(shard.widths) - 1
@@ -317,7 +321,7 @@ class PlexusGCN(ShardedState, nn.Module):
     def _input(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
         """F_l [N/O, D_l/I], replicated over P: layer 0 gathers its flat shard over P
         (collective 1; backward 8 reduce-scatters), later layers all-reduce dF over P."""
-        p_group = self.groups[layout.roles(layer)[2]]
+        p_group = self.wire[layout.roles(layer)[2]]
         if layer == 0:
             return flat.all_gather_reduce_scatter(self.features, p_group, self.features_shape,
                                                   stats)
@@ -349,7 +353,7 @@ class PlexusGCN(ShardedState, nn.Module):
         """``H_0 W_0`` (+ ``R_0 W_r0``) [N/P, D_1/O], partial over I, multiplied row block by
         row block as :meth:`_first_blocks` aggregates them, none kept: backward aggregates
         them again from this pass's dropout mask, kept as bits (no mask in evaluation)."""
-        p_group = self.groups[layout.roles(0)[2]]
+        p_group = self.wire[layout.roles(0)[2]]
         bits = (ops.BitMask(self._keep_mask(0, step, self.features.device)) if self.training
                 else None)
         sage = self.kind == "sage"
@@ -373,7 +377,7 @@ class PlexusGCN(ShardedState, nn.Module):
                 return f if bits is None else self._dropout(0, f, 0, kept=bits)
 
         sage = self.kind == "sage"
-        g = ops.RemadeInputMatmul.apply(make, self.groups[layout.roles(0)[2]],
+        g = ops.RemadeInputMatmul.apply(make, self.wire[layout.roles(0)[2]],
                                         self.block_shapes[0], stats, gathered, self.weights[0],
                                         self.root_weights[0] if sage else None, self.gemm)
         q = self._spmm_o(self.shard.adj, 0, g[0], stats)
@@ -387,7 +391,7 @@ class PlexusGCN(ShardedState, nn.Module):
         :meth:`_dropout` gives; None: F_0 as it is), aggregated in row blocks (whole on a
         GPU, where a row block's matrix would be a copy), each all-reduced over O (2) and,
         in bf16, rounded as :meth:`_aggregate` rounds H."""
-        o_group = self.groups[layout.roles(0)[0]]
+        o_group = self.wire[layout.roles(0)[0]]
         with torch.no_grad():
             f = self._input(0, None, stats)                              # (1)
             if bits is not None:
@@ -456,7 +460,7 @@ class PlexusGCN(ShardedState, nn.Module):
         """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
         all-reduced over O in both passes (collectives 2 and 7): in row blocks, overlapped
         with the SpMM, when :attr:`aggregation_blocks` > 1."""
-        blk, group = blocks[layer % 6], self.groups[layout.roles(layer)[0]]
+        blk, group = blocks[layer % 6], self.wire[layout.roles(layer)[0]]
         if self.aggregation_blocks > 1 and group.size > 1:
             return ops.BlockedAggregation.apply(blk.a, blk.a_t, x, group, stats,
                                                 self.aggregation_blocks, self.overlap)
@@ -466,7 +470,7 @@ class PlexusGCN(ShardedState, nn.Module):
     def _prefetch(self, layer: int, stats: CommStats | None) -> tuple:
         """With :attr:`overlap`, the handles of W_l's (and R_l's) all-gather over P (3),
         issued now so that they travel during the aggregation; else (None, None)."""
-        p_group = self.groups[layout.roles(layer)[2]]
+        p_group = self.wire[layout.roles(layer)[2]]
         if not self.overlap or p_group.size == 1:
             return None, None
         shape = self.block_shapes[layer]
@@ -477,7 +481,7 @@ class PlexusGCN(ShardedState, nn.Module):
                 stats: CommStats | None, gathered=None) -> torch.Tensor:
         """``H W`` [N/P, D_l+1/O], partial over I, with ``W`` gathered over P (3, 5, 6);
         ``gathered``: the handle of that all-gather, issued by :meth:`_prefetch`."""
-        p_group = self.groups[layout.roles(layer)[2]]
+        p_group = self.wire[layout.roles(layer)[2]]
         keep = self.keep_dtype if torch.is_grad_enabled() else None  # no copy for no backward
         return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
                                         stats, gathered, keep, self.gemm)
@@ -486,7 +490,7 @@ class PlexusGCN(ShardedState, nn.Module):
         """Q summed over I (collective 4, in place: q is fresh), then ``+ b_l`` in place (the
         logits block is the largest activation); the bias's gradient is all-reduced over P."""
         _, i_ax, p_ax = layout.roles(layer)
-        q = autograd.all_reduce_identity(q, self.groups[i_ax], stats, inplace=True)
+        q = autograd.all_reduce_identity(q, self.wire[i_ax], stats, inplace=True)
         if len(self.biases):
             q = q.add_(autograd.identity_all_reduce(self.biases[layer], self.groups[p_ax], stats))
         return q
@@ -517,7 +521,7 @@ class PlexusGCN(ShardedState, nn.Module):
         # runs r's backward collectives
         part, left = (r[:, lo - lo_in: hi - lo_in], lo - lo_out) if hi > lo else (r[:, :0], 0)
         placed = torch.nn.functional.pad(part, (left, w_out - left - part.shape[1]))
-        return autograd.all_reduce_identity(placed, g[i_ax], stats)
+        return autograd.all_reduce_identity(placed, self.wire[i_ax], stats)
 
     def output_rows(self, t: torch.Tensor, *, all_rows: bool = False) -> torch.Tensor:
         """The rows of a per-output-row tensor ``t`` [N/P, ...] (labels, split masks) that the

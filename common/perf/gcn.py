@@ -49,9 +49,10 @@ backward, and the largest set of short-lived tensors of the step, phase by phase
 
 ``precision="bf16"`` (plexus.train --precision bf16, docs/design/plexus-3d.md section 11): the
 feature shard, its all-gather (1), the layer-0 SpMM's gathered rows, the kept ``H_l``, the
-norm's kept input and the cached ``H_0`` take 2 bytes an element; every all-reduce, the
-weights, their gathers, gradients and AdamW state, the logits and the other layers' SpMM
-operands stay float32. Pure Python.
+norm's kept input and the cached ``H_0`` take 2 bytes an element, and so does every message
+of (2)-(8) (sums add in float32: common.collectives); the weights, gradients and AdamW state,
+the logits, the norm's and the loss's collectives and the other layers' SpMM operands stay
+float32. Pure Python.
 """
 
 from __future__ import annotations
@@ -106,14 +107,15 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         return round_up(numel, g) * width
 
     last_rows = work.output_rows(shape)
+    wire = work.stored_bytes  # (2)-(8) travel in the precision (common.collectives' wire)
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
         O, I, P = shape[o], shape[i], shape[p]  # noqa: N806 - the paper's names
         f_block = (n // O) * (w[layer] // I)
-        w_flat = flat((w[layer] // I) * (w[layer + 1] // O), P)
+        w_flat = flat((w[layer] // I) * (w[layer + 1] // O), P, wire)
         rows = last_rows if layer == work.num_layers - 1 else n // P
-        h_bytes = rows * (w[layer] // I) * F32
-        q_bytes = rows * (w[layer + 1] // O) * F32
+        h_bytes = rows * (w[layer] // I) * wire
+        q_bytes = rows * (w[layer + 1] // O) * wire
         forward, backward = work._runs(layer, first_epoch)
         again = 2 if layer == 0 and work.recomputes_first else 1  # H_0 recomputed backward
         if layer == 0 and forward:
@@ -140,9 +142,9 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         if backward:
             out.append(Collective(o, "all_reduce", h_bytes, count=k))  # (7)
             if layer == 0:
-                out.append(Collective(p, "reduce_scatter", flat(f_block, P)))  # (8)
+                out.append(Collective(p, "reduce_scatter", flat(f_block, P, wire)))  # (8)
             else:
-                out.append(Collective(p, "all_reduce", f_block * F32))  # (8)
+                out.append(Collective(p, "all_reduce", f_block * wire))  # (8)
     if loss:
         o, _, p = roles(work.num_layers - 1)
         out.append(Collective(o, "all_reduce", last_rows * F32, count=3))  # max, sum-exp, target
@@ -259,8 +261,8 @@ def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
         if layer == work.num_layers - 1:
             kept, rows = last_rows / rows, last_rows
         forward, backward = work._runs(layer, first_epoch)
-        c2 = coll("all_reduce", o, rows * a * F32)
-        c3 = coll("all_gather", p, round_up(a * (w[layer + 1] // O), P) * F32)
+        c2 = coll("all_reduce", o, rows * a * work.stored_bytes)  # the wire's bytes
+        c3 = coll("all_gather", p, round_up(a * (w[layer + 1] // O), P) * work.stored_bytes)
         for blk in [kept * work.imbalance * work.nnz / (P * O),
                     kept * work.num_nodes / (P * O)][:work.terms]:
             s_f = spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line) / rate.spmm_bandwidth

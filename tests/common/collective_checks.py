@@ -109,6 +109,7 @@ def check_grid(ctx, grid_text: str, seed: int = 0) -> list[str]:
                 if not torch.allclose(x.grad, ref_grad, **TOL):
                     failures.append(f"{tag} {kind} dim={dim}: gradient differs")
         failures += _check_plain_and_async(grp, seed, tag)
+        failures += _check_wire(grp, seed, tag)
     return failures
 
 
@@ -158,6 +159,55 @@ def _check_plain_and_async(grp, seed, tag) -> list[str]:
         failures.append(f"{tag} byte accounting {counted} != ring volumes {expect}")
     if g > 1 and counted["all_reduce"] != 2 * 2 * (g - 1) * full // g:
         failures.append(f"{tag} all_reduce bytes do not follow 2(g-1)/g * M")
+    return failures
+
+
+def _wire_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Each member's float32 rounded to bf16 once, added in float32 in group order."""
+    total = xs[0].to(torch.bfloat16).float()
+    for x in xs[1:]:
+        total = total + x.to(torch.bfloat16).float()
+    return total
+
+
+def _check_wire(grp, seed, tag) -> list[str]:
+    """A group whose float32 messages travel as bf16 (``grp.on_wire``): sums are bit for bit
+    the float32 sum of the bf16-rounded inputs in group order (an all-reduce rounds it to bf16
+    once more), on every transport; gathers are the bf16-rounded inputs; async, in place,
+    along other dims and over sizes that need padding (5 x 3 over 2, 4 and 8 ranks); half
+    the bytes of float32."""
+    failures, g, wire = [], grp.size, grp.on_wire(torch.bfloat16)
+    stats = CommStats()
+    xs = [_data(seed + 5, r, (5, 3)).float() for r in grp.members]
+    mine = xs[grp.rank]
+    want = _wire_sum(xs) if g > 1 else mine
+    got = coll.all_reduce(mine, wire, stats=stats)
+    late = coll.all_reduce(mine.clone(), wire, stats=stats, async_op=True, inplace=True)
+    _ = mine @ mine.t()
+    rounded = want.to(torch.bfloat16).float() if g > 1 else mine
+    for name, t in (("sync", got), ("async in place", late.wait())):
+        if t.dtype != torch.float32 or not torch.equal(t, rounded):
+            failures.append(f"{tag} bf16-wire all_reduce ({name}) differs from the float32 sum "
+                            "of bf16 messages")
+    ys = [_data(seed + 6, r, (3, 2 * g, 4)).float() for r in grp.members]
+    for dim, async_op in ((1, False), (0, True)) if g > 1 else ():
+        ys_dim = [y.movedim(1, dim).contiguous() for y in ys]
+        out = coll.reduce_scatter(ys_dim[grp.rank], wire, dim=dim, stats=stats,
+                                  async_op=async_op)
+        out = out.wait() if async_op else out
+        if not torch.equal(out, _wire_sum(ys_dim).chunk(g, dim)[grp.rank]):
+            failures.append(f"{tag} bf16-wire reduce_scatter dim={dim} differs")
+    gathered = coll.all_gather(mine, wire, stats=stats, async_op=True).wait()
+    if not torch.equal(gathered, torch.cat([x.to(torch.bfloat16).float() for x in xs])
+                       if g > 1 else mine):
+        failures.append(f"{tag} bf16-wire all_gather is not the bf16-rounded inputs")
+    half = {"all_reduce": 2 * ring_bytes("all_reduce", mine.numel() * 2, g),
+            "reduce_scatter": 2 * ring_bytes("reduce_scatter", ys[0].numel() * 2, g),
+            "all_gather": ring_bytes("all_gather", g * mine.numel() * 2, g)}
+    counted = {op: stats.records[(grp.name, op)].bytes if (grp.name, op) in stats.records else 0
+               for op in half}
+    if counted != ({op: 0 for op in half} if g == 1 else half):
+        failures.append(f"{tag} bf16-wire bytes {counted} != bf16 ring volumes {half}")
     return failures
 
 
