@@ -329,7 +329,7 @@ def _wire_sum(x: torch.Tensor, group: AxisGroup, stats: CommStats | None, async_
         return total
 
     def result() -> torch.Tensor:
-        if dim is not None:
+        if gathered is None:  # a reduce-scatter
             return acc[0].view(chunk_shape).to(x.dtype)
         out = gathered[:x.numel()].view(shape)
         return x.copy_(out) if inplace else out.to(x.dtype)

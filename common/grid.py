@@ -18,7 +18,6 @@ it passes the job's MPI transport, which CPU tensors need to be fast under mpiex
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 import math
 import re
