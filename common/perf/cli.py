@@ -132,9 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "--overlap): auto where some axis has more than one rank; the best grid's "
                    "exposed communication is printed with and without it")
     g.add_argument("--precision", choices=perf_gcn.PRECISIONS, default="fp32",
-                   help="bf16: the input features, their all-gather and the activations kept "
-                   "for backward in 2 bytes; sums, weights and AdamW state float32 "
-                   "(plexus.train --precision)")
+                   help="bf16: the input features, the activations kept for backward and "
+                   "every message of the model's collectives in 2 bytes; sums, weights and "
+                   "AdamW state float32 (plexus.train --precision)")
     g.add_argument("--no-cache", action="store_true",
                    help="recompute H_0 every epoch (as the paper's code does)")
     g.add_argument("--dropout", type=float, default=0.0,

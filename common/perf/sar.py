@@ -49,12 +49,13 @@ SAR_NUMBERS: tuple[SARNumber, ...] = (
 )
 
 
-def sar_workload() -> GCNWorkload:
+def sar_workload(precision: str = "fp32") -> GCNWorkload:
     """SAR's set-up on ogbn-papers100M as our trainer runs it (``python -m plexus.train
     --dataset ogbn-papers100M --model sage --norm batch --hidden 256 --layers 3 --dropout 0
-    --symmetrize``)."""
+    --symmetrize --precision PRECISION``)."""
     return dataclasses.replace(ogbn_papers100m(model="sage", num_layers=3, hidden=256,
-                                               norm="batch"), nnz=PAPERS_SYMMETRIC_NNZ)
+                                               norm="batch", precision=precision),
+                               nnz=PAPERS_SYMMETRIC_NNZ)
 
 
 @dataclass
@@ -83,13 +84,14 @@ class SARComparison:
         return self.memory_gb_per_node / self.number.peak_gb
 
 
-def compare_sar(machine: MachineProfile | None = None) -> list[SARComparison]:
-    """Our best predicted grid for every :data:`SAR_NUMBERS` entry."""
+def compare_sar(machine: MachineProfile | None = None, *, precision: str = "fp32"
+                ) -> list[SARComparison]:
+    """Our best predicted grid for every :data:`SAR_NUMBERS` entry, in ``precision``."""
     machine = machine or load_profile(PROFILE)
     rpn = machine.ranks_per_node or 1
     out = []
     for num in SAR_NUMBERS:
-        plan = plan_gcn(sar_workload(), num.nodes * rpn, machine)
+        plan = plan_gcn(sar_workload(precision), num.nodes * rpn, machine)
         if not plan.runnable:
             raise ValueError(f"SAR, {num.nodes} nodes: no grid fits in memory on "
                              f"{machine.name}")
