@@ -318,7 +318,7 @@ def _wire_sum(x: torch.Tensor, group: AxisGroup, stats: CommStats | None, async_
         send = src.to(wire, memory_format=torch.contiguous_format).reshape(-1)
     recv = torch.empty_like(send)
     chunk_shape = [-1] if dim is None else [*shape[:dim], c, *shape[dim + 1:]]
-    gathered = torch.empty_like(send) if dim is None else None
+    gathered = send if dim is None else None  # the all-to-all is done with it by then
     acc: list[torch.Tensor] = []
 
     def add_up() -> torch.Tensor:  # float32, in group order

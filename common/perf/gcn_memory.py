@@ -131,10 +131,11 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
         else:
             phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h32 + max(
-                _reduce_buffer(h32, lay["o_size"]), weights)
+                _reduce_buffer(h32, lay["o_size"], work), weights)
             wide_h = h32 if work.stored_bytes != F32 else 0  # bf16: the float32 H until H W
             phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (
-                3 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"]), weights)
+                3 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"], work),
+                                                weights)
         if lay["index"] < last and work.norm != "none":
             phases[f"forward {lay['index']} norm"] = base + lay["kept_h"] + lay["norm"] + 2 * q32
         before += lay["kept_h"] + lay["kept_other"] + lay["dropout"]
@@ -162,7 +163,8 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             phases[f"backward {lay['index']} dG"] = base + lay["kept_h"] + q32 + k * g32
             phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + k * g32 + (
                 2 if k == 2 else 1) * df + 2 * a * b * F32
-            phases[f"backward {lay['index']} dF"] = base + df + _reduce_buffer(df, lay["p_size"])
+            phases[f"backward {lay['index']} dF"] = base + df + _reduce_buffer(
+                df, lay["p_size"], work)
             continue
         if lay["recomputed"]:
             phases[f"backward {lay['index']} recompute"] = base + _recompute(work, lay)
@@ -171,8 +173,8 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
         if grad_in:  # dH (dR) all-reduced over O; A^T dH (+ S^T dR, summed in place);
             df = lay["in_rows"] * a * F32  # then dF all-reduced over P
             phases[f"backward {lay['index']} dF"] = base + max(
-                k * h32 + _reduce_buffer(h32, lay["o_size"]), k * h32 + df,
-                (k - 1) * h32 + k * df, df + _reduce_buffer(df, lay["p_size"]))
+                k * h32 + _reduce_buffer(h32, lay["o_size"], work), k * h32 + df,
+                (k - 1) * h32 + k * df, df + _reduce_buffer(df, lay["p_size"], work))
     return phases
 
 
@@ -186,7 +188,7 @@ def _recompute(work: GCNWorkload, lay: dict) -> float:
     block = lay["rows"] * a * F32 / RECOMPUTE_BLOCKS
     return lay["rows"] * b * F32 + f0 * work.stored_bytes + max(
         _unpacked_mask(work, f0) + f0 * work.stored_bytes * (lay["p_size"] > 1),
-        block + _reduce_buffer(block, lay["o_size"]) + 2 * a * b * F32)
+        block + _reduce_buffer(block, lay["o_size"], work) + 2 * a * b * F32)
 
 
 def _remade(work: GCNWorkload, lay: dict) -> float:
@@ -210,9 +212,14 @@ def _bits(entries: int) -> int:
     return -(-entries // 8)
 
 
-def _reduce_buffer(nbytes: float, group_size: int) -> float:
-    """The receive buffer of an in-place all-reduce of ``nbytes`` over ``group_size`` ranks."""
-    return nbytes / 2 if group_size > 1 else 0.0
+def _reduce_buffer(nbytes: float, group_size: int, work: GCNWorkload) -> float:
+    """The buffers of an in-place all-reduce of ``nbytes`` (float32) over ``group_size``
+    ranks: MPI's receive buffer (half), or with bf16 messages (common.collectives) the bf16
+    message and what it receives (the message's buffer then takes the gathered sums) and
+    the float32 sum of this rank's chunk."""
+    if group_size == 1:
+        return 0.0
+    return nbytes + nbytes / group_size if work.stored_bytes < F32 else nbytes / 2
 
 
 def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
