@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.comm_stats import CommStats, ring_bytes
+from common.comm_stats import WIRE_PIECE_BYTES, CommStats, ring_bytes
 from common.grid import AxisGroup
 
 ReduceOp = dist.ReduceOp
@@ -300,64 +300,89 @@ def _wire_sum(x: torch.Tensor, group: AxisGroup, stats: CommStats | None, async_
     rounds its ``x`` to the wire dtype once and sends chunk ``j`` to rank ``j`` (an
     all-to-all); rank ``j`` adds the ``g`` chunks it receives in float32, in group order.
     ``dim`` None: an all-reduce, whose float32 chunk sums are rounded to the wire dtype once
-    more and all-gathered; else a reduce-scatter along ``dim`` (float32, ``x``'s chunk).
-    Same bytes per rank as a ring in the wire dtype; the same bits on every transport (the
-    order of the sum is ours); the error bound is in docs/design/plexus-3d.md section 11.
-    Result dtype: ``x``'s."""
-    g, wire = group.size, group.wire
-    shape = tuple(x.shape)
-    if dim is None:  # flat, padded to g chunks
-        n = x.numel()
-        c = -(-n // g)
-        send = torch.zeros(g * c, dtype=wire, device=x.device)
-        send[:n] = x.reshape(-1)
+    more and all-gathered, in pieces of :data:`WIRE_PIECE_BYTES` of message (its buffers stay
+    that small; under gloo and NCCL the next piece's all-to-all runs while this one is added
+    up); else a reduce-scatter along ``dim``, whole (float32, ``x``'s chunk). Same bytes per
+    rank as a ring in the wire dtype; the same bits on every transport (the order of the sum
+    is ours); the error bound is in docs/design/plexus-3d.md section 11. Result: ``x``'s
+    dtype (in ``x`` with ``inplace``)."""
+    g, wire, shape = group.size, group.wire, tuple(x.shape)
+    if dim is None:
+        flat_in = x.reshape(-1)
+        out = x if inplace else torch.empty(shape, dtype=x.dtype, device=x.device)
+        flat_out, n = out.view(-1), flat_in.numel()
+        step = max(g, WIRE_PIECE_BYTES // wire.itemsize // g * g)
+        pieces = [(lo, min(n, lo + step)) for lo in range(0, n, step)] or [(0, 0)]
+
+        def message(k: int) -> torch.Tensor:  # piece k, padded to g equal chunks
+            lo, hi = pieces[k]
+            send = torch.empty(-(-(hi - lo) // g) * g, dtype=wire, device=x.device)
+            send[:hi - lo] = flat_in[lo:hi]
+            send[hi - lo:] = 0
+            return send
+
+        def store(k: int, send: torch.Tensor, total: torch.Tensor, gather: Callable) -> None:
+            lo, hi = pieces[k]
+            gather(total.to(wire), send)  # the all-to-all is done with the message by now
+            flat_out[lo:hi] = send[:hi - lo]
     else:
         dim = dim % len(shape)
         c = shape[dim] // g
-        src = x.reshape((*shape[:dim], g, c, *shape[dim + 1:])).movedim(dim, 0)
-        send = src.to(wire, memory_format=torch.contiguous_format).reshape(-1)
-    recv = torch.empty_like(send)
-    chunk_shape = [-1] if dim is None else [*shape[:dim], c, *shape[dim + 1:]]
-    gathered = send if dim is None else None  # the all-to-all is done with it by then
-    acc: list[torch.Tensor] = []
+        chunks = x.reshape((*shape[:dim], g, c, *shape[dim + 1:])).movedim(dim, 0)
+        out = x.new_empty((*shape[:dim], c, *shape[dim + 1:]))
+        pieces = [(0, x.numel())]
 
-    def add_up() -> torch.Tensor:  # float32, in group order
+        def message(k: int) -> torch.Tensor:
+            return chunks.to(wire, memory_format=torch.contiguous_format).reshape(-1)
+
+        def store(k: int, send: torch.Tensor, total: torch.Tensor, gather: Callable) -> None:
+            out.copy_(total.view(out.shape))
+
+    def add_up(recv: torch.Tensor) -> torch.Tensor:  # float32, in group order
         parts = recv.view(g, -1)
         total = parts[0].float()
         for j in range(1, g):
             total.add_(parts[j])
         return total
 
-    def result() -> torch.Tensor:
-        if gathered is None:  # a reduce-scatter
-            return acc[0].view(chunk_shape).to(x.dtype)
-        out = gathered[:x.numel()].view(shape)
-        return x.copy_(out) if inplace else out.to(x.dtype)
-
     mpi = group.mpi
     if mpi is not None and x.is_cpu:  # one job on MPI's progress thread: all of it overlaps
         def job(exchange: Callable, gather: Callable) -> None:
-            exchange(send, recv)
-            acc.append(add_up())
-            if gathered is not None:
-                gather(acc[0].to(wire), gathered)
+            for k in range(len(pieces)):
+                send = message(k)
+                recv = torch.empty_like(send)
+                exchange(send, recv)
+                store(k, send, add_up(recv), gather)
 
         launch: Callable[[], Any] = lambda: mpi.run_composite(job, async_op)  # noqa: E731
-        finish: Callable[[], torch.Tensor] = result
-    else:  # gloo, NCCL: the all-to-all runs async; the sum (and its gather) when waited for
-        def launch() -> Any:
+        finish: Callable[[], torch.Tensor] = lambda: out  # noqa: E731
+    else:  # gloo, NCCL: the all-to-all is async; the sums (and gathers) when waited for
+        def exchange(k: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+            send = message(k)
+            recv = torch.empty_like(send)
             return dist.all_to_all_single(recv.view(torch.uint8), send.view(torch.uint8),
-                                          group=group.group, async_op=True)
+                                          group=group.group, async_op=True), send, recv
+
+        def gather(src: torch.Tensor, dst: torch.Tensor) -> None:
+            _all_gather_single(dst.view(torch.uint8), src.view(torch.uint8), group=group.group)
+
+        first: list[Any] = []
+
+        def launch() -> Any:
+            first.append(exchange(0))
+            return first[0][0]
 
         def finish() -> torch.Tensor:
-            acc.append(add_up())
-            if gathered is not None:
-                _all_gather_single(gathered.view(torch.uint8), acc[0].to(wire).view(torch.uint8),
-                                   group=group.group)
-            return result()
+            now = first[0]
+            for k in range(len(pieces)):
+                now[0].wait()
+                ahead = exchange(k + 1) if k + 1 < len(pieces) else None
+                store(k, now[1], add_up(now[2]), gather)
+                now = ahead
+            return out
     op = "all_reduce" if dim is None else "reduce_scatter"
-    payload = x.numel() * send.element_size()  # the padding (< g elements) is not counted
-    return _run(group, op, payload, stats, launch, finish, async_op, _stream_mark(send))
+    payload = x.numel() * wire.itemsize  # the padding (< g elements a piece) is not counted
+    return _run(group, op, payload, stats, launch, finish, async_op, _stream_mark(out))
 
 
 def chunk(x: torch.Tensor, group: AxisGroup, *, dim: int = 0) -> torch.Tensor:

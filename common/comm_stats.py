@@ -17,6 +17,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# an all-reduce whose messages travel in a narrower dtype (common.collectives' wire) runs in
+# pieces of this many bytes of message, so its buffers stay this small whatever its size
+WIRE_PIECE_BYTES = 4 << 20
+
 
 def ring_bytes(op: str, full_bytes: int, group_size: int) -> int:
     """Bytes sent per rank by a ring ``op`` on a tensor of ``full_bytes`` over ``group_size``.

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from common.comm_stats import WIRE_PIECE_BYTES
 from common.grid import round_up
 from common.perf.gcn_workload import F32, GCNWorkload
 
@@ -214,12 +215,15 @@ def _bits(entries: int) -> int:
 
 def _reduce_buffer(nbytes: float, group_size: int, work: GCNWorkload) -> float:
     """The buffers of an in-place all-reduce of ``nbytes`` (float32) over ``group_size``
-    ranks: MPI's receive buffer (half), or with bf16 messages (common.collectives) the bf16
-    message and what it receives (the message's buffer then takes the gathered sums) and
-    the float32 sum of this rank's chunk."""
+    ranks: MPI's receive buffer (half), or with bf16 messages (common.collectives) one
+    piece's bf16 message and what it receives (the message's buffer then takes the gathered
+    sums) and the float32 sum of this rank's chunk of it."""
     if group_size == 1:
         return 0.0
-    return nbytes + nbytes / group_size if work.stored_bytes < F32 else nbytes / 2
+    if work.stored_bytes < F32:
+        piece = min(nbytes, WIRE_PIECE_BYTES * F32 / work.stored_bytes)
+        return piece * (1 + 1 / group_size)
+    return nbytes / 2
 
 
 def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:

@@ -184,8 +184,14 @@ def _check_wire(grp, seed, tag) -> list[str]:
     got = coll.all_reduce(mine, wire, stats=stats)
     late = coll.all_reduce(mine.clone(), wire, stats=stats, async_op=True, inplace=True)
     _ = mine @ mine.t()
+    whole = coll.WIRE_PIECE_BYTES
+    try:  # in pieces of 3 elements (or g), the last one padded: the same sums
+        coll.WIRE_PIECE_BYTES = 6
+        pieces = coll.all_reduce(mine, wire, async_op=True).wait()
+    finally:
+        coll.WIRE_PIECE_BYTES = whole
     rounded = want.to(torch.bfloat16).float() if g > 1 else mine
-    for name, t in (("sync", got), ("async in place", late.wait())):
+    for name, t in (("sync", got), ("async in place", late.wait()), ("in pieces", pieces)):
         if t.dtype != torch.float32 or not torch.equal(t, rounded):
             failures.append(f"{tag} bf16-wire all_reduce ({name}) differs from the float32 sum "
                             "of bf16 messages")
