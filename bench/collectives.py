@@ -33,6 +33,12 @@ buffer (all-reduce input, all-gather output, reduce-scatter input) and ``n`` ran
 
     algbw = M / time;   busbw = algbw * 2(n-1)/n  (all-reduce),  algbw * (n-1)/n  (others)
 
+``--wire bf16`` runs ours over a group whose float32 messages travel as bf16 (summed in
+float32: ``AxisGroup.on_wire``, plexus ``--precision bf16``) against MPI's float32 calls, on
+integers below 256 (exact in bf16): ours must equal MPI's result (an all-reduce's rounded to
+bf16 once) and count half the bytes. It has no time target: on one node the messages cross
+memory, where the conversions cost about what the halved bytes save.
+
 Checks (any failure prints on rank 0 and exits 1): once per size, our result equals MPI's
 (integer-valued float32 data, so sums are exact in any order); and the bytes our
 :class:`~common.comm_stats.CommStats` recorded over the warm-up and timed calls equal
@@ -106,9 +112,14 @@ def fmt_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def make_buffers(op: str, numel: int, n: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """(send, mpi_recv) float32 arrays; ``numel`` elements is the full buffer ``M``."""
-    full = (np.arange(numel, dtype=np.int64) % 251 + 7 * rank).astype(np.float32)
+def make_buffers(op: str, numel: int, n: int, rank: int, wire: str | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(send, mpi_recv) float32 arrays; ``numel`` elements is the full buffer ``M``. With a
+    ``wire``, integers below 256, which bf16 holds exactly."""
+    if wire:
+        full = (np.arange(numel, dtype=np.int64) % 127 + rank % 128).astype(np.float32)
+    else:
+        full = (np.arange(numel, dtype=np.int64) % 251 + 7 * rank).astype(np.float32)
     if op == "all_reduce":
         return full, np.empty(numel, np.float32)
     if op == "all_gather":  # each rank sends its 1/n part, receives M
@@ -183,7 +194,9 @@ def bench_one(
     n, rank = group.size, group.rank
     numel = max(n, nbytes // 4 // n * n)  # float32 elements, divisible by the group size
     full_bytes = numel * 4
-    send, recv = make_buffers(op, numel, n, rank)
+    send, recv = make_buffers(op, numel, n, rank, args.wire)
+    if args.wire:
+        group = group.on_wire(torch.bfloat16)
     iters, warmup = iterations(full_bytes, args.iters, args.warmup)
     errors = []
 
@@ -193,7 +206,10 @@ def bench_one(
     local = {"ours_out_bytes": got.nbytes, "mpi_out_bytes": recv.nbytes,
              "ours_sum": float(got.sum(dtype=np.float64)),
              "mpi_sum": float(recv.sum(dtype=np.float64))}
-    if got.shape != recv.shape or not np.array_equal(got, recv):
+    want = recv
+    if args.wire and op == "all_reduce":  # exact float32 sums, rounded to bf16 once
+        want = torch.from_numpy(recv).to(torch.bfloat16).float().numpy()
+    if got.shape != recv.shape or not np.array_equal(got, want):
         bad = int(np.sum(got != recv)) if got.shape == recv.shape else "shape"
         errors.append(f"{op} {fmt_size(full_bytes)}: ours != MPI on rank {rank} ({bad} diffs)")
 
@@ -204,7 +220,8 @@ def bench_one(
     t_ours, t_mpi = t["ours"], t["mpi"]
 
     calls = warmup + args.repeats * iters
-    expected = calls * (2 if op == "all_reduce" else 1) * (n - 1) * full_bytes // n
+    wire_bytes = full_bytes // 2 if args.wire else full_bytes
+    expected = calls * (2 if op == "all_reduce" else 1) * (n - 1) * wire_bytes // n
     rec = stats.records.get((group.name, op))
     got_b = (0, 0) if rec is None else (rec.calls, rec.bytes)
     local["stats_calls"], local["stats_bytes"] = got_b
@@ -249,6 +266,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--csv", type=Path, help="write all rows to this CSV file")
     p.add_argument("--json", type=Path, metavar="PATH",
                    help="also write the rows and the measurements behind them as JSON")
+    p.add_argument("--wire", choices=("bf16",),
+                   help="ours moves the float32 data as bf16 and sums in float32 "
+                   "(AxisGroup.on_wire, plexus --precision bf16) against MPI's float32")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -301,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             row["per_rank"] = [local[i] for _, local in gathered]
         mpi_lib = MPI.Get_library_version().split()[0]
         transport = "MPI transport" if group.mpi is not None else "gloo"
+        if args.wire:
+            transport += f", {args.wire} messages summed in float32"
         print(f"collectives bench: {n} ranks, ours ({transport}) vs {mpi_lib} via mpi4py, "
               f"torch threads/rank={torch.get_num_threads()}\ntime per call: {TIMING}, "
               f"{args.repeats} rounds")
@@ -322,7 +344,13 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": rows}, indent=1))
         for e in all_errors:
             print(f"FAIL: {e}", file=sys.stderr)
-        if not all_errors:
+        if not all_errors and args.wire:
+            print(f"\n--wire {args.wire}: no target on one node, where the messages cross "
+                  "memory, not a network: the conversions cost about what the halved bytes "
+                  "save (common.perf.gcn.WIRE_SUM_BYTES). The saving is a cluster's.")
+            print("checks OK: ours == MPI's float32 result (rounded to bf16 once for an "
+                  "all-reduce) for every size; CommStats bytes == the bf16 ring formula")
+        elif not all_errors:
             missed = sum(not r["target_met"] for r in rows)
             print(f"\ntarget (>= 64 KiB: ours/MPI <= {MAX_RATIO}; below: <= {MAX_EXTRA_US:.0f} us "
                   f"extra): {len(rows) - missed}/{len(rows)} rows met")

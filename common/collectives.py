@@ -306,6 +306,8 @@ def _wire_sum(x: torch.Tensor, group: AxisGroup, stats: CommStats | None, async_
     rank as a ring in the wire dtype; the same bits on every transport (the order of the sum
     is ours); the error bound is in docs/design/plexus-3d.md section 11. Result: ``x``'s
     dtype (in ``x`` with ``inplace``)."""
+    from common import wire as passes  # numba: imported only where messages narrow
+
     g, wire, shape = group.size, group.wire, tuple(x.shape)
     if dim is None:
         flat_in = x.reshape(-1)
@@ -317,14 +319,16 @@ def _wire_sum(x: torch.Tensor, group: AxisGroup, stats: CommStats | None, async_
         def message(k: int) -> torch.Tensor:  # piece k, padded to g equal chunks
             lo, hi = pieces[k]
             send = torch.empty(-(-(hi - lo) // g) * g, dtype=wire, device=x.device)
-            send[:hi - lo] = flat_in[lo:hi]
+            passes.to_bf16(flat_in[lo:hi], send[:hi - lo])
             send[hi - lo:] = 0
             return send
 
         def store(k: int, send: torch.Tensor, total: torch.Tensor, gather: Callable) -> None:
             lo, hi = pieces[k]
-            gather(total.to(wire), send)  # the all-to-all is done with the message by now
-            flat_out[lo:hi] = send[:hi - lo]
+            mine = torch.empty(total.shape, dtype=wire, device=x.device)
+            passes.to_bf16(total, mine)
+            gather(mine, send)  # the all-to-all is done with the message by now
+            passes.from_bf16(send[:hi - lo], flat_out[lo:hi])
     else:
         dim = dim % len(shape)
         c = shape[dim] // g
@@ -333,17 +337,17 @@ def _wire_sum(x: torch.Tensor, group: AxisGroup, stats: CommStats | None, async_
         pieces = [(0, x.numel())]
 
         def message(k: int) -> torch.Tensor:
+            if dim == 0 and x.is_contiguous():
+                send = torch.empty(x.numel(), dtype=wire, device=x.device)
+                passes.to_bf16(x, send)
+                return send
             return chunks.to(wire, memory_format=torch.contiguous_format).reshape(-1)
 
         def store(k: int, send: torch.Tensor, total: torch.Tensor, gather: Callable) -> None:
             out.copy_(total.view(out.shape))
 
     def add_up(recv: torch.Tensor) -> torch.Tensor:  # float32, in group order
-        parts = recv.view(g, -1)
-        total = parts[0].float()
-        for j in range(1, g):
-            total.add_(parts[j])
-        return total
+        return passes.add_chunks(recv.view(g, -1))
 
     mpi = group.mpi
     if mpi is not None and x.is_cpu:  # one job on MPI's progress thread: all of it overlaps

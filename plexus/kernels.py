@@ -18,25 +18,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from common.wire import widen as _widen
 
 # fastmath "contract" only: fused multiply-adds, but no reassociation, so the sum over a row's
 # nonzeros runs in index order whether the row is one block or several (bit-identical results
 # for in-memory and prepared shards)
-@intrinsic
-def _widen(typingctx, v):  # pragma: no cover - compiled
-    """An element of X as float32: a float as it is; a uint16 as the bfloat16 whose bits it
-    holds (``bits << 16`` reinterpreted as float32, exact)."""
-    if isinstance(v, types.Float):
-        return v(v), lambda context, builder, sig, args: args[0]
-    if v != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        wide = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
-        return builder.bitcast(wide, ir.FloatType())
-
-    return types.float32(v), codegen
 
 
 @numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)

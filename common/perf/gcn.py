@@ -165,6 +165,13 @@ def gemm_seconds(m: int, k: int, n: int, flops: float, memory_bandwidth: float) 
     return max(2.0 * m * k * n / flops, F32 * (m * k + k * n + m * n) / memory_bandwidth)
 
 
+# what an all-reduce with bf16 messages (common.collectives, common.wire) costs in memory
+# traffic per float32 element, against 8 (a copy) in float32: three passes that each take
+# about as long as a copy on one core (round to bf16; add the g received chunks in float32;
+# widen the gathered bf16 into the float32 result), so about three copies
+WIRE_SUM_BYTES = 3 * 2 * F32
+
+
 def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachineProfile, *,
                 node_ranks: int, first_epoch: bool = False) -> dict[str, float]:
     """Seconds of SpMM, GEMM and elementwise work of one rank in one epoch."""
@@ -172,6 +179,7 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
     n, w = work.padded(shape)
     idx, line = work.index_width(), machine.cache_line
     spmm = gemm = moved = 0.0
+    red = WIRE_SUM_BYTES if work.stored_bytes < F32 else 2 * F32  # per element all-reduced
     params = 0
     last_rows = work.output_rows(shape)
     for layer in range(work.num_layers):
@@ -196,18 +204,18 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
             if forward:
                 spmm += again * spmm_bytes(rows, blk, spmm_width, index_bytes=idx,
                                            cache_line=line, x_bytes=x_bytes)
-                moved += again * 2 * rows * a * F32 * (O > 1)  # copy of H (R), all-reduce
+                moved += again * rows * a * red * (O > 1)  # copy of H (R), all-reduce
                 if work.stored_bytes < F32:  # round H (F') in place, keep a bf16 copy for dW
                     moved += (n // O if first else rows) * a * (3 * F32 + 3 * work.stored_bytes)
             if back_spmm:
                 spmm += spmm_bytes(n // O, blk, spmm_width, index_bytes=idx, cache_line=line)
             if backward:
-                moved += 2 * rows * a * F32 * (O > 1) + 2 * (n // O) * a * F32 * (P > 1)
+                moved += rows * a * red * (O > 1) + (n // O) * a * red * (P > 1)
         n_gemm = 3 if backward else 2  # Q = H W, dW = H^T dQ, and dH = dQ W^T
         gemm += k * n_gemm * gemm_seconds(n // O if first else rows, a, b, rate.gemm_flops,
                                           rate.memory_bandwidth)
         q = rows * b * F32
-        moved += 2 * q * (I > 1)  # copy of Q for its all-reduce
+        moved += q // F32 * red * (I > 1)  # copy of Q for its all-reduce
         if layer < work.num_layers - 1:
             moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
             if work.norm == "batch":  # plexus.layers._RowSplitBatchNorm: 8 passes over

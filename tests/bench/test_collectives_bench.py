@@ -127,3 +127,20 @@ def test_bench_collectives_prints_what_it_measured(tmp_path):
     assert [(w["op"], int(w["bytes"])) for w in written] == list(rows)
     for w, row in zip(written, rows.values(), strict=True):
         assert float(w["ratio"]) == row["ratio"] and w["target_met"] == str(row["target_met"])
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_bench_collectives_with_bf16_messages_checks_results_and_half_the_bytes(tmp_path):
+    out = tmp_path / "wire.json"
+    r = launch([str(SCRIPT), "--wire", "bf16", "--sizes", "4K,64K", "--iters", str(ITERS),
+                "--warmup", str(WARMUP), "--repeats", str(REPEATS), "--json", str(out)],
+               ranks=N, launcher="mpiexec", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bf16 messages summed in float32" in r.stdout and "no target on one node" in r.stdout
+    saved = json.loads(out.read_text())
+    assert saved["failures"] == []  # ours == MPI's float32 result (bf16-rounded all-reduce)
+    calls = WARMUP + REPEATS * ITERS
+    for row in saved["rows"]:
+        for m in row["per_rank"]:  # half of float32's ring bytes
+            assert m["stats_bytes"] == round(calls * row["bytes"] / 2 * BUS_FACTOR[row["op"]])
