@@ -63,7 +63,13 @@ def test_batch_norm_costs_collectives_memory_and_time():
 def test_paper_check_prints_the_sar_rows_the_model_gives():
     out = subprocess.run([sys.executable, "bench/paper_check.py"], cwd=ROOT, text=True,
                          capture_output=True).stdout
-    rows = {r.number.nodes: r for r in compare_sar()}
+    sections = out.split("--precision ")[1:]
+    assert [t.split()[0] for t in sections] == ["fp32", "bf16"], out
+    for precision, text in zip(("fp32", "bf16"), sections, strict=True):
+        _check_sar_table(text, {r.number.nodes: r for r in compare_sar(precision=precision)})
+
+
+def _check_sar_table(out: str, rows: dict) -> None:
     printed = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)"
                          r"\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s*$", out, re.M)
     assert [int(p[0]) for p in printed] == [32, 64, 128], out
