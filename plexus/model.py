@@ -249,7 +249,8 @@ class PlexusGCN(ShardedState, nn.Module):
             tuple(sizes[ax] for ax in layout.roles(layer)), shard.widths_padded[layer],
             shard.widths_padded[layer + 1], option=weight_first,
             fixed_first=layer == 0 and not learn_features, remade=self.recompute_first,
-            rows_only=layer == self.num_layers - 1 and rows is not None)
+            rows_only=layer == self.num_layers - 1 and rows is not None,
+            terms=2 if model == "sage" else 1)
             for layer in range(self.num_layers)]
         self.aggregation_blocks = (aggregation_blocks if aggregation_blocks is not None
                                    else AGGREGATION_BLOCKS if self.overlap else 1)

@@ -122,12 +122,14 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             phases["forward 0 matmul"] = base + f0 * work.stored_bytes + wide_f + k * g32 + \
                 weights
             phases["forward 0 aggregate"] = base + k * g32 + (3 if k == 2 else 1) * q32
-        elif lay["first"]:  # F' W (per term), then A G (summed for SAGE); O = I = 1
+        elif lay["first"]:  # per term F' W, then A G; SAGE: Q + S G_r; O = I = 1
             g32 = lay["in_rows"] * b * F32
             wide_f = f_in if work.stored_bytes != F32 else 0  # bf16: F' rounded, a copy kept
-            phases[f"forward {lay['index']} matmul"] = base + f_in + wide_f + k * g32 + weights
-            phases[f"forward {lay['index']} aggregate"] = base + lay["kept_h"] + k * g32 + (
-                3 if k == 2 else 1) * q32
+            phases[f"forward {lay['index']} matmul"] = base + f_in + wide_f + g32 + weights + (
+                q32 if k == 2 else 0)  # the root term's G beside the adjacency term's Q
+            # one term's G at a time (freed after its SpMM); SAGE then adds two [rows, b]
+            phases[f"forward {lay['index']} aggregate"] = base + lay["kept_h"] + (
+                2 * q32 + max(g32, q32) if k == 2 else g32 + q32)
         elif lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
             phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
         else:
@@ -159,11 +161,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             phases["backward 0 matmul"] = base + k * g32 + max(
                 _remade(work, lay), f0 * work.stored_bytes + wide_f + 2 * a * b * F32)
             continue
-        if lay["first"]:  # dQ -> dG = A^T dQ (per term) -> dF' = dG W^T, dW -> dF over P
+        if lay["first"]:  # per term dG = A^T dQ -> dF' = dG W^T, dW; summed -> dF over P
             g32, df = lay["in_rows"] * b * F32, lay["in_rows"] * a * F32
-            phases[f"backward {lay['index']} dG"] = base + lay["kept_h"] + q32 + k * g32
-            phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + k * g32 + (
-                2 if k == 2 else 1) * df + 2 * a * b * F32
+            # one term's dG at a time; the first term's dF' waits for the second's
+            phases[f"backward {lay['index']} dG"] = base + lay["kept_h"] + q32 + g32 + (
+                k - 1) * df
+            phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + q32 + g32 + (
+                k * df) + 2 * a * b * F32
             phases[f"backward {lay['index']} dF"] = base + df + _reduce_buffer(
                 df, lay["p_size"], work)
             continue

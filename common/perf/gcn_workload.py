@@ -40,7 +40,7 @@ def labelled_rows_pay(labelled_fraction: float, option: bool | None = None) -> b
 
 def weight_first_pays(sizes: Sequence[int], d_in: int, d_out: int, *,
                       fixed_first: bool = False, remade: bool = False, rows_only: bool = False,
-                      option: bool | None = None) -> bool:
+                      option: bool | None = None, terms: int = 1) -> bool:
     """Whether a layer multiplies by its weight before it aggregates, ``Q = A (F' W)``
     (plexus.model.PlexusGCN's ``weight_first``; docs/design/plexus-3d.md section 12).
 
@@ -60,14 +60,16 @@ def weight_first_pays(sizes: Sequence[int], d_in: int, d_out: int, *,
     SpMMs (forward and backward) then run ``d_out`` wide instead of ``d_in``. With P > 1 every
     P rank would multiply all ``N`` rows and keep ``F' [N, d_in]`` (P times ``H``), so the
     default (``option`` None) takes it where O, I and P are 1 and the layer narrows
-    (``d_out < d_in``); True takes it wherever O and I are 1; False never.
+    (``d_out < d_in``), or, for GraphSAGE (``terms`` 2), does not widen: it then keeps one
+    ``F'`` for both weights' gradients instead of ``H`` and ``R``, and its SpMMs are no
+    wider; True takes it wherever O and I are 1; False never.
     """
     o_size, i_size, p_size = sizes
     if option is False or rows_only or o_size > 1 or i_size > 1:
         return False
     if fixed_first:
         return remade and option is True
-    return option is True or (p_size == 1 and d_out < d_in)
+    return option is True or (p_size == 1 and (d_out < d_in or (terms > 1 and d_out == d_in)))
 
 
 AGGREGATION_BLOCKS = 4  # row blocks of an overlapped aggregation (plexus.ops.BlockedAggregation)
@@ -247,7 +249,7 @@ class GCNWorkload:
             fixed_first=layer == 0 and not self.learn_features, remade=self.recomputes_first,
             rows_only=layer == last and labelled_rows_pay(self.labelled_fraction,
                                                           self.labelled_rows_only),
-            option=self.weight_first)
+            option=self.weight_first, terms=self.terms)
 
     def _runs(self, layer: int, first_epoch: bool) -> tuple[bool, bool]:
         """(forward aggregation runs, gradient flows back through the aggregation)."""

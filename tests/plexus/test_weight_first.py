@@ -118,6 +118,12 @@ def test_the_planner_runs_a_weight_first_layer_at_its_output_width():
     assert not weight_first_pays((1, 1, 1), 256, 47, fixed_first=True, option=True)
     assert not weight_first_pays((1, 1, 1), 256, 47, rows_only=True)
     assert not weight_first_pays((1, 1, 1), 256, 47, option=False)
+    # GraphSAGE keeps one F' instead of H and R: it multiplies first where the layer does
+    # not widen, on one rank
+    assert weight_first_pays((1, 1, 1), 64, 64, terms=2)
+    assert not weight_first_pays((1, 1, 1), 64, 64)
+    assert not weight_first_pays((1, 1, 1), 64, 80, terms=2)
+    assert not weight_first_pays((1, 1, 2), 64, 64, terms=2)
     base = dict(num_nodes=100_000, nnz=2_000_000, num_features=100, num_classes=47,
                 hidden=256, dropout=0.5)
     auto, off = GCNWorkload(**base), GCNWorkload(**base, weight_first=False)
