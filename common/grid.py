@@ -325,7 +325,11 @@ class AxisGroup:
     wire: Any = None
 
     def on_wire(self, dtype: Any) -> AxisGroup:
-        """This group, its float32 messages moved in ``dtype`` (None: as they are)."""
+        """This group, its float32 messages moved in ``dtype``: ``torch.bfloat16``, or None
+        (as they are)."""
+        if dtype is not None and str(dtype) != "torch.bfloat16":
+            raise ValueError(f"messages can travel as torch.bfloat16 or as they are (None), "
+                             f"not as {dtype}")
         return dataclasses.replace(self, wire=dtype)
 
 

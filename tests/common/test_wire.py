@@ -1,8 +1,10 @@
 """common.wire: the CPU passes of a sum whose messages are bf16 give torch's bits."""
 
+import pytest
 import torch
 
 from common import wire
+from common.grid import AxisGroup
 
 BF16 = torch.bfloat16
 
@@ -44,3 +46,10 @@ def test_chunks_add_up_in_float32_in_order():
     # the order is j's: 2^24 + 1 + 1 left to right is 2^24 in float32 (1 + 1 first: 2^24 + 2)
     tiny = torch.tensor([[2.0**24], [1.0], [1.0]]).to(BF16)
     assert wire.add_chunks(tiny).item() == 2.0**24  # each 1 is lost against 2^24 in turn
+
+
+def test_only_bf16_is_a_wire_dtype():
+    group = AxisGroup("x", None, 2, 0, (0, 1))
+    assert group.on_wire(BF16).wire is BF16 and group.on_wire(None).wire is None
+    with pytest.raises(ValueError, match=r"torch\.bfloat16 or as they are"):
+        group.on_wire(torch.float16)
