@@ -1,6 +1,7 @@
 """The planner: one plan and one auto_grid for both workloads, constraints, the command, and
 both trainers' --grid (parse_grid, choose_grid)."""
 
+import re
 import subprocess
 import sys
 
@@ -95,6 +96,16 @@ def test_plan_cli_prints_a_ranked_table(capsys):
     out = capsys.readouterr().out
     assert "comm x" in out and "GiB/rank" in out and "runner-up" in out
     assert len([ln for ln in out.splitlines() if " yes" in ln]) == 10  # every grid of 8 fits
+    # the best grid's memory by part, largest first, adding up to its GiB/rank
+    assert main(["gcn", "--dataset", "ogbn-papers100M", "--model", "sage", "--ranks", "64",
+                 "--machine", "icelake-hdr200", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("memory per rank of ")]
+    sizes = [float(v) for v in re.findall(r" ([\d.]+) GiB", line)]
+    assert len(sizes) == 6 and sizes == sorted(sizes, reverse=True) and sizes[0] > 1, line
+    assert "adjacency" in line and "transients" in line and "kept H" in line
+    best = re.search(r"grid auto: \S+ .*?; ([\d.]+) GiB per rank", out)
+    assert best and sum(sizes) == pytest.approx(float(best.group(1)), abs=0.01 * 6), out
     assert main(["gcn", "--ranks", "4"]) == 2
     assert "--nodes" in capsys.readouterr().err
     assert main(["gpt", "--vocab", "256", "--layers", "4", "--heads", "4", "--d-model", "128",
