@@ -290,7 +290,7 @@ class MPIGroup:
         """Run ``fn(exchange, gather)`` as one collective in issue order (on the progress
         thread when async): ``exchange(src, out)`` is MPI's all-to-all of ``src`` [g * n]
         into ``out`` [g * n] (chunk j to rank j), ``gather(src, out)`` its all-gather; both
-        move any dtype as 16-bit words or bytes (:mod:`common.lowp`'s bf16 sums)."""
+        move any dtype as 16-bit words or bytes (:mod:`common.collectives`' bf16 sums)."""
         nb, types, comm = self._nb(async_op), self._gather_types, self.comm
 
         def exchange(src: torch.Tensor, out: torch.Tensor) -> None:

@@ -57,9 +57,10 @@ class ModelConfig:
             :func:`common.perf.gcn_workload.overlap_pays`), True or False.
         aggregation_blocks: row blocks of the blocked aggregation; None: 4 with overlap, else
             1 (the unblocked layer). Blocks without overlap give the overlapped bits.
-        precision: ``fp32``, or ``bf16``: the input features, their all-gather and the
-            activations kept for backward in bf16; sums, weights, gradients and the optimizer
-            in float32 (docs/design/plexus-3d.md section 11). Not with ``learn_features``.
+        precision: ``fp32``, or ``bf16``: the input features, the activations kept for
+            backward and the model's messages in bf16; sums, weights, gradients and the
+            optimizer in float32 (docs/design/plexus-3d.md section 11). Not with
+            ``learn_features``.
         recompute_first: with fixed features and dropout, recompute layer 0's aggregation
             ``H_0`` in backward instead of keeping it (plexus.model.PlexusGCN): less memory,
             one more layer-0 SpMM per step; ``dW_0`` equal to float rounding.

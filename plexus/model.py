@@ -14,10 +14,10 @@ its H and Q are [R, D_l/I] and [R, C/O], from the rows of A_l (and S_l) gathered
 Backward: re-gather W over P (5), reduce-scatter dW over P (6), all-reduce dH over O (7),
 dF = A_l^T dH: reduce-scatter over P at layer 0 (only with trainable features), all-reduce
 over P for layers >= 1 (8); plexus.ops has the operators with both passes written out. The
-adjacency never moves. ``precision="bf16"`` stores and moves F_0 and keeps H (and the norm's
-inputs) in bf16, all sums float32 (docs/design/plexus-3d.md section 11). Parallel equals
-serial: every rank slices the full weights of the serial model (plexus.reference) as
-plexus.shards declares, so every grid trains that model.
+adjacency never moves. ``precision="bf16"`` stores F_0 and keeps H (and the norm's inputs) in
+bf16 and sends every message of (1)-(8) as bf16, all sums float32 (docs/design/plexus-3d.md
+section 11). Parallel equals serial: every rank slices the full weights of the serial model
+(plexus.reference) as plexus.shards declares, so every grid trains that model.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ class PlexusGCN(ShardedState, nn.Module):
         precision: ``fp32``, or ``bf16``: the input feature shard, its all-gather (1), the
             cached ``H_0``, the ``H_l`` (and ``R_l``) kept for ``dW`` and the norm's saved
             inputs are bf16 (``H`` is rounded to bf16 before ``H W``, so the product reads what
-            is kept); the SpMMs, ``H W`` and every all-reduce sum in float32, and the weights,
-            gradients and optimizer state are float32 (docs/design/plexus-3d.md section 11).
+            is kept); every message of (1)-(8) travels as bf16 (:attr:`wire`); the SpMMs,
+            ``H W`` and every sum add in float32, and the weights, gradients and optimizer
+            state are float32 (docs/design/plexus-3d.md section 11).
             Not with ``learn_features`` (ValueError): their gradient would be reduce-scattered
             (8) as bf16.
         recompute_first: with fixed input features and dropout (``H_0`` differs every pass, so

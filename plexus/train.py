@@ -131,9 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learn-features", action="store_true",
                    help="make the input features trainable parameters")
     p.add_argument("--precision", choices=PRECISIONS, default=m.precision,
-                   help="bf16: input features, their all-gather and the activations kept for "
-                   "backward stored in bf16; SpMM and GEMM sums, all-reduces, weights, "
-                   "gradients and Adam state in float32 (not with --learn-features)")
+                   help="bf16: input features and the activations kept for backward stored "
+                   "in bf16, every message of the model's collectives sent in bf16 (half the "
+                   "bytes); SpMM, GEMM and collective sums, weights, gradients and Adam state "
+                   "in float32 (not with --learn-features)")
     p.add_argument("--epochs", type=int, default=r.epochs)
     p.add_argument("--eval-every", type=int, default=r.eval_every, metavar="N",
                    help="evaluate (an eval-mode forward, accuracies on every split) after "

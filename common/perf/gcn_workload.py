@@ -130,8 +130,8 @@ class GCNWorkload:
             two row statistics ``[N/P]`` over O in each pass and the affine gradients over P,
             in about 45 passes); Q kept for backward.
         precision: ``fp32`` or ``bf16`` (the model's option of that name: the input features,
-            their all-gather and the activations kept for backward in 2 bytes; see the module
-            docstring). bf16 cannot learn the features.
+            the activations kept for backward and every message of (1)-(8) in 2 bytes; see
+            common.perf.gcn's docstring). bf16 cannot learn the features.
         recompute_first: the model's option of that name: with fixed features and dropout,
             ``H_0`` is not kept but recomputed in backward (:attr:`recomputes_first`): the
             layer-0 SpMM, (1) and (2) run twice.
