@@ -161,6 +161,66 @@ def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
                                 zero, lookahead)
 
 
+@numba.njit(inline="always", fastmath={"contract"})
+def _spmm_t_cell(indptr, indices, values, x, out, cursor, r0, r1, end):  # pragma: no cover
+    """Rows ``r0 .. r1`` of one row chunk and the column slice ending at column ``end``:
+    ``out[indices[j]] += values[j] * x[i]`` for the nonzeros ``j`` of row ``i`` from
+    ``cursor[i]`` while their column is below ``end``; ``cursor[i]`` moves past them."""
+    d = x.shape[1]
+    for i in range(r0, r1):
+        j = cursor[i]
+        e = indptr[i + 1]
+        if j < e and indices[j] < end:
+            xr = x[i]
+            while j < e and indices[j] < end:
+                v = values[j]
+                acc = out[indices[j]]
+                for k in range(d):
+                    acc[k] += v * _widen(xr[k])
+                j += 1
+            cursor[i] = j
+
+
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
+def csr_spmm_t(indptr, indices, values, x, out, accumulate, starts, chunks, cursor,
+               r_lo, r_hi):  # pragma: no cover - compiled
+    """``out (+)= A[r_lo:r_hi]^T @ x[r_lo:r_hi]`` from A's own CSR: the transposed product
+    without a transposed copy of A.
+
+    ``x`` is ``[rows, d]`` (float32, or bf16 bits as uint16), ``out`` ``[m, d]`` float32;
+    ``starts`` ``[S + 1]`` cuts A's columns (``out``'s rows) into slices, ``chunks``
+    ``[C + 1]`` its rows into chunks; ``cursor`` ``[rows]`` is scratch of indptr's dtype.
+    A wavefront: at step ``t`` slice ``s`` takes row chunk ``t - s``, so the slices run in
+    parallel, each writing only its own rows of ``out``, and every slice meets the chunks in
+    increasing order while each row's cursor walks its nonzeros once, slice after slice.
+
+    Exactness: every ``out[c]`` receives the terms of column ``c`` in increasing row order,
+    one float accumulator, starting from 0 (``accumulate=False``) or from ``out`` -- the
+    order in which :func:`csr_spmm` sums row ``c`` of the transpose stored as CSR with rows
+    ascending in each column (plexus.csr.CSRBlock.transpose, plexus.data.writer): the same
+    bits.
+    """
+    num_s = starts.shape[0] - 1
+    num_c = chunks.shape[0] - 1
+    d = out.shape[1]
+    if not accumulate:
+        for s in numba.prange(num_s):
+            for c in range(starts[s], starts[s + 1]):
+                for k in range(d):
+                    out[c, k] = 0.0
+    for i in numba.prange(r_hi - r_lo):
+        cursor[r_lo + i] = indptr[r_lo + i]
+    for step in range(num_c + num_s - 1):
+        for s in numba.prange(num_s):
+            c = step - s
+            if c >= 0 and c < num_c:
+                r0 = max(chunks[c], r_lo)
+                r1 = min(chunks[c + 1], r_hi)
+                if r0 < r1:
+                    _spmm_t_cell(indptr, indices, values, x, out, cursor, r0, r1,
+                                 starts[s + 1])
+
+
 @numba.njit(parallel=True, nogil=True, cache=True)
 def csr_check(indptr, indices, values, num_cols):  # pragma: no cover - compiled
     """The first problem of a CSR block, as a code: 0 none, 1 indptr does not start at 0 or

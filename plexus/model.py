@@ -452,7 +452,7 @@ class PlexusGCN(ShardedState, nn.Module):
                 out.append(None)
                 continue
             ref = full[key].a
-            for m in (sub.a, sub.a_t):
+            for m in (sub.a_t, sub.a):  # the transpose first: a copy is made from host blocks
                 if m.device != ref.device or m.kernel != ref.kernel:
                     m.to(ref.device, kernel=ref.kernel)
             out.append({key: sub})

@@ -105,8 +105,8 @@ def upload_adjacency(shard: GraphShard, device: torch.device | str, *,
     """
     uploaded: dict = {}  # dropped on return: then nothing holds the host blocks any more
     for blk in [*shard.adj.values(), *(shard.root or {}).values()]:
+        blk.a_t.to(device, kernel=kernel, uploaded=uploaded)  # (its copy, from host blocks)
         blk.a.to(device, kernel=kernel, uploaded=uploaded)
-        blk.a_t.to(device, kernel=kernel, uploaded=uploaded)
 
 
 def make_optimizer(net: PlexusGCN, optim: OptimConfig) -> torch.optim.Optimizer:

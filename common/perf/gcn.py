@@ -177,7 +177,7 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
     """Seconds of SpMM, GEMM and elementwise work of one rank in one epoch."""
     rate = machine.compute_at(node_ranks)
     n, w = work.padded(shape)
-    idx, line = work.index_width(), machine.cache_line
+    idx, line = work.index_width(shape), machine.cache_line
     spmm = gemm = moved = 0.0
     red = WIRE_SUM_BYTES if work.stored_bytes < F32 else 2 * F32  # per element all-reduced
     params = 0
@@ -252,7 +252,7 @@ def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
     grid = ProcessGrid.plexus(shape["x"], shape["y"], shape["z"])
     rate = machine.compute_at(node_ranks)
     n, w = work.padded(shape)
-    idx, line, k = work.index_width(), machine.cache_line, max(1, blocks)
+    idx, line, k = work.index_width(shape), machine.cache_line, max(1, blocks)
     last_rows = work.output_rows(shape)
 
     def coll(op: str, axis: str, nbytes: int) -> float:

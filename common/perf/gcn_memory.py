@@ -270,7 +270,7 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int]) -> float:
     (and GraphSAGE's root blocks), the last layer's labelled rows and their transpose, and
     the SpMM's column-slice plans."""
     n, _ = work.padded(shape)
-    idx, k = work.index_width(), work.terms
+    idx, k = work.index_width(shape), work.terms
     last, last_rows = work.num_layers - 1, work.output_rows(shape)
     _, w = work.padded(shape)
     total, cut, planned = 0.0, set(), set()

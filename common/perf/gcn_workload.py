@@ -117,7 +117,8 @@ class GCNWorkload:
         dropout: the dropout rate (memory only: its keep-masks are kept for backward).
         imbalance: max/mean nonzeros per adjacency block (about 1 with the double
             permutation); scales the SpMM time of the slowest rank.
-        index_bytes: CSR index width; None picks int32 when it fits, as plexus.data.shard does.
+        index_bytes: CSR index width; None picks int32 where a rank's largest block fits
+            (:meth:`index_width`), as plexus does block by block.
         labelled_fraction: share of the nodes in a split (train, val or test): 1.0 for
             ogbn-products, 0.014 for ogbn-papers100M.
         labelled_rows_only: the model's option of that name (None: :func:`labelled_rows_pay`
@@ -234,10 +235,16 @@ class GCNWorkload:
         """(outer, inner, depth) axes of ``layer``: :func:`roles`."""
         return roles(layer)
 
-    def index_width(self) -> int:
+    def index_width(self, shape: Mapping[str, int] | None = None) -> int:
+        """Bytes of a CSR index: ``index_bytes`` where given, else 4 where the largest block a
+        rank of ``shape`` holds (all of A without a shape) has fewer than 2^31 nonzeros and
+        rows, as plexus.csr.CSRBlock.from_scipy and plexus.data.writer choose per block
+        (prepared blocks are smaller still, ``N/k`` square), else 8."""
         if self.index_bytes is not None:
             return self.index_bytes
-        return 4 if max(self.nnz, self.num_nodes) < 2**31 else 8
+        cut = 1 if shape is None else min(
+            shape[roles(layer)[2]] * shape[roles(layer)[0]] for layer in range(self.num_layers))
+        return 4 if max(self.imbalance * self.nnz / cut, self.num_nodes) < 2**31 else 8
 
     def weight_first_layer(self, layer: int, shape: Mapping[str, int]) -> bool:
         """Whether ``layer`` multiplies before it aggregates on ``shape`` (as plexus.model

@@ -42,6 +42,7 @@ from plexus.data.memory import root_blocks
 from plexus.data.schema import MEAN_DIR, SPLIT_CODES, SPLITS, read_manifest
 from plexus.data.shard import AdjBlock, GraphShard
 from plexus.sparse import BlockSparse, CSRBlock
+from plexus.transpose import TransposedSparse
 
 
 class PreparedGraph:
@@ -180,16 +181,18 @@ class PreparedGraph:
 
     def _matrix(self, layer: int, rows: range, cols: range,
                 mapped: dict[tuple, CSRBlock] | None = None
-                ) -> tuple[BlockSparse, BlockSparse]:
-        """(A_l block, its transpose) over file row blocks ``rows`` and column blocks
+                ) -> tuple[BlockSparse, TransposedSparse]:
+        """(A_l block, its transpose read from the same blocks) over file row blocks ``rows`` and column blocks
         ``cols`` of layer ``l``'s matrix (blocks shared through ``mapped``, :meth:`_csr`)."""
         mat = "odd" if layer % 2 == 1 else "even"
         bs = self.block_size
         a = BlockSparse([[self._csr(mat, r, c, False, mapped) for c in cols] for r in rows],
                         [bs] * len(rows), [bs] * len(cols))
-        a_t = BlockSparse([[self._csr(mat, r, c, True, mapped) for r in rows] for c in cols],
-                          [bs] * len(cols), [bs] * len(rows))
-        return a, a_t
+        def stored() -> BlockSparse:  # the transposed files, where torch multiplies
+            return BlockSparse([[self._csr(mat, r, c, True) for r in rows] for c in cols],
+                               [bs] * len(cols), [bs] * len(rows))
+
+        return a, TransposedSparse(a, stored)
 
     def _balance(self, layer: int, num_p: int, num_o: int) -> part.Balance:
         nnz = self.block_nnz["odd" if layer % 2 == 1 else "even"]

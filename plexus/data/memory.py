@@ -26,6 +26,7 @@ from plexus.data.graph import Graph
 from plexus.data.schema import SPLITS
 from plexus.data.shard import AdjBlock, GraphShard
 from plexus.sparse import BlockSparse
+from plexus.transpose import TransposedSparse
 
 
 class InMemorySource:
@@ -159,8 +160,9 @@ def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[s
             blk, counts = part.permuted_identity_block(
                 rows, cols, num_nodes, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax],
                 inv_cols=inv[par])
-            cut[key] = AdjBlock(BlockSparse.single(blk), BlockSparse.single(blk.T.tocsr()),
-                                blk.nnz, part.Balance(int(counts.max()), float(counts.mean())))
+            a = BlockSparse.single(blk)
+            cut[key] = AdjBlock(a, TransposedSparse(a), blk.nnz,
+                                part.Balance(int(counts.max()), float(counts.mean())))
         same = cut[key]  # the balance depends on (parity, P, O) only: the same too
         out[lay] = AdjBlock(same.a, same.a_t, same.nnz, same.balance)
     return out
@@ -184,8 +186,9 @@ def _blocks(mats, shape: Mapping[str, int], coords: Mapping[str, int],
             a_l = mats[lay % 2]
             counts = part.block_nnz(a_l, shape[p_ax], shape[o_ax])
             blk = part.block(a_l, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax])
-            cut[key] = AdjBlock(BlockSparse.single(blk), BlockSparse.single(blk.T.tocsr()),
-                                blk.nnz, part.Balance(int(counts.max()), float(counts.mean())))
+            a = BlockSparse.single(blk)
+            cut[key] = AdjBlock(a, TransposedSparse(a), blk.nnz,
+                                part.Balance(int(counts.max()), float(counts.mean())))
         same = cut[key]  # the balance depends on (parity, P, O) only: the same too
         out[lay] = AdjBlock(same.a, same.a_t, same.nnz, same.balance)
     return out

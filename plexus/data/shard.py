@@ -20,9 +20,9 @@ at the cost of one more all-reduce of H's size and no full-size communication.
 
 Shapes (N = padded nodes; roles (O, I, P) of layer l, see plexus.layout):
     adj[l % 6].a     [N/P, N/O]  CSR blocks, int32 indices where they fit
-    adj[l % 6].a_t   [N/O, N/P]  CSR blocks of the transpose
+    adj[l % 6].a_t   [N/O, N/P]  the transpose, read from a's own blocks (plexus.transpose)
     root[l % 6].a    [N/P, N/O]  mean aggregation only: S_l block (0/1, about N/(P O) ones)
-    root[l % 6].a_t  [N/O, N/P]  its transpose (the root term's backward: dF += S_l^T dR)
+    root[l % 6].a_t  [N/O, N/P]  its transpose, a view (the root term's backward: dF += S_l^T dR)
     features_block   [N/X, D_0/Y]  rows chunk x of the Pc order, columns chunk y
     labels, masks    [N/P_last]  rows chunk p of the output order (labels -1 on padding)
     out_rows         [N/P_last]  original node id of each output row (-1 on padding)
@@ -42,15 +42,17 @@ import torch
 from plexus.data.partition import Balance
 from plexus.data.schema import SPLITS
 from plexus.sparse import BlockSparse
+from plexus.transpose import TransposedSparse
 
 
 @dataclass
 class AdjBlock:
-    """One stationary sparse block, its transpose, and the balance of its layout (nonzeros
-    of this block and max/mean over all ranks' blocks of the same layout)."""
+    """One stationary sparse block, its transpose (a view that reads the block's own CSR,
+    plexus.transpose), and the balance of its layout (nonzeros of this block and max/mean over
+    all ranks' blocks of the same layout)."""
 
     a: BlockSparse
-    a_t: BlockSparse
+    a_t: TransposedSparse
     nnz: int
     balance: Balance
 
@@ -87,15 +89,15 @@ class GraphShard:
 
     def restrict_last_layer(self, *, root: bool = False) -> None:
         """Set :attr:`labelled_adj` (and, with ``root``, :attr:`labelled_root`): the last
-        layer's block with only the rows of :meth:`labelled_rows`, gathered once, and the CSR
-        of its transpose. Memory: those rows' nonzeros twice (block and transpose) and
-        ``R + N/O + 2`` indptr entries; the full blocks stay (``forward(all_rows=True)``)."""
+        layer's block with only the rows of :meth:`labelled_rows`, gathered once, and its
+        transpose (a view of it). Memory: those rows' nonzeros once and ``R + 1`` indptr
+        entries; the full blocks stay (``forward(all_rows=True)``)."""
         rows = self.labelled_rows().numpy()
         last = (len(self.widths) - 2) % 6
 
         def restricted(blk: AdjBlock) -> AdjBlock:
             a = blk.a.take_rows(rows)
-            return AdjBlock(a, a.transpose(), a.nnz, blk.balance)
+            return AdjBlock(a, TransposedSparse(a), a.nnz, blk.balance)
 
         if self.labelled_adj is None:
             self.labelled_adj = restricted(self.adj[last])
