@@ -162,17 +162,38 @@ def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
 
 
 @numba.njit(inline="always", fastmath={"contract"})
-def _spmm_t_cell(indptr, indices, values, x, out, cursor, r0, r1, end):  # pragma: no cover
+def _spmm_t_cell(indptr, indices, values, x, out, cursor, r0, r1, end,
+                 lookahead):  # pragma: no cover
     """Rows ``r0 .. r1`` of one row chunk and the column slice ending at column ``end``:
     ``out[indices[j]] += values[j] * x[i]`` for the nonzeros ``j`` of row ``i`` from
-    ``cursor[i]`` while their column is below ``end``; ``cursor[i]`` moves past them."""
+    ``cursor[i]`` while their column is below ``end``; ``cursor[i]`` moves past them.
+
+    The output rows are random: a second cursor walks ``lookahead`` of these nonzeros ahead
+    and prefetches the rows they will add into (as :func:`_spmm_chunk` does for X's rows)."""
     d = x.shape[1]
+    pr = r0  # the prefetch cursor: row pr, its next nonzero pj
+    pj = cursor[r0] if r0 < r1 else 0
+    for _ in range(lookahead):
+        while pr < r1 and not (pj < indptr[pr + 1] and indices[pj] < end):
+            pr += 1
+            if pr < r1:
+                pj = cursor[pr]
+        if pr < r1:
+            _prefetch(out[indices[pj]])
+            pj += 1
     for i in range(r0, r1):
         j = cursor[i]
         e = indptr[i + 1]
         if j < e and indices[j] < end:
             xr = x[i]
             while j < e and indices[j] < end:
+                while pr < r1 and not (pj < indptr[pr + 1] and indices[pj] < end):
+                    pr += 1
+                    if pr < r1:
+                        pj = cursor[pr]
+                if pr < r1:
+                    _prefetch(out[indices[pj]])
+                    pj += 1
                 v = values[j]
                 acc = out[indices[j]]
                 for k in range(d):
@@ -183,7 +204,7 @@ def _spmm_t_cell(indptr, indices, values, x, out, cursor, r0, r1, end):  # pragm
 
 @numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
 def csr_spmm_t(indptr, indices, values, x, out, accumulate, starts, chunks, cursor,
-               r_lo, r_hi):  # pragma: no cover - compiled
+               r_lo, r_hi, lookahead):  # pragma: no cover - compiled
     """``out (+)= A[r_lo:r_hi]^T @ x[r_lo:r_hi]`` from A's own CSR: the transposed product
     without a transposed copy of A.
 
@@ -218,7 +239,7 @@ def csr_spmm_t(indptr, indices, values, x, out, accumulate, starts, chunks, curs
                 r1 = min(chunks[c + 1], r_hi)
                 if r0 < r1:
                     _spmm_t_cell(indptr, indices, values, x, out, cursor, r0, r1,
-                                 starts[s + 1])
+                                 starts[s + 1], lookahead)
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)

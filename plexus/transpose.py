@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from common import dense
+from plexus import spmm
 from plexus.csr import CSRBlock, _load_numba
 from plexus.sparse import SPMM_KERNELS, BlockSparse, _kernel_array, _set_numba_threads, sum_dtype
 
@@ -158,6 +159,7 @@ class TransposedSparse:
         _set_numba_threads()
         threads = kernels.numba.get_num_threads()
         xn, outn = _kernel_array(x), out.numpy()
+        ahead = spmm.lookahead(4 * d)  # output rows (float32) prefetched ahead
         ro, co = self.base.row_offsets, self.base.col_offsets
         for c in range(len(co) - 1):
             band = outn[co[c]:co[c + 1]]
@@ -170,7 +172,7 @@ class TransposedSparse:
                 starts, chunks = transposed_plan(b, threads)
                 cursor = np.empty(b.shape[0], dtype=b.indptr.dtype)
                 kernels.csr_spmm_t(b.indptr, b.indices, b.values, xn[ro[r]:ro[r + 1]], band,
-                                   not first, starts, chunks, cursor, a, z)
+                                   not first, starts, chunks, cursor, a, z, ahead)
                 first = False
             if first:  # no block in this column band
                 band.fill(0)

@@ -183,7 +183,7 @@ def print_plan(build: Callable[[], Workload], args: argparse.Namespace) -> int:
             print(ranked.describe_choice())
             if isinstance(work, perf_gcn.GCNWorkload):
                 print(overlap_line(work, ranked.best, profile, args.ranks_per_node))
-                print(memory_line(work, ranked.best))
+                print(memory_line(work, ranked.best, profile))
     if len(plans) > 1:
         print(compare_collectives(*plans))
     return 0
@@ -202,10 +202,11 @@ def overlap_line(work: Any, best: Any, machine: Any, ranks_per_node: int | None)
             f"with, {1e3 * off.total_s:.1f} ms without")
 
 
-def memory_line(work: Any, best: Any) -> str:
+def memory_line(work: Any, best: Any, machine: Any) -> str:
     """One line: what the best grid's memory per rank holds, the largest part first
     (:func:`common.perf.gcn_memory.gcn_memory_parts`), so that the top is what to cut."""
-    parts = perf_gcn.gcn_memory_parts(work, best.shape)
+    parts = perf_gcn.gcn_memory_parts(work, best.shape,
+                                      stored_transposes=machine.device_memory is not None)
     names = {"adjacency": "adjacency", "transient": "transients", "kept_h": "kept H",
              "kept_other": "other kept", "features": "features", "weights": "weights"}
     items = sorted(parts.items(), key=lambda kv: -kv[1])

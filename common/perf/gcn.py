@@ -160,6 +160,30 @@ def spmm_bytes(rows: int, nnz: float, width: int, *, index_bytes: int, cache_lin
     return nnz * (index_bytes + F32) + (rows + 1) * index_bytes + nnz * row + rows * width * F32
 
 
+def spmm_t_bytes(rows: int, cols: int, nnz: float, width: int, *, index_bytes: int,
+                 cache_line: int, x_bytes: int = F32) -> float:
+    """Bytes ``A^T @ Y`` moves for a CSR ``A [rows, cols]`` read as its own transpose
+    (plexus.transpose, the CPU's backward), Y ``[rows, width]``: A once, the row cursors
+    (written and read once a slice, counted three times), Y's rows once, and per nonzero one
+    float32 output row read and written back (the output rows are random); the output
+    ``[cols, width]`` is zeroed once."""
+    row = ceil_div(width * F32, cache_line) * cache_line
+    return (nnz * (index_bytes + F32) + 3 * (rows + 1) * index_bytes + rows * width * x_bytes
+            + 2 * nnz * row + cols * width * F32)
+
+
+def backward_spmm_bytes(machine: MachineProfile, rows: int, cols: int, nnz: float, width: int,
+                        *, index_bytes: int, cache_line: int, x_bytes: int = F32) -> float:
+    """Bytes of a layer's ``A^T @ Y`` (A ``[rows, cols]``): on a CPU the view of A's own CSR
+    (:func:`spmm_t_bytes`), on a GPU the stored transpose (:func:`spmm_bytes`, ``cols``
+    output rows)."""
+    if machine.device_memory is not None:
+        return spmm_bytes(cols, nnz, width, index_bytes=index_bytes, cache_line=cache_line,
+                          x_bytes=x_bytes)
+    return spmm_t_bytes(rows, cols, nnz, width, index_bytes=index_bytes,
+                        cache_line=cache_line, x_bytes=x_bytes)
+
+
 def gemm_seconds(m: int, k: int, n: int, flops: float, memory_bandwidth: float) -> float:
     """Roofline time of a float32 GEMM ``[m, k] @ [k, n]``."""
     return max(2.0 * m * k * n / flops, F32 * (m * k + k * n + m * n) / memory_bandwidth)
@@ -208,7 +232,8 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
                 if work.stored_bytes < F32:  # round H (F') in place, keep a bf16 copy for dW
                     moved += (n // O if first else rows) * a * (3 * F32 + 3 * work.stored_bytes)
             if back_spmm:
-                spmm += spmm_bytes(n // O, blk, spmm_width, index_bytes=idx, cache_line=line)
+                spmm += backward_spmm_bytes(machine, rows, n // O, blk, spmm_width,
+                                            index_bytes=idx, cache_line=line)
             if backward:
                 moved += rows * a * red * (O > 1) + (n // O) * a * red * (P > 1)
         n_gemm = 3 if backward else 2  # Q = H W, dW = H^T dQ, and dH = dQ W^T
@@ -274,8 +299,8 @@ def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
         for blk in [kept * work.imbalance * work.nnz / (P * O),
                     kept * work.num_nodes / (P * O)][:work.terms]:
             s_f = spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line) / rate.spmm_bandwidth
-            s_b = spmm_bytes(n // O, blk, a, index_bytes=idx,
-                             cache_line=line) / rate.spmm_bandwidth
+            s_b = backward_spmm_bytes(machine, rows, n // O, blk, a, index_bytes=idx,
+                                      cache_line=line) / rate.spmm_bandwidth
             if forward:  # (a cached H_0 has no aggregation for the weight to hide in)
                 hidden += (k - 1) / k * min(s_f, c2) + min(c3, s_f / k)
             if backward:
@@ -298,7 +323,7 @@ def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],
                             first_epoch=first_epoch),
         comm=comm_seconds(colls, grid, machine, node_ranks),
         comm_bytes=bytes_by_axis(colls, shape),
-        memory=gcn_memory(work, shape),
+        memory=gcn_memory(work, shape, stored_transposes=machine.device_memory is not None),
         memory_limit=machine.memory_per_rank(num_ranks, ranks_per_node),
         hidden=overlap_hidden_seconds(work, shape, machine, node_ranks=node_ranks,
                                       first_epoch=first_epoch),

@@ -2,10 +2,11 @@
 section "Memory"): what lives for the whole run, and the largest set of tensors alive at any
 one moment of the step, found by walking the step phase by phase as plexus.model runs it.
 
-Persistent bytes: the adjacency blocks of ``min(6, L)`` layer layouts with their transposes
-(CSR; layouts of one parity cut alike share a block, as on one rank; GraphSAGE's root blocks;
-the last layer's labelled rows) and the cache-blocked SpMM's column-slice plans kept with them
-(at most a cut per row and slice, and one more slice than the mean row length), the feature
+Persistent bytes: the adjacency blocks of ``min(6, L)`` layer layouts (CSR; layouts of one
+parity cut alike share a block, as on one rank; GraphSAGE's root blocks; the last layer's
+labelled rows; no transposes: the backward reads each block as its own transpose,
+plexus.transpose) and the cache-blocked SpMM's column-slice plans kept with them (at most a
+cut per row and slice, and one more slice than the mean row length), the feature
 shard (with its gradient and AdamW moments when trained), and every weight with ``dW`` and the
 AdamW moments.
 
@@ -66,23 +67,26 @@ SLICE_BUDGET_BYTES = (32 << 20) // 2
 PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
 
 
-def gcn_memory(work: GCNWorkload, shape: Mapping[str, int]) -> float:
+def gcn_memory(work: GCNWorkload, shape: Mapping[str, int], *,
+               stored_transposes: bool = False) -> float:
     """Peak bytes per rank of a training step on grid ``{"x": X, "y": Y, "z": Z}``: the sum of
     :func:`gcn_memory_parts`."""
-    return sum(gcn_memory_parts(work, shape).values())
+    return sum(gcn_memory_parts(work, shape, stored_transposes=stored_transposes).values())
 
 
-def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, float]:
+def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
+                     stored_transposes: bool = False) -> dict[str, float]:
     """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
     last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
     and AdamW moments when trained), ``weights`` (``W``, ``dW`` and the AdamW moments),
     ``kept_h`` (every ``H_l``, and GraphSAGE's ``R_l``, kept for ``dW``; the cached ``H_0`` is
     layer 0's), ``kept_other`` (the logits, ReLU and dropout masks, the norm's centred block)
     and ``transient`` (what the peak phase of :func:`gcn_memory_phases` holds beyond all that
-    is kept)."""
+    is kept). ``stored_transposes``: every block's transpose is stored too (a GPU, where
+    torch multiplies it; on the CPU the backward reads the block itself)."""
     layers = _layers(work, shape)
     parts = dict.fromkeys(PARTS, 0.0)
-    parts["adjacency"] = _adjacency(work, shape)
+    parts["adjacency"] = _adjacency(work, shape, stored_transposes)
     n, w = work.padded(shape)
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
     parts["features"] = round_up(f0, shape["z"]) // shape["z"] * (
@@ -265,15 +269,17 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
     return out
 
 
-def _adjacency(work: GCNWorkload, shape: Mapping[str, int]) -> float:
-    """CSR bytes per rank: the distinct blocks of ``min(6, L)`` layouts and their transposes
-    (and GraphSAGE's root blocks), the last layer's labelled rows and their transpose, and
-    the SpMM's column-slice plans."""
+def _adjacency(work: GCNWorkload, shape: Mapping[str, int], stored_transposes: bool) -> float:
+    """CSR bytes per rank: the distinct blocks of ``min(6, L)`` layouts (and GraphSAGE's root
+    blocks), the last layer's labelled rows, the forward SpMM's column-slice plans, and the
+    row cursors of the backward's ``A^T`` product (plexus.transpose, while it runs); with
+    ``stored_transposes`` (a GPU) the transposed CSR of every block instead of the cursors."""
     n, _ = work.padded(shape)
     idx, k = work.index_width(shape), work.terms
     last, last_rows = work.num_layers - 1, work.output_rows(shape)
     _, w = work.padded(shape)
-    total, cut, planned = 0.0, set(), set()
+    total, cursor, cut, planned = 0.0, 0.0, set(), set()
+    copies = 2 if stored_transposes else 1
     for layer in range(work.num_layers):
         o, i, p = work.axes(layer)
         nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
@@ -285,24 +291,22 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int]) -> float:
         key = (layer % 2, p if shape[p] > 1 else "", o if shape[o] > 1 else "")
         if layer < 6 and key not in cut:
             cut.add(key)
-            total += 2 * nnz * (idx + F32) + k * (rows_a + rows_t + 2) * idx
-        if layer == last % 6 and last_rows < rows_a:  # the labelled rows, transposed
-            total += 2 * nnz * last_rows / rows_a * (idx + F32) + k * (
-                last_rows + rows_t + 2) * idx
-        # the SpMM's column-slice plans, one per block and X width, kept with the block:
-        # forward A_l [rows_a, rows_t] times F_l, backward A_l^T times dH (both D_l/I wide,
-        # or D_l+1/O where the layer multiplies first)
+            total += copies * nnz * (idx + F32) + k * (rows_a + 1) * idx + (
+                k * (rows_t + 1) * idx if stored_transposes else 0)
+            cursor = 0.0 if stored_transposes else max(cursor, rows_a * idx)
+        if layer == last % 6 and last_rows < rows_a:  # the labelled rows
+            total += copies * nnz * last_rows / rows_a * (idx + F32) + k * (
+                last_rows + 1) * idx + (k * (rows_t + 1) * idx if stored_transposes else 0)
+        # the forward SpMM's column-slice plans, one per block and X width, kept with the
+        # block: A_l [rows_a, rows_t] times F_l (D_l/I wide, or D_l+1/O where the layer
+        # multiplies first); the backward's A_l^T reads A_l with a plan of a few cuts
         width = (w[layer + 1] // shape[o] if work.weight_first_layer(layer, shape)
-                 else w[layer] // shape[i])  # a layer that multiplies first: D_l+1/O wide
+                 else w[layer] // shape[i])
         row_bytes = width * F32
-        # A^T runs where a gradient flows back, or for dW where layer 0 multiplies first
-        grad = layer > 0 or work.learn_features or work.weight_first_layer(layer, shape)
-        for transposed, rows, cols in ((False, rows_a, rows_t), (True, rows_t, rows_a)):
-            if (transposed and not grad) or (key, transposed, row_bytes) in planned:
-                continue
-            planned.add((key, transposed, row_bytes))
-            total += k * _plan_bytes(rows, cols, nnz, row_bytes, idx)
-    return total
+        if (key, row_bytes) not in planned:
+            planned.add((key, row_bytes))
+            total += k * _plan_bytes(rows_a, rows_t, nnz, row_bytes, idx)
+    return total + cursor
 
 
 def _plan_bytes(rows: int, cols: int, nnz: float, row_bytes: int, idx: int) -> float:

@@ -1,6 +1,7 @@
 """The GCN epoch model: padding and volumes against plexus, the trainer's counted bytes, the
 memory filter, and `plexus.train --grid auto`."""
 
+import dataclasses
 import pytest
 
 from common.perf import gcn
@@ -97,7 +98,7 @@ def test_papers100m_memory_counts_the_labelled_rows():
     n, rows = 111_059_956, 1_546_782
     assert part["kept_h"] == (n - rows) * 128 * 4  # H_2 [N, 128] kept for dW
     assert part["kept_other"] == (n - rows) * 172 * 4  # the logits [N, 172]
-    gathered = 2 * 1_726_745_828 * rows / n * 8 + (rows + n + 2) * 4  # rows, transpose
+    gathered = 1_726_745_828 * rows / n * 8 + (rows + 1) * 4  # the rows (no transpose)
     assert part["adjacency"] == pytest.approx(-gathered, rel=1e-9)
     # every row: the loss on [N, 172] logits is the peak; the labelled rows move it to a
     # hidden layer's backward, about 115 GB lower
@@ -202,3 +203,35 @@ def test_plexus_train_grid_auto_logs_choice_and_runner_up(tmp_path):
     chosen = line.split()[2]
     summary = json.loads(metrics.read_text().splitlines()[-1])["summary"]
     assert summary["grid"] == chosen
+
+
+def test_index_width_is_the_largest_blocks_and_transposes_are_counted_where_stored():
+    """int32 indices wherever a rank's largest block has fewer than 2^31 nonzeros (plexus
+    picks the width block by block); the CPU's backward reads each block as its own transpose
+    (plexus.transpose), a GPU's multiplies a stored one: the adjacency's nonzeros twice, and
+    the backward SpMM's bytes follow."""
+    from common.perf.gcn import backward_spmm_bytes, spmm_bytes, spmm_t_bytes
+    from common.perf.gcn_memory import _adjacency
+    from common.perf.machine import load_profile
+    from common.perf.sar import sar_workload
+
+    work = sar_workload()  # 3.34e9 nonzeros: above 2^31 on one rank
+    assert work.index_width() == 8 and work.index_width({"x": 1, "y": 1, "z": 1}) == 8
+    assert work.index_width({"x": 2, "y": 1, "z": 1}) == 8  # layer 1 cuts A over y and z only
+    assert work.index_width({"x": 2, "y": 2, "z": 2}) == 4
+    assert dataclasses.replace(work, index_bytes=8).index_width({"x": 8, "y": 8, "z": 4}) == 8
+    shape = {"x": 2, "y": 2, "z": 2}
+    every = dataclasses.replace(work, labelled_rows_only=False)  # (no labelled-row blocks)
+    cpu, gpu = _adjacency(every, shape, False), _adjacency(every, shape, True)
+    nnz = (work.nnz + work.num_nodes) / 4  # per layout, the root blocks included
+    # layers 0 and 2 share nothing on 2x2x2 (other axes): three blocks, each stored twice
+    # on a GPU with its transposed row pointers, and no cursor there
+    n = work.padded(shape)[0]
+    assert gpu - cpu == pytest.approx(3 * (nnz * 8 + 2 * (n // 2 + 1) * 4) - n // 2 * 4,
+                                      rel=1e-9)
+    a100, icelake = load_profile("perlmutter-a100"), load_profile("icelake-hdr200")
+    args = (1000, 800, 5000.0, 64)
+    kw = {"index_bytes": 4, "cache_line": 64}
+    assert backward_spmm_bytes(a100, *args, **kw) == spmm_bytes(800, 5000.0, 64, **kw)
+    assert backward_spmm_bytes(icelake, *args, **kw) == spmm_t_bytes(*args, **kw)
+    assert spmm_t_bytes(*args, **kw) > spmm_bytes(800, 5000.0, 64, **kw)  # a row written back
