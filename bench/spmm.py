@@ -44,8 +44,8 @@ The backward's ``A^T @ Y`` (Y ``[n, d]``) is timed too, in rounds of its own: th
 transposed CSR (what every layer held before) on the row and blocked kernels, and
 :class:`plexus.transpose.TransposedSparse`, which reads A's own CSR and holds no second copy;
 it must give the stored transpose's bits (else exit 1), and its target is at most
-``TARGET_TRANSPOSED`` times the stored transpose's faster kernel. ``--json PATH`` writes every round's time
-next to the printed values (tests/bench/test_spmm_bench.py recomputes them).
+``TARGET_TRANSPOSED`` times the stored transpose's faster kernel. ``--json PATH`` writes every
+round's time next to the printed values (tests/bench/test_spmm_bench.py recomputes them).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from plexus import layout
 from plexus.csr import _load_numba
 from plexus.data import partition
 from plexus.data.shard import GraphShard
-from plexus.ops import BitMask
+from plexus.ops import BitMask, StoredIn
 from plexus.shards import node_chunk
 
 _U32 = np.uint32
@@ -196,43 +196,81 @@ def can_spend(x: torch.Tensor) -> bool:
             and not (x.is_leaf and x.requires_grad))
 
 
+NORM_CHUNKS = 8  # row chunks of the batch norm's passes over a block kept in bf16
+
+
+def _row_chunks(rows: int, num: int = NORM_CHUNKS) -> list[tuple[int, int]]:
+    """``num`` row ranges of about equal height covering ``rows`` (one empty range for none)."""
+    step = max(1, -(-rows // num))
+    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)] or [(0, 0)]
+
+
 class _RowSplitBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of a block whose rows are split over ``group``, in few passes
     over the block: the statistics are matrix-vector products with the real-row mask (no
-    masked copy of ``q``), the centred block is the one tensor kept for backward (in bf16
-    under :class:`plexus.ops.StoredIn`, like every kept activation), and backward all-reduces
-    its two column sums in one call. The same mathematics as composing the tensor operations
-    under autograd (the statistics' gradient included: padded rows feed no statistic but get
-    the affine map's gradient): 8 passes over the block forward and 14 backward, against
-    about 45 for the composition, and three all-reduces instead of six.
+    masked copy of ``q``), the centred block is the one tensor kept for backward (in ``keep``,
+    bf16 under :class:`plexus.ops.StoredIn`, like every kept activation), and backward
+    all-reduces its two column sums in one call. The same mathematics as composing the tensor
+    operations under autograd (the statistics' gradient included: padded rows feed no
+    statistic but get the affine map's gradient): 8 passes over the block forward and 14
+    backward, against about 45 for the composition, and three all-reduces instead of six.
+
+    ``spend`` (``q`` is fresh and read by nothing else, :func:`can_spend`): the output is
+    written over ``q``. With ``keep`` the centred block is made there too, the squares and
+    backward's widened centred block and products are made :data:`NORM_CHUNKS` row chunks at
+    a time, and with ``over_grad`` (the gradient reaching the output is read by nothing else,
+    as :class:`plexus.ops.ReLU`'s) ``dq`` is written over it: each pass then holds one block
+    and a chunk beside what it keeps, not three blocks. Every element's value is computed as
+    before; the column sums of a chunked pass add the chunks' sums (float rounding).
 
     Shapes: q [R, D], weight and bias [D], mask [R] (1.0 for real rows) -> y [R, D], and the
     batch mean and (biased) variance [D] for the running statistics.
     """
 
     @staticmethod
-    def forward(ctx, q, weight, bias, mask, num_rows, eps, group, stats):
+    def forward(ctx, q, weight, bias, mask, num_rows, eps, group, stats, keep, spend,
+                over_grad):
         mean = coll.all_reduce(mask @ q, group, stats=stats) / num_rows
-        centred = q - mean
-        var = coll.all_reduce(mask @ centred.square(), group, stats=stats) / num_rows
+        if spend:
+            ctx.mark_dirty(q)
+        if keep is None:
+            centred = q - mean
+            squares = mask @ centred.square()
+        else:  # the squares a chunk at a time
+            centred = q.sub_(mean) if spend else q - mean
+            squares = sum(mask[lo:hi] @ centred[lo:hi].square()
+                          for lo, hi in _row_chunks(q.shape[0]))
+        var = coll.all_reduce(squares, group, stats=stats) / num_rows
         inv = torch.rsqrt(var + eps)
-        ctx.save_for_backward(centred, weight, mask, inv)
-        ctx.num_rows, ctx.group, ctx.stats = num_rows, group, stats
+        ctx.save_for_backward(centred if keep is None else centred.to(keep), weight, mask, inv)
+        ctx.num_rows, ctx.group, ctx.stats, ctx.over_grad = num_rows, group, stats, over_grad
         ctx.mark_non_differentiable(mean, var)
-        return torch.addcmul(bias, centred, weight * inv), mean, var
+        y = torch.addcmul(bias, centred, weight * inv, out=q if spend else None)
+        return y, mean, var
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
-        centred, weight, mask, inv = ctx.saved_tensors
-        # over every row of every member: sum dy (the bias's gradient) and sum dy (q - mean)
-        sums = torch.stack([dy.sum(0), (dy * centred).sum(0)])
-        d_bias, d_centred = coll.all_reduce(sums, ctx.group, stats=ctx.stats)
-        scale = weight * inv
-        # dq = dy s - mask (s / n) (sum dy + inv^2 sum(dy (q - mean)) (q - mean)), s = w inv
-        dq = torch.addcmul(scale * d_bias / ctx.num_rows, centred,
-                           scale * inv * inv * d_centred / ctx.num_rows)
-        dq.mul_(mask[:, None]).neg_().addcmul_(dy, scale)
-        return dq, d_centred * inv, d_bias, None, None, None, None, None
+        saved, weight, mask, inv = ctx.saved_tensors
+        n, scale = ctx.num_rows, weight * inv
+        if saved.dtype == dy.dtype:
+            # over every row of every member: sum dy (the bias's gradient) and sum dy (q - mean)
+            sums = torch.stack([dy.sum(0), (dy * saved).sum(0)])
+            d_bias, d_centred = coll.all_reduce(sums, ctx.group, stats=ctx.stats)
+            # dq = dy s - mask (s / n) (sum dy + inv^2 sum(dy (q - mean)) (q - mean)), s = w inv
+            dq = torch.addcmul(scale * d_bias / n, saved, scale * inv * inv * d_centred / n)
+            dq.mul_(mask[:, None]).neg_().addcmul_(dy, scale)
+            return dq, d_centred * inv, d_bias, None, None, None, None, None, None, None, None
+        chunks = _row_chunks(dy.shape[0])  # the centred block widened a chunk at a time
+        prod = sum((dy[lo:hi] * saved[lo:hi].to(dy.dtype)).sum(0) for lo, hi in chunks)
+        d_bias, d_centred = coll.all_reduce(torch.stack([dy.sum(0), prod]), ctx.group,
+                                            stats=ctx.stats)
+        dq = dy if ctx.over_grad and dense.like_empty(dy) else torch.empty_like(dy)
+        k1, k2 = scale * d_bias / n, scale * inv * inv * d_centred / n
+        for lo, hi in chunks:
+            t = torch.addcmul(k1, saved[lo:hi].to(dy.dtype), k2)
+            t.mul_(mask[lo:hi, None]).neg_()
+            torch.addcmul(t, dy[lo:hi], scale, out=dq[lo:hi])
+        return dq, d_centred * inv, d_bias, None, None, None, None, None, None, None, None
 
 
 class ShardedBatchNorm(nn.Module):
@@ -258,6 +296,9 @@ class ShardedBatchNorm(nn.Module):
                  *, eps: float = 1e-5, momentum: float = 0.1) -> None:
         super().__init__()
         self.group_p, self.num_rows, self.eps, self.momentum = group_p, num_rows, eps, momentum
+        # the caller's promise that the gradient reaching the output is read by nothing else
+        # (plexus.model: a ReLU follows): backward in bf16 writes dq over it
+        self.spend_grad = False
         self.weight = nn.Parameter(torch.ones(width))
         self.bias = nn.Parameter(torch.zeros(width))
         self.register_buffer("row_mask", real_rows.to(torch.float32), persistent=False)
@@ -271,7 +312,8 @@ class ShardedBatchNorm(nn.Module):
             return (q - self.running_mean) * scale + self.bias
         y, mean, var = _RowSplitBatchNorm.apply(q, self.weight, self.bias,
                                                 self.row_mask.to(q.dtype), n, self.eps, g,
-                                                stats)
+                                                stats, StoredIn.current(), can_spend(q),
+                                                self.spend_grad)
         with torch.no_grad():
             m = self.momentum
             self.running_mean.mul_(1 - m).add_(mean, alpha=m)

@@ -215,6 +215,9 @@ class PlexusGCN(ShardedState, nn.Module):
         self.norms = nn.ModuleList(
             make_norm(norm, layer, self.block_shapes[layer][1], shard, groups)
             for layer in range(self.num_layers - 1) if norm != "none")
+        for m in self.norms:  # a ReLU follows each: what reaches it backward is its own
+            if hasattr(m, "spend_grad"):
+                m.spend_grad = True
         block = shard.features_block  # [N/X, D_0/Y]
         if normalize_features:
             block = normalized_features(block, shard, groups)
@@ -291,8 +294,8 @@ class PlexusGCN(ShardedState, nn.Module):
                     f = None
                 q = self._matmul(layer, h, self.weights, stats, w[0])      # H W_l (3), (5), (6)
                 h = None
-                if r is not None:
-                    q = q + self._matmul(layer, r, self.root_weights, stats, w[1])  # + R R_l
+                if r is not None:  # + R R_l, added into H W (fresh: nothing saved it)
+                    q = q.add_(self._matmul(layer, r, self.root_weights, stats, w[1]))
                     r = None
             q = self._sum_inner(layer, q, stats)           # Q summed over I (4), + b_l
             if layer < self.num_layers - 1:
@@ -314,10 +317,9 @@ class PlexusGCN(ShardedState, nn.Module):
             f = ops.Rounded.apply(f if fresh else f.clone(), self.keep_dtype)
         q = self._spmm_o(self.shard.adj, layer,
                          self._matmul(layer, f, self.weights, stats, gathered[0]), stats)
-        if self.kind == "sage":
-            q = q + self._spmm_o(self.shard.root, layer,
-                                 self._matmul(layer, f, self.root_weights, stats, gathered[1]),
-                                 stats)
+        if self.kind == "sage":  # added into the first term's Q (fresh: nothing saved it)
+            q = q.add_(self._spmm_o(self.shard.root, layer, self._matmul(
+                layer, f, self.root_weights, stats, gathered[1]), stats))
         return q
 
     def _input(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -378,11 +378,14 @@ class StoredIn(torch.autograd.graph.saved_tensors_hooks):
     tensors that need no gradient are kept as they are.
 
     An activation saved twice (``d * d``) is packed once. Used around the norm, whose torch
-    operators save their inputs: a batch norm keeps ``Q - mean`` and the masked ``d``
-    [N/P, D/O]; a layer norm ``d`` and ``d / std``.
+    operators save their inputs: a layer norm keeps ``d`` and ``d / std`` [N/P, D/O]; the
+    batch norm, a custom Function, keeps ``Q - mean`` in :meth:`current`'s dtype itself.
     """
 
+    _active: ClassVar[list[torch.dtype]] = []  # the dtypes of the contexts entered, innermost last
+
     def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
         packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
         def pack(t: torch.Tensor) -> Any:
@@ -398,6 +401,22 @@ class StoredIn(torch.autograd.graph.saved_tensors_hooks):
             return p.t.float() if isinstance(p, _Packed) else p
 
         super().__init__(pack, unpack)
+
+    def __enter__(self) -> StoredIn:
+        StoredIn._active.append(self.dtype)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        StoredIn._active.pop()
+
+    @staticmethod
+    def current() -> torch.dtype | None:
+        """The dtype of the innermost context entered, or None: for a custom Function, whose
+        own saves autograd hands to no hook (its forward runs without grad, so nothing it
+        makes requires one), to keep what it saves in that dtype itself."""
+        return StoredIn._active[-1] if StoredIn._active else None
 
 
 class _Packed:

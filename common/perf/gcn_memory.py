@@ -23,11 +23,13 @@ by then:
 
 * forward, layer ``l``: the input ``F_l [N/O, D_l/I]`` (layer 0: the all-gathered ``F_0`` of
   the first epoch) while ``H``/``R`` are written and all-reduced over O; then ``Q = H W``
-  (GraphSAGE: ``H W + R W_r``, three blocks at the sum) all-reduced over I; then the norm
-  (its input, its output and the centred block it keeps);
+  (GraphSAGE: ``H W + R W_r``, the second added into the first) all-reduced over I; then
+  the norm (its input, which its output is written over, the squares and the centred block
+  it keeps; in bf16 a batch norm makes its squares a row chunk at a time);
 * the loss on the logits, and their gradient;
 * backward, layer ``l`` from the last: the ReLU's backward (``dy`` and its output) and the
-  norm's (``dy``, a product and ``dq``);
+  norm's (``dy``, a product and ``dq``; in bf16 a batch norm's product and widened centred
+  block a row chunk at a time, ``dq`` over ``dy``);
   ``dQ`` with one of ``dH``/``dR`` while ``H_l`` is still kept; then ``dH`` (and ``dR``)
   all-reduced over O; the transposed SpMM's output ``dF [N/O, D_l/I]`` beside them
   (GraphSAGE: two, the second added into the first as autograd does); ``dF`` all-reduced
@@ -61,6 +63,7 @@ from common.perf.gcn_workload import F32, GCNWorkload
 __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
 RECOMPUTE_BLOCKS = 8  # row blocks of a recomputed H_0 on the CPU (plexus.ops.RecomputedMatmul)
+NORM_CHUNKS = 8  # row chunks of a bf16 batch norm's temporaries (plexus.layers.NORM_CHUNKS)
 # the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/2 of a
 # 32 MiB last-level cache; the planner does not read the machine's cache)
 SLICE_BUDGET_BYTES = (32 << 20) // 2
@@ -131,9 +134,10 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             wide_f = f_in if work.stored_bytes != F32 else 0  # bf16: F' rounded, a copy kept
             phases[f"forward {lay['index']} matmul"] = base + f_in + wide_f + g32 + weights + (
                 q32 if k == 2 else 0)  # the root term's G beside the adjacency term's Q
-            # one term's G at a time (freed after its SpMM); SAGE then adds two [rows, b]
+            # one term's G at a time (freed after its SpMM); SAGE adds the second Q into
+            # the first
             phases[f"forward {lay['index']} aggregate"] = base + lay["kept_h"] + (
-                2 * q32 + max(g32, q32) if k == 2 else g32 + q32)
+                2 * q32 + g32 if k == 2 else g32 + q32)
         elif lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
             phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
         else:
@@ -141,10 +145,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
                 _reduce_buffer(h32, lay["o_size"], work), weights)
             wide_h = h32 if work.stored_bytes != F32 else 0  # bf16: the float32 H until H W
             phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (
-                3 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"], work),
-                                                weights)
-        if lay["index"] < last and work.norm != "none":
-            phases[f"forward {lay['index']} norm"] = base + lay["kept_h"] + lay["norm"] + 2 * q32
+                2 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"], work),
+                                                weights)  # SAGE: R W_r added into H W
+        if lay["index"] < last and work.norm != "none":  # its input (the output written
+            # over it) and the squares; in bf16 a batch norm's squares a chunk at a time
+            squares = q32 / NORM_CHUNKS if _chunked_norm(work) else q32
+            phases[f"forward {lay['index']} norm"] = base + lay["kept_h"] + lay["norm"] + (
+                q32 + squares)
         before += lay["kept_h"] + lay["kept_other"] + lay["dropout"]
     top = layers[-1]
     phases["loss"] = before + 2 * top["rows"] * top["b"] * F32  # softmax temporaries, dlogits
@@ -155,7 +162,8 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
         before -= own
         base = before + lay["dropout"]
         if lay["index"] < last:  # the ReLU's backward (dy, its output), the norm's (dy, a
-            blocks = 3 if work.norm != "none" else 2  # product, dq)
+            # product, dq; in bf16 a batch norm's product and dq a chunk at a time, over dy)
+            blocks = 3 if work.norm != "none" and not _chunked_norm(work) else 2
             phases[f"backward {lay['index']} activation"] = before + own + blocks * q32
         grad_in = lay["index"] > 0 or work.learn_features
         if lay["remade"]:  # dQ -> dG = A^T dQ (per term); F' made again; dW = F'^T dG
@@ -185,6 +193,12 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
                 k * h32 + _reduce_buffer(h32, lay["o_size"], work), k * h32 + df,
                 (k - 1) * h32 + k * df, df + _reduce_buffer(df, lay["p_size"], work))
     return phases
+
+
+def _chunked_norm(work: GCNWorkload) -> bool:
+    """Whether the norm makes its temporaries a row chunk at a time (a batch norm keeping its
+    centred block in bf16: plexus.layers._RowSplitBatchNorm)."""
+    return work.norm == "batch" and work.stored_bytes < F32
 
 
 def _recompute(work: GCNWorkload, lay: dict) -> float:

@@ -182,8 +182,9 @@ class PreparedGraph:
     def _matrix(self, layer: int, rows: range, cols: range,
                 mapped: dict[tuple, CSRBlock] | None = None
                 ) -> tuple[BlockSparse, TransposedSparse]:
-        """(A_l block, its transpose read from the same blocks) over file row blocks ``rows`` and column blocks
-        ``cols`` of layer ``l``'s matrix (blocks shared through ``mapped``, :meth:`_csr`)."""
+        """(A_l block, its transpose read from the same blocks) over file row blocks ``rows``
+        and column blocks ``cols`` of layer ``l``'s matrix (blocks shared through ``mapped``,
+        :meth:`_csr`)."""
         mat = "odd" if layer % 2 == 1 else "even"
         bs = self.block_size
         a = BlockSparse([[self._csr(mat, r, c, False, mapped) for c in cols] for r in rows],

@@ -2,6 +2,7 @@
 memory filter, and `plexus.train --grid auto`."""
 
 import dataclasses
+
 import pytest
 
 from common.perf import gcn

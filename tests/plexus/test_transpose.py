@@ -2,8 +2,8 @@
 
 import itertools
 
-import numpy as np
 import numba
+import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
