@@ -220,8 +220,10 @@ class _RowSplitBatchNorm(torch.autograd.Function):
     backward's widened centred block and products are made :data:`NORM_CHUNKS` row chunks at
     a time, and with ``over_grad`` (the gradient reaching the output is read by nothing else,
     as :class:`plexus.ops.ReLU`'s) ``dq`` is written over it: each pass then holds one block
-    and a chunk beside what it keeps, not three blocks. Every element's value is computed as
-    before; the column sums of a chunked pass add the chunks' sums (float rounding).
+    and a chunk beside what it keeps, not three blocks. The column sums of a chunked pass add
+    the chunks' sums. The rounded centred block is recentred in backward (its real rows' sum
+    all-reduced with the two gradient sums: three vectors), so ``dq`` sums to zero over the
+    real rows as in float32.
 
     Shapes: q [R, D], weight and bias [D], mask [R] (1.0 for real rows) -> y [R, D], and the
     batch mean and (biased) variance [D] for the running statistics.
@@ -262,10 +264,14 @@ class _RowSplitBatchNorm(torch.autograd.Function):
             return dq, d_centred * inv, d_bias, None, None, None, None, None, None, None, None
         chunks = _row_chunks(dy.shape[0])  # the centred block widened a chunk at a time
         prod = sum((dy[lo:hi] * saved[lo:hi].to(dy.dtype)).sum(0) for lo, hi in chunks)
-        d_bias, d_centred = coll.all_reduce(torch.stack([dy.sum(0), prod]), ctx.group,
-                                            stats=ctx.stats)
+        # rounded, the centred block's real rows no longer sum to zero: recentred here, so
+        # that dq's real rows do (a bias before the norm gets no gradient, as in float32)
+        offset = sum(mask[lo:hi] @ saved[lo:hi].to(dy.dtype) for lo, hi in chunks)
+        d_bias, d_centred, offset = coll.all_reduce(torch.stack([dy.sum(0), prod, offset]),
+                                                    ctx.group, stats=ctx.stats)
         dq = dy if ctx.over_grad and dense.like_empty(dy) else torch.empty_like(dy)
-        k1, k2 = scale * d_bias / n, scale * inv * inv * d_centred / n
+        k2 = scale * inv * inv * d_centred / n
+        k1 = scale * d_bias / n - k2 * (offset / n)
         for lo, hi in chunks:
             t = torch.addcmul(k1, saved[lo:hi].to(dy.dtype), k2)
             t.mul_(mask[lo:hi, None]).neg_()

@@ -45,8 +45,12 @@ def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
             "norm": args.norm, "precision": args.precision, "dropout": args.dropout,
             "recompute_first": not args.keep_first_aggregation,
             "weight_first": {"auto": None, "on": True, "off": False}[args.weight_first]}
-    if args.dataset:
-        return DATASETS[args.dataset](**opts)
+    if args.dataset:  # the preset, with any size given beside it (--nnz of a symmetrised copy)
+        given = {f: getattr(args, k) for k, f in (("nodes", "num_nodes"), ("nnz", "nnz"),
+                                                  ("features", "num_features"),
+                                                  ("classes", "num_classes"))
+                 if getattr(args, k) is not None}
+        return dataclasses.replace(DATASETS[args.dataset](**opts), **given)
     missing = [f"--{k}" for k in ("nodes", "nnz", "features", "classes")
                if getattr(args, k) is None]
     if missing:
@@ -116,7 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = sub.add_parser("gcn", parents=[shared], help="Plexus GCN epoch (x, y, z grids)")
     g.add_argument("--dataset", choices=sorted(DATASETS), default=None)
     g.add_argument("--nodes", type=int)
-    g.add_argument("--nnz", type=int, help="nonzeros of the adjacency with self-loops")
+    g.add_argument("--nnz", type=int, help="nonzeros of the adjacency with self-loops (with "
+                   "--dataset: in place of the preset's, e.g. 3342431700 for ogbn-papers100M "
+                   "made symmetric; so --nodes, --features, --classes)")
     g.add_argument("--features", type=int)
     g.add_argument("--classes", type=int)
     g.add_argument("--model", choices=("gcn", "sage"), default="gcn",

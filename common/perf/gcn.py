@@ -133,9 +133,11 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
             # P and their gradients all-reduced there (plexus.layers)
             affine_bytes = w[layer + 1] // O * F32
             if work.norm == "batch":  # statistics per column, over the rows' axis P: the sum
-                # and the sum of squares forward, both gradient sums in one call backward
+                # and the sum of squares forward, both gradient sums in one call backward (in
+                # bf16 with the kept centred block's column sum, to recentre it)
                 out.append(Collective(p, "all_reduce", affine_bytes, count=2))
-                out.append(Collective(p, "all_reduce", 2 * affine_bytes))
+                out.append(Collective(p, "all_reduce", (
+                    3 if work.stored_bytes < F32 else 2) * affine_bytes))
             else:  # layer norm: statistics per row, over the columns' axis O
                 out.append(Collective(o, "all_reduce", rows * F32, count=4))
                 out.append(Collective(p, "all_reduce", affine_bytes, count=2))

@@ -106,6 +106,13 @@ def test_plan_cli_prints_a_ranked_table(capsys):
     assert "adjacency" in line and "transients" in line and "kept H" in line
     best = re.search(r"grid auto: \S+ .*?; ([\d.]+) GiB per rank", out)
     assert best and sum(sizes) == pytest.approx(float(best.group(1)), abs=0.01 * 6), out
+    # a size given beside --dataset replaces the preset's: SAR's symmetrised papers100M
+    from common.perf.cli import gcn_workload, parse_args
+    from common.perf.sar import PAPERS_SYMMETRIC_NNZ, sar_workload
+
+    args = parse_args(["gcn", "--dataset", "ogbn-papers100M", "--nnz", str(PAPERS_SYMMETRIC_NNZ),
+                       "--model", "sage", "--norm", "batch", "--hidden", "256", "--ranks", "64"])
+    assert gcn_workload(args) == sar_workload()
     assert main(["gcn", "--ranks", "4"]) == 2
     assert "--nodes" in capsys.readouterr().err
     assert main(["gpt", "--vocab", "256", "--layers", "4", "--heads", "4", "--d-model", "128",

@@ -144,7 +144,9 @@ def test_the_planner_runs_a_weight_first_layer_at_its_output_width():
         0, one)  # H_0 cached: no SpMM to save
     machine = load_profile("local-cpu")
     spmm = {w: gcn_compute(w, one, machine, node_ranks=1)["spmm"] for w in (remade, kept)}
-    assert spmm[remade] < 0.75 * spmm[kept]  # layer 0: 2 x 64 wide instead of 2 x 128
+    # layer 0: 64 wide once each way instead of 128 wide twice (the backward's A^T, read from
+    # A's own CSR, costs an output row written back per nonzero)
+    assert spmm[remade] < 0.9 * spmm[kept]
     assert gcn_memory_parts(remade, one)["kept_h"] == gcn_memory_parts(kept, one)["kept_h"]
     spmm_auto = gcn_compute(auto, one, machine, node_ranks=1)["spmm"]
     spmm_off = gcn_compute(off, one, machine, node_ranks=1)["spmm"]
