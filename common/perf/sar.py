@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from common.perf.gcn import GCNWorkload, ogbn_papers100m, plan_gcn
+from common.perf.gcn_memory import gcn_memory
 from common.perf.machine import MachineProfile, load_profile
 from common.perf.model import Prediction
 
@@ -65,6 +66,7 @@ class SARComparison:
     number: SARNumber
     prediction: Prediction
     ranks_per_node: int
+    workload: GCNWorkload
 
     @property
     def epoch_s(self) -> float:
@@ -95,7 +97,7 @@ def compare_sar(machine: MachineProfile | None = None, *, precision: str = "fp32
         if not plan.runnable:
             raise ValueError(f"SAR, {num.nodes} nodes: no grid fits in memory on "
                              f"{machine.name}")
-        out.append(SARComparison(num, plan.runnable[0], rpn))
+        out.append(SARComparison(num, plan.runnable[0], rpn, sar_workload(precision)))
     return out
 
 
@@ -111,4 +113,27 @@ def sar_table(rows: list[SARComparison]) -> str:
                      f"{p.exposed_comm_s:>9.2f}{c.memory_gb_per_node:>9.1f}"
                      f"{c.number.epoch_s:>7.1f}{c.number.peak_gb:>8.0f}{c.time_ratio:>12.2f}"
                      f"{c.memory_ratio:>13.2f}")
+    return "\n".join(lines)
+
+
+# what the adjacency was stored as before each saving: (label, index_bytes, stored_transposes)
+SAVINGS = (("int64 indices + stored transposes", 8, True),
+           ("int32 indices where a block fits", None, True),
+           ("+ A^T read from A (now)", None, False))
+
+
+def savings_table(rows: list[SARComparison]) -> str:
+    """Memory per node of each row's best grid with the adjacency stored as before each
+    saving (:data:`SAVINGS`): what int32 indices per block and the transpose read from the
+    block (docs/design/plexus-3d.md section 13) contribute."""
+    widths = [len(label) + 3 for label, _, _ in SAVINGS]
+    lines = [f"{'nodes':>5}  {'grid':<8}" + "".join(
+        f"{label:>{w}}" for (label, _, _), w in zip(SAVINGS, widths)) + "   (GB per node)"]
+    for c in rows:
+        work, shape = c.workload, c.prediction.shape
+        gb = [gcn_memory(dataclasses.replace(work, index_bytes=idx), shape,
+                         stored_transposes=stored) * c.ranks_per_node / 1e9
+              for _, idx, stored in SAVINGS]
+        lines.append(f"{c.number.nodes:>5}  {c.prediction.label():<8}"
+                     + "".join(f"{v:>{w}.1f}" for v, w in zip(gb, widths)))
     return "\n".join(lines)

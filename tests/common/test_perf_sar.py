@@ -81,3 +81,25 @@ def _check_sar_table(out: str, rows: dict) -> None:
         assert (float(sar_s), float(sar_gb)) == (r.number.epoch_s, r.number.peak_gb)
         assert float(t_ratio) == pytest.approx(r.time_ratio, abs=0.006)
         assert float(m_ratio) == pytest.approx(r.memory_ratio, abs=0.006)
+
+
+def test_the_savings_table_ends_at_the_prediction_and_each_saving_cuts():
+    """What each saving of the adjacency contributes: the last column is the prediction's
+    memory per node, and each earlier way of storing it takes more (int64 indices, then the
+    stored transposes), by exactly the adjacency's difference."""
+    from common.perf.gcn_memory import gcn_memory_parts
+    from common.perf.sar import savings_table
+
+    for precision in ("fp32", "bf16"):
+        rows = compare_sar(precision=precision)
+        lines = savings_table(rows).splitlines()[1:]
+        for c, line in zip(rows, lines, strict=True):
+            nodes, grid, *gb = line.split()
+            assert (int(nodes), grid) == (c.number.nodes, c.prediction.label())
+            old, mid, now = map(float, gb)
+            assert now == pytest.approx(c.memory_gb_per_node, abs=0.06)
+            assert old > mid > now
+            shape = c.prediction.shape
+            adj = gcn_memory_parts(c.workload, shape, stored_transposes=True)["adjacency"]
+            assert mid - now == pytest.approx(
+                (adj - gcn_memory_parts(c.workload, shape)["adjacency"]) * 2 / 1e9, abs=0.11)
