@@ -161,6 +161,21 @@ def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
                                 zero, lookahead)
 
 
+@numba.njit(inline="always")
+def _prefetch_next(indptr, indices, cursor, out, pr, pj, r1, end):  # pragma: no cover
+    """Move the prefetch cursor (row ``pr``, nonzero ``pj``) to the next nonzero of the
+    cell's rows below ``r1`` whose column is below ``end``, prefetch the output row it will
+    add into and step past it; the cursor's new ``(pr, pj)``."""
+    while pr < r1 and not (pj < indptr[pr + 1] and indices[pj] < end):
+        pr += 1
+        if pr < r1:
+            pj = cursor[pr]
+    if pr < r1:
+        _prefetch(out[indices[pj]])
+        pj += 1
+    return pr, pj
+
+
 @numba.njit(inline="always", fastmath={"contract"})
 def _spmm_t_cell(indptr, indices, values, x, out, cursor, r0, r1, end,
                  lookahead):  # pragma: no cover
@@ -174,26 +189,14 @@ def _spmm_t_cell(indptr, indices, values, x, out, cursor, r0, r1, end,
     pr = r0  # the prefetch cursor: row pr, its next nonzero pj
     pj = cursor[r0] if r0 < r1 else 0
     for _ in range(lookahead):
-        while pr < r1 and not (pj < indptr[pr + 1] and indices[pj] < end):
-            pr += 1
-            if pr < r1:
-                pj = cursor[pr]
-        if pr < r1:
-            _prefetch(out[indices[pj]])
-            pj += 1
+        pr, pj = _prefetch_next(indptr, indices, cursor, out, pr, pj, r1, end)
     for i in range(r0, r1):
         j = cursor[i]
         e = indptr[i + 1]
         if j < e and indices[j] < end:
             xr = x[i]
             while j < e and indices[j] < end:
-                while pr < r1 and not (pj < indptr[pr + 1] and indices[pj] < end):
-                    pr += 1
-                    if pr < r1:
-                        pj = cursor[pr]
-                if pr < r1:
-                    _prefetch(out[indices[pj]])
-                    pj += 1
+                pr, pj = _prefetch_next(indptr, indices, cursor, out, pr, pj, r1, end)
                 v = values[j]
                 acc = out[indices[j]]
                 for k in range(d):
