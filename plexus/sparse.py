@@ -45,7 +45,7 @@ from common import dense
 from plexus import spmm
 from plexus.csr import CSRBlock, _load_numba
 
-__all__ = ["SPMM_KERNELS", "BlockSparse", "CSRBlock", "sum_dtype"]
+__all__ = ["SPMM_KERNELS", "BlockSparse", "CSRBlock", "product_out", "sum_dtype"]
 
 SPMM_KERNELS = ("auto", "numba", "numba-rows", "torch")
 
@@ -54,6 +54,18 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of an SpMM's output (its sums) for an X of ``dtype``: float32 for the 16-bit
     floats, else ``dtype`` itself."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def product_out(out: torch.Tensor | None, rows: int, x: torch.Tensor) -> torch.Tensor:
+    """The ``[rows, d]`` output of a sparse product with ``x [*, d]``: ``out`` checked (a
+    contiguous tensor of :func:`sum_dtype`), or a new one from :func:`common.dense.empty`,
+    which oneDNN can read in place for the ``dW`` it may feed."""
+    shape, dtype = (rows, x.shape[1]), sum_dtype(x.dtype)
+    if out is None:
+        return dense.empty(*shape, dtype=dtype, device=x.device)
+    if tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != dtype:
+        raise ValueError(f"out must be a contiguous {shape} tensor of {dtype}")
+    return out
 
 
 def _kernel_array(x: torch.Tensor) -> np.ndarray:
@@ -292,12 +304,7 @@ class BlockSparse:
         tile = d if feature_tile is None else feature_tile
         if d and (tile < 1 or d % tile):
             raise ValueError(f"feature_tile={feature_tile} must divide the width d={d}")
-        if out is None:  # dense.empty: oneDNN can read it in place for the dW it may feed
-            out = dense.empty(self.shape[0], d, dtype=sum_dtype(x.dtype), device=x.device)
-        elif (tuple(out.shape) != (self.shape[0], d) or not out.is_contiguous()
-              or out.dtype != sum_dtype(x.dtype)):
-            raise ValueError(f"out must be a contiguous {(self.shape[0], d)} tensor of "
-                             f"{sum_dtype(x.dtype)}")
+        out = product_out(out, self.shape[0], x)
         kernels = (_load_numba() if x.device.type == "cpu" and self.kernel != "torch"
                    else None)
         if kernels is None and self.kernel == "numba-rows" and x.device.type == "cpu":

@@ -172,12 +172,18 @@ def column_slicing(indptr: np.ndarray, indices: np.ndarray, num_cols: int,
     if num_slices > 1 and rows > 0:
         csr_slice_cuts(indptr, indices, starts.astype(indptr.dtype), cuts)
     cuts.flags.writeable = indptr.flags.writeable  # one numba type with indptr's row views
-    # chunk boundaries at equal steps of work = nonzeros + rows (each row streams its output)
+    return ColumnSlicing(int(width), cuts, work_chunks(indptr, CHUNKS_PER_BLOCK), starts)
+
+
+def work_chunks(indptr: np.ndarray, num: int) -> np.ndarray:
+    """``[K + 1]`` int64 boundaries of at most ``num`` row ranges of a CSR block with about
+    equal work = nonzeros + rows (each row streams its output; R-MAT rows are skewed)."""
+    rows = indptr.shape[0] - 1
     work = np.asarray(indptr, dtype=np.int64) - int(indptr[0]) + np.arange(rows + 1)
-    num_chunks = max(1, min(CHUNKS_PER_BLOCK, rows))
+    num_chunks = max(1, min(num, rows))
     chunks = np.searchsorted(work, np.linspace(0, work[-1], num_chunks + 1)).astype(np.int64)
     chunks[0], chunks[-1] = 0, rows
-    return ColumnSlicing(int(width), cuts, chunks, starts)
+    return chunks
 
 
 def lookahead(row_bytes: int) -> int:

@@ -1,5 +1,5 @@
 """``A^T`` of a stationary adjacency without a second copy of it (docs/design/plexus-3d.md
-section 12).
+section 13).
 
 Every layer's backward multiplies by the transpose of its block (``dF = A^T dH``). Storing
 that transpose as CSR doubles the adjacency, the largest thing a rank holds. A
@@ -26,10 +26,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from common import dense
 from plexus import spmm
 from plexus.csr import CSRBlock, _load_numba
-from plexus.sparse import SPMM_KERNELS, BlockSparse, _kernel_array, _set_numba_threads, sum_dtype
+from plexus.sparse import SPMM_KERNELS, BlockSparse, _kernel_array, _set_numba_threads, product_out
 
 __all__ = ["TransposedSparse", "transposed_plan"]
 
@@ -45,15 +44,11 @@ def transposed_plan(block: CSRBlock, threads: int) -> tuple[np.ndarray, np.ndarr
     key = ("transposed", int(threads))
     plan = block.slicings.get(key)
     if plan is None:
-        rows, cols = block.shape
+        cols = block.shape[1]
         s = max(1, min(SLICES_PER_THREAD * threads, cols))
-        c = max(1, min(CHUNKS_PER_SLICE * s, rows))
         starts = (np.arange(s + 1, dtype=np.int64) * cols) // s
-        work = np.asarray(block.indptr, dtype=np.int64) - int(block.indptr[0]) + np.arange(
-            rows + 1)
-        chunks = np.searchsorted(work, np.linspace(0, work[-1], c + 1)).astype(np.int64)
-        chunks[0], chunks[-1] = 0, rows
-        plan = block.slicings[key] = (starts, chunks)
+        plan = block.slicings[key] = (starts,
+                                      spmm.work_chunks(block.indptr, CHUNKS_PER_SLICE * s))
     return plan
 
 
@@ -146,14 +141,9 @@ class TransposedSparse:
             raise ValueError(f"matmul of a {self.shape} matrix with a {tuple(x.shape)} one")
         x = x.detach().contiguous()
         d = x.shape[1]
-        if out is None:
-            if cols is not None:
-                raise ValueError("matmul(cols=...) adds into out: pass out")
-            out = dense.empty(m, d, dtype=sum_dtype(x.dtype), device=x.device)
-        elif (tuple(out.shape) != (m, d) or not out.is_contiguous()
-              or out.dtype != sum_dtype(x.dtype)):
-            raise ValueError(f"out must be a contiguous {(m, d)} tensor of "
-                             f"{sum_dtype(x.dtype)}")
+        if out is None and cols is not None:
+            raise ValueError("matmul(cols=...) adds into out: pass out")
+        out = product_out(out, m, x)
         lo, hi = (0, n) if cols is None else (cols[0], cols[1])
         kernels = _load_numba()
         _set_numba_threads()
