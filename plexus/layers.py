@@ -29,6 +29,7 @@ from common import autograd, dense
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
+from common.perf.gcn_memory import NORM_CHUNKS
 from plexus import layout
 from plexus.csr import _load_numba
 from plexus.data import partition
@@ -196,9 +197,6 @@ def can_spend(x: torch.Tensor) -> bool:
             and not (x.is_leaf and x.requires_grad))
 
 
-NORM_CHUNKS = 8  # row chunks of the batch norm's passes over a block kept in bf16
-
-
 def _row_chunks(rows: int, num: int = NORM_CHUNKS) -> list[tuple[int, int]]:
     """``num`` row ranges of about equal height covering ``rows`` (one empty range for none)."""
     step = max(1, -(-rows // num))
@@ -217,9 +215,10 @@ class _RowSplitBatchNorm(torch.autograd.Function):
 
     ``spend`` (``q`` is fresh and read by nothing else, :func:`can_spend`): the output is
     written over ``q``. With ``keep`` the centred block is made there too, the squares and
-    backward's widened centred block and products are made :data:`NORM_CHUNKS` row chunks at
-    a time, and with ``over_grad`` (the gradient reaching the output is read by nothing else,
-    as :class:`plexus.ops.ReLU`'s) ``dq`` is written over it: each pass then holds one block
+    backward's widened centred block and products are made
+    :data:`common.perf.gcn_memory.NORM_CHUNKS` row chunks at a time, and with ``over_grad``
+    (the gradient reaching the output is read by nothing else, as :class:`plexus.ops.ReLU`'s)
+    ``dq`` is written over it: each pass then holds one block
     and a chunk beside what it keeps, not three blocks. The column sums of a chunked pass add
     the chunks' sums. The rounded centred block is recentred in backward (its real rows' sum
     all-reduced with the two gradient sums: three vectors), so ``dq`` sums to zero over the
@@ -263,10 +262,14 @@ class _RowSplitBatchNorm(torch.autograd.Function):
             dq.mul_(mask[:, None]).neg_().addcmul_(dy, scale)
             return dq, d_centred * inv, d_bias, None, None, None, None, None, None, None, None
         chunks = _row_chunks(dy.shape[0])  # the centred block widened a chunk at a time
-        prod = sum((dy[lo:hi] * saved[lo:hi].to(dy.dtype)).sum(0) for lo, hi in chunks)
-        # rounded, the centred block's real rows no longer sum to zero: recentred here, so
-        # that dq's real rows do (a bias before the norm gets no gradient, as in float32)
-        offset = sum(mask[lo:hi] @ saved[lo:hi].to(dy.dtype) for lo, hi in chunks)
+        # rounded, the centred block's real rows no longer sum to zero: recentred here (its
+        # column sum, offset), so that dq's real rows do (a bias before the norm gets no
+        # gradient, as in float32)
+        prod = offset = 0
+        for lo, hi in chunks:
+            wide = saved[lo:hi].to(dy.dtype)
+            prod = prod + (dy[lo:hi] * wide).sum(0)
+            offset = offset + mask[lo:hi] @ wide
         d_bias, d_centred, offset = coll.all_reduce(torch.stack([dy.sum(0), prod, offset]),
                                                     ctx.group, stats=ctx.stats)
         dq = dy if ctx.over_grad and dense.like_empty(dy) else torch.empty_like(dy)

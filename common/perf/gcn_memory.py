@@ -63,7 +63,7 @@ from common.perf.gcn_workload import F32, GCNWorkload
 __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
 RECOMPUTE_BLOCKS = 8  # row blocks of a recomputed H_0 on the CPU (plexus.ops.RecomputedMatmul)
-NORM_CHUNKS = 8  # row chunks of a bf16 batch norm's temporaries (plexus.layers.NORM_CHUNKS)
+NORM_CHUNKS = 8  # row chunks of a bf16 batch norm's temporaries (plexus.layers)
 # the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/2 of a
 # 32 MiB last-level cache; the planner does not read the machine's cache)
 SLICE_BUDGET_BYTES = (32 << 20) // 2
