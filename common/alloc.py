@@ -1,17 +1,17 @@
 """Large CPU buffers without a page fault per 4 KiB: huge pages, and freed buffers kept.
 
 Huge pages. PyTorch's CPU allocator asks the kernel for 4 KiB pages, so the first touch of a
-fresh large tensor faults once per 4 KiB (``torch.empty(8M)`` plus a fill: 21-25 ms on the
-development machine; numpy, which asks for huge pages, 5.5 ms). PyTorch's own setting
-``THP_MEM_ALLOC_ENABLE=1`` aligns large allocations to 2 MiB and advises transparent huge pages
-(6.6 ms). It is read once, at the process's first large allocation, so :func:`use_huge_pages`
-sets it when ``common`` is imported (``common/__init__.py``), before any large tensor of code
-that imports ``common`` first; a value the user set (``0`` included) is left as it is.
+fresh large tensor faults once per 4 KiB, several times slower than numpy's buffers, which
+ask for huge pages (docs/benchmarks.md, "Allocator"). PyTorch's own setting
+``THP_MEM_ALLOC_ENABLE=1`` aligns large allocations to 2 MiB and advises transparent huge
+pages, which brings torch's first touch to numpy's. It is read once, at the process's first
+large allocation, so :func:`use_huge_pages` sets it when ``common`` is imported
+(``common/__init__.py``), before any large tensor of code that imports ``common`` first; a
+value the user set (``0`` included) is left as it is.
 
 Huge pages do not replace the retained heap below: a buffer handed back to the OS is zeroed
-by the kernel again when it returns. Allocating, filling and freeing a 32 MiB tensor in a loop,
-with huge pages: 12.0 ms given back, 8.0 ms retained; 100 MB (above the retention cap): 29 ms
-with huge pages, 91 ms without (median of 27, the development machine under load).
+by the kernel again when it returns, so a retained buffer stays cheaper to reuse (the same
+table).
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh ``mmap``
 and returns it with ``munmap`` when freed. A training step allocates and frees the same
@@ -25,7 +25,7 @@ only buffers up to 16 MiB are retained; larger ones go back to the OS when freed
 64 MiB until 2026-11-26: at 8 ranks on the 1M-node papers100M-format graph every activation
 block was under it, and the fragmented heap kept 730 MiB per rank more (GraphSAGE: 2054 MiB
 per rank against 1324 MiB with 16 MiB), twice the live peak on one rank of R-MAT 16 (1444-1674
-MiB against 851-928), for epoch times within this machine's noise (docs/benchmarks.md).
+MiB against 851-928), for epoch times within run-to-run noise (docs/benchmarks.md).
 
 Giving freed buffers back needs the thresholds set too (``retain_freed_memory(False)``): left
 alone, glibc raises its mmap threshold to the size of each mmapped buffer freed (up to 32 MiB),

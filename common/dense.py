@@ -4,10 +4,9 @@ widest vectors unused.
 torch's CPU ``mm`` calls MKL. MKL picks its code path by CPU vendor, and on AMD CPUs runs
 its AVX2 kernels even where the CPU has AVX-512; oneDNN, which torch also ships (it is what
 ``torch.compile`` calls for CPU linear layers), picks the widest instruction set the CPU
-reports, whoever made it. On the development machine (a 2-core AMD EPYC VM with AVX-512) a
-``[200K, 128] @ [128, 128]`` float32 product takes 19 ms through oneDNN against 35 ms
-through ``torch.mm`` (344 and 189 GFLOP/s; ``python bench/gcn_epoch.py`` prints both rates
-for a layer's product).
+reports, whoever made it. On an AMD CPU with AVX-512 a layer's ``[N, 128] @ [128, 128]``
+product then runs at nearly twice ``torch.mm``'s rate (``python bench/gcn_epoch.py`` prints
+both rates; docs/benchmarks.md, "The dense products through oneDNN").
 
 :func:`mm` is ``a @ b`` through oneDNN's linear primitive
 (``torch.ops.mkldnn._linear_pointwise``) where that applies: ``backend`` ``auto`` or
@@ -22,25 +21,27 @@ equal torch's to float rounding, not bit for bit. ``torch`` keeps every product 
 
 :func:`tn` is the weight gradient ``a^T b`` (``dW = H^T dQ``: both operands tall, the sum
 over their rows). oneDNN's linear primitive would first copy the transposed ``a``, but its
-inner-product backward-weights primitive (``aten::mkldnn_linear_backward_weights``) sums over
-the rows of two row-major operands as they lie: ``[200K, 128]^T @ [200K, 128]`` in 20-23 ms
-against MKL's 38 here. That primitive reads only tensors in oneDNN's own layout, and copying
-two tall operands into it costs what it saves, so the tall tensors that feed a ``dW`` (the
-SpMM's output ``H``, the ReLU's gradient ``dQ``) are allocated by :func:`empty`: a oneDNN
-tensor in the plain row-major layout, seen by torch (and numba) as an ordinary dense tensor
-over the same memory. :func:`tn` finds the oneDNN tensor behind each operand by its address
-and runs the primitive on both without a copy; an operand that was not allocated so (a view,
-a slice, another dtype) takes ``torch.mm``. Same float32 precision, another summation order.
+inner-product backward-weights primitive (``aten::mkldnn_linear_backward_weights``) sums
+over the rows of two row-major operands as they lie, at about twice MKL's rate on such a
+machine (docs/benchmarks.md, "The weight gradients through oneDNN"). That primitive reads
+only tensors in oneDNN's own layout, and copying two tall operands into it costs what it
+saves, so the tall tensors that feed a ``dW`` (the SpMM's output ``H``, the ReLU's gradient
+``dQ``) are allocated by :func:`empty`: a oneDNN tensor in the plain row-major layout, seen
+by torch (and numba) as an ordinary dense tensor over the same memory. :func:`tn` finds the
+oneDNN tensor behind each operand by its address and runs the primitive on both without a
+copy; an operand that was not allocated so (a view, a slice, another dtype) takes
+``torch.mm``. Same float32 precision, another summation order.
 
 The buffers of :func:`empty` are tall (``[N, D]``, 102 MB at 200K x 128) and a training step
-allocates and frees the same ones every step. Above glibc's retention cap (common.alloc) each
-is a fresh ``mmap``, faulted in and zeroed by the kernel again: 4.5 ms against 2.8 for filling
-a reused one here. On a VM that hands freed guest pages back to its host (free page
-reporting: the development machine's does so at once) about 5 in 100 such allocations stall
-for about 115 ms while the host provides the pages again, which made whole epochs 50-100%
-slower. With :func:`pool_freed` on (plexus: whenever it retains freed memory, its default), a
-freed buffer is kept for the next request of its shape (or a smaller one) under rules that
-keep idle buffers from adding to a step's peak (:class:`_Pool`, :func:`hand_back_pooled`).
+allocates and frees the same ones every step. Above glibc's retention cap (common.alloc)
+each is a fresh ``mmap``, faulted in and zeroed by the kernel again, slower to fill than a
+reused one. On a VM that hands freed guest pages back to its host (free page reporting) a
+few in a hundred such allocations also stall for a tenth of a second while the host provides
+the pages again, enough to make whole epochs far slower (docs/benchmarks.md, "The weight
+gradients through oneDNN; fresh pages stall"). With :func:`pool_freed` on (plexus: whenever
+it retains freed memory, its default), a freed buffer is kept for the next request of its
+shape (or a smaller one) under rules that keep idle buffers from adding to a step's peak
+(:class:`_Pool`, :func:`hand_back_pooled`).
 
 Shapes: a [m, k] @ b [k, n] -> [m, n]; tn: a [m, k], b [m, n] -> [k, n]
 """

@@ -82,9 +82,9 @@ def overlap_pays(shape: Mapping[str, int], option: bool | None = None, *,
     when some axis has more than one rank (a layer has a collective to hide) and
     ``comm_offloaded``: the communication runs on resources the compute does not need (a GPU's
     NCCL, a NIC, or a spare core per rank for the MPI transport's communication thread). With
-    one core per rank the thread's shared-memory copies take the compute's core: on the 2-core
-    development machine, 2 ranks on R-MAT scale 16 waited 16-19% of the epoch with overlap and
-    21-27% without, and the epoch was not faster (docs/benchmarks.md).
+    one core per rank the thread's shared-memory copies take the compute's core, so the
+    compute waits about as long either way and the epoch is not faster (docs/benchmarks.md,
+    "plexus: overlapped aggregation on the 2-core machine").
     :func:`overlap_hidden_seconds` is what it hides."""
     if option is not None:
         return option
