@@ -4,6 +4,7 @@
     python bench/gcn_epoch.py --nodes 20000 --rounds 1 --warmup 1   # quick
     python bench/gcn_epoch.py --device cuda --nodes 100000   # both on one GPU
     python bench/gcn_epoch.py --dropout 0.5         # OGB's recipe: dropout on both sides
+    python bench/gcn_epoch.py --norm batch          # batch norm after every hidden layer
 
 Both train the same 3-layer GCN (hidden 128, no bias, AdamW, cross-entropy on the training
 split) on the same graph with the same number of torch threads, and both step torch's fused
@@ -20,7 +21,9 @@ so neither side spends time on normalisation inside the epoch. Two workloads, ea
 ``--dropout P`` (default 0, as above) drops every layer's input on both sides, the features'
 included: ours with its grid-independent hashed masks (recomputing layer 0's aggregation in
 backward with fixed features), PyG with ``F.dropout``. ``A X`` then changes every epoch, so
-with fixed features both sides aggregate every layer every epoch.
+with fixed features both sides aggregate every layer every epoch. ``--norm batch`` puts a
+batch norm between every hidden layer and its ReLU on both sides: ours its sharded batch norm
+(plexus.norms), PyG ``torch.nn.BatchNorm1d``.
 
 Allocator: PyTorch's CPU allocator faults in every 4 KiB page of a fresh large tensor;
 ``THP_MEM_ALLOC_ENABLE=1`` (huge pages, which importing ``common`` sets) and our trainer's
@@ -175,19 +178,22 @@ def weight_grad_throughput(rows: int, width: int, backend: str, reps: int = 5,
 
 def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
                device: torch.device = CPU, variant: str = "fixed",
-               dropout: float = 0.0) -> list[float]:
+               dropout: float = 0.0, norm: str = "none") -> list[float]:
     """PyG's epoch times; ``variant`` ``fixed`` (``A X`` precomputed once, untimed, the first
     layer a linear map of it; with ``dropout`` every layer aggregates, as ours then must) or
     ``learn`` (the features a trainable parameter). ``dropout``: ``F.dropout`` on every layer's
-    input, the features' included, where ours drops too."""
+    input, the features' included, where ours drops too. ``norm="batch"``: BatchNorm1d
+    between every hidden layer and its ReLU."""
     from torch_geometric.nn import GCNConv
 
     torch.manual_seed(0)
     dims = [graph.num_features] + [hidden] * (layers - 1) + [graph.num_classes]
     convs = torch.nn.ModuleList([GCNConv(a, b, normalize=False, bias=False)
                                  for a, b in itertools.pairwise(dims)]).to(device)
+    norms = torch.nn.ModuleList([torch.nn.BatchNorm1d(b) for b in dims[1:-1]
+                                 if norm == "batch"]).to(device)
     x, adj = graph.x.to(device), adj.to(device)
-    params = list(convs.parameters())
+    params = list(convs.parameters()) + list(norms.parameters())
     first_linear = variant == "fixed" and dropout == 0  # the cached A X ours has, once
     if variant == "learn":
         x = torch.nn.Parameter(x.clone())
@@ -208,7 +214,8 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
             h = torch.nn.functional.dropout(h, dropout) if dropout else h
             # GCNConv(normalize=False, bias=False) is A (h W); on A X the first is (A X) W
             h = conv.lin(h) if i == 0 and first_linear else conv(h, adj)
-            h = h.relu() if i < len(convs) - 1 else h
+            if i < len(convs) - 1:
+                h = (norms[i](h) if len(norms) else h).relu()
         loss = torch.nn.functional.cross_entropy(h[train], y)
         loss.backward()
         opt.step()
@@ -245,6 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout on every layer's input, both sides (default: %(default)s; "
                         "with dropout the fixed workload aggregates every layer every epoch)")
+    p.add_argument("--norm", choices=("none", "batch"), default="none",
+                   help="batch norm between every hidden layer and its ReLU, both sides "
+                        "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
     p.add_argument("--spmm", choices=SPMM_KERNELS, default="auto",
                    help="our CPU SpMM kernel (ablation: torch)")
@@ -292,13 +302,15 @@ def worker(args: argparse.Namespace) -> None:
         if args.worker_retain:
             retain_freed_memory()
         times = pyg_epochs(graph, adj, args.hidden, args.layers, args.warmup + args.epochs,
-                           0.01, ctx.device, args.variant, args.dropout)[args.warmup:]
+                           0.01, ctx.device, args.variant, args.dropout,
+                           args.norm)[args.warmup:]
     else:
         cfg = split_config(epochs=args.warmup + args.epochs, hidden=args.hidden,
                            num_layers=args.layers, lr=0.01, spmm=args.spmm, gemm=args.gemm,
                            retain_freed_memory=args.retain,
                            pool_buffers=args.pool_buffers,
-                           bias=False, dropout=args.dropout, optimizer="adamw",
+                           bias=False, dropout=args.dropout, norm=args.norm,
+                           optimizer="adamw",
                            learn_features=args.variant == "learn")  # PyG's side's model
         result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
                            device=ctx.device, **cfg)
@@ -315,7 +327,7 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
            "--avg-degree", str(args.avg_degree), "--features", str(args.features),
            "--classes", str(args.classes), "--hidden", str(args.hidden), "--layers",
            str(args.layers), "--epochs", str(args.epochs), "--warmup", str(args.warmup),
-           "--dropout", str(args.dropout), "--spmm", args.spmm,
+           "--dropout", str(args.dropout), "--norm", args.norm, "--spmm", args.spmm,
            "--gemm", args.gemm,
            "--device", args.device]
     if args.threads:
@@ -361,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"graph: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges "
           f"({adj.values().numel():,} nonzeros with self-loops), {args.features} features, "
           f"{args.classes} classes; {args.layers} layers, hidden {args.hidden}, "
-          f"dropout {args.dropout}; "
+          f"dropout {args.dropout}, norm {args.norm}; "
           f"{threads} threads; on {device}; built in {time.perf_counter() - t:.1f} s",
           flush=True)
     settings = PYG_SETTINGS if device.type == "cpu" else PYG_SETTINGS[:1]

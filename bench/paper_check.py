@@ -15,10 +15,10 @@ Then SAR's CPU-cluster rows (:mod:`common.perf.sar`): GraphSAGE with batch norm,
 ogbn-papers100M at 32, 64 and 128 two-socket Icelake nodes (profile ``icelake-hdr200``, one
 rank per socket): our predicted epoch time and memory per node beside SAR's measured ones, and
 the ratios, in float32 and with ``--precision bf16`` (bf16 features, kept activations and
-messages), each with what the adjacency's savings contribute (the memory per node with the
-adjacency stored as before each: int64 indices and stored transposes, then int32 indices per
-block, then the transpose read from the block). Informational: they do not change the exit
-status.
+messages), each with what the savings contribute (the memory per node as before each: the
+adjacency with int64 indices and stored transposes, then int32 indices per block, then the
+transpose read from the block, then the batch norm and its ReLU as plexus.norms' kernels).
+Informational: they do not change the exit status.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--precision {precision}")
         rows = compare_sar(precision=precision)
         print(sar_table(rows))
-        print("what each saving of the adjacency contributes, on the same grids:")
+        print("what each saving contributes, on the same grids:")
         print(savings_table(rows))
     return 1 if fails else 0
 

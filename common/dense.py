@@ -105,10 +105,10 @@ def uses_onednn(a: torch.Tensor, b: torch.Tensor, backend: str = "auto") -> bool
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
-       out: torch.Tensor | None = None) -> torch.Tensor:
+       out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """``a @ b`` through oneDNN where :func:`uses_onednn`, else ``torch.mm``; into ``out``
     (a contiguous [m, n] tensor, or rows of one) if given, else into a new tensor from
-    :func:`empty`.
+    :func:`empty`; with ``accumulate``, added into ``out`` (``out += a @ b``).
 
     oneDNN's primitive has no ``out=`` form and would allocate the whole product afresh, so
     it runs on row blocks of ``a`` whose products (at most :data:`BLOCK_BYTES`) glibc keeps
@@ -120,7 +120,11 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
 
     Shapes: a [m, k], b [k, n] -> [m, n]
     """
+    if accumulate and out is None:
+        raise ValueError("accumulate needs out")
     if not uses_onednn(a, b, backend):
+        if accumulate and out is not None:
+            return out.addmm_(a, b)
         return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
     m, n = a.shape[0], b.shape[1]
     if out is None:
@@ -132,8 +136,11 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
     weight = b.t().contiguous()
     rows = max(1, BLOCK_BYTES // (a.element_size() * max(n, a.shape[1])))
     for lo in range(0, m, rows):
-        out[lo:lo + rows].copy_(torch.ops.mkldnn._linear_pointwise(
-            a[lo:lo + rows], weight, None, "none", [], ""))
+        block = torch.ops.mkldnn._linear_pointwise(a[lo:lo + rows], weight, None, "none", [], "")
+        if accumulate:
+            out[lo:lo + rows].add_(block)
+        else:
+            out[lo:lo + rows].copy_(block)
     return out
 
 

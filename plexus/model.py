@@ -43,7 +43,8 @@ from plexus.config import MODELS, NORMS, PRECISIONS
 from plexus.data import partition
 from plexus.data.memory import root_blocks
 from plexus.data.shard import GraphShard
-from plexus.layers import apply_dropout, dropped, keep_mask, make_norm, normalized_features
+from plexus.layers import apply_dropout, dropped, keep_mask, normalized_features
+from plexus.norms import make_norm
 from plexus.reference import ROOT_SEED_OFFSET, init_weights
 from plexus.sharded_state import ShardedState
 from plexus.shards import node_chunk
@@ -215,9 +216,6 @@ class PlexusGCN(ShardedState, nn.Module):
         self.norms = nn.ModuleList(
             make_norm(norm, layer, self.block_shapes[layer][1], shard, groups)
             for layer in range(self.num_layers - 1) if norm != "none")
-        for m in self.norms:  # a ReLU follows each: what reaches it backward is its own
-            if hasattr(m, "spend_grad"):
-                m.spend_grad = True
         block = shard.features_block  # [N/X, D_0/Y]
         if normalize_features:
             block = normalized_features(block, shard, groups)
@@ -239,6 +237,11 @@ class PlexusGCN(ShardedState, nn.Module):
         self.recompute_first = recompute_first and not learn_features and dropout > 0
         self._h0: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._h0_rows_only = False  # a one-layer model caches the rows its pass computed
+        # the caller's promise that H_0 is never needed afresh (no .to(), no other rows): once
+        # it is cached, layer 0's blocks are dropped where no other layer reads them (the
+        # trainer sets it; a third of a 3-layer model's adjacency on grids that cut each
+        # layer's blocks differently)
+        self.release_first_blocks = False
         self._ids: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         labelled = sum(shard.split_counts.values()) / max(shard.num_nodes, 1)
         self.labelled_rows: torch.Tensor | None  # int64 [R]: output rows the logits hold
@@ -295,12 +298,11 @@ class PlexusGCN(ShardedState, nn.Module):
                 q = self._matmul(layer, h, self.weights, stats, w[0])      # H W_l (3), (5), (6)
                 h = None
                 if r is not None:  # + R R_l, added into H W (fresh: nothing saved it)
-                    q = q.add_(self._matmul(layer, r, self.root_weights, stats, w[1]))
+                    q = self._matmul(layer, r, self.root_weights, stats, w[1], into=q)
                     r = None
             q = self._sum_inner(layer, q, stats)           # Q summed over I (4), + b_l
             if layer < self.num_layers - 1:
-                q = self._norm(layer, q, stats)            # norm(Q)
-                q = ops.ReLU.apply(q, skip is None)        # relu, in place both ways
+                q = self._norm_relu(layer, q, stats, skip is None)  # relu(norm(Q)), in place
                 q = q if skip is None else q + skip        # + F_l
             f, q = q, None  # F_l+1: held by f alone, so the next layer frees it once spent
         return f
@@ -426,17 +428,29 @@ class PlexusGCN(ShardedState, nn.Module):
         adj, root = self.shard.adj, self.shard.root
         if rows_only:
             adj, root = self._labelled_blocks(layer)
-        h = self._spmm_o(adj, layer, f, stats)
-        r = self._spmm_o(root, layer, f, stats) if self.kind == "sage" else None
+        # GraphSAGE: A^T dH and S^T dR summed in one block (autograd would hold both)
+        shared = ops.SharedGradient(2) if self.kind == "sage" and f.requires_grad else None
+        h = self._spmm_o(adj, layer, f, stats, shared)
+        r = self._spmm_o(root, layer, f, stats, shared) if self.kind == "sage" else None
         if self.keep_dtype is not None:  # bf16: H W reads the H that is kept (and cached)
             h = ops.Rounded.apply(h, self.keep_dtype)
             r = None if r is None else ops.Rounded.apply(r, self.keep_dtype)
         if layer == 0 and self.cache_first_aggregation:
             self._h0 = (self._kept(h), None if r is None else self._kept(r))
             self._h0_rows_only = rows_only
+            if self.release_first_blocks and self.num_layers > 1:
+                self._release_first_blocks()
             if self.keep_dtype is not None:  # H W reads and keeps the bf16 copy, as later
                 return self._h0              # passes do (no gradient flows here): one copy
         return h, r
+
+    def _release_first_blocks(self) -> None:
+        """Drop layer 0's adjacency (and root) block from the shard where no other layer
+        reads the same block (:attr:`release_first_blocks`)."""
+        for blocks in (self.shard.adj, self.shard.root):
+            first = (blocks or {}).get(0)
+            if first is not None and all(b is not first for k, b in blocks.items() if k):
+                del blocks[0]
 
     def _kept(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` detached, in :attr:`keep_dtype` (bf16) or as it is."""
@@ -460,15 +474,22 @@ class PlexusGCN(ShardedState, nn.Module):
             out.append({key: sub})
         return out[0], out[1]
 
-    def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None):
+    def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None,
+                shared: ops.SharedGradient | None = None):
         """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
         all-reduced over O in both passes (collectives 2 and 7): in row blocks, overlapped
-        with the SpMM, when :attr:`aggregation_blocks` > 1."""
+        with the SpMM, when :attr:`aggregation_blocks` > 1. ``shared``: the gradient of
+        ``F_l`` summed there with the other term's."""
+        if layer % 6 not in blocks:
+            raise RuntimeError(
+                f"layer {layer}'s adjacency block was released once H_0 was cached "
+                "(PlexusGCN.release_first_blocks, set by the trainer): build the model again "
+                "to compute H_0 afresh")
         blk, group = blocks[layer % 6], self.wire[layout.roles(layer)[0]]
         if self.aggregation_blocks > 1 and group.size > 1:
             return ops.BlockedAggregation.apply(blk.a, blk.a_t, x, group, stats,
-                                                self.aggregation_blocks, self.overlap)
-        h = ops.SpMM.apply(blk.a, blk.a_t, x)  # a fresh tensor: reduced in place
+                                                self.aggregation_blocks, self.overlap, shared)
+        h = ops.SpMM.apply(blk.a, blk.a_t, x, shared)  # a fresh tensor: reduced in place
         return autograd.all_reduce_all_reduce(h, group, stats, inplace=True)
 
     def _prefetch(self, layer: int, stats: CommStats | None) -> tuple:
@@ -482,13 +503,14 @@ class PlexusGCN(ShardedState, nn.Module):
                      if len(ws) else None for ws in (self.weights, self.root_weights))
 
     def _matmul(self, layer: int, h: torch.Tensor, weights: nn.ParameterList,
-                stats: CommStats | None, gathered=None) -> torch.Tensor:
+                stats: CommStats | None, gathered=None, into=None) -> torch.Tensor:
         """``H W`` [N/P, D_l+1/O], partial over I, with ``W`` gathered over P (3, 5, 6);
-        ``gathered``: the handle of that all-gather, issued by :meth:`_prefetch`."""
+        ``gathered``: the handle of that all-gather, issued by :meth:`_prefetch`; ``into``:
+        a fresh product it is added into."""
         p_group = self.wire[layout.roles(layer)[2]]
         keep = self.keep_dtype if torch.is_grad_enabled() else None  # no copy for no backward
         return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
-                                        stats, gathered, keep, self.gemm)
+                                        stats, gathered, keep, self.gemm, into)
 
     def _sum_inner(self, layer: int, q: torch.Tensor, stats: CommStats | None):
         """Q summed over I (collective 4, in place: q is fresh), then ``+ b_l`` in place (the
@@ -499,13 +521,17 @@ class PlexusGCN(ShardedState, nn.Module):
             q = q.add_(autograd.identity_all_reduce(self.biases[layer], self.groups[p_ax], stats))
         return q
 
-    def _norm(self, layer: int, q: torch.Tensor, stats: CommStats | None) -> torch.Tensor:
+    def _norm_relu(self, layer: int, q: torch.Tensor, stats: CommStats | None,
+                   over_grad: bool) -> torch.Tensor:
+        """``relu(norm(Q))`` (plexus.norms); ``over_grad``: the gradient reaching it is read by
+        nothing else (no residual shares it), so backward writes over it."""
         if not len(self.norms):
-            return q
+            return ops.ReLU.apply(q, over_grad)
+        norm = self.norms[layer]
         if self.keep_dtype is None:
-            return self.norms[layer](q, stats)
+            return norm(q, stats, relu=True, over_grad=over_grad)
         with ops.StoredIn(self.keep_dtype):  # the norm's saved inputs in bf16
-            return self.norms[layer](q, stats)
+            return norm(q, stats, relu=True, over_grad=over_grad)
 
     def _skip(self, layer: int, x: torch.Tensor, stats: CommStats | None):
         """F_l in the layout of layer l's output [N/P, D_l+1/O], replicated over I (the

@@ -27,21 +27,53 @@ from plexus.csr import _load_numba
 from plexus.sparse import sum_dtype
 
 __all__ = ["BitMask", "BlockedAggregation", "GatheredMatmul", "ReLU", "RecomputedMatmul",
-           "RemadeInputMatmul", "Rounded", "SpMM", "StoredIn"]
+           "RemadeInputMatmul", "Rounded", "SharedGradient", "SpMM", "StoredIn"]
+
+
+class SharedGradient:
+    """One input's gradient that several autograd Functions each add a term to, summed in one
+    buffer: the first term's backward to run keeps its product here and hands autograd
+    nothing for the input, the next ones add theirs into it, and the last hands autograd the
+    sum. GraphSAGE's ``dF = A^T dH + S^T dR`` is then one [N/O, D_l/I] block where autograd
+    would hold two and add them. Every one of ``terms`` backwards must run (each Function's
+    input is the same tensor, so autograd runs all of them or none)."""
+
+    def __init__(self, terms: int) -> None:
+        self.terms, self.seen, self.buffer = terms, 0, None
+
+    def add(self, make: Any, add_into: Any) -> torch.Tensor | None:
+        """``make()``: this term as a new tensor; ``add_into(buffer)``: this term added into
+        ``buffer``. Returns the sum after the last term, else None."""
+        self.seen += 1
+        if self.buffer is None:
+            self.buffer = make()
+        else:
+            add_into(self.buffer)
+        if self.seen < self.terms:
+            return None
+        out, self.buffer, self.seen = self.buffer, None, 0
+        return out
 
 
 class SpMM(torch.autograd.Function):
     """``A @ F`` for a :class:`~plexus.sparse.BlockSparse` ``A``; backward ``A^T @ dH`` with
-    the precomputed transpose."""
+    the precomputed transpose (into ``shared``'s buffer where given: :class:`SharedGradient`)."""
 
     @staticmethod
-    def forward(ctx: Any, a, a_t, f):
-        ctx.a_t = a_t
+    def forward(ctx: Any, a, a_t, f, shared: SharedGradient | None = None):
+        ctx.a_t, ctx.shared = a_t, shared
         return a.matmul(f)
 
     @staticmethod
     def backward(ctx: Any, dh):
-        return None, None, ctx.a_t.matmul(dh) if ctx.needs_input_grad[2] else None
+        if not ctx.needs_input_grad[2]:
+            return None, None, None, None
+        a_t, shared = ctx.a_t, ctx.shared
+        if shared is None:
+            return None, None, a_t.matmul(dh), None
+        whole = (0, dh.shape[0], (0, dh.shape[0]))  # every column of A^T, added into out
+        return None, None, shared.add(lambda: a_t.matmul(dh),
+                                      lambda out: a_t.matmul(dh, out=out, cols=whole)), None
 
 
 class BlockedAggregation(torch.autograd.Function):
@@ -62,12 +94,14 @@ class BlockedAggregation(torch.autograd.Function):
     unblocked ``A^T @ dH``. What may differ from the unblocked layer is the all-reduce's
     summation order, which MPI and NCCL may choose by message size (never for 2 ranks).
 
+    ``shared``: dF is added into its buffer (:class:`SharedGradient`).
+
     Shapes: f [m, d] -> [n, d]; backward dh [n, d] -> df [m, d]
     """
 
     @staticmethod
     def forward(ctx: Any, a, a_t, f, group: AxisGroup, stats, num_blocks: int,
-                overlap: bool):
+                overlap: bool, shared: SharedGradient | None = None):
         bounds, parts = a.row_blocks(num_blocks)
         f = f.detach()
         out = dense.empty(a.shape[0], f.shape[1], dtype=sum_dtype(f.dtype), device=f.device)
@@ -80,6 +114,7 @@ class BlockedAggregation(torch.autograd.Function):
             for h in handles:
                 h.wait()
         ctx.a_t, ctx.bounds, ctx.group, ctx.stats, ctx.overlap = a_t, bounds, group, stats, overlap
+        ctx.shared = shared
         return out
 
     @staticmethod
@@ -92,15 +127,23 @@ class BlockedAggregation(torch.autograd.Function):
         df = None
         if ctx.needs_input_grad[2]:
             a_t = ctx.a_t
-            df = torch.zeros(a_t.shape[0], red.shape[1], dtype=red.dtype, device=red.device)
-            for (lo, hi), h in zip(ranges, handles):
-                if overlap:
-                    h.wait()
-                a_t.matmul(red, out=df, cols=(lo, hi, tuple(bounds)))
+
+            def add_into(df: torch.Tensor) -> torch.Tensor:
+                for (lo, hi), h in zip(ranges, handles):
+                    if overlap:
+                        h.wait()
+                    a_t.matmul(red, out=df, cols=(lo, hi, tuple(bounds)))
+                return df
+
+            def make() -> torch.Tensor:
+                return add_into(torch.zeros(a_t.shape[0], red.shape[1], dtype=red.dtype,
+                                            device=red.device))
+
+            df = make() if ctx.shared is None else ctx.shared.add(make, add_into)
         elif overlap:
             for h in handles:
                 h.wait()
-        return None, None, df, None, None, None, None
+        return None, None, df, None, None, None, None, None
 
 
 class BitMask:
@@ -225,20 +268,27 @@ class GatheredMatmul(torch.autograd.Function):
     (:func:`common.dense.tn`: oneDNN where both were allocated by :func:`common.dense.empty`,
     as the SpMM's output and the ReLU's gradient are).
 
+    ``into``: a fresh [N/P, D_l+1/O] product that ``H W`` is added into (GraphSAGE's ``R W_r``
+    into ``H W``: one block, not two); its gradient is ``dQ``.
+
     Shapes: h [N/P, D_l/I], w_shard [ceil(D_l/I * D_l+1/O / P)], shape (D_l/I, D_l+1/O)
     -> [N/P, D_l+1/O]
     """
 
     @staticmethod
     def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats, gathered=None,
-                keep: torch.dtype | None = None, gemm: str = "auto"):
+                keep: torch.dtype | None = None, gemm: str = "auto", into=None):
         """``gathered``: the handle of this W's all-gather issued earlier (async, so that it
         travels during the aggregation), or None to gather now."""
         ctx.group, ctx.shape, ctx.stats, ctx.gemm = group, shape, stats, gemm
         ctx.save_for_backward(h if keep is None else h.to(keep), w_shard)
         w = (flat.gather(w_shard, group, shape, stats=stats) if gathered is None
              else gathered.wait())
-        return dense.mm(h if h.dtype == w.dtype else h.to(w.dtype), w, backend=gemm)
+        h = h if h.dtype == w.dtype else h.to(w.dtype)
+        if into is None:
+            return dense.mm(h, w, backend=gemm)
+        ctx.mark_dirty(into)
+        return dense.mm(h, w, backend=gemm, out=into, accumulate=True)
 
     @staticmethod
     def backward(ctx: Any, dq):
@@ -251,7 +301,7 @@ class GatheredMatmul(torch.autograd.Function):
         h = h if h.dtype == dq.dtype else h.to(dq.dtype)  # bf16 H: widened for dW only
         dw = dense.tn(h, dq, backend=ctx.gemm)
         return (dh, flat.reduce_scatter(dw, group, stats=stats), None, None, None, None,
-                None, None)
+                None, None, dq if ctx.needs_input_grad[8] else None)
 
 
 def _gathered_weights(shards, gathered, group: AxisGroup, shape, stats) -> list[torch.Tensor]:

@@ -4,7 +4,8 @@
     python -m plexus.precompile --float64  # and the float64 ones the tests use
     python -m plexus.precompile --shard 0/2 & python -m plexus.precompile --shard 1/2   # 2 cores
 
-Every kernel in :mod:`plexus.kernels` is cached (``cache=True``), so a signature is compiled by
+Every kernel in :mod:`plexus.kernels` and :mod:`plexus.norm_kernels` (its names prefixed
+``norm_kernels.`` below) is cached (``cache=True``), so a signature is compiled by
 the first process that calls it and loaded by the rest. Several ranks starting on a cold cache
 (a fresh checkout, a new numba, a changed kernel) all compile the same signatures at once,
 1-2 s of a core each, and an oversubscribed node pays that once per rank. Running this once
@@ -73,18 +74,37 @@ def signatures(*, float64: bool = False) -> dict[str, list[tuple]]:
                        array("b1", 2))],
         "relu_pack": [(array("f4", 1), array("u1", 1))],
         "masked_by_bits": [(array("u4", 1), array("u1", 1), array("u4", 1))],
+        **_norm_signatures(array),
+    }
+
+
+def _norm_signatures(array) -> dict[str, list[tuple]]:
+    """plexus.norm_kernels: the block and gradient float32, the kept block float32 or bf16."""
+    from numba import types
+
+    flag, f4, u1 = types.boolean, array("f4", 1), array("u1", 1)
+    block = array("f4", 2)
+    kept = [array("f4", 2), array("u2", 2)]
+    return {
+        "norm_kernels.column_sums": [(block, f4, f4, flag, array("f8", 2))],
+        "norm_kernels.normalize": [(block, f4, f4, f4, block, k, flag, u1) for k in kept],
+        "norm_kernels.gradient_sums": [(block, k, f4, flag, u1, array("f8", 3)) for k in kept],
+        "norm_kernels.input_gradient": [(block, k, f4, flag, u1, f4, f4, f4, block)
+                                        for k in kept],
     }
 
 
 def precompile(*, float64: bool = False, shard: tuple[int, int] = (0, 1)) -> int:
     """Compile (or load from the cache) the signatures of :func:`signatures`, or with
     ``shard=(k, n)`` every n-th of them from the k-th (n processes share the work); how many."""
-    from plexus import kernels
+    from plexus import kernels, norm_kernels
 
+    modules = {"": kernels, "norm_kernels": norm_kernels}
     k, n = shard
     todo = [(name, sig) for name, sigs in signatures(float64=float64).items() for sig in sigs]
     for name, sig in todo[k::n]:
-        getattr(kernels, name).compile(sig)
+        module, _, kernel = name.rpartition(".")
+        getattr(modules[module], kernel).compile(sig)
     return len(todo[k::n])
 
 

@@ -90,6 +90,8 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
                     gemm=gemm)
     # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
     shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))
+    # and once H_0 is cached, layer 0's adjacency (the trainer never moves the model again)
+    net.release_first_blocks = True
     return shard, net
 
 

@@ -211,8 +211,9 @@ def overlap_line(work: Any, best: Any, machine: Any, ranks_per_node: int | None)
 def memory_line(work: Any, best: Any, machine: Any) -> str:
     """One line: what the best grid's memory per rank holds, the largest part first
     (:func:`common.perf.gcn_memory.gcn_memory_parts`), so that the top is what to cut."""
-    parts = perf_gcn.gcn_memory_parts(work, best.shape,
-                                      stored_transposes=machine.device_memory is not None)
+    gpu = machine.device_memory is not None
+    parts = perf_gcn.gcn_memory_parts(work, best.shape, stored_transposes=gpu,
+                                      fused_norm=not gpu)
     names = {"adjacency": "adjacency", "transient": "transients", "kept_h": "kept H",
              "kept_other": "other kept", "features": "features", "weights": "weights"}
     items = sorted(parts.items(), key=lambda kv: -kv[1])

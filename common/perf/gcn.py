@@ -130,7 +130,7 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         out.append(Collective(p, "reduce_scatter", w_flat, count=k))  # (6)
         if work.norm != "none" and layer < work.num_layers - 1:
             # mean and variance, both passes; the affine weight and bias are replicated over
-            # P and their gradients all-reduced there (plexus.layers)
+            # P and their gradients all-reduced there (plexus.norms)
             affine_bytes = w[layer + 1] // O * F32
             if work.norm == "batch":  # statistics per column, over the rows' axis P: the sum
                 # and the sum of squares forward, both gradient sums in one call backward (in
@@ -244,9 +244,16 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         q = rows * b * F32
         moved += q // F32 * red * (I > 1)  # copy of Q for its all-reduce
         if layer < work.num_layers - 1:
-            moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
-            if work.norm == "batch":  # plexus.layers._RowSplitBatchNorm: 8 passes over
-                moved += 22 * q  # the block forward, 14 backward
+            if work.norm == "batch" and machine.device_memory is None:
+                # plexus.norms' kernels, the ReLU in them: forward reads Q thrice, writes the
+                # output and the kept centred block; backward reads the gradient and the
+                # centred block twice and writes dQ; the ReLU's bits (1/32 of Q) both ways
+                kept_q = rows * b * work.stored_bytes
+                moved += 7 * q + 3 * kept_q + q / 16
+            else:
+                moved += 2 * q + 3 * q  # ReLU forward (read, write), backward (read 2, write)
+            if work.norm == "batch" and machine.device_memory is not None:
+                moved += 22 * q  # plexus.norms._RowSplitBatchNorm: 8 passes forward, 14 back
             elif work.norm == "layer":  # tensor operations under autograd: 16 passes
                 moved += 45 * q  # forward, about twice that backward
         params += k * round_up(a * b, P) // P
@@ -325,7 +332,8 @@ def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],
                             first_epoch=first_epoch),
         comm=comm_seconds(colls, grid, machine, node_ranks),
         comm_bytes=bytes_by_axis(colls, shape),
-        memory=gcn_memory(work, shape, stored_transposes=machine.device_memory is not None),
+        memory=gcn_memory(work, shape, stored_transposes=machine.device_memory is not None,
+                          fused_norm=machine.device_memory is None),
         memory_limit=machine.memory_per_rank(num_ranks, ranks_per_node),
         hidden=overlap_hidden_seconds(work, shape, machine, node_ranks=node_ranks,
                                       first_epoch=first_epoch),

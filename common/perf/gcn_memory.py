@@ -23,17 +23,18 @@ by then:
 
 * forward, layer ``l``: the input ``F_l [N/O, D_l/I]`` (layer 0: the all-gathered ``F_0`` of
   the first epoch) while ``H``/``R`` are written and all-reduced over O; then ``Q = H W``
-  (GraphSAGE: ``H W + R W_r``, the second added into the first) all-reduced over I; then
-  the norm (its input, which its output is written over, the squares and the centred block
-  it keeps; in bf16 a batch norm makes its squares a row chunk at a time);
+  (GraphSAGE: ``H W + R W_r``, the second product accumulated into the first) all-reduced
+  over I; then the norm (its input, which its output is written over, and the centred block
+  it keeps; as torch operations also the squares, in bf16 a row chunk at a time);
 * the loss on the logits, and their gradient;
-* backward, layer ``l`` from the last: the ReLU's backward (``dy`` and its output) and the
-  norm's (``dy``, a product and ``dq``; in bf16 a batch norm's product and widened centred
-  block a row chunk at a time, ``dq`` over ``dy``);
+* backward, layer ``l`` from the last: the ReLU's and the norm's backward: with
+  ``fused_norm`` (plexus.norms' kernels, a batch norm on the CPU) ``dq`` written over ``dy``;
+  as torch operations ``dy``, the ReLU's output, a product and ``dq`` (in bf16 a batch
+  norm's product and widened centred block a row chunk at a time, ``dq`` over ``dy``);
   ``dQ`` with one of ``dH``/``dR`` while ``H_l`` is still kept; then ``dH`` (and ``dR``)
   all-reduced over O; the transposed SpMM's output ``dF [N/O, D_l/I]`` beside them
-  (GraphSAGE: two, the second added into the first as autograd does); ``dF`` all-reduced
-  over P. Layer 0 with fixed features has no ``dH``.
+  (GraphSAGE: one block, each term's product added into it); ``dF`` all-reduced over P.
+  Layer 0 with fixed features has no ``dH``.
 
 A layer that multiplies first (``work.weight_first_layer``, ``Q = A (F' W)``) keeps ``F'
 [N/O, D_l/I]`` for ``dW`` instead of ``H`` (in bf16 one copy per term, in float32 one for both);
@@ -63,7 +64,7 @@ from common.perf.gcn_workload import F32, GCNWorkload
 __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
 RECOMPUTE_BLOCKS = 8  # row blocks of a recomputed H_0 on the CPU (plexus.ops.RecomputedMatmul)
-NORM_CHUNKS = 8  # row chunks of a bf16 batch norm's temporaries (plexus.layers)
+NORM_CHUNKS = 8  # row chunks of a bf16 batch norm's torch temporaries (plexus.norms)
 # the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/2 of a
 # 32 MiB last-level cache; the planner does not read the machine's cache)
 SLICE_BUDGET_BYTES = (32 << 20) // 2
@@ -71,14 +72,16 @@ PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient"
 
 
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int], *,
-               stored_transposes: bool = False) -> float:
+               stored_transposes: bool = False, fused_norm: bool = True) -> float:
     """Peak bytes per rank of a training step on grid ``{"x": X, "y": Y, "z": Z}``: the sum of
     :func:`gcn_memory_parts`."""
-    return sum(gcn_memory_parts(work, shape, stored_transposes=stored_transposes).values())
+    return sum(gcn_memory_parts(work, shape, stored_transposes=stored_transposes,
+                                fused_norm=fused_norm).values())
 
 
 def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
-                     stored_transposes: bool = False) -> dict[str, float]:
+                     stored_transposes: bool = False,
+                     fused_norm: bool = True) -> dict[str, float]:
     """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
     last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
     and AdamW moments when trained), ``weights`` (``W``, ``dW`` and the AdamW moments),
@@ -86,10 +89,13 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
     layer 0's), ``kept_other`` (the logits, ReLU and dropout masks, the norm's centred block)
     and ``transient`` (what the peak phase of :func:`gcn_memory_phases` holds beyond all that
     is kept). ``stored_transposes``: every block's transpose is stored too (a GPU, where
-    torch multiplies it; on the CPU the backward reads the block itself)."""
+    torch multiplies it; on the CPU the backward reads the block itself). ``fused_norm``: a
+    batch norm and its ReLU run as plexus.norms' kernels (the CPU), else as torch operations
+    (:func:`gcn_memory_phases`)."""
     layers = _layers(work, shape)
     parts = dict.fromkeys(PARTS, 0.0)
-    parts["adjacency"] = _adjacency(work, shape, stored_transposes)
+    adjacency, released = _adjacency(work, shape, stored_transposes)
+    parts["adjacency"] = adjacency - released
     n, w = work.padded(shape)
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
     parts["features"] = round_up(f0, shape["z"]) // shape["z"] * (
@@ -100,14 +106,19 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
         parts["kept_h"] += lay["kept_h"]
         parts["kept_other"] += lay["kept_other"] + lay["dropout"]
     kept = parts["kept_h"] + parts["kept_other"]
-    parts["transient"] = max(0.0, max(gcn_memory_phases(work, shape).values()) - kept)
+    phases = gcn_memory_phases(work, shape, fused_norm=fused_norm)
+    if released:  # layer 0's blocks, alive until H_0 is cached
+        phases["forward 0 aggregate"] += released
+    parts["transient"] = max(0.0, max(phases.values()) - kept)
     return parts
 
 
-def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, float]:
+def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
+                      fused_norm: bool = True) -> dict[str, float]:
     """Bytes per rank alive beyond the persistent ones (adjacency, features, weights) at each
     phase of a training step (module docstring), keyed ``"forward 0 aggregate"``,
-    ``"backward 2 dF"`` and so on."""
+    ``"backward 2 dF"`` and so on. ``fused_norm``: as :func:`gcn_memory_parts`."""
+    fused = fused_norm and work.norm == "batch"
     layers = _layers(work, shape)
     k, last = work.terms, len(layers) - 1
     phases: dict[str, float] = {}
@@ -145,11 +156,12 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
                 _reduce_buffer(h32, lay["o_size"], work), weights)
             wide_h = h32 if work.stored_bytes != F32 else 0  # bf16: the float32 H until H W
             phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (
-                2 if k == 2 else 1) * q32 + max(_reduce_buffer(q32, lay["i_size"], work),
-                                                weights)  # SAGE: R W_r added into H W
+                q32 + max(_reduce_buffer(q32, lay["i_size"], work), weights))  # SAGE: R W_r
+            # added into H W by the product itself
         if lay["index"] < last and work.norm != "none":  # its input (the output written
-            # over it) and the squares; in bf16 a batch norm's squares a chunk at a time
-            squares = q32 / NORM_CHUNKS if _chunked_norm(work) else q32
+            # over it) and the squares (a batch norm's kernels make none; in bf16 torch's
+            # squares a chunk at a time)
+            squares = 0 if fused else q32 / NORM_CHUNKS if _chunked_norm(work) else q32
             phases[f"forward {lay['index']} norm"] = base + lay["kept_h"] + lay["norm"] + (
                 q32 + squares)
         before += lay["kept_h"] + lay["kept_other"] + lay["dropout"]
@@ -162,8 +174,9 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
         before -= own
         base = before + lay["dropout"]
         if lay["index"] < last:  # the ReLU's backward (dy, its output), the norm's (dy, a
-            # product, dq; in bf16 a batch norm's product and dq a chunk at a time, over dy)
-            blocks = 3 if work.norm != "none" and not _chunked_norm(work) else 2
+            # product, dq; in bf16 a batch norm's product and dq a chunk at a time, over dy;
+            # its kernels write dq over dy)
+            blocks = 1 if fused else 3 if work.norm != "none" and not _chunked_norm(work) else 2
             phases[f"backward {lay['index']} activation"] = before + own + blocks * q32
         grad_in = lay["index"] > 0 or work.learn_features
         if lay["remade"]:  # dQ -> dG = A^T dQ (per term); F' made again; dW = F'^T dG
@@ -187,17 +200,17 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, 
             phases[f"backward {lay['index']} recompute"] = base + _recompute(work, lay)
         phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + q32 + (
             h32 if grad_in else 0) + 2 * a * b * F32
-        if grad_in:  # dH (dR) all-reduced over O; A^T dH (+ S^T dR, summed in place);
-            df = lay["in_rows"] * a * F32  # then dF all-reduced over P
-            phases[f"backward {lay['index']} dF"] = base + max(
+        if grad_in:  # dH (dR) all-reduced over O; A^T dH (+ S^T dR, added into the same
+            df = lay["in_rows"] * a * F32  # block: plexus.ops.SharedGradient); then dF
+            phases[f"backward {lay['index']} dF"] = base + max(  # all-reduced over P
                 k * h32 + _reduce_buffer(h32, lay["o_size"], work), k * h32 + df,
-                (k - 1) * h32 + k * df, df + _reduce_buffer(df, lay["p_size"], work))
+                df + _reduce_buffer(df, lay["p_size"], work))
     return phases
 
 
 def _chunked_norm(work: GCNWorkload) -> bool:
     """Whether the norm makes its temporaries a row chunk at a time (a batch norm keeping its
-    centred block in bf16: plexus.layers._RowSplitBatchNorm)."""
+    centred block in bf16: plexus.norms._RowSplitBatchNorm)."""
     return work.norm == "batch" and work.stored_bytes < F32
 
 
@@ -283,30 +296,38 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
     return out
 
 
-def _adjacency(work: GCNWorkload, shape: Mapping[str, int], stored_transposes: bool) -> float:
+def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
+               stored_transposes: bool) -> tuple[float, float]:
     """CSR bytes per rank: the distinct blocks of ``min(6, L)`` layouts (and GraphSAGE's root
     blocks), the last layer's labelled rows, the forward SpMM's column-slice plans, and the
     row cursors of the backward's ``A^T`` product (plexus.transpose, while it runs); with
-    ``stored_transposes`` (a GPU) the transposed CSR of every block instead of the cursors."""
+    ``stored_transposes`` (a GPU) the transposed CSR of every block instead of the cursors.
+    And of those, the bytes of layer 0's blocks that the trainer drops once ``H_0`` is cached
+    (plexus.model.PlexusGCN.release_first_blocks: fixed features, no dropout, 2 to 6 layers,
+    aggregating first, and no other layer's blocks cut alike)."""
     n, _ = work.padded(shape)
     idx, k = work.index_width(shape), work.terms
     last, last_rows = work.num_layers - 1, work.output_rows(shape)
     _, w = work.padded(shape)
     total, cursor, cut, planned = 0.0, 0.0, set(), set()
+    by_key: dict[tuple, float] = {}
+    first_key: tuple | None = None
     copies = 2 if stored_transposes else 1
     for layer in range(work.num_layers):
         o, i, p = work.axes(layer)
-        nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
-        if k == 2:  # GraphSAGE's root blocks
-            nnz += work.num_nodes / (shape[p] * shape[o])
+        adj_nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
+        root_nnz = work.num_nodes / (shape[p] * shape[o]) if k == 2 else 0.0  # GraphSAGE's
+        nnz = adj_nnz + root_nnz
         rows_a, rows_t = n // shape[p], n // shape[o]
         # layouts of one parity whose rows and columns are cut alike on every rank (the
         # same axis, or axes of one rank) share one block (plexus.data.memory._blocks)
         key = (layer % 2, p if shape[p] > 1 else "", o if shape[o] > 1 else "")
         if layer < 6 and key not in cut:
             cut.add(key)
-            total += copies * nnz * (idx + F32) + k * (rows_a + 1) * idx + (
+            block = copies * nnz * (idx + F32) + k * (rows_a + 1) * idx + (
                 k * (rows_t + 1) * idx if stored_transposes else 0)
+            total += block
+            by_key[key] = by_key.get(key, 0.0) + block
             cursor = 0.0 if stored_transposes else max(cursor, rows_a * idx)
         if layer == last % 6 and last_rows < rows_a:  # the labelled rows
             total += copies * nnz * last_rows / rows_a * (idx + F32) + k * (
@@ -319,8 +340,19 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int], stored_transposes: b
         row_bytes = width * F32
         if (key, row_bytes) not in planned:
             planned.add((key, row_bytes))
-            total += k * _plan_bytes(rows_a, rows_t, nnz, row_bytes, idx)
-    return total + cursor
+            plans = sum(_plan_bytes(rows_a, rows_t, blk, row_bytes, idx)
+                        for blk in (adj_nnz, root_nnz)[:k])
+            total += plans
+            by_key[key] = by_key.get(key, 0.0) + plans
+        if layer == 0:
+            first_key = key
+        elif layer < 6 and key == first_key:
+            first_key = None  # another layer reads layer 0's blocks
+    if first_key is None or not (
+            work.cache_first_aggregation and not work.learn_features and work.dropout == 0
+            and 1 < work.num_layers <= 6 and not work.weight_first_layer(0, shape)):
+        return total + cursor, 0.0
+    return total + cursor, by_key[first_key]
 
 
 def _plan_bytes(rows: int, cols: int, nnz: float, row_bytes: int, idx: int) -> float:

@@ -116,24 +116,25 @@ def sar_table(rows: list[SARComparison]) -> str:
     return "\n".join(lines)
 
 
-# what the adjacency was stored as before each saving: (label, index_bytes, stored_transposes)
-SAVINGS = (("int64 indices + stored transposes", 8, True),
-           ("int32 indices where a block fits", None, True),
-           ("+ A^T read from A (now)", None, False))
+# the memory before each saving: (label, index_bytes, stored_transposes, fused_norm)
+SAVINGS = (("int64 indices + stored transposes", 8, True, False),
+           ("int32 indices where a block fits", None, True, False),
+           ("+ A^T read from A", None, False, False),
+           ("+ norm and ReLU kernels (now)", None, False, True))
 
 
 def savings_table(rows: list[SARComparison]) -> str:
-    """Memory per node of each row's best grid with the adjacency stored as before each
-    saving (:data:`SAVINGS`): what int32 indices per block and the transpose read from the
-    block (docs/design/plexus-3d.md section 13) contribute."""
-    widths = [len(label) + 3 for label, _, _ in SAVINGS]
+    """Memory per node of each row's best grid as before each saving (:data:`SAVINGS`): what
+    int32 indices per block, the transpose read from the block (docs/design/plexus-3d.md
+    section 13) and the batch norm's kernels (section 11) contribute."""
+    widths = [len(label) + 3 for label, *_ in SAVINGS]
     lines = [f"{'nodes':>5}  {'grid':<8}" + "".join(
-        f"{label:>{w}}" for (label, _, _), w in zip(SAVINGS, widths)) + "   (GB per node)"]
+        f"{label:>{w}}" for (label, *_), w in zip(SAVINGS, widths)) + "   (GB per node)"]
     for c in rows:
         work, shape = c.workload, c.prediction.shape
         gb = [gcn_memory(dataclasses.replace(work, index_bytes=idx), shape,
-                         stored_transposes=stored) * c.ranks_per_node / 1e9
-              for _, idx, stored in SAVINGS]
+                         stored_transposes=stored, fused_norm=fused) * c.ranks_per_node / 1e9
+              for _, idx, stored, fused in SAVINGS]
         lines.append(f"{c.number.nodes:>5}  {c.prediction.label():<8}"
                      + "".join(f"{v:>{w}.1f}" for v, w in zip(gb, widths)))
     return "\n".join(lines)

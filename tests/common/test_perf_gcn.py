@@ -223,7 +223,7 @@ def test_index_width_is_the_largest_blocks_and_transposes_are_counted_where_stor
     assert dataclasses.replace(work, index_bytes=8).index_width({"x": 8, "y": 8, "z": 4}) == 8
     shape = {"x": 2, "y": 2, "z": 2}
     every = dataclasses.replace(work, labelled_rows_only=False)  # (no labelled-row blocks)
-    cpu, gpu = _adjacency(every, shape, False), _adjacency(every, shape, True)
+    (cpu, _), (gpu, _) = _adjacency(every, shape, False), _adjacency(every, shape, True)
     nnz = (work.nnz + work.num_nodes) / 4  # per layout, the root blocks included
     # layers 0 and 2 share nothing on 2x2x2 (other axes): three blocks, each stored twice
     # on a GPU with its transposed row pointers, and no cursor there
@@ -236,3 +236,27 @@ def test_index_width_is_the_largest_blocks_and_transposes_are_counted_where_stor
     assert backward_spmm_bytes(a100, *args, **kw) == spmm_bytes(800, 5000.0, 64, **kw)
     assert backward_spmm_bytes(icelake, *args, **kw) == spmm_t_bytes(*args, **kw)
     assert spmm_t_bytes(*args, **kw) > spmm_bytes(800, 5000.0, 64, **kw)  # a row written back
+
+
+def test_layer_0_blocks_count_until_h0_is_cached():
+    """With the cached H_0 the trainer drops layer 0's blocks where no other layer reads them
+    (plexus.model.PlexusGCN.release_first_blocks): the planner counts them in the first
+    layer's forward phase, not in the adjacency kept for the run; where another layer's
+    blocks are cut alike (one rank, 3 layers: layers 0 and 2), or with dropout (no cache),
+    they stay."""
+    from common.perf.gcn_memory import _adjacency
+    from common.perf.sar import sar_workload
+
+    work = sar_workload()  # GraphSAGE, 3 layers, fixed features, no dropout
+    shape = {"x": 8, "y": 8, "z": 4}
+    total, released = _adjacency(work, shape, False)
+    assert 0 < released < total / 2
+    parts = gcn.gcn_memory_parts(work, shape)
+    assert parts["adjacency"] == pytest.approx(total - released, rel=1e-12)
+    phases = gcn.gcn_memory_phases(work, shape)
+    kept = parts["kept_h"] + parts["kept_other"]
+    assert parts["transient"] == pytest.approx(max(
+        max(phases.values()), phases["forward 0 aggregate"] + released) - kept, rel=1e-12)
+    assert _adjacency(work, {"x": 1, "y": 1, "z": 1}, False)[1] == 0  # layer 2 reads them
+    assert _adjacency(dataclasses.replace(work, dropout=0.5), shape, False)[1] == 0
+    assert _adjacency(dataclasses.replace(work, learn_features=True), shape, False)[1] == 0

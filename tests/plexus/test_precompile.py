@@ -44,3 +44,27 @@ def test_shards_split_the_signatures_and_bad_shards_are_refused(capsys):
             precompile.main(["--shard", bad])
         assert e.value.code == 2
     assert "need 0 <= K < N" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keep", ["float32", "bfloat16"])
+def test_the_batch_norm_kernels_are_precompiled_for_the_calls_plexus_makes(keep):
+    """plexus.norms calls its kernels with the types precompile builds (a bf16-kept block as
+    its uint16 bits)."""
+    import torch
+
+    from common.grid import AxisGroup
+    from plexus import norm_kernels, norms, ops
+
+    precompile.precompile()
+    names = ("column_sums", "normalize", "gradient_sums", "input_gradient")
+    before = {n: len(getattr(norm_kernels, n).signatures) for n in names}
+    norms.FUSED_MIN_ENTRIES = 0
+    try:
+        bn = norms.ShardedBatchNorm(8, torch.ones(20, dtype=torch.bool), 20,
+                                    AxisGroup("z", None, 1, 0))
+        q = (torch.randn(20, 8).requires_grad_() * 1.0)
+        with ops.StoredIn(getattr(torch, keep)):
+            bn(q, relu=True, over_grad=True).sum().backward()
+    finally:
+        norms.FUSED_MIN_ENTRIES = 1 << 16
+    assert {n: len(getattr(norm_kernels, n).signatures) for n in names} == before

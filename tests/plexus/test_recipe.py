@@ -46,7 +46,17 @@ def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, 
     return {"loss": loss.item(), "logits": logits.detach(), "eval": eval_logits, "grads": grads}
 
 
-def _parallel(ctx, grids):
+def _parallel(ctx, grids, fused):
+    from plexus import norms
+    from tests.plexus.test_norms import counting_fused_calls
+
+    # fused: the batch norm's numba kernels (plexus.norm_kernels) on these small blocks too
+    norms.FUSED_MIN_ENTRIES = 0 if fused else 1 << 62
+    with counting_fused_calls() as fused_calls:
+        return _cases(ctx, grids, fused_calls)
+
+
+def _cases(ctx, grids, fused_calls):
     from common.comm_stats import CommStats
     from common.grid import ProcessGrid
     from plexus.loss import sharded_cross_entropy
@@ -85,7 +95,8 @@ def _parallel(ctx, grids):
                         "bytes": {k: v["bytes"] for k, v in stats.as_dict().items()},
                         "logits": logits.detach(), "eval": eval_logits, "rows": held,
                         "all_rows": shard.out_rows, "rows_last": logits.shape[0],
-                        "class_offset": groups[o_ax].rank * logits.shape[1], "grads": grads})
+                        "class_offset": groups[o_ax].rank * logits.shape[1], "grads": grads,
+                        "fused_calls": fused_calls[0]})
     return out
 
 
@@ -216,9 +227,14 @@ def test_a_cuda_dropout_mask_is_drawn_there_with_the_cpu_bits(monkeypatch):
 
 
 @pytest.mark.cross_shape
-@pytest.mark.parametrize("world, grids", [
-    (1, ["1x1x1"]),
-    pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], marks=pytest.mark.slow),
+@pytest.mark.parametrize("world, grids, fused", [
+    (1, ["1x1x1"], False),
+    (1, ["1x1x1"], True),
+    # the batch norm as a large CPU block runs it: plexus.norm_kernels
+    pytest.param(8, ["1x2x4", "4x1x2", "2x2x2"], True, marks=pytest.mark.slow),
 ])
-def test_recipe_equals_serial(world, grids):
-    _assert_matches(run_ranks(_parallel, world, grids))
+def test_recipe_equals_serial(world, grids, fused):
+    results = run_ranks(_parallel, world, grids, fused)
+    # the batch-norm cases ran the kernels (or, unfused, not)
+    assert all((r[-1]["fused_calls"] > 0) == fused for r in results)
+    _assert_matches(results)

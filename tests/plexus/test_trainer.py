@@ -433,3 +433,30 @@ def test_eval_every_must_be_at_least_one(bad):
 
     with pytest.raises(ValueError, match=f"need eval_every >= 1 .*got {bad}"):
         RunConfig(eval_every=bad)
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage"])
+def test_layer_0_blocks_are_dropped_once_h0_is_cached_and_the_run_is_the_same(model):
+    """Fixed features without dropout cache H_0: the trainer then drops layer 0's adjacency
+    (and root) block, which no other layer of a 2-layer model reads; the losses and
+    accuracies are those of a run that keeps it, and a model that must compute H_0 again
+    says why it cannot."""
+    graph = planted_partition(num_nodes=97, seed=3)
+    cfg = split_config(epochs=3, **{**CONFIG, "dropout": 0.0, "model": model})
+
+    def keep(shard, net, info):
+        net.release_first_blocks = False
+
+    runs = [train_gcn(InMemorySource(graph, permutation="double"),
+                      ProcessGrid.plexus(1, 1, 1), 0, on_setup=hook, **cfg)
+            for hook in (None, keep)]
+    released, kept = runs
+    assert 0 not in released.shard.adj and 0 in kept.shard.adj
+    if model == "sage":
+        assert 0 not in released.shard.root and 0 in kept.shard.root
+    keys = ("loss", "train_acc", "val_acc", "test_acc")
+    assert [[r[k] for k in keys] for r in released.history] == \
+        [[r[k] for k in keys] for r in kept.history]
+    released.model.to("cpu")  # drops the cached H_0
+    with pytest.raises(RuntimeError, match="released once H_0 was cached"):
+        released.model()
