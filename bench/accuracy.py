@@ -24,7 +24,8 @@ on every parameter, or on the first layer only with ``--first-layer-decay`` as P
 examples/gcn.py does), full-batch cross-entropy on the training nodes, ``--epochs`` epochs.
 
 * plexus: ``plexus.fit(graph, grid="1x1x1", model=..., num_layers=2, dropout=0.5, norm="none",
-  optimizer="adam", normalize_features=..., ...)``;
+  optimizer="adam", normalize_features=..., ...)``; with ``--grid`` on that grid's ranks
+  under mpiexec (both precisions; PyG stays on one process);
 * PyG: ``GCNConv(cached=True, normalize=True)`` or ``SAGEConv(aggr="mean")`` twice in the
   model and loop of examples/gcn.py, ``NormalizeFeatures()`` where features are normalised.
 
@@ -41,7 +42,11 @@ torch's count), one after the other, alternating which goes first from seed to s
 ``--precision bf16`` adds a third side, plexus with ``precision="bf16"`` (the same seeds, run
 beside the other two), and a second table: plexus bf16 against plexus float32, the difference
 of the mean test accuracy at the best validation epoch in points, the train and eval times of
-both, and PASS when that difference is within ``--bf16-tolerance`` points (default 0.5).
+both, and PASS when that difference is within ``--bf16-tolerance`` points (default 0.5). On
+a grid of more than one rank (``--grid 2x2x1``) every plexus collective of the bf16 side moves
+bf16, so the table is also bf16 messages against float32 ones, in accuracy and epoch time:
+
+    python bench/accuracy.py --precision bf16 --grid 2x2x1   # the issue's check, ~40 min
 
 Short runs (``--quick``) do not meet the target: the sides start from different random weights
 (and SAGEConv from PyG's default Linear init, uniform +-1/sqrt(fan_in) with a random bias,
@@ -282,18 +287,37 @@ def plexus_config(ds: Dataset, kind: str, args: argparse.Namespace, seed: int,
 
 def run_plexus(ds: Dataset, kind: str, args: argparse.Namespace, seed: int,
                precision: str = "fp32") -> Run:
-    """Train plexus on one rank (grid 1x1x1); its history evaluates after every update and
-    ``info["best"]`` is its OGB-style model selection."""
-    import plexus
+    """Train plexus on ``args.grid`` (one rank here, else its ranks under mpiexec:
+    bench/accuracy_worker.py); its history evaluates after every update and ``info["best"]``
+    is its OGB-style model selection."""
+    config = dict(symmetrize=ds.symmetrize, **plexus_config(ds, kind, args, seed, precision))
+    if args.grid == "1x1x1":
+        import plexus
 
-    result = plexus.fit(ds.graph, grid="1x1x1", symmetrize=ds.symmetrize,
-                        **plexus_config(ds, kind, args, seed, precision))
-    run = summarize(result.history)
-    best = result.info["best"]
+        result = plexus.fit(ds.graph, grid="1x1x1", **config)
+        history, best = result.history, result.info["best"]
+    else:
+        from common.grid import ProcessGrid
+        from common.spawn import run_worker
+
+        got = run_worker(Path(__file__).with_name("accuracy_worker.py"),
+                         ProcessGrid.parse(args.grid).num_ranks,
+                         ["--graph", str(saved_graph(ds, args)), "--grid", args.grid,
+                          "--config", json.dumps(config)], cwd=Path(__file__).parents[1])
+        history, best = got["history"], got["best"]
+    run = summarize(history)
     if (best["epoch"], best["test_acc"]) != (run.best_epoch, run.best_test):
         raise AssertionError(f"plexus info['best'] {best} is not the history's first best-val "
                              f"epoch {run.best_epoch} (test acc {run.best_test})")
     return run
+
+
+def saved_graph(ds: Dataset, args: argparse.Namespace) -> Path:
+    """``ds.graph`` saved (once) under ``args.graph_dir`` for the grid's ranks to load."""
+    path = Path(args.graph_dir) / f"graph-{id(ds.graph)}.pt"
+    if not path.exists():
+        torch.save(ds.graph, path)
+    return path
 
 
 def run_plexus_bf16(ds: Dataset, kind: str, args: argparse.Namespace, seed: int) -> Run:
@@ -397,6 +421,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "plexus float32")
     p.add_argument("--bf16-tolerance", type=float, default=0.5,
                    help="with --precision bf16: PASS if |bf16 - fp32| <= this many points")
+    p.add_argument("--grid", default="1x1x1",
+                   help="plexus's grid, both precisions (more than one rank: launched under "
+                        "mpiexec, the bf16 side's collectives in bf16; default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of both sides; default $OMP_NUM_THREADS, else all cores")
     p.add_argument("--json", metavar="PATH", help="also write the rows (per seed too) as JSON")
@@ -437,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     sides = {**SIDES, BF16_SIDE: run_plexus_bf16} if args.precision == "bf16" else SIDES
     with tempfile.TemporaryDirectory(prefix="accuracy_bench_") as tmp:
         datasets = make_datasets(args.datasets, sizes, Path(tmp), args.normalize_features)
+    graphs = tempfile.TemporaryDirectory(prefix="accuracy_bench_graphs_")
+    args.graph_dir = graphs.name  # the graphs the grid's ranks load (--grid)
     for name, ds in datasets.items():
         g = ds.graph
         print(f"{g.summary()}, edge homophily {g.edge_homophily():.2f}, "
@@ -480,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed_bf16:
         print(f"FAIL: {r['dataset']} {r['model']}: plexus bf16 - fp32 = {r['bf16']['diff']:+.2f} "
               f"points, tolerance {args.bf16_tolerance}", file=sys.stderr)
+    graphs.cleanup()
     ctx.close()
     return 1 if failed or failed_bf16 else 0
 

@@ -432,7 +432,11 @@ class PlexusGCN(ShardedState, nn.Module):
         shared = ops.SharedGradient(2) if self.kind == "sage" and f.requires_grad else None
         h = self._spmm_o(adj, layer, f, stats, shared)
         r = self._spmm_o(root, layer, f, stats, shared) if self.kind == "sage" else None
-        if self.keep_dtype is not None:  # bf16: H W reads the H that is kept (and cached)
+        o_group = self.wire[layout.roles(layer)[0]]
+        if self.keep_dtype is not None and not (o_group.size > 1
+                                                and o_group.wire == self.keep_dtype):
+            # bf16: H W reads the H that is kept (and cached); a sum whose messages were bf16
+            # (common.collectives) is bf16 values already
             h = ops.Rounded.apply(h, self.keep_dtype)
             r = None if r is None else ops.Rounded.apply(r, self.keep_dtype)
         if layer == 0 and self.cache_first_aggregation:

@@ -231,13 +231,17 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
                 spmm += again * spmm_bytes(rows, blk, spmm_width, index_bytes=idx,
                                            cache_line=line, x_bytes=x_bytes)
                 moved += again * rows * a * red * (O > 1)  # copy of H (R), all-reduce
-                if work.stored_bytes < F32:  # round H (F') in place, keep a bf16 copy for dW
-                    moved += (n // O if first else rows) * a * (3 * F32 + 3 * work.stored_bytes)
+                if work.stored_bytes < F32:  # keep a bf16 copy of H (F') for dW; round it in
+                    # place first, unless it is the sum of a bf16 all-reduce (bf16 values)
+                    passes = 1 if O > 1 and not first else 3
+                    moved += (n // O if first else rows) * a * passes * (F32 + work.stored_bytes)
             if back_spmm:
                 spmm += backward_spmm_bytes(machine, rows, n // O, blk, spmm_width,
                                             index_bytes=idx, cache_line=line)
-            if backward:
-                moved += rows * a * red * (O > 1) + (n // O) * a * red * (P > 1)
+            if backward:  # dH (dR) all-reduced over O
+                moved += rows * a * red * (O > 1)
+        if backward:  # dF (one for both terms) all-reduced over P
+            moved += (n // O) * a * red * (P > 1)
         n_gemm = 3 if backward else 2  # Q = H W, dW = H^T dQ, and dH = dQ W^T
         gemm += k * n_gemm * gemm_seconds(n // O if first else rows, a, b, rate.gemm_flops,
                                           rate.memory_bandwidth)
