@@ -430,8 +430,10 @@ class PlexusGCN(ShardedState, nn.Module):
             adj, root = self._labelled_blocks(layer)
         # GraphSAGE: A^T dH and S^T dR summed in one block (autograd would hold both)
         shared = ops.SharedGradient(2) if self.kind == "sage" and f.requires_grad else None
-        h = self._spmm_o(adj, layer, f, stats, shared)
-        r = self._spmm_o(root, layer, f, stats, shared) if self.kind == "sage" else None
+        # (each feeds one product only: backward may reduce its gradient in place)
+        h = self._spmm_o(adj, layer, f, stats, shared, spend_grad=True)
+        r = (self._spmm_o(root, layer, f, stats, shared, spend_grad=True)
+             if self.kind == "sage" else None)
         o_group = self.wire[layout.roles(layer)[0]]
         if self.keep_dtype is not None and not (o_group.size > 1
                                                 and o_group.wire == self.keep_dtype):
@@ -479,11 +481,12 @@ class PlexusGCN(ShardedState, nn.Module):
         return out[0], out[1]
 
     def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None,
-                shared: ops.SharedGradient | None = None):
+                shared: ops.SharedGradient | None = None, spend_grad: bool = False):
         """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
         all-reduced over O in both passes (collectives 2 and 7): in row blocks, overlapped
         with the SpMM, when :attr:`aggregation_blocks` > 1. ``shared``: the gradient of
-        ``F_l`` summed there with the other term's."""
+        ``F_l`` summed there with the other term's; ``spend_grad``: the product feeds one
+        operator, so its gradient may be reduced in place."""
         if layer % 6 not in blocks:
             raise RuntimeError(
                 f"layer {layer}'s adjacency block was released once H_0 was cached "
@@ -492,7 +495,8 @@ class PlexusGCN(ShardedState, nn.Module):
         blk, group = blocks[layer % 6], self.wire[layout.roles(layer)[0]]
         if self.aggregation_blocks > 1 and group.size > 1:
             return ops.BlockedAggregation.apply(blk.a, blk.a_t, x, group, stats,
-                                                self.aggregation_blocks, self.overlap, shared)
+                                                self.aggregation_blocks, self.overlap, shared,
+                                                spend_grad)
         h = ops.SpMM.apply(blk.a, blk.a_t, x, shared)  # a fresh tensor: reduced in place
         return autograd.all_reduce_all_reduce(h, group, stats, inplace=True)
 
