@@ -444,7 +444,7 @@ class PlexusGCN(ShardedState, nn.Module):
         if layer == 0 and self.cache_first_aggregation:
             self._h0 = (self._kept(h), None if r is None else self._kept(r))
             self._h0_rows_only = rows_only
-            if self.release_first_blocks and self.num_layers > 1:
+            if self.release_first_blocks and 1 < self.num_layers <= 6:  # (layer 6 reads 0's)
                 self._release_first_blocks()
             if self.keep_dtype is not None:  # H W reads and keeps the bf16 copy, as later
                 return self._h0              # passes do (no gradient flows here): one copy
