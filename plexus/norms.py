@@ -60,7 +60,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _sums(parts: np.ndarray) -> torch.Tensor:
-    """The per-chunk float64 sums added in order of the chunk, as float32."""
+    """The per-chunk sums (float64) added in order of the chunk, as float32."""
     total = parts[0].copy()
     for c in range(1, parts.shape[0]):
         total += parts[c]
@@ -158,9 +158,10 @@ class _FusedBatchNorm(torch.autograd.Function):
     pass that writes the output (over ``q`` with ``spend``) and the centred block kept for
     backward (in ``keep``: float32, or bf16 under :class:`plexus.ops.StoredIn`); backward one
     read for the column sums and one pass that writes ``dq`` (over the gradient with
-    ``over_grad``). The column sums add in float64 in a fixed order (the same bits on any
-    number of threads); rounded to bf16, the centred block is recentred in backward as in
-    :class:`_RowSplitBatchNorm` (three vectors all-reduced, two in float32).
+    ``over_grad``). The column sums add in a fixed order (float32 within chunks of rows,
+    float64 across them: the same bits on any number of threads); rounded to bf16, the
+    centred block is recentred in backward as in :class:`_RowSplitBatchNorm` (three vectors
+    all-reduced, two in float32).
 
     Shapes: as :class:`_RowSplitBatchNorm`.
     """
