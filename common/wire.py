@@ -41,14 +41,19 @@ def widen(typingctx, v):  # pragma: no cover - compiled
     return types.float32(v), codegen
 
 
+@numba.njit(inline="always")
+def round_bits(b):  # pragma: no cover - compiled
+    """The bf16 bits of the float32 whose bits ``b`` (int64) holds, rounded to nearest even
+    (torch's rounding; a NaN becomes the quiet NaN). For numba kernels (plexus.norm_kernels)."""
+    if (b & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16(_QUIET_NAN)
+    return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+
+
 @numba.njit(nogil=True, cache=True)
 def _to_bf16(bits: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     for i in range(bits.size):
-        b = np.int64(bits[i])
-        if (b & 0x7FFFFFFF) > 0x7F800000:
-            out[i] = _QUIET_NAN
-        else:
-            out[i] = np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+        out[i] = round_bits(np.int64(bits[i]))
 
 
 @numba.njit(nogil=True, cache=True)

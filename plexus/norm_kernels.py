@@ -23,6 +23,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from common.wire import round_bits as _round_bits
 from common.wire import widen as _widen
 from plexus.kernels import _BIT_WORDS
 
@@ -36,11 +37,8 @@ def num_chunks(rows: int) -> int:
 
 @numba.njit(inline="always")
 def _bf16(v):  # pragma: no cover - compiled
-    """The bits of float32 ``v`` rounded to bf16, nearest even (a NaN stays a quiet NaN)."""
-    b = np.int64(np.float32(v).view(np.uint32))
-    if (b & 0x7FFFFFFF) > 0x7F800000:
-        return np.uint16(0x7FC0)
-    return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+    """The bits of float32 ``v`` rounded to bf16 (:func:`common.wire.round_bits`)."""
+    return _round_bits(np.int64(np.float32(v).view(np.uint32)))
 
 
 def _store(keep, r, j, v):  # pragma: no cover - replaced by the overload when compiled
