@@ -1,7 +1,7 @@
 """Job-wide failure handling: what every rank of a job does together when something goes wrong.
 
-* :func:`fail_all_ranks`: a user error every rank detects alike; each prints it, then all exit
-  with the same code.
+* :func:`fail_all_ranks`: a user error; each rank that detects it prints it, then all exit
+  with the same code (a rank that found it alone tells the others, which exit 1 naming it).
 * :func:`classify_failure` / :func:`exit_on_failure`: an error that ends the job, named as what
   it is. A lost peer (a collective failed because a rank is gone): the context's heartbeat
   watchdog (:mod:`common.watchdog`) names the rank. A CUDA or NCCL error that is no lost peer
@@ -23,6 +23,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from common.dist import DistContext, shutdown
+from common.watchdog import Watchdog
 
 __all__ = ["Failure", "classify_failure", "exit_on_comm_failure", "exit_on_failure",
            "fail_all_ranks", "is_comm_failure", "preemption_flag"]
@@ -192,20 +194,43 @@ def exit_on_comm_failure(error: BaseException, ctx: DistContext | None) -> NoRet
 def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> NoReturn:
     """Report a user error on this rank and exit non-zero.
 
-    For errors every rank detects identically (a bad grid, a bad flag): each rank prints the
-    message, ranks meet at a barrier so no launcher kills a peer before it has printed, then
-    all exit with ``code``. The barrier is torch.distributed's even under the MPI transport:
-    its timeout ends the wait should a rank not get here after all.
+    For errors every rank detects alike (a bad grid, a bad flag): each rank prints the message,
+    the ranks meet (through the rendezvous store, at most ``ctx.heartbeat_timeout_s`` s) so no
+    launcher kills a peer before it has printed, then all exit with ``code``. An error only
+    this rank saw (a file only it read, say) would leave the others waiting in their next
+    collective: when they do not come, this rank tells them through the watchdog
+    (:meth:`~common.watchdog.Watchdog.abort`), and each exits 1 with the message. Without a
+    watchdog the meeting is torch.distributed's barrier, which its timeout ends.
     """
     prefix = f"[rank {ctx.rank}] " if ctx and ctx.world_size > 1 else ""
     print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
-    if ctx is not None and dist.is_initialized() and ctx.world_size > 1:
-        try:
-            dist.barrier()
-        except Exception:  # we are exiting with an error anyway
-            pass
+    if ctx is not None and ctx.world_size > 1:
+        if ctx.watchdog is not None:
+            if not _all_ranks_fail(ctx.watchdog, ctx.heartbeat_timeout_s):
+                ctx.watchdog.abort(f"rank {ctx.rank} stopped the job: {message}")
+        elif dist.is_initialized():
+            try:
+                dist.barrier()
+            except Exception:  # we are exiting with an error anyway
+                pass
     if ctx is not None:
         ctx.close()
     else:
         shutdown()
     sys.exit(code)
+
+
+def _all_ranks_fail(dog: Watchdog, timeout_s: float) -> bool:
+    """Whether every rank reaches :func:`fail_all_ranks` within ``timeout_s`` (polled through
+    the store, so this rank's heartbeat goes on meanwhile)."""
+    keys = [f"hpc/user_error/{r}" for r in range(dog.world)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        dog.store.set(keys[dog.rank], "1")
+        while not dog.store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+    except Exception:  # the store's host has exited: every rank is on its way out
+        pass
+    return True

@@ -166,10 +166,12 @@ def _report_hung(children: Sequence[Any], errs: Sequence[str] | None = None) -> 
             pass
     time.sleep(2.0)
     lines = [f"ranks {[r for r, _ in hung]} still running; their stacks:"]
-    for r, _ in hung:
+    ended = [(r, c) for r, c in enumerate(children) if (r, c) not in hung]
+    for r, child in hung + ended:  # a rank that ended first is often why the others wait
         if errs is not None and os.path.exists(errs[r]):
             tail = Path(errs[r]).read_text(errors="replace")[-6000:]
-            lines.append(f"--- rank {r} (the end of its stderr) ---\n{tail}")
+            how = "" if (r, child) in hung else f", ended with exit code {child.exitcode}"
+            lines.append(f"--- rank {r}{how} (the end of its stderr) ---\n{tail}")
     return "\n".join(lines)
 
 

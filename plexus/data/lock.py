@@ -26,12 +26,15 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 POLL_S = 2.0  # how often a waiting job tries the lock again
 REPORT_EVERY_S = 30.0  # how often a waiting job says whom it waits for
+
+T = TypeVar("T")
 
 
 class CacheLockError(OSError):
@@ -112,3 +115,17 @@ def preparing_lock(out: Path, *, token: str | None = None, verbose: bool = False
         yield previous
     finally:
         os.close(fd)  # releases the lock
+
+
+def parse_once(cache: Path, is_cached: Callable[[], bool], load: Callable[[], T]) -> T:
+    """``load()``, where a loader (ogb's, PyG's) parses raw files into ``cache`` on first use and
+    reads the cache afterwards, and several processes may load at once (the ranks of a job,
+    the jobs of a sweep): the first parses and writes while holding ``CACHE.lock``; the others
+    wait for the lock and read what it wrote, never a half-written file. Where the cache is
+    there already, loads run in parallel. Where the filesystem has no ``flock`` this says so
+    and loads unlocked (:func:`preparing_lock` with ``required=False``)."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with preparing_lock(cache, required=False):
+        if not is_cached():
+            return load()
+    return load()

@@ -25,6 +25,7 @@ import torch
 
 from plexus.data.errors import DatasetCorruptError, DatasetNotFoundError
 from plexus.data.graph import Graph, labels_to_int64
+from plexus.data.lock import parse_once
 from plexus.data.schema import DEFAULT_ROOT
 
 
@@ -105,8 +106,11 @@ def load_ogb(name: str, root: str | os.PathLike = DEFAULT_ROOT, *, download: boo
     with _environ(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", TORCH_FORCE_WEIGHTS_ONLY_LOAD=None), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY")
-        try:
-            dataset = nodeproppred.NodePropPredDataset(name=name, root=str(root))
+        try:  # the ranks of a job load at once: one parses the raw files, the others wait
+            dataset = parse_once(ddir / "processed",
+                                 (ddir / "processed" / "data_processed").is_file,
+                                 lambda: nodeproppred.NodePropPredDataset(name=name,
+                                                                          root=str(root)))
             split = dataset.get_idx_split()
         except Exception as e:
             raise DatasetCorruptError(

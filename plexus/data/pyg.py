@@ -24,6 +24,7 @@ from typing import Any
 
 from plexus.data.errors import DatasetCorruptError, DatasetNotFoundError
 from plexus.data.graph import Graph
+from plexus.data.lock import parse_once
 
 # How a family's graph is split into train/val/test (Graph.from_pyg):
 PUBLIC = "public"  # the dataset's own bool [N] train/val/test masks
@@ -135,14 +136,16 @@ def load_pyg(name: str, root: str | os.PathLike, *, seed: int = 0,
     spec, root = _spec(name), Path(root)
     cls = _pyg_class(spec.family)
     args, kwargs = spec.args(root)
+    probe = _probe(cls)(*args, **kwargs)
     if not download:
-        probe = _probe(cls)(*args, **kwargs)
         raw_missing = [p for p in probe.raw_paths if not os.path.isfile(p)]
         if raw_missing and not all(os.path.isfile(p) for p in probe.processed_paths):
             raise DatasetNotFoundError(_not_found_message(spec, root, probe, raw_missing))
         cls = _offline(cls)
-    try:
-        dataset = cls(*args, **kwargs)
+    try:  # the ranks of a job load at once: one parses the raw files, the others wait
+        dataset = parse_once(Path(probe.processed_dir),
+                             lambda: all(os.path.isfile(p) for p in probe.processed_paths),
+                             lambda: cls(*args, **kwargs))
     except DatasetNotFoundError:
         raise
     except Exception as e:

@@ -244,3 +244,41 @@ def test_a_later_failing_rank_does_not_wait():
     assert time.monotonic() - start < 0.5
     assert store.get("hpc/abort") == b"rank 0 failed: two ranks share one GPU"
     assert store.check(["hpc/told/2", "hpc/said/2"]) and w.stopped.is_set()
+
+
+USER_ERROR = """
+import sys
+import torch
+import torch.distributed as dist
+from common.dist import init_distributed
+from common.run import run_or_exit
+
+ctx = init_distributed(device="cpu")
+
+def body():
+    if ctx.rank == 1 or sys.argv[1] == "every":
+        raise ValueError(f"cannot read data/part-{ctx.rank}")
+    dist.all_reduce(torch.ones(1))  # rank 0 alone: waits for rank 1 here
+
+run_or_exit(ctx, body, user_errors=(ValueError,))
+"""
+
+
+@pytest.mark.parametrize("who", ["every", "one"])
+def test_a_user_error_on_one_rank_alone_ends_every_rank(tmp_path, who):
+    """A user error every rank sees: each prints its own and exits 2. One that only rank 1
+    sees, while rank 0 waits in a collective: rank 1 waits the heartbeat timeout for the
+    others, then tells rank 0, which exits 1 naming it, long before the collective's timeout."""
+    script = tmp_path / "user_error.py"
+    script.write_text(USER_ERROR)
+    start = time.time()
+    results = _run_two_ranks(script, [who], heartbeat_s=4)
+    for r, (code, err, ended) in enumerate(results):
+        mine = f"[rank {r}] error: cannot read data/part-{r}\n"
+        if who == "every" or r == 1:
+            assert code == 2 and mine in err and "stopped the job" not in err, (r, err[-3000:])
+        else:
+            assert code == 1, (r, code, err[-3000:])
+            assert ("[rank 0] error: rank 1 stopped the job: cannot read data/part-1; "
+                    "exiting") in err, err[-3000:]
+        assert ended is not None and ended - start < 40, (r, ended - start)

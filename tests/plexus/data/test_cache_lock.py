@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from plexus.data import PreparedGraph, cache
-from plexus.data.lock import CacheLockError, holder, lock_path, preparing_lock
+from plexus.data.lock import CacheLockError, holder, lock_path, parse_once, preparing_lock
 from tests.distributed import ROOT, launch_env
 from tests.plexus.data.ogb_format import write_papers100m_like
 
@@ -117,6 +117,51 @@ def test_a_filesystem_without_flock_stops_with_what_to_do(tmp_path, monkeypatch,
     with preparing_lock(tmp_path / "data", required=False):  # plexus.prepare goes on
         ran.append(True)
     assert ran and "preparing without it" in capsys.readouterr().out
+
+
+def test_parse_once_parses_under_the_lock_and_reads_after_it(tmp_path):
+    """A loader that writes its cache on first use (ogb's, PyG's): a second process that comes
+    while the first parses waits, then reads the finished cache outside the lock."""
+    cache = tmp_path / "ds" / "processed"
+    done = cache / "data"
+    calls = []
+
+    def load():
+        calls.append(("parsed" if not done.exists() else "read", _locked(cache)))
+        cache.mkdir(parents=True, exist_ok=True)
+        done.write_text("x")
+        return len(calls)
+
+    result = []
+    cache.parent.mkdir()
+    with preparing_lock(cache):  # a first loader, parsing
+        thread = threading.Thread(target=lambda: result.append(parse_once(cache, done.exists,
+                                                                           load)))
+        thread.start()
+        time.sleep(0.4)
+        assert not calls  # waits for the lock, does not read a half-written cache
+        cache.mkdir()
+        done.write_text("x")
+    thread.join(timeout=10)
+    assert result == [1] and calls == [("read", False)]  # read the finished cache, unlocked
+    calls.clear()
+    other = tmp_path / "other" / "processed"
+    assert parse_once(other, (other / "data").exists, lambda: load_other(other, calls)) == 1
+    assert calls == [True]  # nothing cached: parsed while holding the lock
+
+
+def load_other(cache, calls):
+    calls.append(_locked(cache))
+    return 1
+
+
+def _locked(cache) -> bool:
+    """Whether another open file description holds the lock of ``cache`` now."""
+    try:
+        with preparing_lock(cache, timeout_s=0.0, poll_s=0.01):
+            return False
+    except TimeoutError:
+        return True
 
 
 @pytest.mark.slow

@@ -108,3 +108,26 @@ def test_ogb_accuracy_matches_manual():
     assert ogb.ogb_accuracy("planted", y_true, torch.from_numpy(y_pred).view(-1, 1)) == manual
     with pytest.raises(ValueError, match="same n > 0"):
         ogb.ogb_accuracy("planted", y_true, y_pred[:10])
+
+
+def test_a_loader_waits_for_another_that_parses_the_raw_files(tmp_path):
+    """The ranks of a job load an in-memory OGB dataset at once, and ogb's loader writes its
+    processed/ cache on first use: while one parses (here the test, holding the lock) another
+    waits, never reading a half-written cache; then it parses or reads it
+    (plexus.data.lock.parse_once; the lock's semantics: tests/plexus/data/test_cache_lock.py)."""
+    from plexus.data.lock import preparing_lock
+
+    w = write_arxiv_like(tmp_path, num_nodes=300)
+    code = ("import sys, ogb.nodeproppred; from plexus.data import load_dataset; "
+            "print('ready', flush=True); "
+            "g = load_dataset('ogbn-arxiv', sys.argv[1]); print('nodes', g.num_nodes)")
+    cached = w.directory / "processed" / "data_processed"
+    with preparing_lock(w.directory / "processed"):
+        proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(1.5)
+        assert proc.poll() is None and not cached.exists()  # waits for the lock
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "nodes 300" in out and "Saving..." in out and cached.exists()
