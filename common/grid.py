@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ PLEXUS_LAYOUT: tuple[str, ...] = ("z", "x", "y")  # slowest -> fastest
 AXONN_AXES: tuple[str, ...] = ("data", "depth", "row", "col")
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NO_TRANSPORT: Any = object()  # create_groups called as the first releases did
 
 # A grid constraint: the problems of a grid shape (axis -> size) as sentences that show the
 # arithmetic, [] when the shape is fine. ProcessGrid.check runs them.
@@ -235,15 +237,17 @@ class ProcessGrid:
     # ----------------------------------------------------------------- groups (collective)
     def create_groups(
         self, rank: int, axis_sets: Iterable[str | Iterable[str]] | None = None, *,
-        transport: Any, **pg_kwargs: Any
+        transport: Any = _NO_TRANSPORT, **pg_kwargs: Any
     ) -> dict[str, AxisGroup]:
         """Create process groups for each axis (or set of axes); collective over the world.
 
         The usual call is :meth:`common.dist.DistContext.create_groups` (``ctx.create_groups(
         grid)``), which passes the job's transport; this form is for code handed a rank and a
-        transport rather than the context. ``transport`` has no default: leaving it out would
-        quietly send CPU tensors through gloo under mpiexec, milliseconds per small
-        collective where MPI takes microseconds (:mod:`common.mpi`).
+        transport rather than the context. Pass ``transport``: leaving it out sends CPU tensors
+        through gloo under mpiexec, milliseconds per small collective where MPI takes
+        microseconds (:mod:`common.mpi`). The first releases' call without it
+        (``grid.create_groups(ctx.rank)``) still works as it did then (torch.distributed groups
+        only), with a DeprecationWarning that names the call to use.
 
         Every rank must call this with the same arguments: for each axis set, in the given
         order, it creates every group along that set (in :meth:`groups` order) and keeps the
@@ -263,6 +267,13 @@ class ProcessGrid:
         """
         import torch.distributed as dist
 
+        if transport is _NO_TRANSPORT:
+            warnings.warn("ProcessGrid.create_groups(rank) without transport= is deprecated "
+                          "and makes torch.distributed groups only (gloo for CPU tensors, even "
+                          "under mpiexec): call ctx.create_groups(grid) with the context of "
+                          "common.dist.init_distributed, or pass transport=ctx.transport",
+                          DeprecationWarning, stacklevel=2)
+            transport = None
         if axis_sets is None:
             axis_sets = self.axes
         out: dict[str, AxisGroup] = {}

@@ -78,3 +78,29 @@ def test_readme_shows_the_snippet():
     code = re.search(r"```python\n(.*?)```", block, re.S)
     assert code is not None, "no ```python block between the core-snippet markers"
     assert code.group(1).strip() == _snippet_body()
+
+
+OLD_CALL = """
+import torch
+from common import ProcessGrid, collectives, init_distributed
+ctx = init_distributed(device="cpu")
+grid = ProcessGrid.plexus(1, ctx.world_size, 1)
+groups = grid.create_groups(ctx.rank)  # the first README's call
+t = torch.full((3,), float(ctx.rank + 1))
+print(f"rank {ctx.rank} y-sum {collectives.all_reduce(t, groups['y'])[0].item():g}")
+"""
+
+
+@pytest.mark.slow
+def test_the_first_readmes_group_call_still_works_and_names_the_new_one(tmp_path):
+    """``grid.create_groups(ctx.rank)`` from outside code of the first releases, under mpiexec
+    -n 2: it runs (gloo groups, as then) and warns with the call that replaces it."""
+    script = tmp_path / "old_call.py"
+    script.write_text(OLD_CALL)
+    r = launch([str(script)], ranks=2, launcher="mpiexec", cwd=tmp_path, pythonpath=None,
+               timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 0 y-sum 3" in r.stdout and "rank 1 y-sum 3" in r.stdout, r.stdout
+    assert r.stderr.count("DeprecationWarning: ProcessGrid.create_groups(rank) without "
+                          "transport= is deprecated") == 2, r.stderr
+    assert "call ctx.create_groups(grid)" in r.stderr

@@ -168,11 +168,13 @@ def test_axis_group_has_no_single_constructor():
     assert not hasattr(AxisGroup, "single")  # groups come from create_groups
 
 
-def test_group_creation_needs_the_transport_said():
-    """Left out, the transport would quietly be gloo under mpiexec (the slow path): the grid's
-    form has no default; ctx.create_groups(grid) passes the job's (tests/common/test_mpi.py)."""
-    with pytest.raises(TypeError, match="transport"):
-        ProcessGrid.plexus(1, 1, 1).create_groups(0)
+def test_group_creation_without_the_transport_warns_with_the_call_to_use():
+    """Left out, the transport is gloo under mpiexec (the slow path): the first releases' call
+    still works, with a warning naming ctx.create_groups(grid) (under mpiexec:
+    tests/common/test_core_snippet.py)."""
+    with pytest.warns(DeprecationWarning, match=r"call ctx\.create_groups\(grid\)"):
+        groups = ProcessGrid.plexus(1, 1, 1).create_groups(0)
+    assert set(groups) == {"x", "y", "z"} and all(g.size == 1 for g in groups.values())
 
 
 sizes = st.integers(min_value=1, max_value=6)
