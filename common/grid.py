@@ -28,6 +28,17 @@ from typing import Any
 
 PLEXUS_AXES: tuple[str, ...] = ("x", "y", "z")
 PLEXUS_LAYOUT: tuple[str, ...] = ("z", "x", "y")  # slowest -> fastest
+# (outer, inner, depth) axes of a Plexus layer: layer l's roles are ROLES[l % 3], so that
+# the output of one layer is laid out as the next layer's input (docs/design/plexus-3d.md
+# section 2)
+ROLES: tuple[tuple[str, str, str], ...] = (("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"))
+
+
+def roles(layer: int) -> tuple[str, str, str]:
+    """(outer, inner, depth) axis names of Plexus layer ``layer``."""
+    return ROLES[layer % 3]
+
+
 AXONN_AXES: tuple[str, ...] = ("data", "depth", "row", "col")
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

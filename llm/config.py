@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from common.precision import PRECISIONS
+
 __all__ = ["DEFAULT_STEPS", "IGNORE", "OVERLAPS", "PRECISIONS", "PRESETS", "STRATEGIES",
            "DataConfig", "GPTConfig", "GoldfishConfig", "OptimConfig", "Overlap",
            "PrecisionConfig", "RunConfig", "get_preset", "gpt1b", "gpt7b", "gpt70b", "init_std",
@@ -20,7 +22,6 @@ __all__ = ["DEFAULT_STEPS", "IGNORE", "OVERLAPS", "PRECISIONS", "PRESETS", "STRA
 
 
 STRATEGIES = ("static", "hash", "hash-ordered")  # goldfish: which targets are dropped
-PRECISIONS = ("fp32", "bf16")  # llm.precision maps them to dtypes
 OVERLAPS = ("oar", "ors", "oag")  # AxoNN's communication overlaps
 IGNORE = -100  # the target id no loss reads
 DEFAULT_STEPS = 200  # when neither steps nor epochs is given

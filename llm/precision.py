@@ -23,15 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from common.precision import torch_dtype
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
     """The ``compute_dtype`` of :class:`llm.model.GPT` for a ``--precision`` name: None for
     ``fp32`` (the parameters' own dtype: the fp32 code path unchanged), else the dtype."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision {precision!r}: choose one of {sorted(PRECISIONS)}")
-    return None if precision == "fp32" else PRECISIONS[precision]
+    dtype = torch_dtype(precision)
+    return None if dtype == torch.float32 else dtype
 
 
 class SavedActivations:

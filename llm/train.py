@@ -36,6 +36,7 @@ from common.memory import describe_peaks, peaks_per_rank_max
 from common.parallel import ParallelState
 from common.perf.choose import choose_grid, parse_grid
 from common.perf.gpt import GPTWorkload
+from common.precision import PRECISIONS
 from common.run import (
     CheckpointConfig,
     MetricsWriter,
@@ -57,7 +58,6 @@ from llm.config import (
 )
 from llm.model import PRESETS, GPTConfig, get_preset
 from llm.parallel.gpt import AXIS_SETS
-from llm.precision import PRECISIONS
 from llm.trainer import Trainer, run
 
 DEFAULT_PRESET = "tiny"
@@ -148,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", default=r.overlap,
                    help="communication overlap: all, none, or a list of oar,ors,oag "
                    "(default: %(default)s)")
-    p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: bf16 compute and communication with float32 master weights, "
                    "optimizer state and loss (default: %(default)s)")
     p.add_argument("--activation-checkpointing", action="store_true",

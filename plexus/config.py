@@ -19,12 +19,12 @@ from typing import Any
 
 from common import dense
 from common.perf.gcn_workload import GCNWorkload
+from common.precision import PRECISIONS
 from plexus.sparse import SPMM_KERNELS
 
 MODELS = ("gcn", "sage")
 NORMS = ("none", "batch", "layer")
 OPTIMIZERS = ("adam", "adamw")
-PRECISIONS = ("fp32", "bf16")
 
 
 def aggregation_of(model: str) -> str:

@@ -19,14 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from common.grid import round_up
-
-ROLES: tuple[tuple[str, str, str], ...] = (("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"))
-
-
-def roles(layer: int) -> tuple[str, str, str]:
-    """(outer, inner, depth) axis names of ``layer``."""
-    return ROLES[layer % 3]
+from common.grid import roles, round_up
 
 
 def layer_widths(num_features: int, hidden: int, num_layers: int, num_classes: int) -> list[int]:

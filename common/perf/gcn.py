@@ -68,7 +68,6 @@ from common.perf.gcn_memory import gcn_memory_phases as gcn_memory_phases  # re-
 # the workload and its rules (common.perf.gcn_workload), re-exported
 from common.perf.gcn_workload import AGGREGATION_BLOCKS as AGGREGATION_BLOCKS
 from common.perf.gcn_workload import AXES, F32, roles
-from common.perf.gcn_workload import PRECISIONS as PRECISIONS
 from common.perf.gcn_workload import GCNWorkload as GCNWorkload
 from common.perf.gcn_workload import comm_offloaded as comm_offloaded
 from common.perf.gcn_workload import labelled_rows_pay as labelled_rows_pay
@@ -87,6 +86,7 @@ from common.perf.model import (
     group_stride,
     rank_predictions,
 )
+from common.precision import PRECISIONS as PRECISIONS
 
 
 def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch: bool = False,

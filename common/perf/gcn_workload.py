@@ -14,19 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.grid import round_up
+from common.grid import roles, round_up
 from common.perf.machine import MachineProfile
+from common.precision import ELEMENT_BYTES, PRECISIONS
 
 AXES: tuple[str, ...] = ("x", "y", "z")
 LABELLED_ROWS_MAX_SHARE = 0.5  # labelled_rows_pay: above it the gathered rows cost more
-ROLES: tuple[tuple[str, str, str], ...] = (("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"))
-F32 = 4
-PRECISIONS = ("fp32", "bf16")
-
-
-def roles(layer: int) -> tuple[str, str, str]:
-    """(outer, inner, depth) axes of ``layer`` (same rotation as plexus.layout.roles)."""
-    return ROLES[layer % 3]
+F32 = ELEMENT_BYTES["fp32"]
 
 
 def labelled_rows_pay(labelled_fraction: float, option: bool | None = None) -> bool:
@@ -188,7 +182,7 @@ class GCNWorkload:
     def stored_bytes(self) -> int:
         """Bytes of an element of the features and of the activations kept for backward: 2
         in bf16, 4 in float32."""
-        return 2 if self.precision == "bf16" else F32
+        return ELEMENT_BYTES[self.precision]
 
     @property
     def recomputes_first(self) -> bool:
