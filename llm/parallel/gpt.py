@@ -66,6 +66,9 @@ from llm.parallel.layers import (
     ParallelRMSNorm,
 )
 
+# the Linears of a block, in forward order (the order they are registered in)
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 TRANSPOSED = ("o_proj", "down_proj")
 
 
@@ -138,11 +141,11 @@ def param_specs(config: GPTConfig, sizes: Mapping[str, int]) -> dict[str, ShardS
                    "gate_proj": d, "up_proj": d, "down_proj": f}
     for i in range(config.num_layers):
         add(f"blocks.{i}.attn_norm.weight", (d,), ("col",), False, ("row", "depth"))
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for proj in ATTENTION_PROJECTIONS:
             add(f"blocks.{i}.attn.{proj}.weight", (out_features[proj], in_features[proj]),
                 ("col", "row") if proj in TRANSPOSED else ("row", "col"), True, ())
         add(f"blocks.{i}.mlp_norm.weight", (d,), ("col",), False, ("row", "depth"))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in MLP_PROJECTIONS:
             add(f"blocks.{i}.mlp.{proj}.weight", (out_features[proj], in_features[proj]),
                 ("col", "row") if proj in TRANSPOSED else ("row", "col"), True, ())
     add("norm.weight", (d,), ("col",), False, ("row", "depth"))
@@ -362,11 +365,11 @@ class ParallelGPT(nn.Module):
                                           g["depth"], stats, model.compute_dtype)
         for i, block in enumerate(model.blocks):  # Linears registered in forward order
             block.attn_norm = norm(f"blocks.{i}.attn_norm.weight")
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            for proj in ATTENTION_PROJECTIONS:
                 setattr(block.attn, proj,
                         linear(f"blocks.{i}.attn.{proj}.weight", proj in TRANSPOSED))
             block.mlp_norm = norm(f"blocks.{i}.mlp_norm.weight")
-            for proj in ("gate_proj", "up_proj", "down_proj"):
+            for proj in MLP_PROJECTIONS:
                 setattr(block.mlp, proj,
                         linear(f"blocks.{i}.mlp.{proj}.weight", proj in TRANSPOSED))
         model.norm = norm("norm.weight")
