@@ -113,18 +113,37 @@ def _run(
         work.wait()
         out = result() if callable(result) else result
         if stats is not None:
-            stats.record(group.name, op_name, ring_bytes(op_name, full_bytes, group.size),
-                         time.perf_counter() - start)
+            _record(stats, group, op_name, full_bytes, start)
         return out
     done = None
     if stats is not None:
-        nbytes = ring_bytes(op_name, full_bytes, group.size)
 
         def done(blocked: float) -> None:  # blocked: the seconds spent inside wait()
-            stats.record(group.name, op_name, nbytes, time.perf_counter() - start, blocked)
+            _record(stats, group, op_name, full_bytes, start, blocked)
 
     finish = result if callable(result) else (lambda: result)
     return CommHandle(work, finish, done)
+
+
+def _record(stats: CommStats, group: AxisGroup, op_name: str, full_bytes: int, start: float,
+            blocked: float | None = None) -> None:
+    """Count a collective timed by the wall clock from ``start`` (``time.perf_counter``) to
+    now: the ring's bytes of ``full_bytes`` (the whole result, or the whole input of a
+    reduce-scatter) over the group; ``blocked``: the seconds the caller spent waiting for it
+    (an async collective's :meth:`CommHandle.wait`)."""
+    stats.record(group.name, op_name, ring_bytes(op_name, full_bytes, group.size),
+                 time.perf_counter() - start, blocked)
+
+
+def _now(group: AxisGroup, op_name: str, full_bytes: int, stats: CommStats | None,
+         call: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    """The lean synchronous MPI path: ``call()`` returns the result, or None where the
+    transport does not take it (then nothing is counted and the caller goes on)."""
+    start = time.perf_counter()
+    out = call()
+    if out is not None and stats is not None:
+        _record(stats, group, op_name, full_bytes, start)
+    return out
 
 
 def _run_on_stream(group: AxisGroup, op_name: str, full_bytes: int, stats: CommStats,
@@ -169,12 +188,9 @@ def all_reduce(
         return _wire_sum(x, group, stats, async_op, inplace=inplace)
     mpi = group.mpi
     if mpi is not None and not async_op:  # the lean synchronous MPI path
-        start = time.perf_counter()
-        out = mpi.all_reduce_now(x.contiguous(), op, inplace)
+        out = _now(group, "all_reduce", x.nbytes, stats,
+                   lambda: mpi.all_reduce_now(x.contiguous(), op, inplace))
         if out is not None:
-            if stats is not None:
-                stats.record(group.name, "all_reduce", ring_bytes("all_reduce", out.nbytes, g),
-                             time.perf_counter() - start)
             return out
     if mpi is not None and mpi.supports(x, op):  # MPI reduces out of place: no copy of x first
         src = x.contiguous()
@@ -209,12 +225,8 @@ def all_gather(
         return got.to(x.dtype)
     mpi = group.mpi
     if mpi is not None and not async_op and dim == 0:  # the lean synchronous MPI path
-        start = time.perf_counter()
-        out = mpi.all_gather_now(x)
+        out = _now(group, "all_gather", g * x.nbytes, stats, lambda: mpi.all_gather_now(x))
         if out is not None:
-            if stats is not None:
-                stats.record(group.name, "all_gather", ring_bytes("all_gather", out.nbytes, g),
-                             time.perf_counter() - start)
             return out
     shape = tuple(x.shape)
     dim = dim % len(shape) if shape else 0
@@ -262,13 +274,8 @@ def reduce_scatter(
         return _wire_sum(x, group, stats, async_op, dim=dim)
     mpi = group.mpi
     if mpi is not None and not async_op and dim == 0:  # the lean synchronous MPI path
-        start = time.perf_counter()
-        out = mpi.reduce_scatter_now(x)
+        out = _now(group, "reduce_scatter", x.nbytes, stats, lambda: mpi.reduce_scatter_now(x))
         if out is not None:
-            if stats is not None:
-                stats.record(group.name, "reduce_scatter",
-                             ring_bytes("reduce_scatter", x.nbytes, g),
-                             time.perf_counter() - start)
             return out
     chunk = shape[dim] // g
     out_shape = (*shape[:dim], chunk, *shape[dim + 1:])
