@@ -46,7 +46,7 @@ both, and PASS when that difference is within ``--bf16-tolerance`` points (defau
 a grid of more than one rank (``--grid 2x2x1``) every plexus collective of the bf16 side moves
 bf16, so the table is also bf16 messages against float32 ones, in accuracy and epoch time:
 
-    python bench/accuracy.py --precision bf16 --grid 2x2x1   # the check, ~40 min
+    python bench/accuracy.py --precision bf16 --grid 2x2x1   # the check (tens of minutes)
 
 Short runs (``--quick``) do not meet the target: the sides start from different random weights
 (and SAGEConv from PyG's default Linear init, uniform +-1/sqrt(fan_in) with a random bias,

@@ -1,6 +1,6 @@
 """Fine-tuning a Hugging Face Llama with and without the goldfish loss, and KV-cache decoding.
 
-    python bench/finetune_goldfish.py                # 3.7M parameters: about 2 min on 2 cores
+    python bench/finetune_goldfish.py                # 3.7M parameters: minutes on 2 cores
     python bench/finetune_goldfish.py --out runs/finetune --json  # keep the files; JSON too
 
 A random ``LlamaForCausalLM`` (transformers; ``--layers`` x ``--hidden``, vocabulary = the

@@ -35,7 +35,7 @@ tall buffers handed back as PyG's are), printed beside with its own ratio; the t
 judged on the default.
 
 Timing: every process trains ``--warmup`` untimed epochs, then ``--epochs`` timed ones (ours'
-first epochs after the first are slower, about three of them; docs/benchmarks.md). The
+first few epochs run slower than the later ones; docs/benchmarks.md). The
 processes run in ``--rounds`` rounds, each round every side once, the order reversed every
 other round, so that a machine whose speed drifts over minutes slows both sides alike and
 one slow process moves no median by much; each side's median is over all its timed epochs.

@@ -12,8 +12,8 @@ accounting, sharded loss, gradient sync and norm on the grid, learning-rate sche
 logging row). The two alternate step by step, so that machine noise hits both alike;
 printed: median step time of each (and the quartiles), tokens/s, and the ratio ours / baseline
 of the median tokens/s (target >= 0.95). One thread by default: on a shared 2-core machine two
-threads per process make single steps stall unpredictably (ratios from 0.4 to 1.9 in
-repeated runs), while one thread gives repeatable numbers; pass ``--threads 2`` to compare.
+threads per process make single steps stall unpredictably (the ratio far apart from one run
+to the next), while one thread gives repeatable numbers; pass ``--threads 2`` to compare.
 ``--device cuda`` runs both on one GPU (each step timed after the GPU has finished).
 """
 

@@ -1,6 +1,6 @@
 """The goldfish paper's memorization test, small: standard loss against goldfish, one run.
 
-    python bench/memorization.py                     # tiny preset, 32 documents, ~2-5 min
+    python bench/memorization.py                     # tiny preset, 32 documents, minutes
     python bench/memorization.py --epochs 400 --goldfish-k 4 --goldfish-h 13 --json
 
 Both models train on the first ``--docs`` documents of the built-in corpus (pydoc topics),

@@ -372,9 +372,8 @@ def _run_flags(args) -> list[str]:
     bench/scaling.py's memory check does): the planner counts live bytes, and the trainer's
     default heap retention (common/alloc.py: buffers up to 16 MiB stay in the heap, for
     speed) keeps whatever the heap grew to, more the more ranks cut the buffers below the cap
-    (8 ranks, GraphSAGE: 1324 MiB per rank with it, 1289 without; 2054 with the earlier 64 MiB
-    cap). ``--retain-freed-memory`` measures the default; ``--keep-first-aggregation`` keeps
-    H_0 for backward instead of recomputing it."""
+    (docs/benchmarks.md). ``--retain-freed-memory`` measures the default;
+    ``--keep-first-aggregation`` keeps H_0 for backward instead of recomputing it."""
     flags = [] if args.retain_freed_memory else ["--no-retain-freed-memory"]
     return flags + (["--keep-first-aggregation"] if args.keep_first_aggregation else [])
 

@@ -39,7 +39,7 @@ activations are far larger and go back to the OS as usual); ``--no-retain-freed-
 neither side.
 
 Check (issue "ogbn-products scale"): ours on one rank needs at most 0.6x PyG's peak memory and
-at most 0.5x its epoch time, or PyG cannot run in this machine's memory (then its error is
+at most 0.5x its epoch time, or PyG cannot run in the host's memory (then its error is
 printed). Exit status 0 when the check is met, 1 when missed or not measured.
 """
 
@@ -136,7 +136,7 @@ def write_products_like(out: Path, *, nodes: int, edges: int, features: int, cla
                         seed: int = 0) -> dict[str, Any]:
     """Write a generated graph of the given size in ogbn-products' OGB layout under
     ``out/ogbn_products`` (the layout of tests/plexus/data/ogb_format.py's
-    ``write_products_like``, whose row-by-row writer would take a quarter of an hour here).
+    ``write_products_like``, whose row-by-row writer is far too slow at this size).
 
     The graph is :func:`plexus.data.generators.planted_partition` (p_in 0.8, signal 0.6, as
     that test writer) generated 1% denser, its pairs then cut to exactly ``edges`` at random

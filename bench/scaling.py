@@ -1,6 +1,6 @@
 """Predicted against measured epoch time of plexus.train on every grid of 4 and 8 ranks.
 
-    python bench/scaling.py                                  # rmat-14, G = 4 and 8, ~5 min
+    python bench/scaling.py                                  # rmat-14, G = 4 and 8, minutes
     python bench/scaling.py --rounds 2                       # twice, interleaved (shared hosts)
     python bench/scaling.py --ranks 4 --epochs 6 --dataset rmat-12     # quick
 
@@ -36,7 +36,7 @@ bytes for the tiny graph subtracted likewise. These runs hand freed buffers back
 MiB for reuse, which on small graphs adds up to the size of the live ones again. Target:
 within 15% on every grid (issue 30).
 
-    python bench/scaling.py --model sage --norm batch --memory      # ~25 min on 2 cores
+    python bench/scaling.py --model sage --norm batch --memory      # tens of minutes on 2 cores
 """
 
 from __future__ import annotations

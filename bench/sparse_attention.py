@@ -1,7 +1,7 @@
 """Long-context decoding: top-k, Loki and SiftAttention against full attention; QuantSpec.
 
-    nice -n 19 python bench/sparse_attention.py          # about 20 min on a 2-core CPU
-    python bench/sparse_attention.py --quick              # smoke sizes, under a minute
+    nice -n 19 python bench/sparse_attention.py          # tens of minutes on a 2-core CPU
+    python bench/sparse_attention.py --quick              # smoke sizes, quick
     python bench/sparse_attention.py --checkpoint runs/long   # skip training, evaluate that
 
 A GPT of the ``small`` preset's shape (6 layers, d_model 384, 6 heads of Dh 64, d_ff 1536:

@@ -16,22 +16,21 @@ table).
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh ``mmap``
 and returns it with ``munmap`` when freed. A training step allocates and frees the same
 [N, D] activations every step, so each step pays page faults and kernel zeroing for all of them
-again: about a third of a one-rank GCN epoch on the 200K-node bench graph (1.07 -> 0.71 s).
+again, a large share of a one-rank GCN epoch (docs/benchmarks.md, "Allocator").
 Raising the mmap and trim thresholds makes such buffers come from, and go back to, the heap, so
 later steps reuse the same pages. The price: the process keeps its peak heap size, and the
 heap fragments: with every buffer up to 1 GiB retained, a one-rank epoch on a 1M-node graph
-(3 layers, hidden 64) peaked at 9.9 GiB resident instead of 5.9 (bench/memory.py ogb). So
-only buffers up to 16 MiB are retained; larger ones go back to the OS when freed. The cap was
-64 MiB until 2026-11-26: at 8 ranks on the 1M-node papers100M-format graph every activation
-block was under it, and the fragmented heap kept 730 MiB per rank more (GraphSAGE: 2054 MiB
-per rank against 1324 MiB with 16 MiB), twice the live peak on one rank of R-MAT 16 (1444-1674
-MiB against 851-928), for epoch times within run-to-run noise (docs/benchmarks.md).
+(3 layers, hidden 64) peaked far higher than with the cap below (bench/memory.py ogb). So only
+buffers up to 16 MiB are retained; larger ones go back to the OS when freed. A larger cap
+(64 MiB) holds every activation block of the 1M-node papers100M-format graph at 8 ranks, and
+its fragmented heap then keeps much more per rank than with 16 MiB, for no faster
+epochs (docs/benchmarks.md).
 
 Giving freed buffers back needs the thresholds set too (``retain_freed_memory(False)``): left
 alone, glibc raises its mmap threshold to the size of each mmapped buffer freed (up to 32 MiB),
-so after the first epoch every buffer up to that size comes from the heap and stays there. At 8
-ranks on R-MAT 16 (buffers of a few MiB) that grew each rank's anonymous memory by 314 MiB over
-two epochs, against 19 MiB on R-MAT 8; setting the thresholds explicitly turns the adjustment off.
+so after the first epoch every buffer up to that size comes from the heap and stays there: at 8
+ranks on R-MAT 16 (buffers of a few MiB) each rank then holds far more anonymous memory than
+with the thresholds set. Setting the thresholds explicitly turns the adjustment off.
 
 Only glibc (Linux) has ``mallopt``; elsewhere :func:`retain_freed_memory` does nothing. The
 switch is the argument: the trainers pass their own flag down; nothing here reads the

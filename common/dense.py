@@ -5,7 +5,7 @@ torch's CPU ``mm`` calls MKL. MKL picks its code path by CPU vendor, and on AMD 
 its AVX2 kernels even where the CPU has AVX-512; oneDNN, which torch also ships (it is what
 ``torch.compile`` calls for CPU linear layers), picks the widest instruction set the CPU
 reports, whoever made it. On an AMD CPU with AVX-512 a layer's ``[N, 128] @ [128, 128]``
-product then runs at nearly twice ``torch.mm``'s rate (``python bench/gcn_epoch.py`` prints
+product then runs well above ``torch.mm``'s rate (``python bench/gcn_epoch.py`` prints
 both rates; docs/benchmarks.md, "The dense products through oneDNN").
 
 :func:`mm` is ``a @ b`` through oneDNN's linear primitive
@@ -14,16 +14,16 @@ both rates; docs/benchmarks.md, "The dense products through oneDNN").
 copy a transposed view first, which costs more than it saves: ``dW = H^T dQ`` is
 :func:`tn`'s), at least :data:`MIN_WORK` multiply-adds, and no autograd graph to record (the callers
 are ``autograd.Function`` passes). The precision is the same, float32 products summed in
-float32 (the primitive did not follow ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``
-here: its error against float64 stayed 5e-7); the summation order is oneDNN's, so results
+float32 (the primitive does not follow ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``:
+its error against float64 stays float32's); the summation order is oneDNN's, so results
 equal torch's to float rounding, not bit for bit. ``torch`` keeps every product on
 ``torch.mm``.
 
 :func:`tn` is the weight gradient ``a^T b`` (``dW = H^T dQ``: both operands tall, the sum
 over their rows). oneDNN's linear primitive would first copy the transposed ``a``, but its
 inner-product backward-weights primitive (``aten::mkldnn_linear_backward_weights``) sums
-over the rows of two row-major operands as they lie, at about twice MKL's rate on such a
-machine (docs/benchmarks.md, "The weight gradients through oneDNN"). That primitive reads
+over the rows of two row-major operands as they lie, well above MKL's rate on such a CPU
+(docs/benchmarks.md, "The weight gradients through oneDNN"). That primitive reads
 only tensors in oneDNN's own layout, and copying two tall operands into it costs what it
 saves, so the tall tensors that feed a ``dW`` (the SpMM's output ``H``, the ReLU's gradient
 ``dQ``) are allocated by :func:`empty`: a oneDNN tensor in the plain row-major layout, seen
@@ -57,9 +57,9 @@ import numpy as np
 import torch
 
 BACKENDS = ("auto", "onednn", "torch")
-# below this many multiply-adds (m k n) oneDNN's per-call overhead (about 15 us here) costs
-# more than its faster kernel saves: [3000, 16] @ [16, 16] took 0.023 ms against torch's
-# 0.013, [3000, 64] @ [64, 64] 0.085 against 0.127
+# below this many multiply-adds (m k n) oneDNN's fixed per-call overhead costs more than its
+# faster kernel saves: a [3000, 16] @ [16, 16] product is faster through torch, a
+# [3000, 64] @ [64, 64] one through oneDNN
 MIN_WORK = 1 << 20
 # the rows of one oneDNN call of mm: its input and output blocks at most this big, which
 # glibc serves from its retained heap (common.alloc) and the cache holds until copied out
@@ -112,11 +112,10 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
 
     oneDNN's primitive has no ``out=`` form and would allocate the whole product afresh, so
     it runs on row blocks of ``a`` whose products (at most :data:`BLOCK_BYTES`) glibc keeps
-    in its heap, each copied into ``out`` while it is still in the cache: the same time as one
-    call (20.3 ms against 20.4-20.6 for ``[200K, 128] @ [128, 128]`` into a reused output
-    here), and the tall output is a buffer of :func:`empty`, which :func:`tn` reads in place
-    and the pool can reuse (the module docstring). Each row's sum is the primitive's either
-    way.
+    in its heap, each copied into ``out`` while it is still in the cache: no slower than one
+    call into a reused output, and the tall output is a buffer of :func:`empty`, which
+    :func:`tn` reads in place and the pool can reuse (the module docstring). Each row's sum is
+    the primitive's either way.
 
     Shapes: a [m, k], b [k, n] -> [m, n]
     """
@@ -198,10 +197,9 @@ class _Pool:
     time before (``mark``): a request the pool cannot serve first hands back, oldest first,
     what would take the total beyond. Idle pooled buffers are still memory other tensors
     cannot use, so :func:`hand_back_pooled` empties the pool where a step's memory peaks, or
-    where a freed buffer would otherwise wait idle through most of the step. Measured on the
-    1M-node papers100M-format graph (one rank, hidden 64, 4 epochs): the peak as without the
-    pool (14% above it with the bound alone); about 1% or less above it on the 200K-node
-    bench graph and at ogbn-products' size (docs/benchmarks.md).
+    where a freed buffer would otherwise wait idle through most of the step. With both, a
+    step's peak stays at, or barely above, its peak without the pool; the bound alone leaves
+    it well above on the 1M-node papers100M-format graph (docs/benchmarks.md).
     """
 
     def __init__(self) -> None:

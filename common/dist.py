@@ -371,8 +371,8 @@ def split_threads(local_world: int, env: MutableMapping[str, str] | None = None)
 
     numba sizes its OpenMP pool from ``NUMBA_NUM_THREADS`` when it is first imported (so set it
     here, before plexus loads its kernels; a setting the user made wins): idle pool threads
-    spin-wait, so a pool of every core in each of 4 ranks on 2 cores burned 92 ms of CPU per
-    rank per epoch of make train's job (plexus.train 2x2x1 on 2 cores: 188 -> about 30 ms/epoch).
+    spin-wait, so a pool of every core in each of several ranks on the same cores burns the
+    CPU time the other ranks compute with, and slows every epoch of an oversubscribed job.
     """
     env = os.environ if env is None else env
     threads = (int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit()

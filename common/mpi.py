@@ -1,9 +1,9 @@
 """The MPI transport: collectives on CPU tensors through mpi4py, with real asynchronous progress.
 
 Gloo moves CPU tensors over TCP sockets, even between ranks of one node; the machine's MPI uses
-shared memory there and tuned algorithms everywhere (on a 2-core machine gloo's 1 KiB
-all-reduce takes ~2.8 ms, MPICH's ~30 us: bench/collectives.py). When the job was started by an
-MPI launcher, :func:`common.dist.init_distributed` builds an :class:`MPITransport`, and
+shared memory there and tuned algorithms everywhere (a small all-reduce through MPICH takes a
+small fraction of gloo's time: bench/collectives.py). When the job was started by an MPI
+launcher, :func:`common.dist.init_distributed` builds an :class:`MPITransport`, and
 :meth:`common.dist.DistContext.create_groups` gives every axis group an :class:`MPIGroup`: a
 communicator split from ``COMM_WORLD`` along the same axes. :mod:`common.collectives` then runs
 CPU tensors through it (same API, same autograd pairs, same byte accounting) and everything
@@ -23,9 +23,8 @@ the same order. Collectives of one process must be issued from one thread (as wi
 Large all-reduces in pieces. An all-reduce of more than :data:`ALLREDUCE_PIECE_BYTES` runs as
 one MPI all-reduce per piece of that size, in order: the sums are the same elementwise
 operation, and MPICH's shared-memory all-reduce of a message beyond the last-level cache is
-about half as fast as of pieces that fit (64 MiB on this machine: MPI's own call 32.9 ms,
-ours in 4 MiB pieces 17.5 ms on 2 ranks; 79.0 and 40.4 ms on 4: ``mpiexec -n N python
-bench/collectives.py --ops all_reduce``). All-gathers and reduce-scatters go whole.
+much slower per byte than of pieces that fit (``mpiexec -n N python bench/collectives.py
+--ops all_reduce``; docs/benchmarks.md). All-gathers and reduce-scatters go whole.
 ``HPC_MPI_ALLREDUCE_PIECE`` (bytes; 0: whole) changes the size; the ranks agree on the
 smallest given.
 
@@ -124,9 +123,8 @@ class MPIGroup:
 
     Messages are zero-copy: the tensor's address and an explicit MPI datatype
     (:meth:`_msg`). mpi4py then parses no buffer format (a numpy view costs two torch calls and
-    mpi4py's format parsing: about 3 us per collective on this machine's 2 cores, a sixth of a
-    1 KiB all-reduce). The closures handed to the progress thread hold the tensors until the
-    collective completes.
+    mpi4py's format parsing per collective, a sizeable part of a small all-reduce's time). The
+    closures handed to the progress thread hold the tensors until the collective completes.
     """
 
     def __init__(self, comm: Any, progress: ProgressThread, node: Any = None,
@@ -169,7 +167,8 @@ class MPIGroup:
     # The synchronous fast path (:mod:`common.collectives` calls these first): the collective
     # on this thread, output allocated here, or None when it must go through the queue (an
     # async collective pending, polite "all", two-level, a dtype MPI cannot reduce). One Python
-    # call between the API and MPI: at 64 KiB every microsecond is 3% of the collective.
+    # call between the API and MPI: a 64 KiB collective is short enough that every microsecond
+    # of overhead shows.
     def all_reduce_now(self, x: torch.Tensor, op: Any, inplace: bool) -> torch.Tensor | None:
         """All-reduce of contiguous ``x`` (into ``x`` itself when ``inplace``; else a new
         tensor, MPI reading ``x`` directly), or None (see above)."""
@@ -192,7 +191,7 @@ class MPIGroup:
         if self.progress.pending or not self._direct or not x.is_cpu or not x.dim():
             return None
         src = x.contiguous()
-        out = src.new_empty(self.size * src.numel())  # flat: a shape tuple costs 1.5 us
+        out = src.new_empty(self.size * src.numel())  # flat: cheaper than a shape tuple
         if src.dim() > 1:
             out = out.view(-1, *src.shape[1:])
         kind = self._gather_types.get(src.dtype, self._byte)
@@ -425,13 +424,12 @@ class MPITransport:
         self.node_of: list[int] = self.world.allgather(node)
         # MPI's blocking wait spins (then yields): the fastest for the short waits of small
         # collectives, up to one rank per core and even at two (make train's job, 4 ranks on 2
-        # cores: 2.9-3.0x the 1-rank epoch time spinning, 4-5.4x sleeping). The progress
-        # thread waits politely unless every rank has a second core for it: spinning there
-        # takes the core from this rank's own compute (bench/comm_backends.py). Above two
-        # ranks per core every wait sleeps: spinning ranks then starve the ranks they wait for
-        # (the 8-rank plexus parallel == serial test on 2 cores: 116 s spinning, 23 s
-        # sleeping, 20 s over gloo). All ranks must agree (blocking and non-blocking
-        # collectives do not match).
+        # cores, runs faster spinning than sleeping). The progress thread waits politely unless
+        # every rank has a second core for it: spinning there takes the core from this rank's
+        # own compute (bench/comm_backends.py). Above two ranks per core every wait sleeps:
+        # spinning ranks then starve the ranks they wait for (the 8-rank plexus parallel ==
+        # serial test on 2 cores runs several times slower spinning than sleeping). All ranks
+        # must agree (blocking and non-blocking collectives do not match).
         if polite is None:
             per_core = local_size / cores_available()
             level = 2 if per_core > 2 else 1 if per_core > 0.5 else 0

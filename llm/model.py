@@ -250,7 +250,7 @@ class GPT(nn.Module):
         self.compute_dtype, self.activation_checkpointing = compute_dtype, activation_checkpointing
         self.neftune = NEFTune(neftune_alpha, config.d_model)  # no parameters
         with torch.device("meta"):  # no memory and no throw-away default init
-            # _weight skips Embedding's normal_, whose meta kernel imports ~800 modules (1.5 s)
+            # _weight skips Embedding's normal_, whose meta kernel imports hundreds of modules
             self.tok_emb = nn.Embedding(config.vocab_size, config.d_model,
                                         _weight=torch.empty(config.vocab_size, config.d_model))
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))

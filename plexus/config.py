@@ -165,7 +165,7 @@ class RunConfig:
             every epoch reuses its activation pages.
         pool_buffers: keep the freed tall ``[N, D]`` buffers on CPU for reuse
             (:func:`common.dense.pool_freed`): no fresh pages for most of them after the
-            first step, for about 1% more peak memory or less (its rules keep idle
+            first step, for little or no more peak memory (its rules keep idle
             buffers out of a step's peak). None (the default): as ``retain_freed_memory``.
     """
 

@@ -138,8 +138,8 @@ class _Dropout(torch.autograd.Function):
         if over_x:
             ctx.mark_dirty(x)
         # on the CPU from the bits just packed (one numba pass over a large float32 block;
-        # torch's masked_fill_ with the negated bool mask took 45 ms a call on [200K, 128],
-        # the whole forward now about 7); elsewhere the negated mask, one kernel
+        # torch's masked_fill_ with the negated bool mask takes several times as long on a
+        # [200K, 128] block); elsewhere the negated mask, one kernel
         return dropped(x, ctx.keep if x.device.type == "cpu" else ~keep, p, inplace=over_x)
 
     @staticmethod

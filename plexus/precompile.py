@@ -8,7 +8,7 @@ Every kernel in :mod:`plexus.kernels` and :mod:`plexus.norm_kernels` (its names 
 ``norm_kernels.`` below) is cached (``cache=True``), so a signature is compiled by
 the first process that calls it and loaded by the rest. Several ranks starting on a cold cache
 (a fresh checkout, a new numba, a changed kernel) all compile the same signatures at once,
-1-2 s of a core each, and an oversubscribed node pays that once per rank. Running this once
+each compile taking a core, and an oversubscribed node pays that once per rank. Running this once
 before the launch (or in a job's set-up step) compiles each signature once; on a warm cache
 it only loads them. The cache lives beside the module (``plexus/__pycache__``) or under
 ``$NUMBA_CACHE_DIR``, which must then be the same for the launch.

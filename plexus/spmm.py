@@ -15,11 +15,11 @@ Slice width: ``slice_cols = cache_budget // (t * itemsize)`` X rows of a feature
 ``cache_bytes`` argument override it; 32 MiB without either) divided by ``CACHE_SHARE``: the
 output rows and the index arrays stream through the same cache, and on a shared machine other
 processes use it too. A block whose referenced X rows (at most ``min(m, nnz)``) fit in the
-budget gets one slice: the plain row kernel plus prefetching. The 1/2 is measured
-(bench/spmm.py ``--sweep-slices``) on the development machine, whose sysfs reports 32 MiB: the
-200K x 128 bench case ran fastest with 8 slices (184 ms; 6: 231, 10: 204, 16: 288, and 25
-slices, what 1/8 gave, 462 ms, slower than the row kernel's 415), R-MAT 18 with 6-8; 1/2
-gives 7 and 8. (An earlier VM whose sysfs reported its host's 480 MiB ran 2 slices fastest.)
+budget gets one slice: the plain row kernel plus prefetching. The 1/2 comes from sweeping
+the slice count (bench/spmm.py ``--sweep-slices``) where sysfs reports 32 MiB: the 200K x 128
+bench case and R-MAT 18 ran fastest near the counts 1/2 gives, and the many more slices of 1/8
+ran slower than the row kernel itself (docs/benchmarks.md). A VM's sysfs may report its host's
+cache instead of the VM's share of it; ``PLEXUS_SPMM_CACHE_BYTES`` then sets the budget.
 
 Precomputed once per block and slice width (:class:`ColumnSlicing`, cached on the
 :class:`~plexus.csr.CSRBlock`): ``cuts`` ``[S - 1, rows]``, where each row's nonzeros cross
@@ -29,7 +29,7 @@ threads (R-MAT rows are skewed). The matrix itself is neither copied nor reorder
 blocks are read in place.
 
 Feature tiling (``feature_tile``: X's columns in tiles, each tile all slices) is built but off
-by default: on the bench machine every tile width below 128 was slower (docs/benchmarks.md).
+by default: in the SpMM bench every tile width below 128 was slower (docs/benchmarks.md).
 
 Shapes:
     cuts:   [S - 1, rows]  int32/int64 (indptr's dtype)
@@ -111,7 +111,7 @@ def slice_cols(shape: tuple[int, int], nnz: int, row_bytes: int, cache: int) -> 
     slices hold nothing of a row, yet each costs the row a cut (the plan: ``4`` or ``8`` bytes
     per row and slice, kept with the block) and a pass over its output. A 1M-node graph of 17
     nonzeros per row cut into 8 x 8 blocks has about 2 per block row: 15 slices per block made
-    the plans 830 MiB beside 400 MiB of blocks (bench/memory.py ogb)."""
+    the plans larger than the blocks themselves (bench/memory.py ogb)."""
     rows, m = shape
     budget_rows = max(1, cache // CACHE_SHARE // max(1, row_bytes))
     if min(m, nnz) <= budget_rows:

@@ -191,7 +191,7 @@ def _decays(text: str) -> float | tuple[float, ...]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctx = start(args)
-    import plexus.kernels  # noqa: F401  numba (~120 MB): the process's share, not the data's
+    import plexus.kernels  # noqa: F401  numba's memory: the process's share, not the data's
     start_bytes = resident_bytes()  # the process before any data: what the planner leaves out
     source, parallel, configs = run_or_exit(ctx, lambda: build(args, ctx), user_errors=(
         ValueError, OSError, PrepareFailedError))

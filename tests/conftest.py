@@ -37,9 +37,9 @@ def pytest_configure(config) -> None:
 
 def _precompile_kernels(workers) -> None:
     """On a cold numba cache (a fresh clone), every rank of a multi-rank test compiles the
-    kernels it calls at the same time, about 1-2 s of a core per signature and rank; compile
-    each signature once, before the workers start, one process per core (``python -m
-    plexus.precompile``; on a warm cache this only loads them, about 2 s)."""
+    kernels it calls at the same time, a compile per signature and rank on the same cores;
+    compile each signature once, before the workers start, one process per core (``python -m
+    plexus.precompile``; on a warm cache this only loads them)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -93,7 +93,7 @@ def _torch_threads_restored() -> Iterator[None]:
     """Every test leaves torch's thread count as it found it: a test that calls a CLI's
     ``main`` in process (which sets ``--threads``) would otherwise leave more threads than the
     worker's cores to every later test in the process, and on a pinned pytest-xdist worker
-    two threads on one core made a 19 s test take 285 s."""
+    two threads on one core made a later test many times slower."""
     import torch
 
     before = torch.get_num_threads()

@@ -109,8 +109,8 @@ def launch(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec",
 
     Under mpiexec with two or more ranks per core, every MPI wait sleeps
     (``HPC_MPI_POLITE=all``, unless ``env`` sets it), as in :mod:`tests.mpi_worker`: with
-    spinning waits a rank can starve the one it waits for, and the 17 s ogbn-arxiv-like job
-    of tests/plexus/test_train.py took 80-300 s in full-suite runs."""
+    spinning waits a rank can starve the one it waits for, and the ogbn-arxiv-like job of
+    tests/plexus/test_train.py took many times its usual time in full-suite runs."""
     _skip_launch_of(ranks)
     if launcher == "mpiexec":
         env = _polite_at_density(env, ranks)
@@ -176,7 +176,7 @@ def _report_hung(children: Sequence[Any], errs: Sequence[str] | None = None) -> 
 
 
 # What every rank imports anyway, imported once into the fork server that starts the ranks:
-# about 3 CPU-seconds per rank saved (most of a small test's time at 8 ranks on 2 cores).
+# each rank is spared importing them, most of a small test's CPU time at 8 ranks on 2 cores.
 _PRELOAD = ["torch", "torch.distributed", "numpy", "common.dist", "common.collectives",
             "plexus.data", "plexus.trainer", "llm.parallel.gpt", "llm.trainer"]
 
@@ -229,10 +229,10 @@ def run_module(module: str, argv: Sequence[str], *, ranks: int = 1,
                env: Mapping[str, str] | None = None, cwd: str | Path = ROOT,
                timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """``python -m MODULE ARGV`` as ``ranks`` processes forked from the fork server that has
-    imported torch and the packages (:data:`_PRELOAD`), instead of fresh interpreters: about
-    4 CPU-s less per rank on the development machine. The environment is :func:`launch_env`'s;
-    with ``ranks`` > 1 each rank also gets torchrun's (the parent owns the rendezvous store,
-    as in :func:`run_ranks`), so the job runs over gloo. The ranks' stdout and stderr are
+    imported torch and the packages (:data:`_PRELOAD`), instead of fresh interpreters, so
+    that no rank imports them again. The environment is :func:`launch_env`'s; with ``ranks``
+    > 1 each rank also gets torchrun's (the parent owns the rendezvous store, as in
+    :func:`run_ranks`), so the job runs over gloo. The ranks' stdout and stderr are
     captured and joined in rank order; the exit status is a signal's (negative) if any rank
     died of one, else the largest. For the CLI tests that are not about the launcher or the
     MPI transport."""

@@ -19,7 +19,7 @@ def main(job: Path) -> int:
     # polled non-blocking ones): the results are the same on both paths up to the order of
     # float sums over 3+ ranks (MPICH's non-blocking reduce-scatter of ~1 MB picks another
     # algorithm than its blocking one: other bits), and spinning ranks starve the ranks
-    # they wait for: the 4-rank llm fixture took 98 s spinning, 19 s sleeping. Fewer ranks
+    # they wait for: the 4-rank llm fixture runs several times slower spinning. Fewer ranks
     # keep the default (blocking calls for synchronous collectives).
     ranks = int(os.environ.get("PMI_SIZE", "1"))
     polite = "all" if ranks >= 2 * cores_available() else None

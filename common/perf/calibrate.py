@@ -1,4 +1,4 @@
-"""Measure this machine and write a machine profile (JSON) for the performance model.
+"""Measure the machine it runs on and write a machine profile (JSON) for the performance model.
 
     python -m common.perf.calibrate --ranks 1,2,4,8 --out common/perf/profiles/local-cpu.json
     mpiexec -n 4 python -m common.perf.calibrate --out my.json --merge   # one rank count

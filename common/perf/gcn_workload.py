@@ -43,9 +43,9 @@ def weight_first_pays(sizes: Sequence[int], d_in: int, d_out: int, *,
     costs no SpMM at all), except where ``remade`` (dropout, and ``H_0`` would be recomputed
     in backward) and ``option`` is True: then ``F' = dropout(F_0)`` is made again for ``dW``
     from the mask's bits (plexus.ops.RemadeInputMatmul) and no ``H_0`` is aggregated twice.
-    Not by default: on the 1M-node papers100M-format graph it took an epoch from 3.12 to 2.64
-    s but the peak from 2349 to 2473 MiB, mostly the pages of the transposed block that fixed
-    features never read otherwise (docs/design/plexus-3d.md section 12). ``rows_only``: the
+    Not by default: on the 1M-node papers100M-format graph it shortens an epoch but raises the
+    peak, mostly by the pages of the transposed block that fixed features never read otherwise
+    (docs/design/plexus-3d.md section 12). ``rows_only``: the
     last layer on labelled rows only (weight first would multiply every row and keep ``F'`` of
     every row for a few output rows).
 
@@ -78,7 +78,7 @@ def overlap_pays(shape: Mapping[str, int], option: bool | None = None, *,
     NCCL, a NIC, or a spare core per rank for the MPI transport's communication thread). With
     one core per rank the thread's shared-memory copies take the compute's core, so the
     compute waits about as long either way and the epoch is not faster (docs/benchmarks.md,
-    "plexus: overlapped aggregation on the 2-core machine").
+    on the overlapped aggregation).
     :func:`overlap_hidden_seconds` is what it hides."""
     if option is not None:
         return option

@@ -209,7 +209,7 @@ def init_shards(config: GPTConfig, seed: int, sizes: Mapping[str, int],
     """
     specs = param_specs(config, sizes)
     # all shards first: the drawn chunks, freed one by one, then leave no holes between
-    # shards that the allocator could not give back (glibc kept ~50% more on CPU otherwise)
+    # shards that the allocator could not give back (glibc kept much more on CPU otherwise)
     shards = {name: torch.empty(spec.shard_shape(sizes), device=device)
               for name, spec in specs.items()}
     for name, spec in specs.items():

@@ -195,7 +195,7 @@ def download_dataset(spec: OgbSpec, root: Path, missing: list[str], timeout_s: f
 
 
 def import_ogb_nodeproppred() -> Any:
-    """Import ogb.nodeproppred (about 3 s: it pulls in scikit-learn and torch_geometric)."""
+    """Import ogb.nodeproppred (slow: it pulls in scikit-learn and torch_geometric)."""
     os.environ["OUTDATED_IGNORE"] = "1"  # silences ogb's `outdated` version-check warnings
     import ogb.nodeproppred
 

@@ -227,8 +227,8 @@ def test_a_larger_buffer_served_to_a_custom_function_can_be_modified_in_place(po
 def test_a_buffer_freed_while_the_pool_is_locked_is_queued_not_waited_for(pooling):
     """The last reference to a buffer can go inside ``_Pool.take`` itself, on the same thread:
     any allocation there may start a garbage collection that frees a cycle holding one. Its
-    finalizer waited for the lock that thread held, and the rank hung (a 4-rank CI run,
-    session 23). Now it queues the buffer and the holder counts it."""
+    finalizer waited for the lock that thread held, and the rank hung (seen in a 4-rank CI
+    run). Now it queues the buffer and the holder counts it."""
     import gc
     import threading
 

@@ -229,7 +229,7 @@ def test_two_ranks_on_one_gpu_under_torchrun(tmp_path):
 def _every_rank_refused_or_stopped(stderr: str, refusal: str, ranks: int) -> None:
     """Every rank refuses; torchrun stops the others (SIGTERM) as soon as the first has
     exited, so a rank still importing torch then is reported terminated instead of printing
-    (as on the H100 host of 2026-11-26: one rank exit code 2, the other -15)."""
+    (as seen on an H100 host: one rank exit code 2, the other -15)."""
     codes = [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", stderr)]  # torchrun's report
     assert len(codes) == ranks and set(codes) <= {2, -15} and 2 in codes, stderr
     assert stderr.count(refusal) >= codes.count(2), stderr

@@ -190,7 +190,7 @@ def build_peak(config, sizes, coords):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_one_rank_of_8_builds_without_the_full_model():
-    """About 3 s: one rank of depth 2 x row 2 x col 2 builds its shards of a 194M-parameter
+    """One rank of depth 2 x row 2 x col 2 builds its shards of a 194M-parameter
     GPT in a fresh process; its peak RSS growth stays near its shards (about 1/8 of the
     matrices and 1/4 of the embedding, which is replicated over row), far below the full
     777 MB."""

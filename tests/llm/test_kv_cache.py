@@ -7,7 +7,7 @@ rounding (tests/llm/helpers.py's ``logits_sums``: teacher forcing through the de
 the greedy tokens exactly except where a row meets a near-tie (``assert_greedy_agrees``): they
 can only differ where two logits are within rounding of each other. In bf16 (8-bit mantissa
 logits) such near-ties happen: small's width with 6 query / 2 key-value heads, 3 prompts, 40
-tokens flips one token in bf16 on our CPU (fp32 is exact there), so the bf16 token checks use
+tokens can flip one token in bf16 on a CPU (fp32 is exact there), so the bf16 token checks use
 the tiny configs and the bf16 logits check bounds the difference instead.
 
 Devices: decoding allocates on the device of its input ("meta" stands in for a GPU here; the
@@ -54,7 +54,7 @@ def test_bf16_greedy_tokens_equal_the_bf16_no_cache_loop(config):
     model = GPT(config, seed=0, compute_dtype=torch.bfloat16).eval()
     idx = prompt(3, 6)
     got, want = model.generate(idx, 24), model.generate(idx, 24, use_cache=False)
-    assert_greedy_agrees(model, got, want, "bf16")  # no near-tie here on our CPU: equal
+    assert_greedy_agrees(model, got, want, "bf16")  # no near-tie in this case: equal
 
 
 def decode_logits(model, tokens, prefill):

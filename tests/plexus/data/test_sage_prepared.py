@@ -302,8 +302,8 @@ def _resume_both_and_straight(ctx, path, grid, ck_prepared, ck_memory):
 @pytest.mark.cross_shape
 def test_a_prepared_sage_run_resumes_on_another_grid(tmp_path):
     """3 epochs on 1x2x2 with checkpoints, resumed to 6 on 2x1x2 (both 4 ranks: x and y trade
-    sizes, so every layer's blocks are cut differently; 8 ranks on 2 cores cost 20 s more and
-    add no other case): from the prepared
+    sizes, so every layer's blocks are cut differently; 8 ranks would take longer on 2 cores
+    and add no other case): from the prepared
     dataset exactly as from the in-memory graph, continuing the saved history; close to 6
     epochs straight on 2x1x2 (the first three ran on another grid: float rounding)."""
     path = tmp_path / "p"
