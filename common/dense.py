@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -327,7 +328,7 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return empty(*t.shape, dtype=t.dtype, device=t.device)
 
 
-def like_empty(t: torch.Tensor) -> bool:
+def can_overwrite(t: torch.Tensor) -> bool:
     """Whether writing over ``t`` serves as well as :func:`empty_like` would: ``t`` is
     contiguous and, where :func:`empty_like` would pair it (a large 2-D float32 CPU block),
     the whole of a paired buffer, so that :func:`tn` still reads it in place."""
@@ -336,6 +337,13 @@ def like_empty(t: torch.Tensor) -> bool:
     if t.dim() != 2 or not _pairs(t.numel(), t.dtype, t.device):
         return True
     return _onednn_of(t) is not None
+
+
+def like_empty(t: torch.Tensor) -> bool:
+    """The former name of :func:`can_overwrite` (deprecated)."""
+    warnings.warn("common.dense.like_empty is now common.dense.can_overwrite",
+                  DeprecationWarning, stacklevel=2)
+    return can_overwrite(t)
 
 
 def _onednn_of(t: torch.Tensor) -> _Owner | None:

@@ -151,11 +151,11 @@ def dropped(x: torch.Tensor, drop: torch.Tensor | BitMask, p: float, *,
             inplace: bool = False) -> torch.Tensor:
     """``x * keep / (1 - p)`` (no graph): the values :func:`apply_dropout` gives, as a new
     tensor or, with ``inplace`` where ``x`` serves as a new one would
-    (:func:`common.dense.like_empty`), written over ``x``. ``drop``: the
+    (:func:`common.dense.can_overwrite`), written over ``x``. ``drop``: the
     negated mask (bool), or the mask itself as bits, cleared without unpacking it where
     :meth:`BitMask.clear_` can (a large float32 CPU block)."""
     factor = torch.ones((), dtype=x.dtype) / (1.0 - p)  # as keep.float() / (1 - p)
-    if inplace and dense.like_empty(x):
+    if inplace and dense.can_overwrite(x):
         scaled = x.mul_(factor)
     elif not (torch.is_grad_enabled() and x.requires_grad):
         # into a buffer of common.dense.empty where it can (reusable; readable by dense.tn)
@@ -181,10 +181,10 @@ def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float, *,
 
 def can_spend(x: torch.Tensor) -> bool:
     """Whether autograd lets ``x`` be overwritten by a custom Function, and it serves as a new
-    block would (:func:`common.dense.like_empty`: contiguous, and read in place by the weight
+    block would (:func:`common.dense.can_overwrite`: contiguous, and read in place by the weight
     gradient where a new one would be): no view (a custom Function's view output may not be
     modified in place) and no leaf that requires grad."""
-    return (dense.like_empty(x) and not x._is_view()
+    return (dense.can_overwrite(x) and not x._is_view()
             and not (x.is_leaf and x.requires_grad))
 
 

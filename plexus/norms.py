@@ -39,7 +39,7 @@ from plexus.shards import node_chunk
 FUSED_MIN_ENTRIES = 1 << 16
 
 
-def _fused_kernels(q: torch.Tensor, keep: torch.dtype | None) -> Any:
+def _norm_kernels(q: torch.Tensor, keep: torch.dtype | None) -> Any:
     """plexus.norm_kernels where they can run the norm of ``q`` kept in ``keep`` (a contiguous
     float32 CPU block of :data:`FUSED_MIN_ENTRIES` or more, kept in float32 or bf16, numba
     installed), else None."""
@@ -142,7 +142,7 @@ class _RowSplitBatchNorm(torch.autograd.Function):
             offset = offset + mask[lo:hi] @ wide
         d_bias, d_centred, offset = coll.all_reduce(torch.stack([dy.sum(0), prod, offset]),
                                                     ctx.group, stats=ctx.stats)
-        dq = dy if ctx.over_grad and dense.like_empty(dy) else torch.empty_like(dy)
+        dq = dy if ctx.over_grad and dense.can_overwrite(dy) else torch.empty_like(dy)
         k2 = scale * inv * inv * d_centred / n
         k1 = scale * d_bias / n - k2 * (offset / n)
         for lo, hi in chunks:
@@ -169,7 +169,7 @@ class _FusedBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, weight, bias, mask, num_rows, eps, group, stats, keep, spend,
                 over_grad, relu):
-        kernels = _fused_kernels(q, keep)
+        kernels = _norm_kernels(q, keep)
         rows, width = q.shape
         chunks = kernels.num_chunks(rows)
         parts = np.empty((chunks, width), dtype=np.float64)
@@ -212,7 +212,7 @@ class _FusedBatchNorm(torch.autograd.Function):
             d_bias, d_centred, offset = coll.all_reduce(sums, ctx.group, stats=ctx.stats)
         k2 = scale * inv * inv * d_centred / n
         k1 = scale * d_bias / n - k2 * (offset / n)
-        out = dy if ctx.over_grad and dense.like_empty(dy) else dense.empty_like(dy)
+        out = dy if ctx.over_grad and dense.can_overwrite(dy) else dense.empty_like(dy)
         kernels.input_gradient(dy.numpy(), _np(kept), mask.numpy(), ctx.relu, ctx.bits.numpy(),
                                scale.numpy(), k1.numpy(), k2.numpy(), out.numpy())
         return (out, d_centred * inv, d_bias) + (None,) * 9
@@ -258,7 +258,7 @@ class ShardedBatchNorm(nn.Module):
             y = (q - self.running_mean) * scale + self.bias
             return ops.ReLU.apply(y, True) if relu else y
         keep, mask = StoredIn.current(), self.row_mask.to(q.dtype)
-        if _fused_kernels(q, keep) is not None and mask.is_contiguous():
+        if _norm_kernels(q, keep) is not None and mask.is_contiguous():
             y, mean, var = _FusedBatchNorm.apply(q, self.weight, self.bias, mask, n, self.eps,
                                                  g, stats, keep, can_spend(q), over_grad,
                                                  relu)

@@ -123,7 +123,7 @@ class BlockedAggregation(torch.autograd.Function):
     def backward(ctx: Any, dh):
         bounds, group, stats, overlap = ctx.bounds, ctx.group, ctx.stats, ctx.overlap
         # reduced in place, block by block: over dH itself where it is ours to spend
-        red = dh if ctx.spend_grad and dense.like_empty(dh) else dh.contiguous().clone()
+        red = dh if ctx.spend_grad and dense.can_overwrite(dh) else dh.contiguous().clone()
         ranges = list(itertools.pairwise(bounds))
         handles = [coll.all_reduce(red[lo:hi], group, stats=stats, async_op=overlap,
                                    inplace=True) for lo, hi in ranges]
@@ -195,7 +195,7 @@ class BitMask:
         """``x`` (of the mask's shape) with ``+0.0`` where the mask is False, in place: the
         values of ``x.masked_fill_(~mask, 0.0)``. On a large float32 CPU block one numba pass
         reads the bits (``plexus.kernels.masked_by_bits``), with no bool mask made."""
-        kernels = _fused_kernels(x)
+        kernels = _relu_kernels(x)
         if kernels is None or tuple(x.shape) != tuple(self.shape):
             return x.masked_fill_(self.unpack(invert=True).to(x.device), 0.0)
         words = x.view(-1).numpy().view(np.uint32)
@@ -211,7 +211,7 @@ def _shifts(device: torch.device) -> torch.Tensor:
     return torch.arange(8, dtype=torch.uint8, device=device)
 
 
-def _fused_kernels(t: torch.Tensor):
+def _relu_kernels(t: torch.Tensor):
     """plexus.kernels for a ReLU pass over ``t`` in one fused pass (a contiguous float32 CPU
     block of 2^16 entries or more, where the kernels' threads pay), or None."""
     if (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
@@ -233,7 +233,7 @@ class ReLU(torch.autograd.Function):
     def forward(ctx: Any, q, over_grad: bool = False):
         ctx.mark_dirty(q)
         ctx.over_grad = over_grad
-        kernels = _fused_kernels(q)
+        kernels = _relu_kernels(q)
         if kernels is None:
             out = torch.relu_(q)
             ctx.keep = BitMask(out > 0)
@@ -245,8 +245,8 @@ class ReLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy):
-        kernels = _fused_kernels(dy)
-        over = ctx.over_grad and dense.like_empty(dy)  # (an expanded gradient is not)
+        kernels = _relu_kernels(dy)
+        over = ctx.over_grad and dense.can_overwrite(dy)  # (an expanded gradient is not)
         if kernels is None or tuple(dy.shape) != tuple(ctx.keep.shape):
             fill = dy.masked_fill_ if over else dy.masked_fill
             return fill(ctx.keep.unpack(invert=True), 0.0), None

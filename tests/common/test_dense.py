@@ -305,14 +305,17 @@ def test_a_disabled_pool_keeps_nothing():
     assert dense._POOL.pooled == 0 and dense._POOL.free == []
 
 
-def test_like_empty_says_where_writing_over_a_block_serves_as_a_new_one():
+def test_can_overwrite_says_where_writing_over_a_block_serves_as_a_new_one():
     small, wide = torch.randn(37, 11), torch.randn(4, 8, 1024)  # never paired: any will do
-    assert dense.like_empty(small) and dense.like_empty(wide)
-    assert not dense.like_empty(small.t()) and not dense.like_empty(torch.ones(()).expand(3, 4))
+    assert dense.can_overwrite(small) and dense.can_overwrite(wide)
+    assert not dense.can_overwrite(small.t())
+    assert not dense.can_overwrite(torch.ones(()).expand(3, 4))
     big = torch.randn(1024, 96)
-    assert dense.like_empty(big) == (not dense.onednn_tn_available())  # unpaired: tn can't
-    assert dense.like_empty(dense.empty(1024, 96))
-    assert not dense.like_empty(dense.empty(2048, 96)[:1024])  # a part of one
+    assert dense.can_overwrite(big) == (not dense.onednn_tn_available())  # unpaired: tn can't
+    assert dense.can_overwrite(dense.empty(1024, 96))
+    assert not dense.can_overwrite(dense.empty(2048, 96)[:1024])  # a part of one
+    with pytest.warns(DeprecationWarning, match="now common.dense.can_overwrite"):
+        assert dense.like_empty(small)  # the former name, for a release
 
 
 def test_empty_like_is_contiguous_and_pairs_2d_blocks():

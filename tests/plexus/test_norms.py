@@ -91,10 +91,10 @@ def test_a_view_is_not_written_over():
 def test_a_large_block_takes_the_kernels_by_default():
     rows, width = 1 << 11, 64  # 2^17 entries
     q = torch.randn(rows, width)
-    assert norms._fused_kernels(q, torch.bfloat16) is not None
-    assert norms._fused_kernels(q[:, :32], None) is None  # not contiguous
-    assert norms._fused_kernels(q[:16], None) is None  # too small to pay
-    assert norms._fused_kernels(q.double(), None) is None
+    assert norms._norm_kernels(q, torch.bfloat16) is not None
+    assert norms._norm_kernels(q[:, :32], None) is None  # not contiguous
+    assert norms._norm_kernels(q[:16], None) is None  # too small to pay
+    assert norms._norm_kernels(q.double(), None) is None
 
 
 def test_kernels_keep_torch_bf16_and_the_relu_mask_bits():
