@@ -283,7 +283,8 @@ def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
     stage): forward ``(k-1)/k min(s_f, c2) + min(c3, s_f / k)`` (the weight travels during
     the first block), backward ``(k-1)/k min(s_b, c7)``. Zero where the model does not
     overlap (:func:`overlap_pays`), and where the collectives need the compute's cores
-    (:func:`comm_offloaded`: measured to hide nothing on the 2-core machine)."""
+    (:func:`comm_offloaded`: with one core per rank the communication thread takes the
+    compute's core, so nothing is hidden; docs/benchmarks.md)."""
     offloaded = comm_offloaded(machine, node_ranks)
     if not offloaded or not overlap_pays(shape, work.overlap, comm_offloaded=offloaded):
         return 0.0  # (forced on with one core per rank, the thread's copies take the core)
