@@ -160,7 +160,8 @@ def make_trainer(parallel, steps=TRAIN_STEPS, overlap="all"):
 
 def four_rank_checks(ctx) -> dict[str, Any]:
     """Everything the 4-rank tests compare, computed on one rank of one launch."""
-    from tests.llm import test_loss, test_parallel, test_plan, test_trainer
+    from tests.llm import test_loss, test_plan, test_trainer
+    from tests.llm.parallel import test_gpt as test_parallel
 
     return {"parallel": test_parallel.parallel_cases(ctx, test_parallel.CASES[4]),
             "overlap": test_trainer.overlap_runs(ctx),
@@ -172,7 +173,9 @@ def four_rank_checks(ctx) -> dict[str, Any]:
 def eight_rank_checks(ctx, tmp: str) -> dict[str, Any]:
     """Everything the 8-rank tests compare, computed on one rank of one launch (``tmp``: a
     directory shared by the ranks, for a checkpoint)."""
-    from tests.llm import test_parallel, test_tp, test_trainer
+    from tests.llm import test_trainer
+    from tests.llm.parallel import test_gpt as test_parallel
+    from tests.llm.parallel import test_layers as test_tp
 
     return {"parallel": test_parallel.parallel_cases(ctx, test_parallel.CASES[8]),
             "volumes": [test_tp.linear_volumes(ctx, g, o) for g, o in test_tp.VOLUME_CASES],

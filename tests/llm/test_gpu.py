@@ -181,7 +181,7 @@ def tensor_parallel_on_cuda0(ctx):
     """Per rank (4 ranks over gloo, all on cuda:0): loss, full gradients, devices and bytes
     per axis of each TP_CASES case (as test_parallel.parallel_cases, on the GPU), and greedy
     tokens on test_parallel.GENERATE_GRID."""
-    from tests.llm import test_parallel as tp
+    from tests.llm.parallel import test_gpt as tp
 
     torch.cuda.set_device(CUDA)
     results = []
@@ -219,7 +219,7 @@ def tensor_parallel_on_cuda0(ctx):
 
 
 def test_tensor_parallel_layers_on_one_gpu_over_gloo():
-    from tests.llm import test_parallel as tp
+    from tests.llm.parallel import test_gpt as tp
 
     per_rank = run_ranks(tensor_parallel_on_cuda0, 4, timeout=600)
     for cases in zip(*(r["cases"] for r in per_rank)):  # one case on every rank
@@ -319,7 +319,7 @@ def test_loki_calibrates_a_cuda_model_on_cpu_tokens(decode_models):
 
 @pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize(("config", "length", "new", "seed"), [
-    ("tiny", 7, 24, 1), ("gqa", 12, 20, 4)])  # as tests/llm/test_quantspec.py
+    ("tiny", 7, 24, 1), ("gqa", 12, 20, 4)])  # as tests/llm/decode/test_quantspec.py
 def test_quantspec_on_cuda_equals_plain_greedy(config, length, new, seed, gamma):
     model = GPT({"tiny": tiny(), "gqa": GQA64}[config], seed=0, device=CUDA).eval()
     idx = random_tokens(1, length, seed=seed).to(CUDA)
@@ -331,7 +331,7 @@ def test_quantspec_on_cuda_equals_plain_greedy(config, length, new, seed, gamma)
 
 
 def test_quantspec_on_cuda_accepts_a_draft_that_must_agree():
-    from tests.llm.test_quantspec import successor_model
+    from tests.llm.decode.test_quantspec import successor_model
 
     model = successor_model().to(CUDA)
     idx = random_tokens(1, 5).to(CUDA)

@@ -64,7 +64,7 @@ def saved_activation_bytes(ctx):
     from common.grid import AXONN_AXES, ProcessGrid
     from llm.model import GPT
     from llm.parallel.gpt import ParallelGPT, batch_shard, make_groups
-    from tests.llm.test_parallel import BASE
+    from tests.llm.parallel.test_gpt import BASE
 
     out = {}
     for grid in SAVED_GRIDS:
@@ -91,7 +91,7 @@ def test_planner_activations_match_what_the_trainer_keeps(four_ranks):
 
     from common.grid import AXONN_AXES, ProcessGrid
     from common.perf.gpt import GPTWorkload, gpt_memory_terms
-    from tests.llm.test_parallel import BASE
+    from tests.llm.parallel.test_gpt import BASE
 
     for grid in SAVED_GRIDS:
         shape = ProcessGrid.parse(grid, AXONN_AXES).shape

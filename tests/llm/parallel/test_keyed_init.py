@@ -21,7 +21,7 @@ from llm.model import GPT, GPTConfig, init_std
 from llm.parallel.gpt import ParallelGPT, init_shards, param_specs, shard_tensor
 from llm.parallel.keyed_init import fill_normal_
 from tests.distributed import launch
-from tests.llm.test_parallel import BASE, ODD_D, assemble
+from tests.llm.parallel.test_gpt import BASE, ODD_D, assemble
 
 SEED = 7
 # depth x row x col: cubic, lopsided (1x1x4, 1x4x1, 4x1x2, 1x2x4), and depth 3 / 5, whose flat
@@ -156,7 +156,7 @@ import json, resource, sys
 import torch
 from llm.model import GPT, GPTConfig
 from llm.parallel.gpt import ParallelGPT
-from tests.llm.test_init import groups_at
+from tests.llm.parallel.test_keyed_init import groups_at
 
 
 config, sizes, coords = GPTConfig(**json.loads(sys.argv[1])), *json.loads(sys.argv[2])

@@ -52,7 +52,7 @@ def successor_model():
     ("tiny", 30, 13, 2),  # long prompt: blocks quantised at once
     ("gqa", 1, 31, 3),    # one-token prompt, grouped-query attention
     ("gqa", 12, 20, 4),
-    ("tiny-bf16", 10, 30, 0),  # bf16 logits tie more often (tests/llm/test_kv_cache.py); none here
+    ("tiny-bf16", 10, 30, 0),  # bf16 logits tie more (test_kv_cache.py)
 ])
 def test_tokens_equal_greedy_generate(models, name, length, new, seed, gamma):
     model, idx = models[name], prompt(length, seed)

@@ -17,7 +17,7 @@ from llm.data.tokenizers import (
     spec_of_checkpoint,
 )
 from llm.tokenize import main as tokenize_main
-from tests.llm.test_data import check_mapped_batches
+from tests.llm.data.test_data import check_mapped_batches
 
 tokenizers = pytest.importorskip("tokenizers")
 
