@@ -12,7 +12,7 @@ hash of ``(seed, step, row_offset + b, t, c)`` (:func:`uniform_noise`, murmur3's
 finalizer chained over the key parts, in int64 tensor arithmetic that never overflows), so a
 rank holding rows r0..r1 of the global batch and channels c0..c1 of d_model draws exactly its
 part of the noise one process draws for the whole batch, on any device. It is the torch
-counterpart of :func:`plexus.layers.dropout_mask` (numpy uint32). :class:`NEFTune` holds the
+counterpart of :func:`plexus.dropout.dropout_mask` (numpy uint32). :class:`NEFTune` holds the
 key; :class:`llm.parallel.gpt.ParallelGPT` tells it where the rank's rows and channels sit.
 
 Shapes legend: B local batch rows, T sequence length, C local channels (D, or D/C of a col

@@ -87,7 +87,7 @@ class CSRBlock:
         infinite value. One pass over the arrays (numba; numpy without it), so a damaged file
         stops with a message instead of the kernel reading outside X."""
         indptr, indices, values = (_host(a) for a in (self.indptr, self.indices, self.values))
-        kernels = _load_numba() if indices.shape[0] >= 1 << 20 else None  # threads pay above
+        kernels = numba_kernels() if indices.shape[0] >= 1 << 20 else None  # threads pay above
         if kernels is not None:
             code = int(kernels.csr_check(indptr, indices, values, self.shape[1]))
         else:
@@ -143,7 +143,7 @@ def _host(a) -> np.ndarray:
 
 
 @cache
-def _load_numba():
+def numba_kernels():
     """plexus.kernels, or None without numba."""
     try:
         from plexus import kernels

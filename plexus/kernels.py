@@ -280,7 +280,7 @@ _M32 = np.uint64(0xFFFFFFFF)
 
 @numba.njit(inline="always")
 def _mix32(x):  # pragma: no cover - compiled
-    """plexus.layers._mix32 on one value below 2^32, in uint64 arithmetic masked to 32 bits
+    """plexus.dropout._mix32 on one value below 2^32, in uint64 arithmetic masked to 32 bits
     (numba widens integer products to 64 bits): the same value."""
     x ^= x >> np.uint64(16)
     x = (x * np.uint64(0x7FEB352D)) & _M32
@@ -292,7 +292,7 @@ def _mix32(x):  # pragma: no cover - compiled
 @numba.njit(parallel=True, nogil=True, cache=True)
 def keep_mask(rows, cols, key, threshold, out):  # pragma: no cover - compiled
     """``out[i, j] = mix(mix(rows[i] ^ key) ^ cols[j]) * 0x9E3779B1 ^ key) >= threshold``,
-    rows in parallel: plexus.layers.keep_mask's hash, entry for entry (rows and cols uint32,
+    rows in parallel: plexus.dropout.keep_mask's hash, entry for entry (rows and cols uint32,
     key and threshold uint64 below 2^32, out bool [rows, cols])."""
     for i in numba.prange(rows.shape[0]):
         r = _mix32(np.uint64(rows[i]) ^ key)

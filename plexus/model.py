@@ -43,8 +43,8 @@ from plexus.config import MODELS, NORMS, PRECISIONS
 from plexus.data import partition
 from plexus.data.memory import root_blocks
 from plexus.data.shard import GraphShard
-from plexus.layers import apply_dropout, dropped, keep_mask, normalized_features
-from plexus.norms import make_norm
+from plexus.dropout import apply_dropout, dropped, keep_mask
+from plexus.norms import make_norm, normalized_features
 from plexus.reference import ROOT_SEED_OFFSET, init_weights
 from plexus.sharded_state import ShardedState
 from plexus.shards import node_chunk
@@ -57,7 +57,7 @@ class PlexusGCN(ShardedState, nn.Module):
 
     Layer ``l`` (roles O, I, P)::
 
-        F'  = dropout(F_l)                       grid-independent mask (plexus.layers)
+        F'  = dropout(F_l)                       grid-independent mask (plexus.dropout)
         GCN:  Q = (Â F') W_l                     collectives 1-4
         SAGE: Q = (A_mean F') W_l + (S F') R_l   A_mean: mean over in-neighbours
         Q  += b_l                                b_l [D_l+1/O], replicated over I and P

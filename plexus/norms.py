@@ -9,6 +9,8 @@ grid (parallel == serial):
   in bits beside the centred block.
 * :class:`ShardedLayerNorm` normalises each row over the real columns, all-reduced over O.
 * :func:`make_norm` builds either for a layer of a shard.
+* :func:`normalized_features` is PyG's ``NormalizeFeatures`` on a feature block, its global
+  minimum and row sums all-reduced.
 
 Padding: rows and columns that only exist to make the grid divide are masked out of every
 statistic; padded columns stay zero.
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from common import autograd, dense
@@ -30,7 +33,7 @@ from common.perf.gcn_memory import NORM_CHUNKS
 from plexus import layout, ops
 from plexus.data import partition
 from plexus.data.shard import GraphShard
-from plexus.layers import can_spend
+from plexus.dropout import can_spend
 from plexus.ops import StoredIn
 from plexus.shards import node_chunk
 
@@ -330,3 +333,21 @@ def make_norm(kind: str, layer: int, width: int, shard: GraphShard,
     return ShardedLayerNorm(width, cols < shard.widths[layer + 1], shard.widths[layer + 1],
                             groups[o_ax], groups[p_ax])
 
+
+@torch.no_grad()
+def normalized_features(block: torch.Tensor, shard: GraphShard,
+                        groups: dict[str, AxisGroup]) -> torch.Tensor:
+    """PyG's NormalizeFeatures on the features block [N/X, D_0/Y] of ``shard``: x - min over
+    the whole graph, then each row over its row sum (all-reduced over y) clamped to >= 1
+    (padding rows and columns excluded and left zero)."""
+    rows = node_chunk(shard.pc, groups["x"]) < shard.num_nodes
+    width = block.shape[1]
+    cols = torch.arange(width) + groups["y"].rank * width < shard.widths[0]
+    real = rows[:, None] & cols[None, :]
+    vals = torch.where(real, block, torch.inf)
+    low = (vals.min() if vals.numel() else torch.tensor(torch.inf)).reshape(1)
+    for ax in ("x", "y"):
+        low = coll.all_reduce(low, groups[ax], op=dist.ReduceOp.MIN)
+    shifted = torch.where(real, block - low, 0.0)
+    sums = coll.all_reduce(shifted.sum(1), groups["y"])
+    return shifted / sums.clamp(min=1.0)[:, None]

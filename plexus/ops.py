@@ -23,7 +23,7 @@ import torch
 from common import collectives as coll
 from common import dense, flat
 from common.grid import AxisGroup
-from plexus.csr import _load_numba
+from plexus.csr import numba_kernels
 from plexus.sparse import sum_dtype
 
 __all__ = ["BitMask", "BlockedAggregation", "GatheredMatmul", "ReLU", "RecomputedMatmul",
@@ -217,7 +217,7 @@ def _relu_kernels(t: torch.Tensor):
     if (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
             or t.numel() < 1 << 16):
         return None
-    return _load_numba()
+    return numba_kernels()
 
 
 class ReLU(torch.autograd.Function):
@@ -226,7 +226,7 @@ class ReLU(torch.autograd.Function):
     aggregation has run). Same values as ``torch.relu_`` both ways. On a large float32 CPU
     block each pass is one numba kernel (:func:`plexus.kernels.relu_pack`, ``masked_by_bits``)
     instead of four and three torch/numpy passes. ``over_grad`` (the caller's promise that the
-    gradient reaching the output is read by nothing else, as :func:`plexus.layers.
+    gradient reaching the output is read by nothing else, as :func:`plexus.dropout.
     apply_dropout`'s ``spent``): backward writes over it instead of a new block."""
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 :class:`SerialGCN` is what :class:`plexus.model.PlexusGCN` computes on any grid, written with
 nothing sharded: the same initial weights (:func:`init_weights`), the same dropout masks
-(:func:`plexus.layers.dropout_mask`, keyed by node and column), the same norms, residual and
+(:func:`plexus.dropout.dropout_mask`, keyed by node and column), the same norms, residual and
 bias. The parallel == serial tests (tests/plexus/test_model.py, test_recipe.py) compare every
 grid with it, and it is the shortest statement of the model. Layer ``l``::
 
@@ -27,7 +27,7 @@ from torch import nn
 from plexus.config import MODELS, NORMS
 from plexus.data.graph import Graph
 from plexus.data.partition import mean_adjacency
-from plexus.layers import dropout_mask
+from plexus.dropout import dropout_mask
 
 ROOT_SEED_OFFSET = 7919  # GraphSAGE's root weights R_l come from init_weights(seed + this)
 

@@ -43,7 +43,7 @@ import torch
 
 from common import dense
 from plexus import spmm
-from plexus.csr import CSRBlock, _load_numba
+from plexus.csr import CSRBlock, numba_kernels
 
 __all__ = ["SPMM_KERNELS", "BlockSparse", "CSRBlock", "product_out", "sum_dtype"]
 
@@ -228,7 +228,7 @@ class BlockSparse:
         if kernel is not None:
             if kernel not in SPMM_KERNELS:
                 raise ValueError(f"unknown SpMM kernel {kernel!r}; choose from {SPMM_KERNELS}")
-            if kernel == "numba" and _load_numba() is None:
+            if kernel == "numba" and numba_kernels() is None:
                 raise ImportError("the numba SpMM kernel needs numba: pip install numba, or "
                                   "use --spmm torch")
             self.kernel = kernel
@@ -305,7 +305,7 @@ class BlockSparse:
         if d and (tile < 1 or d % tile):
             raise ValueError(f"feature_tile={feature_tile} must divide the width d={d}")
         out = product_out(out, self.shape[0], x)
-        kernels = (_load_numba() if x.device.type == "cpu" and self.kernel != "torch"
+        kernels = (numba_kernels() if x.device.type == "cpu" and self.kernel != "torch"
                    else None)
         if kernels is None and self.kernel == "numba-rows" and x.device.type == "cpu":
             raise ImportError("the numba-rows SpMM kernel needs numba: pip install numba")
@@ -357,7 +357,7 @@ class BlockSparse:
                              f"{tuple(x.shape)} {x.dtype} x into a {tuple(out.shape)} "
                              f"{out.dtype} out")
         # numba-rows too runs the sliced kernel here (bit-identical to the row kernel)
-        kernels = _load_numba() if x.device.type == "cpu" and self.kernel != "torch" else None
+        kernels = numba_kernels() if x.device.type == "cpu" and self.kernel != "torch" else None
         if kernels is not None:
             _set_numba_threads()
             xn, outn = _kernel_array(x), out.numpy()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from plexus import spmm
-from plexus.csr import CSRBlock, _load_numba
+from plexus.csr import CSRBlock, numba_kernels
 from plexus.sparse import SPMM_KERNELS, BlockSparse, _kernel_array, _set_numba_threads, product_out
 
 __all__ = ["TransposedSparse", "transposed_plan"]
@@ -116,7 +116,7 @@ class TransposedSparse:
 
     def _needs_copy(self) -> bool:
         return (self.device.type != "cpu" or self.kernel == "torch"
-                or _load_numba() is None)
+                or numba_kernels() is None)
 
     def _make_copy(self, uploaded: dict | None = None) -> BlockSparse:
         copy = self._stored() if self._stored is not None else self.base.transpose()
@@ -145,7 +145,7 @@ class TransposedSparse:
             raise ValueError("matmul(cols=...) adds into out: pass out")
         out = product_out(out, m, x)
         lo, hi = (0, n) if cols is None else (cols[0], cols[1])
-        kernels = _load_numba()
+        kernels = numba_kernels()
         _set_numba_threads()
         threads = kernels.numba.get_num_threads()
         xn, outn = _kernel_array(x), out.numpy()

@@ -11,7 +11,7 @@ weight, root weight, bias and norm parameter match plain dense float64 autograd 
 import pytest
 import torch
 
-from plexus.layers import dropout_mask
+from plexus.dropout import dropout_mask
 from plexus.layout import layer_widths, roles
 from plexus.reference import SerialGCN
 from tests.distributed import run_ranks
@@ -176,14 +176,14 @@ def test_the_numba_dropout_hash_draws_the_numpy_bits(p, monkeypatch):
     """Blocks of 2^16 entries or more hash in a numba kernel, smaller ones (and every block
     without numba) in numpy: a rank's mask must not depend on which ran."""
     pytest.importorskip("numba")
-    from plexus import kernels, layers
+    from plexus import dropout, kernels
 
     rows = torch.cat([torch.arange(2000) * 7919, torch.tensor([2**32 + 5, 2**33 - 1])])
     cols = torch.arange(3, 70)  # 2002 x 67 entries: the kernel's
-    fast = layers.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
+    fast = dropout.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
     assert len(kernels.keep_mask.signatures) > 0
-    monkeypatch.setattr(layers, "_load_numba", lambda: None)
-    slow = layers.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
+    monkeypatch.setattr(dropout, "numba_kernels", lambda: None)
+    slow = dropout.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
     assert torch.equal(fast, slow)
     assert abs(float(fast.float().mean()) - (1 - p)) < 0.01
 
@@ -192,15 +192,15 @@ def _torch_hash_bits(p, device, monkeypatch):
     """(keep_mask's bits from torch's int64 hash on ``device``, in chunks of 512 entries,
     numpy's bits) of a block whose node ids pass 2^32 and whose rows do not fill the last
     chunk."""
-    from plexus import layers
+    from plexus import dropout
 
     rows = torch.cat([torch.arange(2000) * 7919, torch.tensor([2**32 + 5, 2**33 - 1])])
     cols = torch.arange(3, 70)
-    monkeypatch.setattr(layers, "TORCH_MASK_ENTRIES", 512)
-    monkeypatch.setattr(layers, "_load_numba", lambda: None)
-    want = layers.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
-    k, threshold = layers._mask_key(p, 4, 9, 2)
-    got = layers._keep_mask_torch(rows.to(device), cols.to(device), int(k), int(threshold))
+    monkeypatch.setattr(dropout, "TORCH_MASK_ENTRIES", 512)
+    monkeypatch.setattr(dropout, "numba_kernels", lambda: None)
+    want = dropout.keep_mask(p, seed=4, step=9, layer=2, rows=rows, cols=cols)
+    k, threshold = dropout._mask_key(p, 4, 9, 2)
+    got = dropout._keep_mask_torch(rows.to(device), cols.to(device), int(k), int(threshold))
     return got, want
 
 
@@ -216,13 +216,13 @@ def test_the_torch_dropout_hash_draws_the_numpy_bits(p, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_dropout_mask_is_drawn_there_with_the_cpu_bits(monkeypatch):
-    from plexus import layers
+    from plexus import dropout
 
     got, want = _torch_hash_bits(0.5, "cuda", monkeypatch)
     assert got.is_cuda and torch.equal(got.cpu(), want)
     rows, cols = torch.arange(300, device="cuda"), torch.arange(20, device="cuda")
-    mask = layers.keep_mask(0.3, seed=1, step=2, layer=1, rows=rows, cols=cols, device="cuda")
-    assert mask.is_cuda and torch.equal(mask.cpu(), layers.keep_mask(
+    mask = dropout.keep_mask(0.3, seed=1, step=2, layer=1, rows=rows, cols=cols, device="cuda")
+    assert mask.is_cuda and torch.equal(mask.cpu(), dropout.keep_mask(
         0.3, seed=1, step=2, layer=1, rows=rows.cpu(), cols=cols.cpu()))
 
 

@@ -56,7 +56,7 @@ def test_a_bit_mask_on_cuda_gives_back_the_mask_and_its_negation():
 
 def test_relu_and_dropout_keep_their_masks_as_bits():
     """The two activations' gradients are those of torch's, from a mask 8x smaller."""
-    from plexus.layers import apply_dropout
+    from plexus.dropout import apply_dropout
 
     x = torch.randn(37, 11, requires_grad=True)
     keep = torch.rand(37, 11, generator=torch.Generator().manual_seed(2)) > 0.5
@@ -107,7 +107,7 @@ def test_spent_relu_and_dropout_write_over_their_inputs_with_the_same_values(sha
     that reaches the ReLU's input is the one the consumer made; values and gradients equal
     the out-of-place ones bit for bit (torch's ops on a small block, the numba pass on a large
     one; there in buffers of common.dense.empty, as the trainer's ops make them)."""
-    from plexus.layers import apply_dropout
+    from plexus.dropout import apply_dropout
 
     g = torch.Generator().manual_seed(7)
     x0 = torch.randn(shape, generator=g)
@@ -127,14 +127,14 @@ def test_spent_relu_and_dropout_write_over_their_inputs_with_the_same_values(sha
         assert (_Probe.seen == made) == spent  # the consumer's gradient, overwritten
         got[spent] = (y.detach(), x.grad)
     assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
-    factor = torch.ones(()) / (1.0 - 0.3)  # dropout's scale, as plexus.layers.dropped has it
+    factor = torch.ones(()) / (1.0 - 0.3)  # dropout's scale, as plexus.dropout.dropped has it
     assert torch.equal(got[False][1], (w * factor).masked_fill(~((x0 > 0) & keep), 0.0))
 
 
 def test_a_view_is_not_written_over_but_its_gradient_is():
     """Autograd forbids writing over a custom Function's view output: forward makes a new
-    block (:func:`plexus.layers.can_spend`), backward still writes over the gradient."""
-    from plexus.layers import apply_dropout, can_spend
+    block (:func:`plexus.dropout.can_spend`), backward still writes over the gradient."""
+    from plexus.dropout import apply_dropout, can_spend
 
     x = torch.randn(64, 8, requires_grad=True)
     view = x.view(8, 64)
@@ -194,7 +194,7 @@ def test_dropout_forward_on_a_large_block_is_torchs_bit_for_bit(spent):
     """apply_dropout's forward on a large float32 CPU block clears the dropped entries from
     the packed bits (numba) instead of masked_fill_ with the negated mask: the same bits as
     ``x * keep / (1 - p)`` written by torch, -0 and NaN kept where kept, in place or not."""
-    from plexus.layers import apply_dropout
+    from plexus.dropout import apply_dropout
 
     pytest.importorskip("numba")
     g = torch.Generator().manual_seed(7)

@@ -1,32 +1,19 @@
-"""Grid-independent pieces of the GCN recipe: dropout and feature normalisation on shards (the
-norms are in :mod:`plexus.norms`).
-
-Each piece gives, on any grid, the numbers the serial model gives (parallel == serial):
-
-* :func:`dropout_mask` draws the keep-mask of element (node, column) of layer ``l`` at step
-  ``e`` from a counter-based hash of (seed, e, l, node id, column), not from a generator's
-  stream, so a rank computes exactly the mask entries of the block it holds, and 8 ranks drop
-  the same entries as 1 rank.
-* :func:`normalized_features` is PyG's ``NormalizeFeatures`` on a feature block, its global
-  minimum and row sums all-reduced.
-
-Padding: rows and columns that only exist to make the grid divide are masked out of every
-statistic; padded columns stay zero.
+"""Dropout on shards, with the numbers of the serial model on any grid (parallel == serial):
+:func:`dropout_mask` draws the keep-mask of element (node, column) of layer ``l`` at step ``e``
+from a counter-based hash of (seed, e, l, node id, column), not from a generator's stream, so
+a rank computes exactly the mask entries of the block it holds, and 8 ranks drop the same
+entries as 1 rank. :func:`apply_dropout` and :func:`dropped` apply a mask (kept as a bool
+tensor or in bits); :func:`can_spend` says when a block may be written over.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from common import collectives as coll
 from common import dense
-from common.grid import AxisGroup
-from plexus.csr import _load_numba
-from plexus.data.shard import GraphShard
+from plexus.csr import numba_kernels
 from plexus.ops import BitMask
-from plexus.shards import node_chunk
 
 _U32 = np.uint32
 
@@ -63,7 +50,7 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
     step_rows = max(1, (1 << 22) // max(c.shape[1], 1))
     with np.errstate(over="ignore"):
         r_all = rows.numpy().astype(np.uint32)
-        kernels = _load_numba() if out.size >= 1 << 16 else None  # threads pay above
+        kernels = numba_kernels() if out.size >= 1 << 16 else None  # threads pay above
         if kernels is not None:  # the same hash, rows in parallel, no temporaries
             kernels.keep_mask(r_all, c[0], np.uint64(k), np.uint64(threshold), out)
             return torch.from_numpy(out)
@@ -186,22 +173,3 @@ def can_spend(x: torch.Tensor) -> bool:
     modified in place) and no leaf that requires grad."""
     return (dense.can_overwrite(x) and not x._is_view()
             and not (x.is_leaf and x.requires_grad))
-
-
-@torch.no_grad()
-def normalized_features(block: torch.Tensor, shard: GraphShard,
-                        groups: dict[str, AxisGroup]) -> torch.Tensor:
-    """PyG's NormalizeFeatures on the features block [N/X, D_0/Y] of ``shard``: x - min over
-    the whole graph, then each row over its row sum (all-reduced over y) clamped to >= 1
-    (padding rows and columns excluded and left zero)."""
-    rows = node_chunk(shard.pc, groups["x"]) < shard.num_nodes
-    width = block.shape[1]
-    cols = torch.arange(width) + groups["y"].rank * width < shard.widths[0]
-    real = rows[:, None] & cols[None, :]
-    vals = torch.where(real, block, torch.inf)
-    low = (vals.min() if vals.numel() else torch.tensor(torch.inf)).reshape(1)
-    for ax in ("x", "y"):
-        low = coll.all_reduce(low, groups[ax], op=dist.ReduceOp.MIN)
-    shifted = torch.where(real, block - low, 0.0)
-    sums = coll.all_reduce(shifted.sum(1), groups["y"])
-    return shifted / sums.clamp(min=1.0)[:, None]
