@@ -348,7 +348,8 @@ def init_distributed(
     if watchdog and world > 1:
         default_store = _default_store()
         if default_store is not None:
-            dog = Watchdog(default_store, rank, world, timeout_s=heartbeat_timeout_s)
+            dog = Watchdog(_own_connection(addr, port, default_store), rank, world,
+                           timeout_s=heartbeat_timeout_s)
     transport = (MPITransport(two_level=two_level, ranks_per_node=ranks_per_node,
                               polite=mpi_polite) if use_mpi else None)
     ctx = DistContext(rank, world, local_rank, local_world, dev, backend, launcher,
@@ -407,6 +408,19 @@ def _default_store() -> Any:
         return _get_default_store()
     except Exception:  # private API; without it there is no watchdog
         return None
+
+
+def _own_connection(addr: str, port: int, default_store: Any) -> Any:
+    """A connection of the watchdog's own to the rendezvous store (the default store where
+    none can be made). A connection serves one request at a time, and torch.distributed's
+    waits on it last until every member has come (a new group waits for each member's
+    address): heartbeats and aborts through the default store would stall behind them, and a
+    rank waiting there for a peer that failed would never hear of it."""
+    try:
+        return dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=60))
+    except Exception:  # (a store this process cannot reach again: the heartbeat shares it)
+        return default_store
 
 
 def shutdown(ctx: DistContext | None = None) -> None:

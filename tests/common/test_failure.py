@@ -258,17 +258,21 @@ ctx = init_distributed(device="cpu")
 def body():
     if ctx.rank == 1 or sys.argv[1] == "every":
         raise ValueError(f"cannot read data/part-{ctx.rank}")
+    if sys.argv[1] == "one, in a new group":  # waits on the store for rank 1's address
+        dist.new_group([0, 1])
     dist.all_reduce(torch.ones(1))  # rank 0 alone: waits for rank 1 here
 
 run_or_exit(ctx, body, user_errors=(ValueError,))
 """
 
 
-@pytest.mark.parametrize("who", ["every", "one"])
+@pytest.mark.parametrize("who", ["every", "one", "one, in a new group"])
 def test_a_user_error_on_one_rank_alone_ends_every_rank(tmp_path, who):
     """A user error every rank sees: each prints its own and exits 2. One that only rank 1
-    sees, while rank 0 waits in a collective: rank 1 waits the heartbeat timeout for the
-    others, then tells rank 0, which exits 1 naming it, long before the collective's timeout."""
+    sees, while rank 0 waits in a collective, or in creating a group (on the store, which the
+    watchdog reaches through a connection of its own): rank 1 waits the heartbeat timeout for
+    the others, then tells rank 0, which exits 1 naming it, long before the collective's
+    timeout."""
     script = tmp_path / "user_error.py"
     script.write_text(USER_ERROR)
     start = time.time()
