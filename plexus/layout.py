@@ -21,6 +21,15 @@ from collections.abc import Mapping
 
 from common.grid import roles, round_up
 
+# A layer's adjacency block is set by its roles (3 rotations) and its matrix (A' for even
+# layers, A'' for odd ones): the blocks repeat every 6 layers, so a shard holds at most 6.
+LAYOUTS = 6
+
+
+def layout_of(layer: int) -> int:
+    """The key of ``layer``'s adjacency and root blocks in a shard (``layer % LAYOUTS``)."""
+    return layer % LAYOUTS
+
 
 def layer_widths(num_features: int, hidden: int, num_layers: int, num_classes: int) -> list[int]:
     """True layer widths ``[D_0, hidden, ..., hidden, C]`` of an L-layer model."""

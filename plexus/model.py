@@ -464,10 +464,10 @@ class PlexusGCN(ShardedState, nn.Module):
         return t if self.keep_dtype is None else t.to(self.keep_dtype)
 
     def _labelled_blocks(self, layer: int):
-        """({layer % 6: the labelled rows of A_l}, the same of S_l or None), on the device and
-        with the kernel of the full blocks (moved on first use: ``BlockSparse.to`` after the
-        trainer uploads the full ones)."""
-        sh, key = self.shard, layer % 6
+        """({layout_of(layer): the labelled rows of A_l}, the same of S_l or None), on the
+        device and with the kernel of the full blocks (moved on first use: ``BlockSparse.to``
+        after the trainer uploads the full ones)."""
+        sh, key = self.shard, layout.layout_of(layer)
         out = []
         for sub, full in ((sh.labelled_adj, sh.adj), (sh.labelled_root, sh.root)):
             if sub is None or full is None:
@@ -487,12 +487,12 @@ class PlexusGCN(ShardedState, nn.Module):
         with the SpMM, when :attr:`aggregation_blocks` > 1. ``shared``: the gradient of
         ``F_l`` summed there with the other term's; ``spend_grad``: the product feeds one
         operator, so its gradient may be reduced in place."""
-        if layer % 6 not in blocks:
+        if layout.layout_of(layer) not in blocks:
             raise RuntimeError(
                 f"layer {layer}'s adjacency block was released once H_0 was cached "
                 "(PlexusGCN.release_first_blocks, set by the trainer): build the model again "
                 "to compute H_0 afresh")
-        blk, group = blocks[layer % 6], self.wire[layout.roles(layer)[0]]
+        blk, group = blocks[layout.layout_of(layer)], self.wire[layout.roles(layer)[0]]
         if self.aggregation_blocks > 1 and group.size > 1:
             return ops.BlockedAggregation.apply(blk.a, blk.a_t, x, group, stats,
                                                 self.aggregation_blocks, self.overlap, shared,

@@ -221,7 +221,7 @@ class PreparedGraph:
 
         adj = {}
         mapped: dict[tuple, CSRBlock] = {}  # each block file once, whichever layers read it
-        for layer in range(min(6, num_layers)):
+        for layer in range(min(layout.LAYOUTS, num_layers)):
             o_ax, _, p_ax = layout.roles(layer)
             a, a_t = self._matrix(layer, chunk(p_ax), chunk(o_ax), mapped)
             adj[layer] = AdjBlock(a, a_t, a.nnz, self._balance(layer, shape[p_ax], shape[o_ax]))

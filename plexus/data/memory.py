@@ -149,7 +149,7 @@ def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[s
     out: dict[int, AdjBlock] = {}
     cut: dict[tuple[int, ...], AdjBlock] = {}  # (parity, P, p, O, o) -> the layout's block
     inv: dict[int, np.ndarray] = {}  # parity -> inverse of its input (column) order
-    for lay in range(min(6, num_layers)):
+    for lay in range(min(layout.LAYOUTS, num_layers)):
         o_ax, _, p_ax = layout.roles(lay)
         par = lay % 2
         key = (par, shape[p_ax], coords[p_ax], shape[o_ax], coords[o_ax])
@@ -179,7 +179,7 @@ def _blocks(mats, shape: Mapping[str, int], coords: Mapping[str, int],
     """
     out: dict[int, AdjBlock] = {}
     cut: dict[tuple[int, ...], AdjBlock] = {}  # (parity, P, p, O, o) -> the layout's block
-    for lay in range(min(6, num_layers)):
+    for lay in range(min(layout.LAYOUTS, num_layers)):
         o_ax, _, p_ax = layout.roles(lay)
         key = (lay % 2, shape[p_ax], coords[p_ax], shape[o_ax], coords[o_ax])
         if key not in cut:

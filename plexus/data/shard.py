@@ -68,7 +68,7 @@ class GraphShard:
     widths_padded: list[int]
     pr: np.ndarray
     pc: np.ndarray
-    adj: dict[int, AdjBlock]  # layer % 6 -> block (layers of one parity share a matrix)
+    adj: dict[int, AdjBlock]  # plexus.layout.layout_of(layer) -> block
     features_block: torch.Tensor
     labels: torch.Tensor  # int64
     masks: dict[str, torch.Tensor]  # split -> bool
