@@ -37,8 +37,8 @@ allocates and frees the same ones every step. Above glibc's retention cap (commo
 each is a fresh ``mmap``, faulted in and zeroed by the kernel again, slower to fill than a
 reused one. On a VM that hands freed guest pages back to its host (free page reporting) a
 few in a hundred such allocations also stall for a tenth of a second while the host provides
-the pages again, enough to make whole epochs far slower (docs/benchmarks.md, "The weight
-gradients through oneDNN; fresh pages stall"). With :func:`pool_freed` on (plexus: whenever
+the pages again, enough to make whole epochs far slower (docs/design/plexus-3d.md
+section 7). With :func:`pool_freed` on (plexus: whenever
 it retains freed memory, its default), a freed buffer is kept for the next request of its
 shape (or a smaller one) under rules that keep idle buffers from adding to a step's peak
 (:class:`_Pool`, :func:`hand_back_pooled`).
