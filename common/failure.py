@@ -23,7 +23,6 @@ import re
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from common.dist import DistContext, shutdown
-from common.watchdog import Watchdog
 
 __all__ = ["Failure", "classify_failure", "exit_on_comm_failure", "exit_on_failure",
            "fail_all_ranks", "is_comm_failure", "preemption_flag"]
@@ -206,7 +204,7 @@ def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> NoRe
     print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
     if ctx is not None and ctx.world_size > 1:
         if ctx.watchdog is not None:
-            if not _all_ranks_fail(ctx.watchdog, ctx.heartbeat_timeout_s):
+            if not ctx.watchdog.meet("user_error", ctx.heartbeat_timeout_s):
                 ctx.watchdog.abort(f"rank {ctx.rank} stopped the job: {message}")
         elif dist.is_initialized():
             try:
@@ -218,19 +216,3 @@ def fail_all_ranks(message: str, ctx: DistContext | None, code: int = 2) -> NoRe
     else:
         shutdown()
     sys.exit(code)
-
-
-def _all_ranks_fail(dog: Watchdog, timeout_s: float) -> bool:
-    """Whether every rank reaches :func:`fail_all_ranks` within ``timeout_s`` (polled through
-    the store, so this rank's heartbeat goes on meanwhile)."""
-    keys = [f"hpc/user_error/{r}" for r in range(dog.world)]
-    deadline = time.monotonic() + timeout_s
-    try:
-        dog.store.set(keys[dog.rank], "1")
-        while not dog.store.check(keys):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-    except Exception:  # the store's host has exited: every rank is on its way out
-        pass
-    return True

@@ -82,15 +82,24 @@ class Watchdog:
         rank that had not reported by then would die without a word."""
         if lost is None:  # the store is gone: nothing to coordinate through
             return
-        others = [f"hpc/{stage}/{r}" for r in range(self.world) if r not in (self.rank, lost)]
-        deadline = time.monotonic() + (2 * self.interval_s if seconds is None else seconds)
+        self.meet(stage, 2 * self.interval_s if seconds is None else seconds, absent=lost)
+
+    def meet(self, stage: str, seconds: float, absent: int | None = None) -> bool:
+        """Mark this rank as at ``stage`` (``hpc/<stage>/<rank>`` in the store) and wait at most
+        ``seconds`` for every other rank but ``absent`` to get there too. True when they all
+        did, or when the store's host has exited (every rank is on its way out then)."""
+        others = [f"hpc/{stage}/{r}" for r in range(self.world) if r not in (self.rank, absent)]
+        deadline = time.monotonic() + seconds
         try:
             self.store.set(f"hpc/{stage}/{self.rank}", "1")
-            while others and time.monotonic() < deadline:
+            while others:
                 others = [k for k in others if not self.store.check([k])]
+                if others and time.monotonic() >= deadline:
+                    return False
                 time.sleep(0.05)
         except Exception:  # the store's host exited first
             pass
+        return True
 
     def _run(self) -> None:
         succ = (self.rank + 1) % self.world
