@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from common.perf import gcn
-from common.perf.machine import Compute, Link, MachineProfile, load_profile
+from common.perf.machine import load_profile
+from tests.common.perf.machines import tiny_gpu
 
 SHAPES = [(1, 1, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2), (3, 2, 5), (8, 1, 1), (1, 1, 8)]
 
@@ -172,11 +173,7 @@ def test_trainer_counted_bytes_equal_the_model(world):
 
 
 def test_memory_filter_and_no_fitting_grid():
-    tiny = MachineProfile(name="tiny", node_memory=1e12, device_memory=25e6,
-                          intra=Link(alpha_s=0, bandwidth=1e9), inter=Link(alpha_s=0,
-                                                                           bandwidth=1e9),
-                          compute=(Compute(spmm_bandwidth=1e9, gemm_flops=1e9,
-                                           memory_bandwidth=1e9),))
+    tiny = tiny_gpu(25e6)
     work = gcn.GCNWorkload(num_nodes=20000, nnz=200000, num_features=64, num_classes=8)
     one = gcn.plan_gcn(work, 1, tiny)
     assert not one.runnable

@@ -10,7 +10,7 @@ import pytest
 from common.grid import ProcessGrid
 from common.perf import GCNWorkload, GPTWorkload, auto_grid, choose, load_profile, plan, plan_gcn
 from common.perf.cli import main
-from common.perf.machine import Compute, Link, MachineProfile
+from tests.common.perf.machines import tiny_gpu
 from tests.distributed import launch_env
 
 GCN = GCNWorkload(num_nodes=50000, nnz=1_000_000, num_features=128, num_classes=16)
@@ -78,11 +78,7 @@ def test_constraints_make_grids_not_runnable():
 
 
 def test_no_grid_fits_in_memory():
-    tiny = MachineProfile(name="tiny", node_memory=1e12, device_memory=35e6,
-                          intra=Link(alpha_s=0, bandwidth=1e9), inter=Link(alpha_s=0,
-                                                                           bandwidth=1e9),
-                          compute=(Compute(spmm_bandwidth=1e9, gemm_flops=1e9,
-                                           memory_bandwidth=1e9),))
+    tiny = tiny_gpu(35e6)
     work = GCNWorkload(num_nodes=20000, nnz=200000, num_features=64, num_classes=8)
     with pytest.raises(ValueError, match="no grid of 1 ranks fits in memory"):
         auto_grid(work, 1, machine=tiny)
