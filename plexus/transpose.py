@@ -10,10 +10,10 @@ write one row and every output row takes its terms in increasing row order, the 
 kernel sums a transposed CSR in: the bits of ``A.transpose().matmul(x)``.
 
 Where the product runs on torch's kernel (a GPU, ``--spmm torch``, no numba) the view needs
-the transposed CSR after all: it takes it from ``stored`` (a prepared dataset's transposed
-block files, which the layers of the other parity may map as well, so a device holds one copy
-of each file) or makes it from ``A``, once, when it moves (:meth:`TransposedSparse.to`, before
-``A`` itself moves) or on first use.
+the transposed CSR after all: it takes it from ``stored`` (a prepared dataset's blocks of the
+other parity where they are the transpose, so a device holds one copy of each, or a transpose
+the dataset made once for every layer that reads it) or makes it from ``A``, once, when it
+moves (:meth:`TransposedSparse.to`, before ``A`` itself moves) or on first use.
 
 Shapes:
     A [n, m]; TransposedSparse(A) [m, n]; matmul: [n, d] -> [m, d]

@@ -8,8 +8,11 @@ Layer ``l`` with roles (O, I, P) on rank (o, i, p) needs rows chunk ``p`` of P a
 chunk ``o`` of O of its matrix (``A'`` for even layers, ``A''`` for odd ones): the file blocks
 ``R`` in ``[p k/P, (p+1) k/P)`` x ``C`` in ``[o k/O, (o+1) k/O)``, so every grid axis must
 divide k. They are memory-mapped, not read: the kernel pages in what it touches, and the page
-cache shares blocks between ranks of one node. For symmetric graphs ``A''`` block (R, C) is
-the transpose of ``A'`` block (C, R), whose CSR the files hold already.
+cache shares blocks between ranks of one node. For symmetric graphs only ``A'`` is stored:
+``A''`` block (R, C) is the transpose of ``A'`` block (C, R), made in memory from it when the
+shard is built (:func:`csr_transposed`, a counting sort, O(nnz)), as is every transpose a
+GPU's backward multiplies; on the CPU the backward reads each block as its own transpose
+(plexus.transpose).
 
 The rank reads (copies) only its features block (rows chunk x of Pc order, columns chunk y)
 and the labels and split codes of its output rows. The file layout: plexus.data.schema.
@@ -17,7 +20,8 @@ and the labels and split codes of its output rows. The file layout: plexus.data.
 Both aggregations (plexus.data.partition.AGGREGATIONS), one per object: ``gcn`` maps the
 blocks of ``Â`` (``even/``, ``odd/``); ``mean`` (GraphSAGE) maps those of the mean adjacency
 (``mean/even/``, ``mean/odd/``; for symmetric graphs ``A_mean''`` block (R, C) is the structure
-of ``A_mean'`` block (C, R) transposed with values of its own, ``A_mean`` not being symmetric)
+of ``A_mean'`` block (C, R) transposed with values of its own, ``A_mean`` not being symmetric,
+stored in the order of that block's nonzeros)
 and builds the root blocks of the permuted identity ``S`` from the permutations (O(N),
 plexus.data.memory.root_blocks), so ``--model sage``, ``--residual`` and ``--norm`` train on a
 prepared dataset as on the in-memory graph, bit for bit. :meth:`PreparedGraph.with_aggregation`
@@ -36,6 +40,7 @@ import numpy as np
 import torch
 
 from plexus import layout
+from plexus.csr import numba_kernels
 from plexus.data import partition as part
 from plexus.data.errors import DatasetCorruptError
 from plexus.data.memory import root_blocks
@@ -134,28 +139,34 @@ class PreparedGraph:
                 f"dataset is damaged: run python -m plexus.prepare --verify {self.path}")
         return arr
 
-    def _files(self, mat: str, r: int, c: int, transposed: bool) -> tuple[str, str, int]:
-        """(prefix of the indptr and indices files, the values file, nonzeros) of block
-        (r, c) of ``mat`` (``even``: ``A'``, ``odd``: ``A''`` of this aggregation), or of its
-        transpose with ``transposed``."""
+    def _files(self, mat: str, r: int, c: int, transposed: bool
+               ) -> tuple[str, str, int, bool]:
+        """Where block (r, c) of ``mat`` (``even``: ``A'``, ``odd``: ``A''`` of this
+        aggregation), or its transpose with ``transposed``, comes from: (the folder of the
+        indptr and indices files, the values file, nonzeros, whether those files hold the
+        transpose of what is asked for). A symmetric graph stores ``A'`` only: ``A''`` block
+        (r, c) is the transpose of ``A'`` block (c, r) (of its structure, with values of its
+        own for the mean adjacency, stored in the order of ``A'``'s nonzeros)."""
         base = f"{MEAN_DIR}/" if self.aggregation == "mean" else ""
-        if mat == "odd" and self.symmetric:  # the structure of even (c, r), transposed
-            pre = f"{base}even/{c}_{r}/" + ("" if transposed else "t_")
-            values = (f"{base}odd/{r}_{c}/" + ("t_" if transposed else "") + "values.npy"
-                      if self.aggregation == "mean" else pre + "values.npy")  # Â'' = Â'^T
-        else:
-            pre = f"{base}{mat}/{r}_{c}/" + ("t_" if transposed else "")
-            values = pre + "values.npy"
-        return pre, values, int(self.block_nnz[mat][r, c])
+        nnz = int(self.block_nnz[mat][r, c])
+        if mat == "odd" and self.symmetric:
+            pre = f"{base}even/{c}_{r}/"
+            values = (f"{base}odd/{r}_{c}/values.npy" if self.aggregation == "mean"
+                      else pre + "values.npy")  # Â'' = Â'^T
+            return pre, values, nnz, not transposed
+        pre = f"{base}{mat}/{r}_{c}/"
+        return pre, pre + "values.npy", nnz, transposed
 
     def _csr(self, mat: str, r: int, c: int, transposed: bool,
              mapped: dict[tuple, CSRBlock] | None = None) -> CSRBlock:
-        """Block (r, c) of ``mat`` (its transpose with ``transposed``), mapped once per
-        ``mapped`` dict: layers that read the same files share the block object (and so its
-        device copy, ``BlockSparse.to``)."""
-        pre, values_file, nnz = self._files(mat, r, c, transposed)
-        if mapped is not None and (pre, values_file) in mapped:
-            return mapped[pre, values_file]
+        """Block (r, c) of ``mat`` (its transpose with ``transposed``), mapped (or, where the
+        files hold its transpose, made from them in memory) once per ``mapped`` dict: layers
+        that read the same block share the block object (and so its device copy,
+        ``BlockSparse.to``)."""
+        pre, values_file, nnz, flip = self._files(mat, r, c, transposed)
+        key = (pre, values_file, flip)
+        if mapped is not None and key in mapped:
+            return mapped[key]
         indptr = self._load(pre + "indptr.npy")
         indices = self._load(pre + "indices.npy")
         values = self._load(values_file)
@@ -173,10 +184,12 @@ class PreparedGraph:
             raise DatasetCorruptError(
                 f"{self.path}/{names}: {problem}; the prepared dataset is damaged: run python "
                 f"-m plexus.prepare --verify {self.path}, then prepare it again")
-        for arr in (indptr, indices, values):  # the check's reads stay in the page cache
+        if flip:
+            block = CSRBlock(*csr_transposed(indptr, indices, values, bs), (bs, bs))
+        for arr in (indptr, indices, values):  # the reads stay in the page cache
             _release_pages(arr)
         if mapped is not None:
-            mapped[pre, values_file] = block
+            mapped[key] = block
         return block
 
     def _matrix(self, layer: int, rows: range, cols: range,
@@ -189,8 +202,9 @@ class PreparedGraph:
         bs = self.block_size
         a = BlockSparse([[self._csr(mat, r, c, False, mapped) for c in cols] for r in rows],
                         [bs] * len(rows), [bs] * len(cols))
-        def stored() -> BlockSparse:  # the transposed files, where torch multiplies
-            return BlockSparse([[self._csr(mat, r, c, True) for r in rows] for c in cols],
+        def stored() -> BlockSparse:  # the transposes, where torch multiplies them
+            return BlockSparse([[self._csr(mat, r, c, True, mapped) for r in rows]
+                                for c in cols],
                                [bs] * len(cols), [bs] * len(rows))
 
         return a, TransposedSparse(a, stored)
@@ -264,6 +278,25 @@ class PreparedGraph:
             features_block=feats, labels=torch.from_numpy(labels.astype(np.int64)),
             masks=masks, split_counts=dict(self.split_counts), out_rows=out_rows, root=root,
         )
+
+
+def csr_transposed(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray,
+                   num_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(indptr, indices, values) of the transpose of a CSR matrix with ``num_cols`` columns,
+    in memory, rows ascending inside each column (a counting sort by column, O(nnz); the
+    index dtype kept)."""
+    t_indptr = np.zeros(num_cols + 1, dtype=indices.dtype)
+    np.cumsum(np.bincount(indices, minlength=num_cols), out=t_indptr[1:])
+    t_indices = np.empty(indices.shape, dtype=indices.dtype)
+    t_values = np.empty(values.shape, dtype=values.dtype)
+    kernels = numba_kernels()
+    if kernels is not None:
+        kernels.csr_transpose(indptr, indices, values, t_indptr, t_indices, t_values)
+    else:  # a stable sort keeps rows ascending inside each column
+        rows = np.repeat(np.arange(indptr.size - 1, dtype=indices.dtype), np.diff(indptr))
+        order = np.argsort(indices, kind="stable")
+        t_indices[:], t_values[:] = rows[order], values[order]
+    return t_indptr, t_indices, t_values
 
 
 def _release_pages(arr: np.ndarray) -> None:

@@ -6,15 +6,17 @@ Layout of a prepared dataset ``OUT`` (N_pad = N rounded up to k; bs = N_pad / k)
 
     manifest.json                 sizes, k, permutation and seed, per-block nnz, checksums
     perm/pr.npy, perm/pc.npy      int64 [N_pad], perm[new] = old
-    even/R_C/{indptr,indices,values,t_indptr,t_indices,t_values}.npy
-                                  block (R, C) of A' [bs, bs] as CSR (int32 indices) and the
-                                  CSR of its transpose; odd/R_C/... the same for A'' (directed
-                                  graphs only: for symmetric ones A'' = A'^T)
-    mean/even/R_C/...             the same six files for the mean adjacency (GraphSAGE):
-                                  Pr A_mean Pc^T; mean/odd/R_C/... Pc A_mean Pr^T: all six
-                                  for directed graphs, only values.npy and t_values.npy for
-                                  symmetric ones (the structure is mean/even/C_R's transposed;
-                                  A_mean is not symmetric: rows are divided by their degree)
+    even/R_C/{indptr,indices,values}.npy
+                                  block (R, C) of A' [bs, bs] as CSR (int32 indices where they
+                                  fit); odd/R_C/... the same for A'' (directed graphs only: for
+                                  symmetric ones A'' = A'^T, made by the reader). No transpose
+                                  is stored: a reader makes the ones it needs.
+    mean/even/R_C/...             the same three files for the mean adjacency (GraphSAGE):
+                                  Pr A_mean Pc^T; mean/odd/R_C/... Pc A_mean Pr^T: all three
+                                  for directed graphs, only values.npy for symmetric ones (the
+                                  structure is mean/even/C_R's transposed, the values in the
+                                  order of mean/even/C_R's nonzeros; A_mean is not symmetric:
+                                  rows are divided by their degree)
     features/C.npy                float32 [bs, F]: rows chunk C of the features in Pc order
     labels/{pr,pc}_C.npy          int64 [bs]: labels of rows chunk C in Pr / Pc order (-1 none)
     split/{pr,pc}_C.npy           int8 [bs]: 0 none, 1 train, 2 val, 3 test
@@ -37,8 +39,9 @@ SPLIT_CODES = {"train": 1, "val": 2, "test": 3}  # 0: in no split
 DEFAULT_ROOT = "data"  # --root default: OGB folders (data/ogbn_arxiv) and prepared datasets
 
 FORMAT_NAME = "plexus-blocks"
-FORMAT_VERSION = 2  # 2: the mean adjacency's blocks (mean/); 1: the GCN's only
-VERSION_CHANGES = {2: "adds the mean aggregation's blocks for --model sage"}
+FORMAT_VERSION = 3  # 3: no transposed files; 2: the mean adjacency's blocks; 1: the GCN's
+VERSION_CHANGES = {2: "adds the mean aggregation's blocks for --model sage",
+                   3: "stores each block once, without its transpose: about half the disk"}
 MANIFEST = "manifest.json"
 MATRICES = ("even", "odd")  # A' = Pr Â Pc^T (even layers), A'' = Pc Â Pr^T (odd layers)
 MEAN_DIR = "mean"  # the mean adjacency's blocks: mean/even/R_C, mean/odd/R_C
@@ -85,10 +88,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                 f"{path} is a prepared dataset of format version {version}, written by a newer "
                 f"plexus; this one reads version {FORMAT_VERSION}: upgrade plexus, or prepare "
                 f"it again with this one: {rebuild_command(path, m)}")
+        since = [change for v, change in sorted(VERSION_CHANGES.items())
+                 if not isinstance(version, int) or v > version] or [
+                     VERSION_CHANGES[FORMAT_VERSION]]
         raise StaleFormatError(
             f"{path} is a prepared dataset of format version {version!r}; this plexus reads "
-            f"version {FORMAT_VERSION} (which {VERSION_CHANGES[FORMAT_VERSION]}): prepare it "
-            f"again with {rebuild_command(path, m)}")
+            f"version {FORMAT_VERSION} (which {'; '.join(since)}): prepare it again with "
+            f"{rebuild_command(path, m)}")
     return m
 
 

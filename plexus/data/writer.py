@@ -14,7 +14,8 @@ double permutation), N nodes (degrees, permutations, labels). The steps:
    edge to the permuted matrices (``A' = Pr Â Pc^T`` and, for directed graphs,
    ``A'' = Pc Â Pr^T``) and append its in-block key to the bucket file of its block;
 2. per block: sort, merge duplicate edges (or count them as multi-edges), add up in-degrees;
-3. per block, from the same keys, the two aggregations' blocks, each as CSR and transposed CSR:
+3. per block, from the same keys, the two aggregations' blocks as CSR (their transposes are
+   made where a reader needs them, plexus.data.mapped):
    the GCN's ``Â`` (one self-loop per node, ``m_ts / sqrt(d_t d_s)`` in float64, stored
    float32, exactly as plexus.data.partition.normalized_adjacency) and the mean adjacency
    ``A_mean`` of GraphSAGE (``m_ts / deg_t``, the self-loop edges put back as messages,
@@ -181,7 +182,7 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
         deg[:n] = in_degree[:n] + mean_loops
         perm = {"pr": pr, "pc": pc}
         mean_nnz = {m: np.zeros((k, k), dtype=np.int64) for m in mats}
-        # 3. per block: self-loops, values, CSR and transposed CSR of Â and of A_mean
+        # 3. per block: self-loops, values, the CSR of Â and of A_mean
         with progress(len(mats) * k * k, "3/4 write blocks", "block", quiet) as bar:
             for mat in mats:
                 ro, co = orders[mat]
@@ -223,16 +224,17 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
                                      else counts, pos[has], lm[has])
                     rows, cols = np.divmod(m_keys, bs)
                     vals = (mult / deg_r[i * bs + rows]).astype(np.float32)
-                    t = _write_csr(work / MEAN_DIR / mat / f"{i}_{j}", rows, cols, vals, bs,
-                                   files, work)
-                    if source.symmetric:  # A_mean'' (j, i): this structure, rows of A'' / deg
+                    _write_csr(work / MEAN_DIR / mat / f"{i}_{j}", rows, cols, vals, bs,
+                               files, work)
+                    if source.symmetric:  # A_mean'' (j, i) is this structure transposed,
+                        # its rows divided by the degrees of A'' rows: its values in the
+                        # order of this block's nonzeros
                         odd = work / MEAN_DIR / "odd" / f"{j}_{i}"
                         odd.mkdir(parents=True)
-                        t_vals = (mult / deg_c[j * bs + cols]).astype(np.float32)
-                        _save(odd / "values.npy", _transposed(*t, t_vals)[1], files, work)
-                        _save(odd / "t_values.npy", t_vals, files, work)
+                        _save(odd / "values.npy",
+                              (mult / deg_c[j * bs + cols]).astype(np.float32), files, work)
                     mean_nnz[mat][i, j] = m_keys.size
-                    del keys, counts, m_keys, mult, rows, cols, vals, t
+                    del keys, counts, m_keys, mult, rows, cols, vals
                     bucket.unlink(missing_ok=True)
                     cnt_file.unlink(missing_ok=True)
                     bar.update()
@@ -291,7 +293,7 @@ def _check_space(work: Path, source: EdgeSource) -> None:
     if source.num_edges is None:
         return
     nnz = source.num_edges * (2 if source.symmetrize else 1) * (1 if source.symmetric else 2)
-    # buckets (8 B a key), then Â's and A_mean's CSR and transposed CSR (16 B a nonzero each)
+    # buckets (8 B a key), then Â's and A_mean's CSR (at most 16 B a nonzero each)
     need = nnz * (8 + 16 + 16) + source.num_nodes * (source.num_features * 4 + 64)
     free = shutil.disk_usage(work).free
     if need > free:
@@ -300,39 +302,16 @@ def _check_space(work: Path, source: EdgeSource) -> None:
 
 
 def _write_csr(folder: Path, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, bs: int,
-               files: dict, root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """CSR and transposed CSR of one [bs, bs] block from its nonzeros in row-major order
-    (rows ascending, columns ascending within a row); returns (indptr, indices, t_indptr),
-    what :func:`_transposed` needs to put other values of this structure in transposed order."""
+               files: dict, root: Path) -> None:
+    """The CSR of one [bs, bs] block from its nonzeros in row-major order (rows ascending,
+    columns ascending within a row)."""
     folder.mkdir(parents=True)
     idx = _index_dtype(rows.size, bs)
     indptr = np.zeros(bs + 1, dtype=idx)
     np.cumsum(np.bincount(rows, minlength=bs), out=indptr[1:])
-    indices = cols.astype(idx)
     _save(folder / "indptr.npy", indptr, files, root)
-    _save(folder / "indices.npy", indices, files, root)
+    _save(folder / "indices.npy", cols.astype(idx), files, root)
     _save(folder / "values.npy", vals, files, root)
-    t_indptr = np.zeros(bs + 1, dtype=idx)
-    np.cumsum(np.bincount(cols, minlength=bs), out=t_indptr[1:])
-    t_indices, t_values = _transposed(indptr, indices, t_indptr, vals)
-    _save(folder / "t_indptr.npy", t_indptr, files, root)
-    _save(folder / "t_indices.npy", t_indices, files, root)
-    _save(folder / "t_values.npy", t_values, files, root)
-    return indptr, indices, t_indptr
-
-
-def _transposed(indptr: np.ndarray, indices: np.ndarray, t_indptr: np.ndarray,
-                vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(t_indices, t_values): the CSR of the transpose, rows ascending inside each column."""
-    try:
-        from plexus.kernels import csr_transpose
-    except ImportError:  # numpy: a stable sort keeps rows ascending inside each column
-        rows = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
-        order = np.argsort(indices, kind="stable")
-        return rows[order].astype(indices.dtype), vals[order]
-    t_indices, t_values = np.empty_like(indices), np.empty_like(vals)  # a counting sort, O(nnz)
-    csr_transpose(indptr, indices, vals, t_indptr, t_indices, t_values)
-    return t_indices, t_values
 
 
 def mean_self_loops(loops: np.ndarray, symmetrize: bool, dedupe: bool) -> np.ndarray:

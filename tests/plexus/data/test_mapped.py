@@ -152,3 +152,32 @@ def test_a_column_index_damaged_in_place_stops_every_rank_without_a_signal(tmp_p
     assert re.search(r"\[rank 1\] error: \S+even/1_1/\{indptr,indices,values\}\.npy: a column "
                      r"index lies outside", r.stderr), r.stderr
     assert "[rank 0] error: another rank could not read its shard" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["planted", "directed"])
+@pytest.mark.parametrize("aggregation", ["gcn", "mean"])
+def test_the_transposes_a_device_multiplies_are_made_once_from_the_one_copy(tmp_path, kind,
+                                                                           aggregation):
+    """The dataset stores no transpose (format 3): where torch multiplies, every layer's
+    ``A^T`` is made from the blocks (an odd layer of a symmetric graph: its own forward block
+    is made that way), equals the block's transpose exactly, and the GCN's layers of the two
+    parities on a symmetric graph share the made blocks instead of holding two copies (the
+    mean adjacency's odd blocks have values of their own)."""
+    graph = (planted_partition(num_nodes=203, num_classes=5, num_features=7, avg_degree=5,
+                               seed=3) if kind == "planted" else directed_graph())
+    prepare(graph_source(graph), tmp_path / "p", blocks=4, seed=4, quiet=True)
+    assert not any(p.name.startswith("t_") for p in (tmp_path / "p").rglob("*.npy"))
+    pg = PreparedGraph(tmp_path / "p", aggregation=aggregation)
+    grid = ProcessGrid.parse("2x1x2")
+    shard = pg.shard(grid.shape, grid.coords(3), widths(graph, 2, 6))
+    made = []
+    for layer in (0, 1):
+        adj = shard.adj[layer]
+        copy = adj.a_t._make_copy()
+        a, t = adj.a.to_scipy(), copy.to_scipy()
+        assert (a.T != t).nnz == 0 and t.nnz == a.nnz, layer
+        assert all(blk.to_scipy().has_sorted_indices for _, _, blk in copy.present())
+        made.append({id(blk) for _, _, blk in copy.present()}
+                    | {id(blk) for _, _, blk in adj.a.present()})
+    shared = made[0] & made[1]  # layer 1's forward blocks are layer 0's transposes
+    assert bool(shared) == (kind == "planted" and aggregation == "gcn"), shared

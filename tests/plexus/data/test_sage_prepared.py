@@ -72,11 +72,15 @@ def test_every_rank_maps_the_mean_and_root_blocks_the_in_memory_path_builds(
     pairs = np.unique(graph.edge_index.numpy().T, axis=0).shape[0]
     assert pg.nnz == pairs
     _assert_every_rank_maps_the_in_memory_shard(pg, oracle, graph, GRIDS)
-    # symmetric graphs store only the values of A_mean'' (its structure is A_mean''s)
-    odd = sorted(p.name for p in (tmp_path / "p" / "mean" / "odd" / "1_0").iterdir())
-    assert odd == (["indices.npy", "indptr.npy", "t_indices.npy", "t_indptr.npy",
-                    "t_values.npy", "values.npy"] if kind == "directed"
-                   else ["t_values.npy", "values.npy"])
+    # each block once, no transpose; symmetric graphs store only the values of A_mean''
+    # (its structure is A_mean''s transposed)
+    for folder in ("even", "mean/even", "odd", "mean/odd"):
+        if kind == "symmetric" and folder == "odd":
+            assert not (tmp_path / "p" / folder).exists()
+            continue
+        files = sorted(p.name for p in (tmp_path / "p" / folder / "1_0").iterdir())
+        assert files == (["values.npy"] if kind == "symmetric" and folder == "mean/odd"
+                         else ["indices.npy", "indptr.npy", "values.npy"]), folder
     assert verify(tmp_path / "p") == []  # the mean files have checksums too
     # the GCN's blocks of the same files are unchanged, and the source serves both
     gcn = pg.with_aggregation("gcn")
@@ -131,7 +135,7 @@ def test_a_damaged_mean_block_is_named(tmp_path):
     del arr
     pg = PreparedGraph(out, aggregation="mean")
     grid = ProcessGrid.parse("1x1x1")
-    with pytest.raises(DatasetCorruptError, match=r"mean/even/0_1/t_\{indptr,indices\}\.npy "
+    with pytest.raises(DatasetCorruptError, match=r"mean/even/0_1/\{indptr,indices\}\.npy "
                        r"with mean/odd/1_0/values\.npy: a value is NaN or infinite.*--verify"):
         pg.shard(grid.shape, grid.coords(0), widths(symmetric_multigraph(), 2, 4))
     pg.with_aggregation("gcn").shard(grid.shape, grid.coords(0), widths(directed_graph(), 2, 4))
@@ -173,6 +177,7 @@ def test_the_previous_format_version_is_refused_with_the_command_that_rebuilds_i
         msg = str(e.value)
         assert f"{out} is a prepared dataset of format version 1" in msg
         assert f"reads version {FORMAT_VERSION}" in msg and "--model sage" in msg
+        assert "stores each block once" in msg  # every change since version 1
     assert ("python -m plexus.prepare --source rmat --scale 7 --edge-factor 4 --features 6 "
             f"--classes 4 --blocks 2 --permutation single --seed 3 --out {out} --force") in msg
     _run_rebuild_command(msg, out)
@@ -341,7 +346,7 @@ def test_cli_trains_sage_on_a_prepared_dataset(tmp_path):
 def test_a_rank_maps_only_its_own_blocks(tmp_path, aggregation):
     """Layer l with roles (O, I, P) on rank coordinates c reads file blocks rows
     [c_P k/P, (c_P+1) k/P) x columns [c_O k/O, (c_O+1) k/O) of its matrix and nothing else
-    (not their transposed CSR: the backward reads the block's own, plexus.transpose);
+    (for a symmetric graph's odd layers: the blocks of A' whose transposes they are);
     features only its row chunk of layer 0's O axis, labels and splits only the output rows'
     chunk (the permutations, O(N), whole: they are small)."""
     from plexus import layout
@@ -366,7 +371,7 @@ def test_a_rank_maps_only_its_own_blocks(tmp_path, aggregation):
                 mat = "odd" if layer % 2 else "even"
                 for r in chunk(p):
                     for col in chunk(o):
-                        pre, values, _ = pg._files(mat, r, col, False)
+                        pre, values, _, _ = pg._files(mat, r, col, False)
                         want |= {pre + "indptr.npy", pre + "indices.npy", values}
             blocks = {f for f in pg.files_read if re.search(r"(even|odd)/\d+_\d+/", f)}
             assert blocks == want, (spec, rank)
