@@ -293,18 +293,26 @@ class BlockSparse:
         Shapes:
             x: [m, d] -> [n, d]
         """
-        if cols is not None:
-            if out is None:
-                raise ValueError("matmul(cols=...) adds into out: pass out")
-            return self._matmul_cols(x, out, *cols, slice_cols, cache_bytes)
-        if x.shape[0] != self.shape[1]:
-            raise ValueError(f"matmul of a {self.shape} matrix with a {tuple(x.shape)} one")
         x = x.detach().contiguous()
         d = x.shape[1]
-        tile = d if feature_tile is None else feature_tile
-        if d and (tile < 1 or d % tile):
-            raise ValueError(f"feature_tile={feature_tile} must divide the width d={d}")
-        out = product_out(out, self.shape[0], x)
+        if cols is None:  # the whole product, written over out
+            if x.shape[0] != self.shape[1]:
+                raise ValueError(f"matmul of a {self.shape} matrix with a {tuple(x.shape)} one")
+            tile = d if feature_tile is None else feature_tile
+            if d and (tile < 1 or d % tile):
+                raise ValueError(f"feature_tile={feature_tile} must divide the width d={d}")
+            out = product_out(out, self.shape[0], x)
+            lo, hi, bounds, add = 0, self.shape[1], (), False
+        else:  # columns lo .. hi, added into out
+            lo, hi, bounds = cols
+            if out is None:
+                raise ValueError("matmul(cols=...) adds into out: pass out")
+            if (x.shape[0] != self.shape[1] or tuple(out.shape) != (self.shape[0], d)
+                    or out.dtype != sum_dtype(x.dtype)):
+                raise ValueError(f"columns {lo}..{hi} of a {self.shape} matrix with a "
+                                 f"{tuple(x.shape)} {x.dtype} x into a {tuple(out.shape)} "
+                                 f"{out.dtype} out")
+            tile, add = d, True
         kernels = (numba_kernels() if x.device.type == "cpu" and self.kernel != "torch"
                    else None)
         if kernels is None and self.kernel == "numba-rows" and x.device.type == "cpu":
@@ -318,76 +326,48 @@ class BlockSparse:
         ro, co = self.row_offsets, self.col_offsets
         for r, row in enumerate(self.blocks):
             rows = slice(ro[r], ro[r + 1])
-            first = True
+            first = not add  # the first block of a row writes its rows, the others add
             for c, b in enumerate(row):
-                if b is None:
+                a, z = max(lo, co[c]), min(hi, co[c + 1])
+                if b is None or a >= z:
                     continue
-                cols = slice(co[c], co[c + 1])
-                if kernels is not None and self.kernel == "numba-rows":
-                    kernels.csr_spmm(b.indptr, b.indices, b.values, xn[cols], outn[rows],
-                                     not first)
-                elif kernels is not None:
+                if kernels is not None and self.kernel == "numba-rows" and not add:
+                    kernels.csr_spmm(b.indptr, b.indices, b.values, xn[co[c]:co[c + 1]],
+                                     outn[rows], not first)
+                elif kernels is not None:  # (numba-rows' bits, column ranges included)
                     width = (spmm.slice_cols(b.shape, b.nnz, row_bytes, cache)
                              if slice_cols is None else slice_cols)
-                    plan = spmm.block_slicing(b, width)
-                    x3 = xn[cols].reshape(b.shape[1], d // tile, tile)  # [m, T, t]: free views
+                    local = tuple(int(v) - co[c] for v in bounds if co[c] < v < co[c + 1])
+                    plan = spmm.block_slicing(b, width, local)
+                    s_lo, s_hi = plan.slice_range(a - co[c], z - co[c])
+                    x3 = xn[co[c]:co[c + 1]].reshape(b.shape[1], d // tile, tile)  # free views
                     out3 = outn[rows].reshape(b.shape[0], d // tile, tile)  # [rows, T, t]
                     kernels.csr_spmm_sliced(b.indptr, plan.cuts, plan.chunks, b.indices,
                                             b.values, x3, out3, not first,
-                                            spmm.lookahead(row_bytes), 0, plan.num_slices)
+                                            spmm.lookahead(row_bytes), s_lo, s_hi)
                 else:
-                    t = self._torch.get((r, c))
-                    t = b.to_torch(x.device) if t is None else t
-                    prod = torch.mm(t.to(out.dtype), x[cols].to(out.dtype))
+                    prod = torch.mm(self._torch_block(r, c, b, a - co[c], z - co[c],
+                                                      x.device).to(out.dtype),
+                                    x[a:z].to(out.dtype))
                     out[rows].copy_(prod) if first else out[rows].add_(prod)
                 first = False
-            if first:  # an empty block row
+            if first and not add:  # an empty block row
                 out[rows].zero_()
         return out
 
-    def _matmul_cols(self, x: torch.Tensor, out: torch.Tensor, lo: int, hi: int,
-                     bounds: tuple[int, ...], slice_cols: int | None,
-                     cache_bytes: int | None) -> torch.Tensor:
-        """``out += self[:, lo:hi] @ x`` (:meth:`matmul` with ``cols``)."""
-        x = x.detach().contiguous()
-        d = x.shape[1]
-        if (x.shape[0] != self.shape[1] or tuple(out.shape) != (self.shape[0], d)
-                or out.dtype != sum_dtype(x.dtype)):
-            raise ValueError(f"columns {lo}..{hi} of a {self.shape} matrix with a "
-                             f"{tuple(x.shape)} {x.dtype} x into a {tuple(out.shape)} "
-                             f"{out.dtype} out")
-        # numba-rows too runs the sliced kernel here (bit-identical to the row kernel)
-        kernels = numba_kernels() if x.device.type == "cpu" and self.kernel != "torch" else None
-        if kernels is not None:
-            _set_numba_threads()
-            xn, outn = _kernel_array(x), out.numpy()
-            row_bytes = d * x.element_size()
-            cache = spmm.cache_bytes(cache_bytes) if slice_cols is None else 0
-        ro, co = self.row_offsets, self.col_offsets
-        for r, c, b in self.present():
-            a, z = max(lo, co[c]), min(hi, co[c + 1])
-            if a >= z:
-                continue
-            rows = slice(ro[r], ro[r + 1])
-            if kernels is not None:
-                width = (spmm.slice_cols(b.shape, b.nnz, row_bytes, cache)
-                         if slice_cols is None else slice_cols)
-                local = tuple(int(v) - co[c] for v in bounds if co[c] < v < co[c + 1])
-                plan = spmm.block_slicing(b, width, local)
-                s_lo, s_hi = plan.slice_range(a - co[c], z - co[c])
-                x3 = xn[co[c]:co[c + 1]].reshape(b.shape[1], 1, d)
-                kernels.csr_spmm_sliced(b.indptr, plan.cuts, plan.chunks, b.indices, b.values,
-                                        x3, outn[rows].reshape(b.shape[0], 1, d), True,
-                                        spmm.lookahead(row_bytes), s_lo, s_hi)
-            else:
-                key = (r, c, a - co[c], z - co[c])
-                sub = self._torch_cols.get(key)
-                if sub is None:  # built once per range, kept until the next .to()
-                    t = self._torch.get((r, c))
-                    t = b.to_torch(x.device) if t is None else t
-                    sub = self._torch_cols[key] = _torch_cols(t, a - co[c], z - co[c])
-                out[rows].add_(torch.mm(sub.to(out.dtype), x[a:z].to(out.dtype)))
-        return out
+    def _torch_block(self, r: int, c: int, b: CSRBlock, a: int, z: int,
+                     device: torch.device) -> torch.Tensor:
+        """Block (r, c) as a torch CSR matrix on ``device`` (its copy made by :meth:`to`, or
+        made now), or its columns ``a .. z`` only (built once per range, kept until the next
+        :meth:`to`)."""
+        t = self._torch.get((r, c))
+        t = b.to_torch(device) if t is None else t
+        if (a, z) == (0, b.shape[1]):
+            return t
+        sub = self._torch_cols.get((r, c, a, z))
+        if sub is None:
+            sub = self._torch_cols[r, c, a, z] = _torch_cols(t, a, z)
+        return sub
 
 
 def _torch_cols(t: torch.Tensor, a: int, z: int) -> torch.Tensor:
