@@ -11,10 +11,17 @@ Python objects around, wait for each other.
 
 Every function here is collective over its group (except :func:`rank_and_size`): every rank
 calls it, in the same order. Without a process group each is the one-process answer.
+
+Over the MPI transport an object travels pickled over ``COMM_WORLD``: its length first (a
+broadcast, or an all-gather of every rank's), then the bytes (a broadcast, or an
+``Allgatherv`` at the offsets the lengths give), each a job-wide call of
+:meth:`MPITransport.call`, so that it waits as the transport's synchronous collectives do.
 """
 
 from __future__ import annotations
 
+import itertools
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,10 +40,12 @@ def max_over_ranks(values: Sequence[float], device: torch.device | str = "cpu",
     float64; collective). Without a process group, ``values`` themselves. ``transport``
     (``DistContext.transport``): through MPI when ``device`` is the CPU (microseconds where
     gloo takes milliseconds); every rank must pass one or none alike."""
-    if transport is not None and torch.device(device).type == "cpu":
-        return transport.max_over_ranks(values)
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if transport is not None and t.is_cpu:
+        mpi = _mpi()
+        transport.call("Allreduce", mpi.IN_PLACE,
+                       [mpi.buffer.fromaddress(t.data_ptr(), t.nbytes), mpi.DOUBLE], op=mpi.MAX)
+    elif dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -60,7 +69,7 @@ def rank_and_size(group: Any = None) -> tuple[int, int]:
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's ``obj``, in group order, on every rank of ``group`` (collective)."""
     if isinstance(group, MPITransport):
-        return group.allgather_object(obj)
+        return _mpi_all_gather_object(obj, group)
     if not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
@@ -71,7 +80,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
 def broadcast_object(obj: Any, group: Any = None) -> Any:
     """The ``obj`` of ``group``'s first rank, on every rank of it (collective)."""
     if isinstance(group, MPITransport):
-        return group.bcast_object(obj)
+        return _mpi_broadcast_object(obj, group)
     if not dist.is_initialized():
         return obj
     box = [obj]
@@ -83,6 +92,35 @@ def broadcast_object(obj: Any, group: Any = None) -> Any:
 def barrier(group: Any = None) -> None:
     """Every rank of ``group`` waits here for the others (collective)."""
     if isinstance(group, MPITransport):
-        group.barrier()
+        group.call("Barrier")
     elif dist.is_initialized():
         dist.barrier(group)
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI  # present wherever an MPITransport was built
+
+    return MPI
+
+
+def _mpi_broadcast_object(obj: Any, transport: MPITransport, root: int = 0) -> Any:
+    """Rank ``root``'s ``obj`` on every rank of the job: its pickle's length, then the bytes."""
+    byte, mine = _mpi().BYTE, transport.rank == root
+    data = pickle.dumps(obj) if mine else b""
+    size = bytearray(len(data).to_bytes(8, "little"))
+    transport.call("Bcast", [size, byte], root=root)
+    buf = bytearray(data) if mine else bytearray(int.from_bytes(size, "little"))
+    transport.call("Bcast", [buf, byte], root=root)
+    return obj if mine else pickle.loads(buf)
+
+
+def _mpi_all_gather_object(obj: Any, transport: MPITransport) -> list[Any]:
+    """Every rank's ``obj`` in rank order: the pickles' lengths, then the bytes of all."""
+    byte, data = _mpi().BYTE, pickle.dumps(obj)
+    sizes = bytearray(8 * transport.size)
+    transport.call("Allgather", [len(data).to_bytes(8, "little"), byte], [sizes, byte])
+    counts = [int.from_bytes(sizes[8 * r: 8 * r + 8], "little") for r in range(transport.size)]
+    displs = [0, *itertools.accumulate(counts[:-1])]
+    buf = bytearray(sum(counts))
+    transport.call("Allgatherv", [data, byte], [buf, (counts, displs), byte])
+    return [pickle.loads(buf[d: d + c]) for d, c in zip(displs, counts)]

@@ -11,14 +11,13 @@ else (CUDA tensors: NCCL) through the group's ``torch.distributed`` group.
 
 Asynchronous progress. MPICH advances a non-blocking collective only inside MPI calls, so an
 ``Iallreduce`` left alone while torch computes would mostly wait for ``wait()``. Instead one
-communication thread per process (:class:`ProgressThread`) runs each async collective, in issue
-order, while the caller computes: MPI's blocking call (GIL released), or, when the node has
-fewer than two cores per rank, a non-blocking call that it tests and sleeps on (:func:`_poll`),
-so that it does not spin on the core the compute needs (see :class:`MPITransport` for the
-policy). Synchronous collectives run on the caller's thread when nothing is queued (no hand-off
-latency), else behind the queued ones, so every rank issues every communicator's collectives in
-the same order. Collectives of one process must be issued from one thread (as with
-``torch.distributed``); MPI is initialised with ``MPI_THREAD_MULTIPLE``.
+communication thread per process (:mod:`common.progress`) runs each async collective, in issue
+order, while the caller computes: MPI's blocking call (GIL released), or, with fewer than two
+cores per rank, a non-blocking call that it tests and sleeps on (:func:`poll`), so that it
+does not spin on the core the compute needs (the policy: :class:`MPITransport`). Synchronous
+collectives run on the caller's thread when nothing is queued, else behind the queued ones, so
+every rank issues every communicator's collectives in the same order. Collectives of one
+process must be issued from one thread (as with ``torch.distributed``).
 
 Large all-reduces in pieces. An all-reduce of more than :data:`ALLREDUCE_PIECE_BYTES` runs as
 one MPI all-reduce per piece of that size, in order: the sums are the same elementwise
@@ -32,29 +31,28 @@ Dtypes. Buffers are passed to MPI zero-copy (the tensors' addresses: :meth:`MPIG
 MPI has no reduction for bfloat16 and float16: those are reduced in float32 and rounded once
 at the end (more accurate than a bf16 running sum); gathers move them as 16-bit integers.
 
-Two-level collectives (PCCL, ``two_level=True``): an all-gather or reduce-scatter over a group
-that spans nodes runs in two steps, each with MPI's own algorithm for its size: an all-gather
-first across nodes, between the ranks with the same position in their node (each rank sends
-only its own chunk over the network, all NICs busy at once), then within each node; a
-reduce-scatter first within each node (so only 1/L of the data crosses nodes), then across.
-Used when the group has the same number of ranks on every node, in node-major order. Nodes come from
-``MPI_COMM_TYPE_SHARED``, or from ``ranks_per_node`` (consecutive ranks per node) to simulate a
-layout on one machine.
+Two-level collectives (PCCL, ``two_level=True``): an all-gather over a group that spans nodes
+runs first across nodes, between the ranks with the same position in their node (each rank
+sends only its own chunk over the network, all NICs busy at once), then within each node; a
+reduce-scatter first within each node (so only 1/L of the data crosses nodes), then across;
+each step with MPI's own algorithm for its size. Used when the group has the same number of
+ranks on every node, in node-major order. Nodes come from ``MPI_COMM_TYPE_SHARED``, or from
+``ranks_per_node`` (consecutive ranks per node) to simulate a layout on one machine.
+
+Pickled objects, flags and numbers that every rank of the job agrees on go through
+:mod:`common.exchange`, which calls :meth:`MPITransport.call`.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
-import pickle
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from common.progress import DONE, Done, ProgressThread, Work
+from common.progress import DONE, POLITE, Done, ProgressThread, Work, polite_level, poll
 
 # torch reduce ops -> MPI op names (AVG and the others have no MPI twin)
 _MPI_OPS = {"SUM": "SUM", "MAX": "MAX", "MIN": "MIN", "PRODUCT": "PROD"}
@@ -114,17 +112,17 @@ class MPIGroup:
         progress: the process's :class:`ProgressThread`.
         piece: all-reduces of more bytes run in pieces of this size (0: whole; the module
             docstring). Every rank of the group must give the same.
-        polite: which collectives run as non-blocking MPI calls completed by :func:`_poll`
+        polite: which collectives run as non-blocking MPI calls completed by :func:`poll`
             (test, sleep, test) instead of MPI's spinning blocking call: ``"none"``,
             ``"async"`` (the progress thread leaves the core to the compute it overlaps) or
             ``"all"``. Every rank must decide the same way (MPI does not match a blocking
             collective with a non-blocking one), and does: the choice depends on ``async_op``
             and on this setting, which :class:`MPITransport` agrees on.
 
-    Messages are zero-copy: the tensor's address and an explicit MPI datatype
-    (:meth:`_msg`). mpi4py then parses no buffer format (a numpy view costs two torch calls and
-    mpi4py's format parsing per collective, a sizeable part of a small all-reduce's time). The
-    closures handed to the progress thread hold the tensors until the collective completes.
+    Messages are the tensor's address and an explicit MPI datatype (:meth:`_msg`): mpi4py
+    parses no buffer format (a numpy view costs two torch calls and mpi4py's parsing per
+    collective). The closures handed to the progress thread hold the tensors until the
+    collective completes.
     """
 
     def __init__(self, comm: Any, progress: ProgressThread, node: Any = None,
@@ -167,8 +165,7 @@ class MPIGroup:
     # The synchronous fast path (:mod:`common.collectives` calls these first): the collective
     # on this thread, output allocated here, or None when it must go through the queue (an
     # async collective pending, polite "all", two-level, a dtype MPI cannot reduce). One Python
-    # call between the API and MPI: a 64 KiB collective is short enough that every microsecond
-    # of overhead shows.
+    # call between the API and MPI: a small collective shows every microsecond of overhead.
     def all_reduce_now(self, x: torch.Tensor, op: Any, inplace: bool) -> torch.Tensor | None:
         """All-reduce of contiguous ``x`` (into ``x`` itself when ``inplace``; else a new
         tensor, MPI reading ``x`` directly), or None (see above)."""
@@ -248,7 +245,7 @@ class MPIGroup:
         for lo in range(0, max(total, 1), max(step, 1)):  # one call for an empty tensor
             n = min(step, total - lo)
             send = self._in_place if out is src else [address(s0 + lo, n), kind]
-            _allreduce(self.comm, send, [address(o0 + lo, n), kind], mpi_op, nb)
+            _run(self.comm, "Allreduce", send, [address(o0 + lo, n), kind], op=mpi_op, nb=nb)
 
     def all_gather(self, src: torch.Tensor, out: torch.Tensor, async_op: bool) -> Work | Done:
         """``out`` [g * n] = every rank's ``src`` [n] in group order (flat order)."""
@@ -262,7 +259,7 @@ class MPIGroup:
             if self.two_level:
                 self._all_gather_2l(src, out, nb)
             else:
-                _allgather(self.comm, self._msg(src, types), self._msg(out, types), nb)
+                _run(self.comm, "Allgather", self._msg(src, types), self._msg(out, types), nb=nb)
         return self.progress.run(call, async_op)
 
     def reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, op: Any,
@@ -280,7 +277,8 @@ class MPIGroup:
             if self.two_level:
                 self._reduce_scatter_2l(s, o, mpi_op, nb)
             else:
-                _reduce_scatter(self.comm, self._msg(s, types), self._msg(o, types), mpi_op, nb)
+                _run(self.comm, "Reduce_scatter_block", self._msg(s, types), self._msg(o, types),
+                     op=mpi_op, nb=nb)
             if wide:
                 out.copy_(o)
         return self.progress.run(call, async_op)
@@ -293,19 +291,15 @@ class MPIGroup:
         nb, types, comm = self._nb(async_op), self._gather_types, self.comm
 
         def exchange(src: torch.Tensor, out: torch.Tensor) -> None:
-            send, recv = self._msg(src, types), self._msg(out, types)
-            if nb:
-                _poll(comm.Ialltoall(send, recv))
-            else:
-                comm.Alltoall(send, recv)
+            _run(comm, "Alltoall", self._msg(src, types), self._msg(out, types), nb=nb)
 
         def gather(src: torch.Tensor, out: torch.Tensor) -> None:
-            _allgather(comm, self._msg(src, types), self._msg(out, types), nb)
+            _run(comm, "Allgather", self._msg(src, types), self._msg(out, types), nb=nb)
 
         return self.progress.run(lambda: fn(exchange, gather), async_op)
 
     def _nb(self, async_op: bool) -> bool:
-        """Non-blocking + :func:`_poll` (True) or MPI's blocking call (False)."""
+        """Non-blocking + :func:`poll` (True) or MPI's blocking call (False)."""
         return self.polite == "all" or (async_op and self.polite == "async")
 
     # Two-level (PCCL). Group order is node-major: rank (n, l) = node n, position l; g = N * L.
@@ -313,9 +307,9 @@ class MPIGroup:
         num_nodes, per_node = self.cross.Get_size(), self.node.Get_size()
         n, types = src.numel(), self._gather_types
         across = torch.empty(num_nodes * n, dtype=src.dtype)  # [N, n]: position l of each node
-        _allgather(self.cross, self._msg(src, types), self._msg(across, types), nb)
+        _run(self.cross, "Allgather", self._msg(src, types), self._msg(across, types), nb=nb)
         by_pos = torch.empty(per_node * num_nodes * n, dtype=src.dtype)  # [L, N, n]
-        _allgather(self.node, self._msg(across, types), self._msg(by_pos, types), nb)
+        _run(self.node, "Allgather", self._msg(across, types), self._msg(by_pos, types), nb=nb)
         out.view(num_nodes, per_node, n).copy_(by_pos.view(per_node, num_nodes, n).transpose(0, 1))
 
     def _reduce_scatter_2l(self, src: torch.Tensor, out: torch.Tensor, mpi_op: Any,
@@ -325,63 +319,27 @@ class MPIGroup:
         # [N, L, n] -> [L, N, n]: the node step leaves position l the node's sum of column l
         by_pos = src.view(num_nodes, per_node, n).transpose(0, 1).contiguous()
         mine = torch.empty(num_nodes * n, dtype=src.dtype)  # [N, n]
-        _reduce_scatter(self.node, self._msg(by_pos, types), self._msg(mine, types), mpi_op, nb)
-        _reduce_scatter(self.cross, self._msg(mine, types), self._msg(out, types), mpi_op, nb)
+        _run(self.node, "Reduce_scatter_block", self._msg(by_pos, types), self._msg(mine, types),
+             op=mpi_op, nb=nb)
+        _run(self.cross, "Reduce_scatter_block", self._msg(mine, types), self._msg(out, types),
+             op=mpi_op, nb=nb)
 
 
-# The MPI calls: MPI's blocking call, or (nb) the non-blocking one completed by _poll.
-def _allreduce(comm: Any, send: Any, recv: Any, op: Any, nb: bool) -> None:
+def _run(comm: Any, name: str, *args: Any, nb: bool, **kwargs: Any) -> None:
+    """mpi4py's collective ``name`` (``"Allreduce"``, ...) on ``comm``: MPI's blocking call,
+    or (``nb``) its non-blocking twin (``"Iallreduce"``) completed by :func:`poll`."""
     if nb:
-        _poll(comm.Iallreduce(send, recv, op=op))
+        poll(getattr(comm, "I" + name[0].lower() + name[1:])(*args, **kwargs))
     else:
-        comm.Allreduce(send, recv, op=op)
-
-
-def _allgather(comm: Any, send: Any, recv: Any, nb: bool) -> None:
-    if nb:
-        _poll(comm.Iallgather(send, recv))
-    else:
-        comm.Allgather(send, recv)
-
-
-def _bcast(comm: Any, buf: Any, root: int, nb: bool) -> None:
-    if nb:
-        _poll(comm.Ibcast(buf, root=root))
-    else:
-        comm.Bcast(buf, root=root)
-
-
-def _reduce_scatter(comm: Any, send: Any, recv: Any, op: Any, nb: bool) -> None:
-    if nb:
-        _poll(comm.Ireduce_scatter_block(send, recv, op=op))
-    else:
-        comm.Reduce_scatter_block(send, recv, op=op)
-
-
-def _poll(request: Any, spin_s: float = 5e-5, max_sleep_s: float = 5e-4) -> None:
-    """Complete ``request`` politely: test it (each test drives MPI's progress) for up to
-    ``spin_s``, then sleep between tests (20 us, doubling up to ``max_sleep_s``), so that a
-    waiting rank or thread gives its core to the work it waits for."""
-    end = time.perf_counter() + spin_s
-    while not request.Test():
-        if time.perf_counter() > end:
-            break
-    else:
-        return
-    delay = 2e-5
-    while not request.Test():
-        time.sleep(delay)
-        delay = min(2 * delay, max_sleep_s)
+        getattr(comm, name)(*args, **kwargs)
 
 
 def _piece_from_env() -> int:
     """The all-reduce piece size in bytes: ``HPC_MPI_ALLREDUCE_PIECE`` (0: whole messages),
     else :data:`ALLREDUCE_PIECE_BYTES`."""
     text = os.environ.get(ENV_ALLREDUCE_PIECE, "").strip()
-    if not text:
-        return ALLREDUCE_PIECE_BYTES
     try:
-        value = int(text)
+        value = int(text) if text else ALLREDUCE_PIECE_BYTES
     except ValueError:
         value = -1
     if value < 0:
@@ -422,19 +380,10 @@ class MPITransport:
                                  f"{self.size} ranks of the job")
             node = self.rank // ranks_per_node
         self.node_of: list[int] = self.world.allgather(node)
-        # MPI's blocking wait spins (then yields): the fastest for the short waits of small
-        # collectives, up to one rank per core and even at two (make train's job, 4 ranks on 2
-        # cores, runs faster spinning than sleeping). The progress thread waits politely unless
-        # every rank has a second core for it: spinning there takes the core from this rank's
-        # own compute (bench/comm_backends.py). Above two ranks per core every wait sleeps:
-        # spinning ranks then starve the ranks they wait for (the 8-rank plexus parallel ==
-        # serial test on 2 cores runs several times slower spinning than sleeping). All ranks
-        # must agree (blocking and non-blocking collectives do not match).
-        if polite is None:
-            per_core = local_size / cores_available()
-            level = 2 if per_core > 2 else 1 if per_core > 0.5 else 0
-            polite = ("none", "async", "all")[self.world.allreduce(level, op=mpi.MAX)]
-        if polite not in ("none", "async", "all"):
+        if polite is None:  # from the busiest node (progress.polite_level), agreed by all
+            level = polite_level(local_size / cores_available())
+            polite = POLITE[self.world.allreduce(level, op=mpi.MAX)]
+        if polite not in POLITE:
             raise ValueError(f"polite={polite!r}: use none, async or all")
         self.polite = polite
         try:  # agreed before raising, so that a rank with a bad value leaves none waiting
@@ -448,50 +397,13 @@ class MPITransport:
         self.progress = ProgressThread()
         self._comms: list[Any] = []
 
-    def max_over_ranks(self, values: Sequence[float]) -> list[float]:
-        """The elementwise maximum of ``values`` over ``COMM_WORLD``, on every rank
-        (collective; it waits as the transport's synchronous collectives do)."""
-        mpi = _mpi()
-        buf = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        msg = [mpi.buffer.fromaddress(buf.data_ptr(), buf.nbytes), mpi.DOUBLE]
-        _allreduce(self.world, mpi.IN_PLACE, msg, mpi.MAX, self.polite == "all")
-        return buf.tolist()
-
-    # Small job-wide exchanges of Python objects (checkpoints, start-up): pickled, over
-    # COMM_WORLD, waiting as the transport's synchronous collectives do.
-    def barrier(self) -> None:
-        """Every rank of the job waits here for the others (collective)."""
-        if self.polite == "all":
-            _poll(self.world.Ibarrier())
-        else:
-            self.world.Barrier()
-
-    def bcast_object(self, obj: Any, root: int = 0) -> Any:
-        """Rank ``root``'s ``obj`` on every rank (collective)."""
-        mpi, nb = _mpi(), self.polite == "all"
-        data = pickle.dumps(obj) if self.rank == root else b""
-        size = bytearray(len(data).to_bytes(8, "little"))
-        _bcast(self.world, [size, mpi.BYTE], root, nb)
-        buf = bytearray(data) if self.rank == root else bytearray(int.from_bytes(size, "little"))
-        _bcast(self.world, [buf, mpi.BYTE], root, nb)
-        return obj if self.rank == root else pickle.loads(buf)
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank (collective)."""
-        mpi, nb = _mpi(), self.polite == "all"
-        data = pickle.dumps(obj)
-        sizes = bytearray(8 * self.size)
-        _allgather(self.world, [len(data).to_bytes(8, "little"), mpi.BYTE], [sizes, mpi.BYTE],
-                   nb)
-        counts = [int.from_bytes(sizes[8 * r: 8 * r + 8], "little") for r in range(self.size)]
-        displs = [0, *itertools.accumulate(counts[:-1])]
-        buf = bytearray(sum(counts))
-        recv = [buf, (counts, displs), mpi.BYTE]
-        if nb:
-            _poll(self.world.Iallgatherv([data, mpi.BYTE], recv))
-        else:
-            self.world.Allgatherv([data, mpi.BYTE], recv)
-        return [pickle.loads(buf[d: d + c]) for d, c in zip(displs, counts)]
+    def call(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """``COMM_WORLD``'s collective ``name`` (mpi4py's buffer method: ``"Bcast"``,
+        ``"Allgatherv"``, ...) on every rank, waiting as the transport's synchronous
+        collectives do: MPI's blocking call, or with ``polite="all"`` its non-blocking twin
+        (``"Ibcast"``) completed by :func:`poll`. The job-wide exchanges of
+        :mod:`common.exchange` (flags, numbers, pickled objects) run through it."""
+        _run(self.world, name, *args, nb=self.polite == "all", **kwargs)
 
     def split(self, groups: Sequence[Sequence[int]]) -> MPIGroup | None:
         """The :class:`MPIGroup` of this rank among ``groups`` (a partition of the world's

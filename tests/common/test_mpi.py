@@ -11,7 +11,6 @@ import torch
 
 from common import collectives as coll
 from common.comm_stats import CommStats
-from common.exchange import any_rank, max_over_ranks
 from common.grid import AXONN_AXES, PLEXUS_AXES, ProcessGrid
 from common.mpi import MPITransport, ProgressThread
 from tests.distributed import launch, needs_mpi, run_ranks
@@ -95,25 +94,8 @@ def _progress(ctx):
                 not m.supports(torch.zeros(2, dtype=torch.bool)),  # gathers move any bytes
                 m.supports(torch.zeros(2, dtype=torch.bool), coll.ReduceOp.SUM),
                 m.supports(torch.zeros(2), coll.ReduceOp.AVG)]
-    # the job-wide agreements, over MPI and over gloo
-    vals, top = [float(ctx.rank), -float(ctx.rank), 1.5], float(ctx.world_size - 1)
-    agree = [ctx.transport is not None,
-             max_over_ranks(vals, transport=ctx.transport) == max_over_ranks(vals)
-             == [top, 0.0, 1.5],
-             any_rank(ctx.rank == 1, transport=ctx.transport),
-             not any_rank(False, transport=ctx.transport)]
-    # pickled objects (checkpoints, start-up), blocking and polite
-    for polite in ("none", "all"):
-        t = MPITransport(polite=polite)
-        try:
-            t.barrier()
-            got = t.bcast_object({"from": ctx.rank, "x": [1.5]} if ctx.rank == 0 else None)
-            agree.append(got == {"from": 0, "x": [1.5]})
-            agree.append(t.allgather_object(("r", ctx.rank, "y" * 1000 * ctx.rank))
-                         == [("r", r, "y" * 1000 * r) for r in range(ctx.world_size)])
-        finally:
-            t.close()
-    return progressed, bool((h.wait() == total).all()), stats.total_bytes, declines, agree
+    return (progressed, bool((h.wait() == total).all()), stats.total_bytes, declines,
+            ctx.transport is not None)
 
 
 @needs_mpi
@@ -130,11 +112,11 @@ def test_mpi_transport_equals_gloo_and_two_level_equals_flat():
 @needs_mpi
 @pytest.mark.slow
 def test_async_collectives_progress_without_wait():
-    for progressed, correct, nbytes, declines, agree in run_ranks(_progress, 2, comm="mpi"):
+    for progressed, correct, nbytes, declines, transport in run_ranks(_progress, 2, comm="mpi"):
         assert progressed and correct
         assert nbytes == 4 << 20  # ring all-reduce over 2 ranks: 2 (g-1)/g * 4 MiB
         assert not any(declines), declines
-        assert all(agree), agree  # max_over_ranks / any_rank as gloo's; objects
+        assert transport  # under mpiexec the context holds the MPI transport
 
 
 
