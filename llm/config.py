@@ -5,7 +5,8 @@ construction): :class:`DataConfig`, :class:`OptimConfig` (AdamW with warmup + co
 :class:`PrecisionConfig` (bf16, activation checkpointing).
 
 Pure data (importing it loads no torch): the planners read the shapes without building a
-model. :mod:`llm.model` re-exports the model's names.
+model; :class:`GPTConfig` extends the planner's :class:`common.perf.gpt.GPTShape`, so each size
+is declared once. :mod:`llm.model` re-exports the model's names.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from common.perf.gpt import GPTShape
 from common.precision import PRECISIONS
 
 __all__ = ["DEFAULT_STEPS", "IGNORE", "OVERLAPS", "PRECISIONS", "PRESETS", "STRATEGIES",
@@ -28,68 +30,31 @@ DEFAULT_STEPS = 200  # when neither steps nor epochs is given
 
 
 @dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Sizes of a GPT.
+class GPTConfig(GPTShape):
+    """Sizes of a GPT: the shape the planner reads (:class:`common.perf.gpt.GPTShape`:
+    vocab_size, num_layers, num_heads, num_kv_heads, d_model, d_ff, tie_embeddings, each
+    documented there) and what only the model needs.
 
     Attributes:
-        vocab_size: number of token ids (V).
-        num_layers: number of transformer blocks.
-        num_heads: query heads (H).
-        num_kv_heads: key/value heads (Hkv); None in the constructor means ``num_heads``
-            (plain multi-head attention) and is stored resolved, so the attribute is an int.
-            ``dataclasses.replace(config, num_heads=...)`` keeps the resolved value: pass
-            ``num_kv_heads`` too when changing the heads.
-        d_model: residual width (D); head_dim = d_model / num_heads.
-        d_ff: hidden width of the SwiGLU MLP (F).
         max_seq_len: longest sequence the rotary tables cover.
         rope_theta: RoPE base; frequency i is rope_theta ** (-2i / head_dim).
-        tie_embeddings: share the token embedding with the LM head.
         norm_eps: epsilon of RMSNorm.
     """
 
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int | None = None  # resolved to an int by __post_init__
-    d_model: int
-    d_ff: int
     max_seq_len: int
     rope_theta: float = 10000.0
-    tie_embeddings: bool = False
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads is None:  # frozen: set through object.__setattr__
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "d_ff", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads="
-                             f"{self.num_heads} ({self.d_model} % {self.num_heads} = "
-                             f"{self.d_model % self.num_heads})")
+        super().__post_init__()
+        if self.max_seq_len < 1:
+            raise ValueError(f"GPTConfig.max_seq_len must be >= 1, got {self.max_seq_len}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim = d_model / num_heads = {self.d_model} / {self.num_heads}"
                              f" = {self.head_dim} must be even for rotary embeddings")
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} "
                              f"must be > 0")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-    def num_params(self) -> int:
-        """Exact number of parameters of :class:`GPT` (tied weights counted once)."""
-        d, kv = self.d_model, self.num_kv_heads * self.head_dim
-        attn = 2 * d * d + 2 * d * kv  # q, o: D x D; k, v: D x (Hkv * Dh)
-        mlp = 3 * d * self.d_ff  # gate, up, down
-        per_layer = attn + mlp + 2 * d  # + two RMSNorm weights
-        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + d + embed
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward), as in PaLM's MFU definition.
@@ -103,10 +68,8 @@ class GPTConfig:
             seq_len: context length; defaults to ``max_seq_len``.
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
-        d, kv = self.d_model, self.num_kv_heads * self.head_dim
-        matmul = self.num_layers * (2 * d * d + 2 * d * kv + 3 * d * self.d_ff)
-        matmul += self.vocab_size * d  # LM head
-        return 6 * matmul + 12 * self.num_layers * d * seq_len
+        matmul = sum(i * o * n for i, o, _, n in self.linears())
+        return 6 * matmul + 12 * self.num_layers * self.d_model * seq_len
 
 
 def tiny() -> GPTConfig:

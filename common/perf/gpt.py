@@ -34,13 +34,14 @@ block twice (use and prefetch), the dW blocks in flight, one micro-step's activa
 trainer keeps them (measured coefficients), float32 logits, and a runtime allowance. The planner
 refuses grids with problems (:meth:`GPTWorkload.grid_problems`: row must divide the heads and
 the key/value heads, data x depth the batch, and tied embeddings need depth = row = col = 1).
-Pure Python.
+The model's sizes are declared once, in :class:`GPTShape`, which ``llm.config.GPTConfig``
+extends. Pure Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from common.grid import AXONN_AXES, ProcessGrid, ceil_div
@@ -62,15 +63,84 @@ ORS_WINDOW = 2  # reduce-scatters of dW in flight at once (llm.parallel.layers.D
 
 
 @dataclass(frozen=True, kw_only=True)
-class GPTWorkload:
-    """A GPT optimizer step as the model sees it.
+class GPTShape:
+    """The sizes of a GPT, declared once: ``llm.config.GPTConfig`` (the model) and
+    :class:`GPTWorkload` (the planner's step) both extend it (common imports no engine).
+
+    Attributes:
+        vocab_size: number of token ids (V).
+        num_layers: number of transformer blocks.
+        num_heads: query heads (H).
+        num_kv_heads: key/value heads (Hkv); None in the constructor means ``num_heads``
+            (plain multi-head attention) and is stored resolved, so the attribute is an int.
+            ``dataclasses.replace(shape, num_heads=...)`` keeps the resolved value: pass
+            ``num_kv_heads`` too when changing the heads.
+        d_model: residual width (D); head_dim = d_model / num_heads.
+        d_ff: hidden width of the SwiGLU MLP (F).
+        tie_embeddings: share the token embedding with the LM head.
+    """
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None  # resolved to an int by __post_init__
+    d_model: int
+    d_ff: int
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:  # frozen: set through object.__setattr__
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        for name in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "d_model", "d_ff"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads="
+                             f"{self.num_heads} ({self.d_model} % {self.num_heads} = "
+                             f"{self.d_model % self.num_heads})")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.kv_heads} (grouped-query attention)")
+
+    @property
+    def kv_heads(self) -> int:
+        """``num_kv_heads`` as an int (always resolved after construction)."""
+        assert self.num_kv_heads is not None
+        return self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def linears(self) -> list[tuple[int, int, bool, int]]:
+        """(in, out, transposed, count) of every Linear: q, k, v, o, gate, up, down per block
+        (count = num_layers) and the LM head."""
+        d, f, kv = self.d_model, self.d_ff, self.kv_heads * self.head_dim
+        block = [(d, d, False), (d, kv, False), (d, kv, False), (d, d, True), (d, f, False),
+                 (d, f, False), (f, d, True)]
+        return ([(i, o, t, self.num_layers) for i, o, t in block]
+                + [(d, self.vocab_size, False, 1)])
+
+    def num_params(self) -> int:
+        """Parameters of the model (Linears, embedding, RMSNorm weights; a tied LM head is
+        the embedding, counted once)."""
+        linear = sum(i * o * n for i, o, _, n in self.linears())
+        embed = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return linear + embed + (2 * self.num_layers + 1) * self.d_model
+
+
+# the fields GPTWorkload.from_config copies from a model config
+MODEL_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(GPTShape))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTWorkload(GPTShape):
+    """A GPT optimizer step as the model sees it: the model's :class:`GPTShape` and the
+    training sizes.
 
     Attributes:
         name: label for tables.
-        vocab_size, num_layers, num_heads, d_model, d_ff, tie_embeddings: model sizes, named
-            as in ``llm.model.GPTConfig``.
-        num_kv_heads: key/value heads; None in the constructor means ``num_heads`` (the
-            resolved value is stored).
         seq_len: tokens per sequence T.
         global_batch: sequences per optimizer step, over all ranks.
         micro_batch: sequences per micro-step over all ranks (llm.train's ``--batch-size``;
@@ -84,13 +154,6 @@ class GPTWorkload:
     """
 
     name: str = "gpt"
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int | None = None  # resolved to an int by __post_init__
-    d_model: int
-    d_ff: int
-    tie_embeddings: bool = False
     seq_len: int
     global_batch: int
     micro_batch: int | None = None
@@ -101,17 +164,11 @@ class GPTWorkload:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads is None:  # frozen: set through object.__setattr__
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        for f in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "d_model", "d_ff",
-                  "seq_len", "global_batch", "param_bytes", "grad_bytes", "activation_bytes",
+        super().__post_init__()
+        for f in ("seq_len", "global_batch", "param_bytes", "grad_bytes", "activation_bytes",
                   "bytes_per_param"):
             if getattr(self, f) < 1:
                 raise ValueError(f"GPTWorkload.{f} must be >= 1, got {getattr(self, f)}")
-        if self.d_model % self.num_heads or self.num_heads % self.kv_heads:
-            raise ValueError(f"need d_model % num_heads == 0 and num_heads % num_kv_heads == 0, "
-                             f"got d_model={self.d_model}, num_heads={self.num_heads}, "
-                             f"num_kv_heads={self.kv_heads}")
         if self.micro_batch is not None and (
                 self.micro_batch < 1 or self.global_batch % self.micro_batch):
             raise ValueError(f"micro_batch must divide global_batch: {self.global_batch} % "
@@ -128,12 +185,6 @@ class GPTWorkload:
         model = {f: getattr(config, f) for f in MODEL_FIELDS}
         return cls(**model, seq_len=seq_len or config.max_seq_len, global_batch=global_batch,
                    **sizes)
-
-    @property
-    def kv_heads(self) -> int:
-        """``num_kv_heads`` as an int (always resolved after construction)."""
-        assert self.num_kv_heads is not None
-        return self.num_kv_heads
 
     def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
         """Why this model and batch cannot run on ``shape`` (data, depth, row, col), with the
@@ -161,27 +212,6 @@ class GPTWorkload:
             if batch is not None and batch % dz:
                 out.append(f"batch: {name}={batch} % (data*depth={dz}) = {batch % dz}")
         return out
-
-    def linears(self) -> list[tuple[int, int, bool, int]]:
-        """(in, out, transposed, count) of every Linear: q, k, v, o, gate, up, down per block
-        (count = num_layers) and the LM head."""
-        d, f = self.d_model, self.d_ff
-        kv = self.kv_heads * (d // self.num_heads)
-        block = [(d, d, False), (d, kv, False), (d, kv, False), (d, d, True), (d, f, False),
-                 (d, f, False), (f, d, True)]
-        return ([(i, o, t, self.num_layers) for i, o, t in block]
-                + [(d, self.vocab_size, False, 1)])
-
-    def num_params(self) -> int:
-        """Parameters of the model (Linears, embedding, RMSNorm weights; a tied LM head is
-        the embedding, counted once)."""
-        linear = sum(i * o * n for i, o, _, n in self.linears())
-        embed = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-        return linear + embed + (2 * self.num_layers + 1) * self.d_model
-
-
-MODEL_FIELDS: tuple[str, ...] = ("vocab_size", "num_layers", "num_heads", "num_kv_heads",
-                                 "d_model", "d_ff", "tie_embeddings")
 
 
 def _blocks(work: GPTWorkload, shape: Mapping[str, int]) -> list[tuple[int, int, bool, int]]:

@@ -82,6 +82,33 @@ def test_grids_with_problems_are_refused():
                         seq_len=8, global_batch=4, micro_batch=3)
 
 
+def test_the_shape_is_declared_once_and_checked_alike():
+    """GPTWorkload extends GPTShape (as llm.config.GPTConfig does): the model's sizes, their
+    checks and the parameter count are written in one place."""
+    shape = gpt.GPTShape(vocab_size=100, num_layers=2, num_heads=6, num_kv_heads=2, d_model=48,
+                         d_ff=96)
+    assert gpt.MODEL_FIELDS == ("vocab_size", "num_layers", "num_heads", "num_kv_heads",
+                                "d_model", "d_ff", "tie_embeddings")
+    work = gpt.GPTWorkload.from_config(shape, global_batch=4, seq_len=8)
+    assert isinstance(work, gpt.GPTShape) and (work.head_dim, work.kv_heads) == (8, 2)
+    # per block q, o 48 x 48, k, v 48 x 16, gate, up, down 48 x 96; LM head and embedding
+    # 100 x 48; five RMSNorms of 48
+    want = 2 * (2 * 48 * 48 + 2 * 48 * 16 + 3 * 48 * 96) + 2 * 100 * 48 + 5 * 48
+    assert shape.num_params() == work.num_params() == want
+    assert replace(shape, tie_embeddings=True).num_params() == want - 100 * 48
+    sizes = {"vocab_size": 100, "num_layers": 2, "num_heads": 6, "d_model": 48, "d_ff": 96,
+             "seq_len": 8, "global_batch": 4}
+    for changes, message in [({"num_layers": 0}, "GPTWorkload.num_layers must be >= 1, got 0"),
+                             ({"num_kv_heads": 0}, "GPTWorkload.num_kv_heads must be >= 1"),
+                             ({"d_model": 50}, r"d_model=50 is not divisible by num_heads=6 "
+                                               r"\(50 % 6 = 2\)"),
+                             ({"num_kv_heads": 4}, "num_heads=6 must be a multiple of "
+                                                   "num_kv_heads=4"),
+                             ({"seq_len": 0}, "GPTWorkload.seq_len must be >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            gpt.GPTWorkload(**{**sizes, **changes})
+
+
 def test_from_config_copies_the_same_named_fields():
     from types import SimpleNamespace
 
