@@ -1,6 +1,6 @@
 """Performance model of one GPT optimizer step on the 4D grid data x depth x row x col
 (docs/design/llm-4d-goldfish.md sections 1-3; AxoNN, Singh et al. arXiv 2305.13525;
-llm/parallel/gpt.py).
+llm/parallel/layout.py).
 
 Grid ``D x Z x R x C`` (col fastest). A *normal* Linear ``W [out, in]`` keeps the block
 ``[ceil(out/R), ceil(in/C)]``, flattened and split ``1/Z`` over depth (a flat shard of

@@ -1,14 +1,14 @@
 """The 4D-parallel GPT equals the single-process GPT: loss and every gradient, many grids, with
-the overlaps on and off; the pure layout arithmetic; the grid check.
+the overlaps on and off; greedy generation; the grid check (the layout and the shards:
+test_layout.py, test_shards.py).
 
 Grids are ``data x depth x row x col``; sizes are chosen so that the vocabulary (61, prime),
 d_ff (45) and the flat depth shards need padding, and in one case d_model (30) on col. The
 4-rank and 8-rank cases run in the shared launches of conftest.py (``four_ranks``,
-``eight_ranks``). Pure slicing is tested without torch.distributed.
+``eight_ranks``).
 """
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -20,7 +20,8 @@ from llm.config import Overlap
 from llm.goldfish import goldfish_loss, goldfish_mask
 from llm.loss import goldfish_sums
 from llm.model import GPT, GPTConfig
-from llm.parallel.gpt import ParallelGPT, batch_shard, make_groups, param_specs, shard_tensor
+from llm.parallel.gpt import ParallelGPT, make_groups
+from llm.parallel.layout import batch_shard
 from tests.llm.helpers import assert_greedy_agrees, logits_sums
 from tests.rounding import assert_orders_agree, order_bound
 
@@ -181,59 +182,6 @@ def check_cases(results):
             assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
 
 
-# ----------------------------------------------------------------- pure layout tests
-def assemble(shards, spec, sizes):
-    """Rebuild a full tensor from every coordinate's shard (pure, the inverse of slicing)."""
-    block = spec.block_shape(sizes)
-    padded = torch.zeros([b * (sizes[a] if a else 1) for b, a in zip(block, spec.axes)])
-    for coords, shard in shards.items():
-        c = dict(zip(("depth", "row", "col"), coords))
-        if spec.flat:
-            if c["depth"]:
-                continue
-            flat = torch.cat([shards[(z, c["row"], c["col"])] for z in range(sizes["depth"])])
-            shard = flat[: block[0] * block[1]].view(block) if len(block) == 2 else flat
-        index = tuple(slice(c[a] * n, (c[a] + 1) * n) if a else slice(None)
-                      for n, a in zip(block, spec.axes))
-        padded[index] = shard
-    return padded[tuple(slice(0, n) for n in spec.shape)]
-
-
-@pytest.mark.parametrize("depth, row, col", [(1, 1, 1), (2, 1, 1), (1, 2, 2), (3, 2, 4),
-                                             (2, 4, 1)])
-def test_shards_cover_the_full_tensor(depth, row, col):
-    config = dataclasses.replace(BASE, num_kv_heads=4) if row == 4 else BASE
-    sizes = {"data": 1, "depth": depth, "row": row, "col": col}
-    model = GPT(config, seed=0)
-    specs = param_specs(config, sizes)
-    assert set(specs) == {n for n, _ in model.named_parameters()}
-    for name, full in model.state_dict().items():
-        spec = specs[name]
-        shards = {}
-        for z, r, c in itertools.product(range(depth), range(row), range(col)):
-            coords = {"data": 0, "depth": z, "row": r, "col": c}
-            shards[(z, r, c)] = shard_tensor(full, spec, sizes, coords)
-            want = (spec.shard_numel(sizes),) if spec.flat else spec.block_shape(sizes)
-            assert shards[(z, r, c)].shape == want, name
-        assert torch.equal(assemble(shards, spec, sizes), full), name
-
-
-def test_layout_of_the_linears():
-    sizes = {"data": 2, "depth": 2, "row": 2, "col": 4}
-    specs = param_specs(BASE, sizes)
-    q, o = specs["blocks.0.attn.q_proj.weight"], specs["blocks.1.attn.o_proj.weight"]
-    assert q.axes == ("row", "col") and o.axes == ("col", "row") and q.flat and o.flat
-    assert specs["blocks.0.mlp.gate_proj.weight"].block_shape(sizes) == (23, 8)  # 45 -> 46 / 2
-    assert specs["blocks.0.mlp.down_proj.weight"].block_shape(sizes) == (8, 23)
-    assert specs["lm_head.weight"].block_shape(sizes) == (31, 8)  # vocab 61 -> 62 / 2
-    assert specs["blocks.0.mlp.gate_proj.weight"].shard_numel(sizes) == 92
-    assert specs["norm.weight"].replicated == ("row", "depth")
-    assert specs["tok_emb.weight"].axes == (None, "col")
-    one = {a: 1 for a in AXONN_AXES}
-    assert all(s.axes == (None,) * len(s.shape) and not s.flat
-               for s in param_specs(BASE, one).values())
-
-
 def fake_groups(**sizes):
     """Axis groups of rank 0 that never communicate (for checks before any collective)."""
     sizes = {a: sizes.get(a, 1) for a in AXONN_AXES}
@@ -260,13 +208,3 @@ def test_grid_errors_show_the_arithmetic():
     ParallelGPT(meta(tied), fake_groups(data=2), seed=0)  # data parallel: fine
     ParallelGPT(meta(BASE), fake_groups(data=2, depth=3), seed=0)  # any batch pads to data x depth
     ParallelGPT(GPT(BASE), fake_groups(depth=2))  # a full model is sliced
-
-
-def test_batch_shard_pads_and_splits_over_data_then_depth():
-    batch = torch.arange(5 * 3).view(5, 3)
-    rows = []
-    for d, z in itertools.product(range(2), range(2)):
-        groups = {"data": AxisGroup("data", None, 2, d), "depth": AxisGroup("depth", None, 2, z)}
-        rows.append(batch_shard(batch, groups, -1))
-    assert all(r.shape == (2, 3) for r in rows)
-    assert torch.equal(torch.cat(rows)[:5], batch) and (torch.cat(rows)[5:] == -1).all()

@@ -1,14 +1,14 @@
-"""Keyed initialisation (llm.parallel.keyed_init): every grid draws exactly its shards of the
-one-process
-GPT, no parameter stays on the meta device, and a rank's build never holds the full model
-(peak RSS of a ~200M-parameter build in a fresh process).
+"""Keyed initialisation (llm.parallel.keyed_init): any block of a parameter is the slice of
+the full draw, ParallelGPT built on the meta device holds the one-process GPT with no
+parameter left on meta, and a rank's build never holds the full model (peak RSS of a
+~200M-parameter build in a fresh process). That every grid's shards (init_shards) are the
+slices of the serial parameters: test_shards.py.
 
-Shards are computed for every coordinate in this one process (``init_shards`` is pure, and
-``ParallelGPT`` communicates nothing while it is built), so no ranks are launched.
+Every coordinate is built in this one process (``ParallelGPT`` communicates nothing while it
+is built), so no ranks are launched.
 """
 
 import dataclasses
-import itertools
 import json
 import sys
 
@@ -18,23 +18,14 @@ import torch
 import llm.parallel.keyed_init
 from common.grid import AXONN_AXES, AxisGroup
 from llm.model import GPT, GPTConfig, init_std
-from llm.parallel.gpt import ParallelGPT, init_shards, param_specs, shard_tensor
+from llm.parallel.gpt import ParallelGPT
 from llm.parallel.keyed_init import fill_normal_
+from llm.parallel.layout import param_specs
 from tests.distributed import launch
-from tests.llm.parallel.test_gpt import BASE, ODD_D, assemble
+from tests.llm.parallel.test_gpt import BASE, ODD_D
+from tests.llm.parallel.test_shards import CHUNKS, assemble, coords_of
 
 SEED = 7
-# depth x row x col: cubic, lopsided (1x1x4, 1x4x1, 4x1x2, 1x2x4), and depth 3 / 5, whose flat
-# shards need padding; the configs need padding on the vocabulary, d_ff and (ODD_D) d_model
-GRIDS = [((2, 2, 2), {}), ((1, 1, 4), ODD_D), ((1, 4, 1), {"num_kv_heads": 4}),
-         ((4, 1, 2), {}), ((1, 2, 4), ODD_D), ((3, 2, 1), {}), ((5, 1, 3), ODD_D)]
-# one draw per parameter; several rows; one row each
-CHUNKS = [llm.parallel.keyed_init.CHUNK_NUMEL, 50, 7]
-
-
-def coords_of(sizes):
-    for z, r, c in itertools.product(*(range(sizes[a]) for a in ("depth", "row", "col"))):
-        yield {"data": 0, "depth": z, "row": r, "col": c}
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -57,27 +48,6 @@ def test_any_block_and_range_equals_the_slice_of_the_full_draw(chunk, monkeypatc
     part = fill_normal_(torch.empty(4), seed=1, name="w", shape=(9,), std=2.0, origin=(6,),
                         block=(4,))
     assert torch.equal(part, torch.cat((vector[6:], torch.zeros(1))))
-
-
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("grid, changes", GRIDS)
-def test_shards_of_every_grid_assemble_to_the_one_process_model(grid, changes, chunk,
-                                                                monkeypatch):
-    monkeypatch.setattr(llm.parallel.keyed_init, "CHUNK_NUMEL", chunk)
-    config = dataclasses.replace(BASE, **changes)
-    sizes = dict(zip(AXONN_AXES, (1, *grid)))
-    full = GPT(config, seed=SEED).state_dict()
-    specs = param_specs(config, sizes)
-    shards = {}
-    for coords in coords_of(sizes):
-        for name, shard in init_shards(config, SEED, sizes, coords).items():
-            # bit for bit the slice of the serial parameter, zero padding included
-            assert torch.equal(shard, shard_tensor(full[name], specs[name], sizes, coords)), \
-                f"{grid} {coords}: {name}"
-            shards.setdefault(name, {})[tuple(coords[a] for a in ("depth", "row", "col"))] = shard
-    assert set(shards) == set(full)
-    for name, want in full.items():
-        assert torch.equal(assemble(shards[name], specs[name], sizes), want), f"{grid}: {name}"
 
 
 def groups_at(sizes, coords):
