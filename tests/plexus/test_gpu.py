@@ -139,8 +139,8 @@ def _waits_of_an_epoch(**options):
 def test_an_epoch_on_cuda_waits_for_the_gpu_once(options):
     """Only the loss's ``.item()`` waits for the GPU: a copy from host memory in the middle
     of an epoch (the ReLU's bit shifts, a dropout mask drawn on the host) made the host wait
-    for the GPU's queue to drain each time, four or more times an epoch, and a 1M-node epoch
-    with dropout ran markedly slower for it (docs/benchmarks.md)."""
+    for the GPU's queue to drain each time, four or more times an epoch, so the host could
+    not queue the next kernels while the GPU ran the last ones."""
     waits = _waits_of_an_epoch(**options)
     assert len(waits) == 1, waits
 
