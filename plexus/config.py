@@ -37,6 +37,11 @@ def aggregation_of(model: str) -> str:
 class ModelConfig:
     """The model (plexus.model.PlexusGCN) and its recipe.
 
+    ``labelled_rows_only``, ``overlap``, ``aggregation_blocks``, ``recompute_first`` and
+    ``weight_first`` change how the layers run, not what they compute: the trainer turns them
+    into the model's :class:`plexus.layer_plan.LayerPlan` (:func:`plexus.layer_plan.
+    plan_layers`, once per model).
+
     Attributes:
         model: ``gcn`` (Kipf & Welling) or ``sage`` (GraphSAGE, mean aggregation + root weight).
         num_layers: layers L (>= 1).
@@ -46,7 +51,12 @@ class ModelConfig:
         bias: a bias in every layer.
         norm: ``none``, ``batch`` or ``layer`` normalisation after every hidden layer.
         normalize_features: row-normalise the input features (PyG's NormalizeFeatures).
-        residual: ``F_l+1 = relu(norm(Q_l)) + F_l`` in the hidden-to-hidden layers.
+        residual: ``F_l+1 = relu(norm(Q_l)) + F_l`` in the hidden-to-hidden layers
+            (plexus.residual).
+        precision: ``fp32``, or ``bf16``: the input features, the activations kept for
+            backward and the model's messages in bf16; sums, weights, gradients and the
+            optimizer in float32 (docs/design/plexus-3d.md section 11). Not with
+            ``learn_features``.
         labelled_rows_only: the last layer computes only the rows of nodes in a split: None
             (auto: where at most half the nodes are labelled,
             :func:`common.perf.gcn_workload.labelled_rows_pay`), True or False. Exact either way.
@@ -57,15 +67,11 @@ class ModelConfig:
             :func:`common.perf.gcn_workload.overlap_pays`), True or False.
         aggregation_blocks: row blocks of the blocked aggregation; None: 4 with overlap, else
             1 (the unblocked layer). Blocks without overlap give the overlapped bits.
-        precision: ``fp32``, or ``bf16``: the input features, the activations kept for
-            backward and the model's messages in bf16; sums, weights, gradients and the
-            optimizer in float32 (docs/design/plexus-3d.md section 11). Not with
-            ``learn_features``.
         recompute_first: with fixed features and dropout, recompute layer 0's aggregation
-            ``H_0`` in backward instead of keeping it (plexus.model.PlexusGCN): less memory,
+            ``H_0`` in backward instead of keeping it (plexus.first_layer): less memory,
             one more layer-0 SpMM per step; ``dW_0`` equal to float rounding.
         weight_first: multiply by the weight before aggregating, ``A (F' W)``, in layers that
-            narrow and have one rank (plexus.model.PlexusGCN): None (auto:
+            narrow and have one rank (plexus.model.PlexusGCN._weight_first): None (auto:
             :func:`common.perf.gcn_workload.weight_first_pays`), True (every layer whose O
             and I axes have one rank) or False. Equal to float rounding.
     """
@@ -87,21 +93,29 @@ class ModelConfig:
     weight_first: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose from {PRECISIONS}")
-        if self.precision == "bf16" and self.learn_features:
-            raise ValueError("precision 'bf16' keeps the input features in bf16 and cannot "
-                             "train them (learn_features): use precision 'fp32' to learn them")
+        check_recipe(model=self.model, norm=self.norm, dropout=self.dropout,
+                     precision=self.precision, learn_features=self.learn_features)
         if self.aggregation_blocks is not None and self.aggregation_blocks < 1:
             raise ValueError(f"need aggregation_blocks >= 1, got {self.aggregation_blocks}")
         if self.num_layers < 1 or self.hidden < 1:
             raise ValueError(f"need num_layers >= 1 and hidden >= 1; got num_layers="
                              f"{self.num_layers}, hidden={self.hidden}")
-        if self.model not in MODELS or self.norm not in NORMS:
-            raise ValueError(f"need model in {MODELS} and norm in {NORMS}; got model="
-                             f"{self.model!r}, norm={self.norm!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"need 0 <= dropout < 1, got {self.dropout}")
+
+
+def check_recipe(*, model: str, norm: str, dropout: float, precision: str = "fp32",
+                 learn_features: bool = False) -> None:
+    """Raise ValueError for a recipe no model runs: :class:`ModelConfig`,
+    :class:`plexus.model.PlexusGCN` and :class:`plexus.reference.SerialGCN` check alike."""
+    if model not in MODELS or norm not in NORMS:
+        raise ValueError(f"need model in {MODELS} and norm in {NORMS}; got model={model!r}, "
+                         f"norm={norm!r}")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"need 0 <= dropout < 1, got {dropout}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
+    if precision == "bf16" and learn_features:
+        raise ValueError("precision 'bf16' keeps the input features in bf16 and cannot train "
+                         "them (learn_features): use precision 'fp32' to learn them")
 
 
 @dataclass(kw_only=True)

@@ -1,10 +1,10 @@
 """The serial reference of the Plexus GCN: the model of plexus.model in dense torch, one process.
 
 :class:`SerialGCN` is what :class:`plexus.model.PlexusGCN` computes on any grid, written with
-nothing sharded: the same initial weights (:func:`init_weights`), the same dropout masks
-(:func:`plexus.dropout.dropout_mask`, keyed by node and column), the same norms, residual and
-bias. The parallel == serial tests (tests/plexus/test_model.py, test_recipe.py) compare every
-grid with it, and it is the shortest statement of the model. Layer ``l``::
+nothing sharded: the same initial weights (:func:`plexus.weights.init_weights`), the same
+dropout masks (:func:`plexus.dropout.dropout_mask`, keyed by node and column), the same norms,
+residual and bias. The parallel == serial tests (tests/plexus/test_model.py, test_recipe.py)
+compare every grid with it, and it is the shortest statement of the model. Layer ``l``::
 
     F'    = dropout(F_l)
     GCN:  Q = Â F' W_l                        Â = D^-1/2 (A + I) D^-1/2
@@ -18,32 +18,17 @@ b_l [D_l+1], logits [N, C].
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import torch
 from torch import nn
 
-from plexus.config import MODELS, NORMS
+from plexus.config import check_recipe
 from plexus.data.graph import Graph
 from plexus.data.partition import mean_adjacency
 from plexus.dropout import dropout_mask
+from plexus.weights import ROOT_SEED_OFFSET, init_weights
 
-ROOT_SEED_OFFSET = 7919  # GraphSAGE's root weights R_l come from init_weights(seed + this)
-
-
-def init_weights(widths: list[int], seed: int) -> list[torch.Tensor]:
-    """Full (unsharded, unpadded) weights ``W_l`` [D_l, D_l+1], Glorot-uniform, from ``seed``.
-
-    Every rank of a parallel model and the serial reference draw the same matrices, so any
-    grid trains the same model.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for d_in, d_out in itertools.pairwise(widths):
-        bound = math.sqrt(6.0 / (d_in + d_out))
-        out.append((torch.rand(d_in, d_out, generator=gen) * 2 - 1) * bound)
-    return out
+__all__ = ["ROOT_SEED_OFFSET", "SerialGCN", "gcn_adjacency", "init_weights",
+           "normalized_features"]
 
 
 def gcn_adjacency(graph: Graph, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -92,9 +77,7 @@ class SerialGCN(nn.Module):
                  bias: bool = False, norm: str = "none", normalize_features: bool = False,
                  residual: bool = False, dtype: torch.dtype = torch.float64) -> None:
         super().__init__()
-        if model not in MODELS or norm not in NORMS or not 0 <= dropout < 1:
-            raise ValueError(f"need model in {MODELS}, norm in {NORMS} and 0 <= dropout < 1; "
-                             f"got {model!r}, {norm!r}, {dropout}")
+        check_recipe(model=model, norm=norm, dropout=dropout)
         self.kind, self.seed, self.dropout, self.residual = model, seed, dropout, residual
         self.num_layers = len(widths) - 1
         if model == "sage":

@@ -62,6 +62,12 @@ class ShardedState:
         """Where this rank's tensor of ``kind`` sits in the full one (pure)."""
         return shards.slab(self.maps[kind, layer], self.groups)
 
+    def sharded_weights(self, full: list[torch.Tensor]) -> torch.nn.ParameterList:
+        """A parameter of every layer's flat shard of the full weights ``full`` (one a layer,
+        from layer 0; none: an empty list)."""
+        return torch.nn.ParameterList(torch.nn.Parameter(self.shard_weight(w, layer))
+                                      for layer, w in enumerate(full))
+
     def shard_weight(self, full: torch.Tensor, layer: int) -> torch.Tensor:
         """The flat shard of a full ``W_l`` [D_l, D_l+1] (or its gradient, Adam moments)."""
         return self.shard_full("weight", full, layer)

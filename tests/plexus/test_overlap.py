@@ -37,7 +37,7 @@ def _one(ctx, grid_text: str, case, overlap: bool) -> dict:
     model = PlexusGCN(shard, groups, model=kind, learn_features=learn, seed=5, bias=True,
                       norm=norm, residual=residual, dropout=dropout, overlap=overlap,
                       aggregation_blocks=4)
-    assert model.overlap is overlap and model.aggregation_blocks == 4
+    assert model.plan.overlap is overlap and model.plan.aggregation_blocks == 4
     stats = CommStats()
     logits = model(stats, step=2)
     o_ax, _, p_ax = roles(num_layers - 1)
@@ -115,7 +115,7 @@ def test_overlap_is_on_by_default_only_where_there_is_communication():
 
     groups = {ax: AxisGroup(ax, None, 1, 0, (0,)) for ax in "xyz"}
     model = PlexusGCN(shard, groups)
-    assert not model.overlap and model.aggregation_blocks == 1
+    assert not model.plan.overlap and model.plan.aggregation_blocks == 1
     from common.perf.gcn import overlap_pays
 
     assert overlap_pays({"x": 2, "y": 1, "z": 1}) and not overlap_pays({"x": 1, "y": 1, "z": 1})

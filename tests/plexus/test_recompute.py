@@ -171,7 +171,7 @@ def test_the_fused_relu_kernels_give_torchs_values_and_mask_bits(shape):
 
 @pytest.mark.parametrize("shape", [(4099, 64), (3, 5)])
 def test_a_bit_mask_clears_what_masked_fill_clears(shape):
-    """BitMask.clear_ (the remade layer 0's dropout, plexus.model._first_remade): the numba
+    """BitMask.clear_ (the remade layer 0's dropout, FirstLayer._q0_remade): the numba
     pass on a large float32 block, masked_fill on a small one; the same bits either way, in
     place, -0 and NaN kept where the mask keeps them."""
     g = torch.Generator().manual_seed(6)
@@ -272,7 +272,7 @@ def _runs(ctx, grids):
                 model = PlexusGCN(shard, groups, model=kind, seed=SEED, dropout=0.5,
                                   labelled_rows_only=False, precision=precision,
                                   recompute_first=recompute, weight_first=False)
-                assert model.recompute_first == recompute
+                assert model.plan.recompute_first == recompute
                 # (the evaluation pass runs layer 0 in row blocks too, without dropout)
                 per[recompute] = {
                     **train_and_eval(model, shard, groups, graph.num_classes, STEP),
@@ -373,9 +373,10 @@ def test_the_planner_drops_h0_and_adds_the_recompute_phase():
 def test_layer_zeros_input_is_handed_back_when_its_forward_ends(monkeypatch, pooling, op):
     """F' (layer 0's input) is made again in backward by RecomputedMatmul's blocks and
     RemadeInputMatmul's make, so their forward hands it back from the pool of tall buffers
-    instead of keeping it idle through the rest of the step (on the 1M-node papers100M-format
-    graph it was the peak's excess over the run without the pool, docs/benchmarks.md). The
-    product is unchanged and backward makes F' again."""
+    instead of keeping it idle through the rest of the step, where it would raise the step's
+    peak above that of a run without the pool (docs/benchmarks.md, "Allocator": with the
+    hand-back the pool adds no memory). The product is unchanged and backward makes F'
+    again."""
     from common.grid import AxisGroup
 
     pooled_at_hand_back = []

@@ -1,0 +1,61 @@
+"""``F' = dropout(F_l)`` on this rank's block of a layer's input, with the serial model's masks.
+
+The mask of entry (node, column) is hashed from the node and column ids
+(:func:`plexus.dropout.keep_mask`), so a rank draws exactly the entries of the block it holds
+and any grid drops what one rank drops. :class:`LayerDropout` holds the ids of this rank's
+rows and columns of every layer's ``F_l``, made once per device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.grid import AxisGroup
+from plexus import layout
+from plexus.data import partition
+from plexus.data.shard import GraphShard
+from plexus.dropout import apply_dropout, dropped, keep_mask
+from plexus.ops import BitMask
+from plexus.shards import node_chunk
+
+
+class LayerDropout:
+    """Dropout with rate ``p`` and ``seed`` on the blocks ``F_l`` [N/O, D_l/I] of ``shard``
+    held by the rank of ``groups`` (training passes only: the model calls it in training)."""
+
+    def __init__(self, p: float, seed: int, shard: GraphShard,
+                 groups: dict[str, AxisGroup]) -> None:
+        self.p, self.seed, self.shard, self.groups = p, seed, shard, groups
+        self._ids: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, layer: int, f: torch.Tensor, step: int,
+                 kept: BitMask | None = None) -> torch.Tensor:
+        """F' = dropout(F_l) with the mask of ``step``; ``kept``: the mask drawn already, as
+        bits (then no graph is built: F' of fixed features, recomputed or remade)."""
+        if self.p == 0:
+            return f
+        if f.dtype != torch.float32:  # bf16 F_0 (no gradient): scaled in float32, rounded once
+            scaled = f.mul(1.0 / (1.0 - self.p))
+            if kept is not None:
+                return kept.clear_(scaled)
+            return scaled.masked_fill_(~self.mask(layer, step, f.device), 0.0)
+        if kept is not None:
+            return dropped(f, kept, self.p)
+        # F_l is read by nothing after this, F' feeds the aggregation or H W alone: in place
+        return apply_dropout(f, self.mask(layer, step, f.device), self.p, spent=True)
+
+    def mask(self, layer: int, step: int, device) -> torch.Tensor:
+        """The keep-mask of ``layer``'s input at ``step``, bool [N/O, D_l/I], drawn on
+        ``device`` from the ids of this rank's rows and columns: made once per device (a copy
+        from host memory every step would make the host wait for a GPU)."""
+        device = torch.device(device)
+        if (layer, device) not in self._ids:
+            o_ax, i_ax, _ = layout.roles(layer)
+            order = partition.layer_orders(layer % 2, self.shard.pr, self.shard.pc)[1]
+            width = self.shard.widths_padded[layer] // self.groups[i_ax].size
+            cols = torch.arange(width) + self.groups[i_ax].rank * width
+            self._ids[layer, device] = (node_chunk(order, self.groups[o_ax]).to(device),
+                                        cols.to(device))
+        rows, cols = self._ids[layer, device]
+        return keep_mask(self.p, seed=self.seed, step=step, layer=layer, rows=rows, cols=cols,
+                         device=device)
