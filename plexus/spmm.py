@@ -18,8 +18,9 @@ processes use it too. A block whose referenced X rows (at most ``min(m, nnz)``) 
 budget gets one slice: the plain row kernel plus prefetching. The 1/2 comes from sweeping
 the slice count (bench/spmm.py ``--sweep-slices``) where sysfs reports 32 MiB: the 200K x 128
 bench case and R-MAT 18 ran fastest near the counts 1/2 gives, and the many more slices of 1/8
-ran slower than the row kernel itself (docs/benchmarks.md, "SpMM on the CPU"). A VM's sysfs may report its host's
-cache instead of the VM's share of it; ``PLEXUS_SPMM_CACHE_BYTES`` then sets the budget.
+ran slower than the row kernel itself (docs/benchmarks.md, "SpMM on the CPU"). A VM's sysfs
+may report its host's cache instead of the VM's share of it; ``PLEXUS_SPMM_CACHE_BYTES`` then
+sets the budget.
 
 Precomputed once per block and slice width (:class:`ColumnSlicing`, cached on the
 :class:`~plexus.csr.CSRBlock`): ``cuts`` ``[S - 1, rows]``, where each row's nonzeros cross

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +159,7 @@ class PreparedGraph:
         return pre, pre + "values.npy", nnz, transposed
 
     def _csr(self, mat: str, r: int, c: int, transposed: bool,
-             mapped: dict[tuple, CSRBlock] | None = None) -> CSRBlock:
+             mapped: MutableMapping[tuple, CSRBlock] | None = None) -> CSRBlock:
         """Block (r, c) of ``mat`` (its transpose with ``transposed``), mapped (or, where the
         files hold its transpose, made from them in memory) once per ``mapped`` dict: layers
         that read the same block share the block object (and so its device copy,
@@ -193,7 +194,7 @@ class PreparedGraph:
         return block
 
     def _matrix(self, layer: int, rows: range, cols: range,
-                mapped: dict[tuple, CSRBlock] | None = None
+                mapped: MutableMapping[tuple, CSRBlock] | None = None
                 ) -> tuple[BlockSparse, TransposedSparse]:
         """(A_l block, its transpose read from the same blocks) over file row blocks ``rows``
         and column blocks ``cols`` of layer ``l``'s matrix (blocks shared through ``mapped``,
@@ -234,7 +235,9 @@ class PreparedGraph:
             return range(coords[axis] * per, (coords[axis] + 1) * per)
 
         adj = {}
-        mapped: dict[tuple, CSRBlock] = {}  # each block file once, whichever layers read it
+        # each block once, whichever layers read it (and the transposes a device multiplies,
+        # made at upload): weak, so that the host blocks go once they are uploaded
+        mapped: MutableMapping[tuple, CSRBlock] = weakref.WeakValueDictionary()
         for layer in range(min(layout.LAYOUTS, num_layers)):
             o_ax, _, p_ax = layout.roles(layer)
             a, a_t = self._matrix(layer, chunk(p_ax), chunk(o_ax), mapped)
