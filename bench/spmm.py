@@ -9,7 +9,7 @@ Kernels (same thread count for all: numba's threads are set to torch's, and prin
 - ``rows``: plexus's row-parallel numba kernel (``BlockSparse`` kernel ``numba-rows``,
   :func:`plexus.kernels.csr_spmm`), each output row written once;
 - ``blocked``: the cache-blocked kernel with the default slice width (``BlockSparse`` kernel
-  ``numba``, :mod:`plexus.spmm`): column slices sized to the cache, prefetching;
+  ``numba``, :mod:`plexus.slicing`): column slices sized to the cache, prefetching;
 - ``torch CSR``: ``torch.sparse_csr_tensor(...) @ X`` on the same arrays;
 - ``blocked S=k`` (``--sweep-slices``) and ``blocked t=w`` (``--feature-tiles``): the blocked
   kernel with ``k`` slices of equal width, or with X's columns in tiles of width ``w``;
@@ -65,7 +65,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from plexus import spmm
+from plexus import slicing
 from plexus.data.generators import rmat_edges
 from plexus.sparse import BlockSparse, CSRBlock
 
@@ -115,10 +115,10 @@ def run_case(name: str, m: sp.csr_matrix, args, copy: tuple[torch.Tensor, torch.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
         csr = block.to_torch()
-    cache = spmm.cache_bytes(args.cache_bytes)
-    default_cols = spmm.slice_cols(block.shape, block.nnz, 4 * args.width, cache)
+    cache = slicing.cache_bytes(args.cache_bytes)
+    default_cols = slicing.slice_cols(block.shape, block.nnz, 4 * args.width, cache)
     t = time.perf_counter()
-    plan = spmm.block_slicing(block, default_cols)
+    plan = slicing.block_slicing(block, default_cols)
     build_s = time.perf_counter() - t
 
     def blocked(cols=None, tile=None):
@@ -154,10 +154,10 @@ def run_case(name: str, m: sp.csr_matrix, args, copy: tuple[torch.Tensor, torch.
                  if k.startswith("blocked") and k not in low}
     torch_diff = float((outputs["torch CSR"] - ref).abs().max()) if ref.numel() else 0.0
     ref16 = a.to("cpu", kernel="numba-rows").matmul(x16.float())  # float32 of the bf16 values
-    default16 = spmm.slice_cols(block.shape, block.nnz, 2 * args.width, cache)
+    default16 = slicing.slice_cols(block.shape, block.nnz, 2 * args.width, cache)
     bf16 = {"bytes": compulsory_bytes(block, args.width, 2),
             "gather_bytes": gather_bytes(block, args.width, 2),
-            "slice_cols": default16, "num_slices": spmm.block_slicing(block,
+            "slice_cols": default16, "num_slices": slicing.block_slicing(block,
                                                                       default16).num_slices,
             "kernels": {k: {"times_s": times.pop(k)} for k in low},
             "identical": {k: bool(torch.equal(outputs[k], ref16)) for k in low},
@@ -265,7 +265,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="default: torch's default")
     p.add_argument("--cache-bytes", type=int, default=None,
-                   help=f"size the slices for this cache (default: ${spmm.CACHE_ENV}, sysfs)")
+                   help=f"size the slices for this cache (default: ${slicing.CACHE_ENV}, sysfs)")
     p.add_argument("--sweep-slices", type=lambda s: [int(v) for v in s.split(",") if v],
                    default=[1, 2, 4, 8], help="extra rows: the blocked kernel with k slices")
     p.add_argument("--feature-tiles", type=lambda s: [int(v) for v in s.split(",") if v],
@@ -289,7 +289,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     print(f"threads: torch {threads}, numba {numba.get_num_threads()}; "
           f"{args.reps} rounds after {args.warmup} warm-up; time = median over rounds")
-    spmm.column_slicing(np.array([0, 1, 2]), np.array([0, 1]), 2, 1)  # load the kernel once,
+    slicing.column_slicing(np.array([0, 1, 2]), np.array([0, 1]), 2, 1)  # load the kernel once,
     # so that a case's "built in" is the planning alone
     src = torch.ones((args.copy_mib << 20) // 4)
     copy = (src, torch.empty_like(src))

@@ -171,7 +171,7 @@ class RunConfig:
             epoch) as PyG's examples; the evaluation is one whole forward pass.
         seed: weight seed (same seed, same numbers on any grid).
         spmm: CPU SpMM kernel: ``auto`` (numba if installed), ``numba`` (both the
-            cache-blocked kernel, plexus.spmm), ``numba-rows`` (the row kernel) or
+            cache-blocked kernel, plexus.slicing), ``numba-rows`` (the row kernel) or
             ``torch``.
         gemm: the backend of the dense products (:func:`common.dense.mm`): ``auto`` (oneDNN
             for float32 products on the CPU), ``onednn`` or ``torch`` (torch's BLAS).

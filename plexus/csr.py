@@ -20,7 +20,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from plexus.spmm import ColumnSlicing
+from plexus.slicing import ColumnSlicing
 
 
 @dataclass
@@ -31,7 +31,7 @@ class CSRBlock:
     indices: np.ndarray
     values: np.ndarray
     shape: tuple[int, int]
-    # the blocked kernel's plans, by slice width, built on first use (plexus.spmm)
+    # the blocked kernel's plans, by slice width, built on first use (plexus.slicing)
     slicings: dict[int, ColumnSlicing] = field(default_factory=dict, init=False, repr=False,
                                                compare=False)
 

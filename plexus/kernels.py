@@ -1,4 +1,4 @@
-"""numba kernels behind plexus.sparse and plexus.spmm (imported only when numba is installed).
+"""numba kernels behind plexus.sparse and plexus.slicing (imported only when numba is installed).
 
 Shapes legend (SpMM): ``rows`` output rows of one CSR block, ``m`` its columns, ``d`` the width
 of X, ``S`` column slices, ``T`` feature tiles of width ``t`` (``d = T * t``), ``K`` row chunks.

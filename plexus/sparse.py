@@ -8,7 +8,7 @@ rank owns, each memory-mapped from disk, so loading copies and concatenates noth
 ``A @ X`` on CPU runs a numba kernel that accumulates straight into the output: no zero-fill
 pass and no result copy (torch's CSR matmul does both on CPU), and the blocks of a block row
 accumulate into the same output rows. By default (``auto``, ``numba``) it is cache-blocked
-(plexus.spmm: column slices sized to the cache, planned once per block, X rows prefetched);
+(plexus.slicing: column slices sized to the cache, planned once per block, X rows prefetched);
 ``numba-rows`` is the plain row-parallel kernel, bit-identical to it (bench/spmm.py times both
 and torch's). Without numba, on a GPU, or with ``kernel="torch"`` (``plexus.train --spmm
 torch``), each block goes through ``torch.sparse`` instead.
@@ -42,7 +42,7 @@ import scipy.sparse as sp
 import torch
 
 from common import dense
-from plexus import spmm
+from plexus import slicing
 from plexus.csr import CSRBlock, numba_kernels
 
 __all__ = ["SPMM_KERNELS", "BlockSparse", "CSRBlock", "product_out", "sum_dtype"]
@@ -269,18 +269,18 @@ class BlockSparse:
         """``self @ x``: [n, m] @ [m, d] -> a new [n, d] tensor (no autograd).
 
         On CPU with numba (kernel ``auto`` or ``numba``) every block runs the cache-blocked
-        kernel of :mod:`plexus.spmm`; ``numba-rows`` runs the row kernel
+        kernel of :mod:`plexus.slicing`; ``numba-rows`` runs the row kernel
         (:func:`plexus.kernels.csr_spmm`). Both give bit-identical results. The blocks of a
         block row accumulate into the same output rows, in column order.
 
         Args:
             x: [m, d], float32 or bfloat16 (the product is float32: :func:`sum_dtype`).
             slice_cols: columns per slice of the blocked kernel (default: sized to the cache,
-                :func:`plexus.spmm.slice_cols`; a block whose X rows fit gets one slice).
+                :func:`plexus.slicing.slice_cols`; a block whose X rows fit gets one slice).
             feature_tile: cut X's d columns into tiles of this width, each tile running all
                 slices (must divide d; default d, no tiling).
             cache_bytes: the cache the default slices are sized for (default:
-                :func:`plexus.spmm.cache_bytes`, ``$PLEXUS_SPMM_CACHE_BYTES`` or sysfs).
+                :func:`plexus.slicing.cache_bytes`, ``$PLEXUS_SPMM_CACHE_BYTES`` or sysfs).
             out: write the product into this contiguous [n, d] tensor (returned).
             cols: ``(lo, hi, bounds)``: only the columns ``lo .. hi`` of this matrix (so
                 only the rows ``lo .. hi`` of ``x`` are read), *added* into ``out`` (zero it
@@ -322,7 +322,7 @@ class BlockSparse:
             tile = max(tile, 1)
             xn, outn = _kernel_array(x), out.numpy()
             row_bytes = tile * x.element_size()
-            cache = spmm.cache_bytes(cache_bytes) if slice_cols is None else 0
+            cache = slicing.cache_bytes(cache_bytes) if slice_cols is None else 0
         ro, co = self.row_offsets, self.col_offsets
         for r, row in enumerate(self.blocks):
             rows = slice(ro[r], ro[r + 1])
@@ -335,16 +335,16 @@ class BlockSparse:
                     kernels.csr_spmm(b.indptr, b.indices, b.values, xn[co[c]:co[c + 1]],
                                      outn[rows], not first)
                 elif kernels is not None:  # (numba-rows' bits, column ranges included)
-                    width = (spmm.slice_cols(b.shape, b.nnz, row_bytes, cache)
+                    width = (slicing.slice_cols(b.shape, b.nnz, row_bytes, cache)
                              if slice_cols is None else slice_cols)
                     local = tuple(int(v) - co[c] for v in bounds if co[c] < v < co[c + 1])
-                    plan = spmm.block_slicing(b, width, local)
+                    plan = slicing.block_slicing(b, width, local)
                     s_lo, s_hi = plan.slice_range(a - co[c], z - co[c])
                     x3 = xn[co[c]:co[c + 1]].reshape(b.shape[1], d // tile, tile)  # free views
                     out3 = outn[rows].reshape(b.shape[0], d // tile, tile)  # [rows, T, t]
                     kernels.csr_spmm_sliced(b.indptr, plan.cuts, plan.chunks, b.indices,
                                             b.values, x3, out3, not first,
-                                            spmm.lookahead(row_bytes), s_lo, s_hi)
+                                            slicing.lookahead(row_bytes), s_lo, s_hi)
                 else:
                     prod = torch.mm(self._torch_block(r, c, b, a - co[c], z - co[c],
                                                       x.device).to(out.dtype),

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from plexus import spmm
+from plexus import slicing
 from plexus.csr import CSRBlock, numba_kernels
 from plexus.sparse import SPMM_KERNELS, BlockSparse, _kernel_array, _set_numba_threads, product_out
 
@@ -48,7 +48,7 @@ def transposed_plan(block: CSRBlock, threads: int) -> tuple[np.ndarray, np.ndarr
         s = max(1, min(SLICES_PER_THREAD * threads, cols))
         starts = (np.arange(s + 1, dtype=np.int64) * cols) // s
         plan = block.slicings[key] = (starts,
-                                      spmm.work_chunks(block.indptr, CHUNKS_PER_SLICE * s))
+                                      slicing.work_chunks(block.indptr, CHUNKS_PER_SLICE * s))
     return plan
 
 
@@ -149,7 +149,7 @@ class TransposedSparse:
         _set_numba_threads()
         threads = kernels.numba.get_num_threads()
         xn, outn = _kernel_array(x), out.numpy()
-        ahead = spmm.lookahead(4 * d)  # output rows (float32) prefetched ahead
+        ahead = slicing.lookahead(4 * d)  # output rows (float32) prefetched ahead
         ro, co = self.base.row_offsets, self.base.col_offsets
         for c in range(len(co) - 1):
             band = outn[co[c]:co[c + 1]]

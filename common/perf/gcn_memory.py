@@ -65,7 +65,7 @@ __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
 RECOMPUTE_BLOCKS = 8  # row blocks of a recomputed H_0 on the CPU (plexus.ops.RecomputedMatmul)
 NORM_CHUNKS = 8  # row chunks of a bf16 batch norm's torch temporaries (plexus.norms)
-# the X rows one column slice of the cache-blocked SpMM may take (plexus.spmm: 1/2 of a
+# the X rows one column slice of the cache-blocked SpMM may take (plexus.slicing: 1/2 of a
 # 32 MiB last-level cache; the planner does not read the machine's cache)
 SLICE_BUDGET_BYTES = (32 << 20) // 2
 PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
@@ -356,7 +356,7 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
 
 
 def _plan_bytes(rows: int, cols: int, nnz: float, row_bytes: int, idx: int) -> float:
-    """The most a block's column-slice plan takes (plexus.spmm.column_slicing: a cut per row
+    """The most a block's column-slice plan takes (plexus.slicing.column_slicing: a cut per row
     and slice boundary; at most one more slice than the mean row length)."""
     budget = max(1, SLICE_BUDGET_BYTES // max(1, row_bytes))
     if min(cols, nnz) <= budget:

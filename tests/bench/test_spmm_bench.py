@@ -74,7 +74,7 @@ def test_bench_spmm_prints_what_it_measured(tmp_path):
         assert case["gather_bytes"] == 8 * m.nnz + 4 * 32 * (m.nnz + m.shape[0])
         # the default slicing from --cache-bytes: 64 KiB / CACHE_SHARE / 128-byte rows, but
         # no more slices than one more than the mean row length
-        cols = max((64 << 10) // bench.spmm.CACHE_SHARE // 128,
+        cols = max((64 << 10) // bench.slicing.CACHE_SHARE // 128,
                    math.ceil(m.shape[1] / (1 + m.nnz // m.shape[0])))
         assert case["slice_cols"] == cols and case["num_slices"] == math.ceil(m.shape[1] / cols)
         assert case["plan_bytes"] >= 4 * (case["num_slices"] - 1) * m.shape[0]

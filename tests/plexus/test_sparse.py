@@ -126,7 +126,7 @@ def test_unknown_kernel_is_refused():
         m.to("cpu", kernel="cusparse")
 
 
-# --- the cache-blocked kernel (plexus.spmm): bit-identical to the row kernel -------------------
+# --- the cache-blocked kernel (plexus.slicing): bit-identical to the row kernel -------------------
 
 
 def _random_csr(rows: int, cols: int, density: float, seed: int, *, empty_rows: int = 0,
@@ -213,7 +213,7 @@ def test_blocked_spmm_reads_prepared_memory_mapped_blocks(tmp_path):
 
 
 def test_column_slicing_cuts_each_row_where_its_columns_cross_a_slice():
-    from plexus.spmm import block_slicing
+    from plexus.slicing import block_slicing
 
     blk = _random_csr(50, 40, 0.3, seed=8, empty_rows=5)
     plan = block_slicing(blk, 7)
@@ -227,7 +227,7 @@ def test_column_slicing_cuts_each_row_where_its_columns_cross_a_slice():
 
 
 def test_slice_width_follows_the_cache(tmp_path, monkeypatch):
-    from plexus import spmm
+    from plexus import slicing
 
     for level, kind, size in ((1, "Data", "48K"), (1, "Instruction", "64K"),
                               (2, "Unified", "2048K"), (3, "Unified", "32M")):
@@ -235,36 +235,36 @@ def test_slice_width_follows_the_cache(tmp_path, monkeypatch):
         d.mkdir()
         for name, value in (("level", level), ("type", kind), ("size", size)):
             (d / name).write_text(f"{value}\n")
-    assert spmm.last_level_cache_bytes(tmp_path) == 32 << 20
-    assert spmm.last_level_cache_bytes(tmp_path / "missing") is None
-    assert spmm.parse_size("491520K") == 480 << 20 and spmm.parse_size("2097152") == 2 << 20
-    monkeypatch.setenv(spmm.CACHE_ENV, "1M")
-    assert spmm.cache_bytes() == 1 << 20 and spmm.cache_bytes(4096) == 4096
-    monkeypatch.setenv(spmm.CACHE_ENV, "lots")
+    assert slicing.last_level_cache_bytes(tmp_path) == 32 << 20
+    assert slicing.last_level_cache_bytes(tmp_path / "missing") is None
+    assert slicing.parse_size("491520K") == 480 << 20 and slicing.parse_size("2097152") == 2 << 20
+    monkeypatch.setenv(slicing.CACHE_ENV, "1M")
+    assert slicing.cache_bytes() == 1 << 20 and slicing.cache_bytes(4096) == 4096
+    monkeypatch.setenv(slicing.CACHE_ENV, "lots")
     with pytest.raises(ValueError, match="cannot read a cache size"):
-        spmm.cache_bytes()
-    budget_rows = (32 << 20) // spmm.CACHE_SHARE // 512  # X rows of 128 float32
-    assert spmm.slice_cols((10, 200_000), 6_400_000, 512, 32 << 20) == budget_rows
-    assert spmm.slice_cols((10, budget_rows), 10**6, 512, 32 << 20) == budget_rows  # X fits
-    assert spmm.slice_cols((10, 200_000), 100, 512, 32 << 20) == 200_000  # few rows referenced
+        slicing.cache_bytes()
+    budget_rows = (32 << 20) // slicing.CACHE_SHARE // 512  # X rows of 128 float32
+    assert slicing.slice_cols((10, 200_000), 6_400_000, 512, 32 << 20) == budget_rows
+    assert slicing.slice_cols((10, budget_rows), 10**6, 512, 32 << 20) == budget_rows  # X fits
+    assert slicing.slice_cols((10, 200_000), 100, 512, 32 << 20) == 200_000  # few rows referenced
     # short rows: at most one more slice than the mean row length (a 125K-row file block of
     # 265K nonzeros, about 2 per row: 3 slices, not 16, and plans of 2 cuts per row, not 15)
-    assert spmm.slice_cols((125_000, 125_000), 265_000, 512, 32 << 20) == -(-125_000 // 3)
-    assert spmm.slice_cols((200_000, 200_000), 6_400_000, 512, 32 << 20) == budget_rows
+    assert slicing.slice_cols((125_000, 125_000), 265_000, 512, 32 << 20) == -(-125_000 // 3)
+    assert slicing.slice_cols((200_000, 200_000), 6_400_000, 512, 32 << 20) == budget_rows
 
 
 def test_default_cpu_kernel_is_blocked_where_x_exceeds_the_cache(monkeypatch):
-    from plexus import spmm
+    from plexus import slicing
 
     blk = _random_csr(64, 64, 0.2, seed=9)
     m = BlockSparse([[blk]], [64], [64])
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(4))
     rows = m.to("cpu", kernel="numba-rows").matmul(x)
-    monkeypatch.setenv(spmm.CACHE_ENV, str(1 << 20))  # X (4 KiB) fits: one slice
+    monkeypatch.setenv(slicing.CACHE_ENV, str(1 << 20))  # X (4 KiB) fits: one slice
     assert torch.equal(m.to("cpu", kernel="auto").matmul(x), rows)
     assert [p.num_slices for p in blk.slicings.values()] == [1]
-    budget = 1024 * spmm.CACHE_SHARE  # 16 X rows of 64 bytes: 4 slices
-    monkeypatch.setenv(spmm.CACHE_ENV, str(budget))
+    budget = 1024 * slicing.CACHE_SHARE  # 16 X rows of 64 bytes: 4 slices
+    monkeypatch.setenv(slicing.CACHE_ENV, str(budget))
     assert torch.equal(m.matmul(x), rows)
     assert blk.slicings[16, ()].num_slices == 4
 
