@@ -34,11 +34,13 @@ with both; the fastest PyG counts. Ours also runs without the pool (``--no-pool-
 tall buffers handed back as PyG's are), printed beside with its own ratio; the target is
 judged on the default.
 
-Timing: every process trains ``--warmup`` untimed epochs, then ``--epochs`` timed ones (ours'
-first few epochs run slower than the later ones; docs/benchmarks.md). The
-processes run in ``--rounds`` rounds, each round every side once, the order reversed every
-other round, so that a machine whose speed drifts over minutes slows both sides alike and
-one slow process moves no median by much; each side's median is over all its timed epochs.
+Timing: every process trains ``--warmup`` untimed epochs, then ``--epochs`` timed ones: ours'
+first epoch computes and caches ``A X`` and compiles the kernels, and until the retained heap
+and the pool of tall buffers hold what an epoch frees, the next ones still fault in fresh
+pages. The processes run in ``--rounds`` rounds, each round every side once, the order
+reversed every other round, so that a machine whose speed drifts over minutes slows both sides
+alike and one slow process moves no median by much; each side's median is over all its timed
+epochs.
 Printed:
 the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35 on the
 CPU; <= 1.0 on a GPU, where both sides run the same vendor kernels: :data:`TARGETS`) with
@@ -47,6 +49,8 @@ SpMM throughput of our kernel and of torch's CSR matmul against the machine's me
 measured here by a large copy (STREAM-copy style). ``--spmm torch`` runs ours on torch's CSR
 matmul. ``--device cuda`` runs both on one GPU (ours through torch's CSR matmul there, as
 PyG; every time is taken after the GPU has finished; the allocator variants do not apply).
+``--json PATH`` appends the run (a row per workload, with its provenance: bench/provenance.py)
+to PATH; bench/results/epoch_time.json is the one bench/plots.py draws.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from collections.abc import Callable
 import scipy.sparse as sp
 import torch
 
+from bench.provenance import append_run, provenance
 from common import dense
 from common.alloc import retain_freed_memory
 from common.dist import init_distributed
@@ -266,6 +271,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where both sides train (default: %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma list from {VARIANTS} (default: both)")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="append this run's rows, with their provenance, to PATH "
+                        "(e.g. bench/results/epoch_time.json)")
     p.add_argument("--worker", choices=("ours", "pyg"), help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=VARIANTS, default="fixed", help=argparse.SUPPRESS)
     p.add_argument("--pool-buffers", action=argparse.BooleanOptionalAction, default=None,
@@ -379,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = PYG_SETTINGS if device.type == "cpu" else PYG_SETTINGS[:1]
     target = TARGETS[device.type]
     ours_label = "huge pages + retained heap" if args.retain else "huge pages"
-    ratios = {}
+    ratios, rows = {}, []
     for variant in args.variants:
         what = ("trainable features (every SpMM every epoch)" if variant == "learn"
                 else f"fixed features, dropout {args.dropout} on every layer's input (every "
@@ -404,14 +412,23 @@ def main(argv: list[str] | None = None) -> None:
                   f"{max(times[name]):>10.3f}", flush=True)
         ours = statistics.median(times[sides[0][0]])
         ratios[variant] = ours / best
-        each = ", ".join(f"{_round_ratio(got, sides[0][0], pyg):.3f}" for got in rounds)
+        per_round = [_round_ratio(got, sides[0][0], pyg) for got in rounds]
+        each = ", ".join(f"{r:.3f}" for r in per_round)
         print(f"{variant}: ours/PyG {ours / best:.3f} against {best_name.split(', ')[1]} "
               f"(the fastest PyG)  (target <= {target}: "
               f"{'met' if ours / best <= target else 'MISSED'}); round by round {each}")
+        row = {"variant": variant, "nodes": graph.num_nodes, "edges": graph.num_edges,
+               "nonzeros": adj.values().numel(), "features": args.features,
+               "classes": args.classes, "layers": args.layers, "hidden": args.hidden,
+               "dropout": args.dropout, "norm": args.norm, "ours_s": ours, "pyg_s": best,
+               "pyg_setting": best_name.split(", ")[1], "ratio": ours / best,
+               "round_ratios": per_round, "target": target}
         if device.type == "cpu":
-            print(f"{variant}: with --no-pool-buffers ours/PyG "
-                  f"{statistics.median(times[sides[1][0]]) / best:.3f} (every tall buffer a "
-                  "fresh mmap: on a VM that hands freed pages to its host, some stall)")
+            no_pool = statistics.median(times[sides[1][0]])
+            row.update(no_pool_s=no_pool, no_pool_ratio=no_pool / best)
+            print(f"{variant}: with --no-pool-buffers ours/PyG {no_pool / best:.3f} (every tall "
+                  "buffer a fresh mmap: on a VM that hands freed pages to its host, some stall)")
+        rows.append(row)
     if ratios:  # the line bench/gpu_check.py reads, and ours' time of the first workload
         first = args.variants[0]
         print(f"\nratio ours/PyG: {ratios[first]:.3f}  ({first}; target <= {target})")
@@ -419,18 +436,29 @@ def main(argv: list[str] | None = None) -> None:
     bw = memory_bandwidth(device=device)
     print(f"\nSpMM [{a_hat.shape[0]:,} x {a_hat.shape[1]:,}, {a_hat.nnz:,} nnz] @ "
           f"[{a_hat.shape[1]:,} x {args.hidden}]; {device} copy bandwidth {bw:.2f} GB/s")
-    for name, (sec, gbs) in spmm_throughput(a_hat, args.hidden, device=device).items():
+    spmm = spmm_throughput(a_hat, args.hidden, device=device)
+    for name, (sec, gbs) in spmm.items():
         print(f"  {name:10} {1000 * sec:7.1f} ms  {gbs:6.2f} GB/s of minimum traffic = "
               f"{100 * gbs / bw:5.1f}% of the copy bandwidth")
     n, d = a_hat.shape[0], args.hidden
+    gflops_of = {}
     for what, measure in ((f"dense product [{n:,} x {d}] @ [{d} x {d}]", gemm_throughput),
                           (f"weight gradient [{n:,} x {d}]^T @ [{n:,} x {d}]",
                            weight_grad_throughput)):
         rates = measure(n, d, args.gemm, device=device)
         diff = rates.pop("relative difference")
+        gflops_of[what] = rates
         print(f"{what} (relative difference {diff:.1e}):")
         for name, gflops in rates.items():
             print(f"  {name:18} {gflops:7.1f} GFLOP/s")
+    if args.json:
+        append_run(args.json, {
+            "bench": "gcn_epoch", "device": device.type, "threads": threads,
+            "provenance": provenance("gcn_epoch.py", sys.argv[1:] if argv is None else argv,
+                                     device.type),
+            "rows": rows, "copy_gb_s": bw,
+            "spmm": {name: {"ms": 1e3 * sec, "gb_s": gbs} for name, (sec, gbs) in spmm.items()},
+            "gflops": gflops_of})
     ctx.close()
 
 

@@ -18,7 +18,9 @@ that step's own peak, including everything the process already held. Resident me
 the pages of memory-mapped block files a rank has touched. With ``--device cuda`` (plexus and
 ogb; one GPU per rank) each step also reports the CUDA caching allocator's peaks, allocated and
 reserved (``common.memory.gpu_peaks``), reset with the resident one; the llm case runs on the
-CPU. Results are appended to bench/results/memory.jsonl.
+CPU. Results are appended to bench/results/memory.jsonl; with ``--json PATH`` each case's run
+(its rows in MiB, with the provenance of bench/provenance.py) is appended to PATH too,
+bench/results/memory_per_rank.json being the one bench/plots.py draws.
 
 Checks (issue "Memory per rank at scale"):
   plexus: features and optimizer state per rank fall as 1/G (within 10%); neither the save
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "memory.jsonl"
 MIB, GIB = 2.0**20, 2.0**30
 PLEXUS_GRIDS = {1: ("1x1x1", "1x1x1"), 2: ("2x1x1", "1x2x1"), 4: ("2x2x1", "1x2x2"),
@@ -167,11 +170,33 @@ def _launch(ranks: int, worker_args: list[str]) -> dict[str, Any]:
     return run_worker(Path(__file__).resolve(), ranks, worker_args, cwd=ROOT)
 
 
-def _record(case: str, rows: list[dict[str, Any]], ok: bool) -> None:
+def _record(case: str, rows: list[dict[str, Any]], ok: bool, args) -> None:
+    """Append the case's rows to :data:`RESULTS` and, with ``--json PATH``, its run to PATH."""
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
         f.write(json.dumps({"case": case, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                             "ok": ok, "rows": rows}) + "\n")
+    if args.json:
+        from bench.provenance import append_run, provenance
+
+        device = "cpu" if case == "llm" else args.device
+        append_run(args.json, {"bench": "memory", "case": case, "ok": ok, "device": device,
+                               "provenance": provenance("memory.py", args.argv, device),
+                               "rows": [mib_row(r) for r in rows]})
+
+
+def _in_bytes(key: str) -> bool:
+    """Whether a result column counts bytes: the ``*_bytes*`` ones, every peak, the bound."""
+    return "bytes" in key or "peak" in key or key == "bound"
+
+
+def mib_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A result row with every byte count in MiB (one decimal), named ``<name>_mib`` with
+    ``_bytes`` dropped from the name: ``peak_bytes`` -> ``peak_mib``, ``peak_epoch`` ->
+    ``peak_epoch_mib``, ``param_bytes_per_rank`` -> ``param_per_rank_mib``."""
+    return {(k.replace("_bytes", "") + "_mib" if _in_bytes(k) else k):
+            (round(v / MIB, 1) if _in_bytes(k) and isinstance(v, (int, float)) else v)
+            for k, v in row.items()}
 
 
 def plexus_case(args) -> bool:
@@ -240,7 +265,7 @@ def plexus_case(args) -> bool:
             cells += [_gpu_cell(r, step, "resume_") for step in ("setup_and_load", "epoch")]
             print(f"{r['ranks']:>2} {cells[0]:>11} {cells[1]:>11} {cells[2]:>11} | "
                   f"{cells[3]:>11} {cells[4]:>11}")
-    _record("plexus", rows, ok)
+    _record("plexus", rows, ok, args)
     return ok
 
 
@@ -363,7 +388,7 @@ def ogb_case(args) -> bool:
           "rank's resident size before it loaded anything, which the planner leaves out)")
     for name, fine in checks.items():
         print(f"check: {name}: {'met' if fine else 'NOT met'}")
-    _record("ogb", rows, ok)
+    _record("ogb", rows, ok, args)
     return ok
 
 
@@ -446,7 +471,7 @@ def llm_case(args) -> bool:
                   f"{'' if peak <= bound else '  NOT met'}")
     print(f"check: every peak <= 1.5 x parameter bytes per rank + 0.6 GiB: "
           f"{'met' if ok else 'NOT met'}")
-    _record("llm", rows, ok)
+    _record("llm", rows, ok, args)
     return ok
 
 
@@ -502,7 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="gpt1b", help="llm: model preset")
     p.add_argument("--tokens", type=int, default=4, help="llm: tokens to generate")
     p.add_argument("--checkpoint-dir", default="data/memory/llm-ck", help="llm: checkpoint")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="append each case's run (rows in MiB, provenance) to PATH "
+                   "(e.g. bench/results/memory_per_rank.json)")
     args = p.parse_args(argv)
+    args.argv = list(argv)
     ok = True
     if args.case in ("plexus", "all"):
         ok &= plexus_case(args)

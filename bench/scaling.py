@@ -19,8 +19,10 @@ inside the numbers), and the bytes per axis the trainer counted against the mode
 Printed: one row per grid, the Spearman rank correlation of predicted and measured time over
 all grids (target >= 0.8, issue 12) and per G, and per G how much slower the predicted-best
 grid measured than the measured-best grid (target <= 10%). Written: ``scaling.csv`` and
-``scaling.png`` (predicted vs measured; per-grid time split into compute and communication,
-measured beside).
+``scaling.png`` (bench/plots.py's figure: predicted vs measured; per-grid time split into
+compute and communication, measured beside) under ``--out``; with ``--json PATH`` the run
+(its rows, the checks' figures and its provenance: bench/provenance.py) is appended to PATH,
+bench/results/scaling.json being the one bench/plots.py draws for docs/benchmarks.md.
 
 ``--model sage --norm batch`` validates GraphSAGE (with batch norm) the same way, and
 ``--memory`` adds the memory check: on every grid a larger graph (``--memory-dataset``,
@@ -55,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 2.0**20
 sys.path.insert(0, str(ROOT))
 
+from bench.plots import scaling as draw_scaling  # noqa: E402
+from bench.provenance import append_run, provenance  # noqa: E402
 from common.perf.gcn import GCNWorkload, gcn_memory, predict_gcn  # noqa: E402
 from common.perf.machine import load_profile  # noqa: E402
 from common.perf.model import factorizations, spearman  # noqa: E402
@@ -149,41 +153,6 @@ def memory_rows(grids: list[tuple[int, tuple]], args: argparse.Namespace, tmp: P
     return out
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1, 2]})
-    for ranks, marker in ((4, "o"), (8, "s")):
-        sel = [r for r in rows if r["ranks"] == ranks]
-        ax1.scatter([r["predicted_ms"] for r in sel], [r["measured_ms"] for r in sel],
-                    marker=marker, label=f"G = {ranks}")
-        for r in sel:
-            ax1.annotate(r["grid"], (r["predicted_ms"], r["measured_ms"]), fontsize=7)
-    lo = min(min(r["predicted_ms"], r["measured_ms"]) for r in rows) * 0.8
-    hi = max(max(r["predicted_ms"], r["measured_ms"]) for r in rows) * 1.2
-    ax1.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = predicted")
-    ax1.set(xscale="log", yscale="log", xlabel="predicted epoch (ms)",
-            ylabel="measured epoch, median (ms)", title="plexus.train: predicted vs measured")
-    ax1.legend(fontsize=8)
-    x = range(len(rows))
-    comp = [r["pred_compute_ms"] for r in rows]
-    ax2.bar([i - 0.2 for i in x], comp, 0.4, label="predicted compute")
-    ax2.bar([i - 0.2 for i in x], [r["pred_comm_ms"] for r in rows], 0.4, bottom=comp,
-            label="predicted communication")
-    mcomp = [r["measured_ms"] - r["measured_comm_ms"] for r in rows]
-    ax2.bar([i + 0.2 for i in x], mcomp, 0.4, label="measured compute (epoch - comm)")
-    ax2.bar([i + 0.2 for i in x], [r["measured_comm_ms"] for r in rows], 0.4, bottom=mcomp,
-            label="measured communication (incl. waiting)")
-    ax2.set_xticks(list(x), [f"{r['grid']}\nG={r['ranks']}" for r in rows], fontsize=7)
-    ax2.set(ylabel="ms per epoch", title="per grid: predicted (left) and measured (right)")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="rmat-14")
@@ -203,27 +172,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-timing", action="store_true", help="the memory check only")
     p.add_argument("--profile", default="local-cpu", help="machine profile name or JSON path")
     p.add_argument("--out", default="bench/results", help="folder for scaling.csv/.png")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="append this run (rows, checks, provenance) to PATH "
+                        "(e.g. bench/results/scaling.json)")
     args = p.parse_args(argv)
+    run = {"bench": "scaling", "model": args.model, "norm": args.norm,
+           "dataset": args.dataset, "profile": args.profile, "epochs": args.epochs,
+           "rounds": args.rounds,
+           "provenance": provenance("scaling.py", sys.argv[1:] if argv is None else argv),
+           "rows": []}
     grids = [(r, shape) for r in (int(v) for v in args.ranks.split(","))
              for shape in factorizations(r, 3)]
     t_start, ok = time.perf_counter(), True
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_timing:
-            ok &= timing_check(grids, args, Path(tmp))
+            ok &= timing_check(grids, args, Path(tmp), run)
         if args.memory:
-            mem = memory_rows(grids, args, Path(tmp))
+            mem = run["memory_rows"] = memory_rows(grids, args, Path(tmp))
             fine = sum(abs(r["ratio"] - 1) <= 0.15 for r in mem)
             ok &= fine == len(mem)
             print(f"planner within 15% of the marginal peak on {fine}/{len(mem)} grids "
                   f"(ratio planner/measured {min(r['ratio'] for r in mem):.2f}.."
                   f"{max(r['ratio'] for r in mem):.2f})")
+    run["ok"] = ok
+    if args.json:
+        append_run(args.json, run)
     print(f"done in {time.perf_counter() - t_start:.0f} s: {'met' if ok else 'NOT met'}")
     return 0 if ok else 1
 
 
-def timing_check(grids: list[tuple[int, tuple]], args: argparse.Namespace, tmp: Path) -> bool:
+def timing_check(grids: list[tuple[int, tuple]], args: argparse.Namespace, tmp: Path,
+                 run: dict) -> bool:
     """Every grid timed (``--rounds`` interleaved), printed beside the prediction; the
-    Spearman and best-grid checks; scaling.csv and scaling.png written."""
+    Spearman and best-grid checks; scaling.csv and scaling.png written; ``run``'s rows and
+    summary (the checks' figures) filled in."""
     machine = load_profile(args.profile)
     work = graph_workload(args.dataset, args)
     print(f"{work.model.upper()} {work.name}: N={work.num_nodes:,} nnz={work.nnz:,} "
@@ -263,9 +245,11 @@ def timing_check(grids: list[tuple[int, tuple]], args: argparse.Namespace, tmp: 
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, out / "scaling.png")
+    run["rows"] = rows
+    draw_scaling([run], out / "scaling.png")
 
     rho = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
+    summary = run["summary"] = {"spearman": rho, "spearman_by_ranks": {}, "best_gap": {}}
     print(f"\nSpearman(predicted, measured) over all {len(rows)} grids: {rho:.3f} "
           f"(target >= 0.8)")
     ok = rho >= 0.8
@@ -276,6 +260,8 @@ def timing_check(grids: list[tuple[int, tuple]], args: argparse.Namespace, tmp: 
         best = min(sel, key=lambda r: r["measured_ms"])
         gap = pick["measured_ms"] / best["measured_ms"] - 1
         ok &= gap <= 0.10
+        summary["spearman_by_ranks"][str(ranks)] = rho_g
+        summary["best_gap"][str(ranks)] = gap
         print(f"G={ranks}: Spearman {rho_g:.3f}; predicted best {pick['grid']} measured "
               f"{pick['measured_ms']:.1f} ms, measured best {best['grid']} "
               f"{best['measured_ms']:.1f} ms: gap {100 * gap:.1f}% (target <= 10%)")

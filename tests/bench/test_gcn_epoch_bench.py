@@ -112,3 +112,29 @@ def test_pyg_drops_every_layer_input_and_aggregates_every_layer_with_dropout(var
         assert dropped == ([0.5] * 6 if rate else [])
         # fixed without dropout: layer 0 is a linear map of the cached A X (2 of 3 aggregate)
         assert len(aggregated) == (4 if variant == "fixed" and not rate else 6)
+
+
+def test_json_appends_a_run_of_the_printed_figures_with_its_provenance(bench, tmp_path,
+                                                                       capsys):
+    from bench.provenance import read_runs
+
+    module, calls = bench
+    path = tmp_path / "results" / "epoch.json"
+    argv = ["--nodes", "500", "--rounds", "2", "--variants", "fixed", "--threads", "1",
+            "--json", str(path)]
+    module.main(argv)
+    out = capsys.readouterr().out
+    (run,) = read_runs(path)
+    assert run["bench"] == "gcn_epoch" and run["device"] == "cpu"
+    assert run["provenance"]["command"] == "python bench/gcn_epoch.py " + " ".join(argv)
+    (row,) = run["rows"]
+    printed = re.search(r"^fixed: ours/PyG ([\d.]+) against (.*) \(the fastest PyG\).*"
+                        r"round by round ([\d.]+), ([\d.]+)$", out, re.M)
+    assert f"{row['ratio']:.3f}" == printed[1] and row["pyg_setting"] == printed[2]
+    assert [f"{r:.3f}" for r in row["round_ratios"]] == [printed[3], printed[4]]
+    assert row["ratio"] == pytest.approx(row["ours_s"] / row["pyg_s"])
+    assert row["no_pool_ratio"] == pytest.approx(row["no_pool_s"] / row["pyg_s"])
+    assert (row["variant"], row["nodes"], row["norm"]) == ("fixed", 500, "none")
+    calls.clear()  # the fake workers' times again
+    module.main(argv)  # a second run goes after the first
+    assert len(read_runs(path)) == 2
