@@ -91,12 +91,10 @@ def llm_key(out: str) -> str:
 def host_cpu() -> str:
     """The host CPU's model name and whether it has AVX-512 (MKL, oneDNN and ATen take other
     code paths there: docs/testing.md), from /proc/cpuinfo; ``unknown CPU`` without it."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    fields = dict(line.split(":", 1) for line in info.splitlines()[:40] if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    sys.path.insert(0, str(ROOT))
+    from bench.provenance import cpuinfo
+
+    fields = cpuinfo()
     avx512 = "avx512f" in fields.get("flags", "").split()
     return f"{fields.get('model name', 'unknown CPU')}, {'with' if avx512 else 'no'} AVX-512"
 

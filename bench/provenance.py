@@ -50,7 +50,7 @@ def git_commit(root: Path = ROOT) -> tuple[str, bool]:
     return head or NOT_RECORDED, dirty
 
 
-def _cpuinfo() -> dict[str, str]:
+def cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -74,7 +74,7 @@ def _memory_gib() -> float | None:
 def machine(device: str = "cpu") -> str:
     """The machine in words: CPU model, the cores this process may use, the vector extensions
     the kernels' speed depends on, memory; with ``device="cuda"`` the GPU's name after it."""
-    info = _cpuinfo()
+    info = cpuinfo()
     flags = set(info.get("flags", "").split())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     parts = [info.get("model name") or platform.processor() or platform.machine(),
