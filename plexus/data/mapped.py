@@ -10,7 +10,7 @@ chunk ``o`` of O of its matrix (``A'`` for even layers, ``A''`` for odd ones): t
 divide k. They are memory-mapped, not read: the kernel pages in what it touches, and the page
 cache shares blocks between ranks of one node. For symmetric graphs only ``A'`` is stored:
 ``A''`` block (R, C) is the transpose of ``A'`` block (C, R), made in memory from it when the
-shard is built (:func:`csr_transposed`, a counting sort, O(nnz)), as is every transpose a
+shard is built (:meth:`CSRBlock.transpose`, a counting sort, O(nnz)), as is every transpose a
 GPU's backward multiplies; on the CPU the backward reads each block as its own transpose
 (plexus.transpose).
 
@@ -41,7 +41,6 @@ import numpy as np
 import torch
 
 from plexus import layout
-from plexus.csr import numba_kernels
 from plexus.data import partition as part
 from plexus.data.errors import DatasetCorruptError
 from plexus.data.memory import root_blocks
@@ -186,7 +185,7 @@ class PreparedGraph:
                 f"{self.path}/{names}: {problem}; the prepared dataset is damaged: run python "
                 f"-m plexus.prepare --verify {self.path}, then prepare it again")
         if flip:
-            block = CSRBlock(*csr_transposed(indptr, indices, values, bs), (bs, bs))
+            block = block.transpose()
         for arr in (indptr, indices, values):  # the reads stay in the page cache
             _release_pages(arr)
         if mapped is not None:
@@ -281,25 +280,6 @@ class PreparedGraph:
             features_block=feats, labels=torch.from_numpy(labels.astype(np.int64)),
             masks=masks, split_counts=dict(self.split_counts), out_rows=out_rows, root=root,
         )
-
-
-def csr_transposed(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray,
-                   num_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(indptr, indices, values) of the transpose of a CSR matrix with ``num_cols`` columns,
-    in memory, rows ascending inside each column (a counting sort by column, O(nnz); the
-    index dtype kept)."""
-    t_indptr = np.zeros(num_cols + 1, dtype=indices.dtype)
-    np.cumsum(np.bincount(indices, minlength=num_cols), out=t_indptr[1:])
-    t_indices = np.empty(indices.shape, dtype=indices.dtype)
-    t_values = np.empty(values.shape, dtype=values.dtype)
-    kernels = numba_kernels()
-    if kernels is not None:
-        kernels.csr_transpose(indptr, indices, values, t_indptr, t_indices, t_values)
-    else:  # a stable sort keeps rows ascending inside each column
-        rows = np.repeat(np.arange(indptr.size - 1, dtype=indices.dtype), np.diff(indptr))
-        order = np.argsort(indices, kind="stable")
-        t_indices[:], t_values[:] = rows[order], values[order]
-    return t_indptr, t_indices, t_values
 
 
 def _release_pages(arr: np.ndarray) -> None:
