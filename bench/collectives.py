@@ -37,7 +37,10 @@ buffer (all-reduce input, all-gather output, reduce-scatter input) and ``n`` ran
 float32: ``AxisGroup.on_wire``, plexus ``--precision bf16``) against MPI's float32 calls, on
 integers below 256 (exact in bf16): ours must equal MPI's result (an all-reduce's rounded to
 bf16 once) and count half the bytes. It has no time target: on one node the messages cross
-memory, where the conversions cost about what the halved bytes save.
+memory, where the conversions cost about what the halved bytes save. The all-reduce is also
+timed as plexus's narrowed aggregation runs it ("narrow us", ``rounds_s["ours_narrow"]``):
+the float32 data rounded into a bf16 buffer, which is then summed in place, its own message
+(no float32 result to widen into); its result must equal MPI's likewise.
 
 Checks (any failure prints on rank 0 and exits 1): once per size, our result equals MPI's
 (integer-valued float32 data, so sums are exact in any order); and the bytes our
@@ -141,9 +144,20 @@ def make_calls(
         return torch.empty(shape).numpy()
 
     if op == "all_reduce":
-        return {"ours": lambda: coll.all_reduce(x, group, stats=stats),
-                "mpi": lambda: comm.Allreduce(send, fresh(), op=MPI.SUM),
-                "mpi_reused": lambda: comm.Allreduce(send, recv, op=MPI.SUM)}
+        calls = {"ours": lambda: coll.all_reduce(x, group, stats=stats),
+                 "mpi": lambda: comm.Allreduce(send, fresh(), op=MPI.SUM),
+                 "mpi_reused": lambda: comm.Allreduce(send, recv, op=MPI.SUM)}
+        if group.wire is not None:  # plexus's narrowed H: rounded, then summed in place
+            from common import wire
+
+            buf = torch.empty(x.numel(), dtype=group.wire)
+
+            def narrow() -> torch.Tensor:
+                wire.to_bf16(x, buf)
+                return coll.all_reduce(buf, group, inplace=True)
+
+            calls["ours_narrow"] = narrow
+        return calls
     if op == "all_gather":
         return {"ours": lambda: coll.all_gather(x, group, stats=stats),
                 "mpi": lambda: comm.Allgather(send, fresh()),
@@ -212,6 +226,10 @@ def bench_one(
     if got.shape != recv.shape or not np.array_equal(got, want):
         bad = int(np.sum(got != recv)) if got.shape == recv.shape else "shape"
         errors.append(f"{op} {fmt_size(full_bytes)}: ours != MPI on rank {rank} ({bad} diffs)")
+    if "ours_narrow" in calls and not np.array_equal(calls["ours_narrow"]().float().numpy(),
+                                                    want):
+        errors.append(f"{op} {fmt_size(full_bytes)}: ours in place on bf16 != MPI on rank "
+                      f"{rank}")
 
     stats = CommStats()
     rounds = time_blocks(make_calls(op, send, recv, group, comm, stats), iters, warmup,
@@ -235,6 +253,9 @@ def bench_one(
            "mpi_us": t_mpi * 1e6, "mpi_busbw": full_bytes / t_mpi * factor / 1e9,
            "ratio": t_ours / t_mpi, "mpi_reused_us": t["mpi_reused"] * 1e6,
            "rounds_s": rounds}
+    if "ours_narrow" in t:
+        row["narrow_us"] = t["ours_narrow"] * 1e6
+        row["narrow_ratio"] = t["ours_narrow"] / t_ours
     row["target_met"] = target_met(row)
     return row, local, errors
 
@@ -249,6 +270,14 @@ def print_table(op: str, rows: list[dict], n: int) -> None:
               f"{r['ours_busbw']:>12.3f}{r['mpi_us']:>12.1f}{r['mpi_busbw']:>12.3f}"
               f"{r['ratio']:>10.2f}{r['ours_us'] - r['mpi_us']:>10.1f}"
               f"{r['mpi_reused_us']:>11.1f}  {'met' if r['target_met'] else 'MISSED'}")
+    narrowed = [r for r in rows if "narrow_us" in r]
+    if narrowed:
+        print(f"\n# {op} of bf16 data in place (plexus's narrowed H: rounded from float32, "
+              "then summed), against the float32 data above")
+        print(f"{'size':>10}{'ours us':>12}{'narrow us':>12}{'narrow/ours':>13}")
+        for r in narrowed:
+            print(f"{fmt_size(r['bytes']):>10}{r['ours_us']:>12.1f}{r['narrow_us']:>12.1f}"
+                  f"{r['narrow_ratio']:>13.2f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -93,12 +93,15 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def uses_onednn(a: torch.Tensor, b: torch.Tensor, backend: str = "auto") -> bool:
-    """Whether :func:`mm` computes ``a @ b`` through oneDNN (see the module docstring)."""
+def uses_onednn(a: torch.Tensor, b: torch.Tensor, backend: str = "auto", *,
+                widen: bool = False) -> bool:
+    """Whether :func:`mm` computes ``a @ b`` through oneDNN (see the module docstring);
+    ``widen``: ``a`` is bf16, widened block by block."""
     if backend not in BACKENDS:
         check_backend(backend)  # raises
     return (backend != "torch" and a.device.type == "cpu" and b.device.type == "cpu"
-            and a.dtype == torch.float32 and b.dtype == torch.float32
+            and a.dtype == (torch.bfloat16 if widen else torch.float32)
+            and b.dtype == torch.float32
             and a.dim() == 2 and b.dim() == 2 and a.is_contiguous()
             and a.shape[0] * a.shape[1] * b.shape[1] >= MIN_WORK
             and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
@@ -118,30 +121,58 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
     :func:`tn` reads in place and the pool can reuse (the module docstring). Each row's sum is
     the primitive's either way.
 
+    ``a`` may be bfloat16 where ``b`` is float32 (a bf16 ``H`` kept for ``dW``): its row
+    blocks are widened one at a time (exactly), so no float32 copy of the whole of ``a`` is
+    made, and the product is the float32 ``mm(a.float(), b)`` of the same backend, bit for bit.
+    ``out`` may be bfloat16 where ``b`` is float32 (a ``dH`` summed in bf16): each block of the
+    float32 product is rounded into it (torch's rounding), so no float32 copy of the whole
+    product is made; through oneDNN the bits of ``mm(a, b).to(torch.bfloat16)``.
+
     Shapes: a [m, k], b [k, n] -> [m, n]
     """
     if accumulate and out is None:
         raise ValueError("accumulate needs out")
-    if not uses_onednn(a, b, backend):
+    widen = a.dtype == torch.bfloat16 and b.dtype == torch.float32
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    narrow = out is not None and out.dtype == torch.bfloat16 and b.dtype == torch.float32
+    if narrow and (accumulate or widen):
+        raise ValueError("a bf16 out takes a float32 product, written over it")
+    if narrow and not uses_onednn(a, b, backend):
+        rows = _block_rows(k, n)
+        for lo in range(0, m, rows):
+            out[lo:lo + rows].copy_(torch.mm(a[lo:lo + rows], b))
+        return out
+    if not uses_onednn(a, b, backend, widen=widen):
+        a = a.to(b.dtype) if widen else a
         if accumulate and out is not None:
             return out.addmm_(a, b)
         return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
-    m, n = a.shape[0], b.shape[1]
     if out is None:
-        out = empty(m, n, dtype=a.dtype, device=a.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {(m, n)} tensor of {a.dtype}")
+        out = empty(m, n, dtype=b.dtype, device=a.device)
+    elif tuple(out.shape) != (m, n) or out.dtype not in (b.dtype, torch.bfloat16) or (
+            not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {(m, n)} tensor of {b.dtype}")
     # the primitive computes x @ weight^T with weight [n, k]; b is small (a weight), so the
     # copy that makes its transpose contiguous is cheap (none when b is a transposed view)
     weight = b.t().contiguous()
-    rows = max(1, BLOCK_BYTES // (a.element_size() * max(n, a.shape[1])))
+    rows = _block_rows(k, n)
+    # a bf16 a: each block widened into one reused float32 block just before its call
+    wide = torch.empty((min(rows, m), k), dtype=b.dtype) if widen else None
     for lo in range(0, m, rows):
-        block = torch.ops.mkldnn._linear_pointwise(a[lo:lo + rows], weight, None, "none", [], "")
+        hi = min(m, lo + rows)
+        x = a[lo:hi] if wide is None else wide[:hi - lo].copy_(a[lo:hi])
+        block = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
         if accumulate:
-            out[lo:lo + rows].add_(block)
+            out[lo:hi].add_(block)
         else:
-            out[lo:lo + rows].copy_(block)
+            out[lo:hi].copy_(block)
     return out
+
+
+def _block_rows(k: int, n: int) -> int:
+    """Rows of one oneDNN call of :func:`mm`: float32 input and output blocks of at most
+    :data:`BLOCK_BYTES`."""
+    return max(1, BLOCK_BYTES // (4 * max(n, k)))
 
 
 _ONEDNN_LAYOUT = getattr(torch, "_mkldnn", None)  # oneDNN's (mkldnn's) tensor layout

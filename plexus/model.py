@@ -34,7 +34,7 @@ from plexus.data.shard import GraphShard
 from plexus.first_layer import FirstLayer
 from plexus.last_layer import LastLayer
 from plexus.layer_dropout import LayerDropout
-from plexus.layer_plan import LayerPlan, plan_layers
+from plexus.layer_plan import AGGREGATION_BLOCKS, LayerPlan, plan_layers
 from plexus.norms import make_norm, normalized_features
 from plexus.residual import add_root_blocks, has_skip, in_output_columns
 from plexus.sharded_state import ShardedState
@@ -203,14 +203,15 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         # GraphSAGE: A^T dH and S^T dR summed in one block (autograd would hold both)
         shared = ops.SharedGradient(2) if self.kind == "sage" and f.requires_grad else None
         # (each feeds one product only: backward may reduce its gradient in place)
-        h = self._spmm_o(adj, layer, f, stats, shared, spend_grad=True)
-        r = (self._spmm_o(root, layer, f, stats, shared, spend_grad=True)
-             if self.kind == "sage" else None)
+        # bf16: H W reads the H that is kept (and cached); a sum whose messages are bf16
+        # (common.collectives) comes back in bf16 (ops.BlockedAggregation's narrow)
         o_group = self.wire[layout.roles(layer)[0]]
-        if self.keep_dtype is not None and not (o_group.size > 1
-                                                and o_group.wire == self.keep_dtype):
-            # bf16: H W reads the H that is kept (and cached); a sum whose messages were bf16
-            # (common.collectives) is bf16 values already
+        narrow = (self.keep_dtype is not None and o_group.size > 1
+                  and o_group.wire == self.keep_dtype)
+        h = self._spmm_o(adj, layer, f, stats, shared, spend_grad=True, narrow=narrow)
+        r = (self._spmm_o(root, layer, f, stats, shared, spend_grad=True, narrow=narrow)
+             if self.kind == "sage" else None)
+        if self.keep_dtype is not None and not narrow:
             h = ops.Rounded.apply(h, self.keep_dtype)
             r = None if r is None else ops.Rounded.apply(r, self.keep_dtype)
         if layer == 0 and self.plan.cache_first:
@@ -218,18 +219,24 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         return h, r
 
     def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None,
-                shared: ops.SharedGradient | None = None, spend_grad: bool = False):
+                shared: ops.SharedGradient | None = None, spend_grad: bool = False,
+                narrow: bool = False):
         """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
         all-reduced over O in both passes (collectives 2 and 7): in row blocks, overlapped
         with the SpMM, when :attr:`LayerPlan.aggregation_blocks` > 1. ``shared``: the
         gradient of ``F_l`` summed there with the other term's; ``spend_grad``: the product
-        feeds one operator, so its gradient may be reduced in place."""
+        feeds one operator, so its gradient may be reduced in place; ``narrow``: returned in
+        the messages' bf16 (ops.BlockedAggregation)."""
         self._check_not_released(blocks, layer)
         blk, group = blocks[layout.layout_of(layer)], self.wire[layout.roles(layer)[0]]
-        if self.plan.aggregation_blocks > 1 and group.size > 1:
-            return ops.BlockedAggregation.apply(blk.a, blk.a_t, x, group, stats,
-                                                self.plan.aggregation_blocks,
-                                                self.plan.overlap, shared, spend_grad)
+        if (self.plan.aggregation_blocks > 1 or narrow) and group.size > 1:
+            # narrowed: in row blocks even where they do not overlap, so that the float32
+            # scratch is one block's (the blocks change no bits)
+            blocks = self.plan.aggregation_blocks
+            return ops.BlockedAggregation.apply(
+                blk.a, blk.a_t, x, group, stats,
+                max(blocks, AGGREGATION_BLOCKS) if narrow else blocks,
+                self.plan.overlap and blocks > 1, shared, spend_grad, narrow)
         h = ops.SpMM.apply(blk.a, blk.a_t, x, shared)  # a fresh tensor: reduced in place
         return autograd.all_reduce_all_reduce(h, group, stats, inplace=True)
 

@@ -97,18 +97,38 @@ class BlockedAggregation(torch.autograd.Function):
     caller's promise that the gradient reaching H is read by nothing else (H feeds one
     product): backward all-reduces it in place instead of a copy.
 
+    ``narrow``: where ``group``'s messages are bf16 (``group.wire``), H is returned in bf16:
+    each block's float32 product (one reused block of scratch) is rounded into H, which is
+    then summed in place, its own message (common.collectives); the sum of bf16 messages is
+    bf16 values anyway, so H is the same numbers without a float32 copy of it, or the pass
+    that widens it. Its gradient arrives in bf16 too (autograd rounds ``dH`` to H's dtype,
+    as the wire would), is summed in place likewise, and ``A^T`` reads it as bf16. Where the
+    messages are float32, ``narrow`` changes nothing.
+
     Shapes: f [m, d] -> [n, d]; backward dh [n, d] -> df [m, d]
     """
 
     @staticmethod
     def forward(ctx: Any, a, a_t, f, group: AxisGroup, stats, num_blocks: int,
-                overlap: bool, shared: SharedGradient | None = None, spend_grad: bool = False):
+                overlap: bool, shared: SharedGradient | None = None, spend_grad: bool = False,
+                narrow: bool = False):
         bounds, parts = a.row_blocks(num_blocks)
         f = f.detach()
-        out = dense.empty(a.shape[0], f.shape[1], dtype=sum_dtype(f.dtype), device=f.device)
+        wide = sum_dtype(f.dtype)
+        narrow = narrow and group.wire is not None and group.wire != wide
+        out = (torch.empty(a.shape[0], f.shape[1], dtype=group.wire, device=f.device) if narrow
+               else dense.empty(a.shape[0], f.shape[1], dtype=wide, device=f.device))
+        ranges = list(itertools.pairwise(bounds))
+        scratch = (torch.empty(max(hi - lo for lo, hi in ranges), f.shape[1], dtype=wide,
+                               device=f.device) if narrow and ranges else None)
+        if narrow:  # numba, imported only here (as common.collectives imports it)
+            from common import wire
         handles = []
-        for (lo, hi), part in zip(itertools.pairwise(bounds), parts):
-            part.matmul(f, out=out[lo:hi])
+        for (lo, hi), part in zip(ranges, parts):
+            if scratch is None:
+                part.matmul(f, out=out[lo:hi])
+            else:  # rounded before the next block overwrites the scratch
+                wire.to_bf16(part.matmul(f, out=scratch[:hi - lo]), out[lo:hi])
             handles.append(coll.all_reduce(out[lo:hi], group, stats=stats, async_op=overlap,
                                            inplace=True))
         if overlap:
@@ -138,14 +158,14 @@ class BlockedAggregation(torch.autograd.Function):
                 return df
 
             def make() -> torch.Tensor:
-                return add_into(torch.zeros(a_t.shape[0], red.shape[1], dtype=red.dtype,
+                return add_into(torch.zeros(a_t.shape[0], red.shape[1], dtype=sum_dtype(red.dtype),
                                             device=red.device))
 
             df = make() if ctx.shared is None else ctx.shared.add(make, add_into)
         elif overlap:
             for h in handles:
                 h.wait()
-        return None, None, df, None, None, None, None, None, None
+        return None, None, df, None, None, None, None, None, None, None
 
 
 class BitMask:
@@ -264,9 +284,12 @@ class GatheredMatmul(torch.autograd.Function):
     ``dW`` is reduce-scattered back to flat shards (collective 6).
 
     ``keep``: the dtype ``H`` is kept in for ``dW`` (None: as it comes). With bf16, ``H`` may
-    also come in bf16 (the cached ``H_0``, no gradient): it is widened for the product, which is
-    float32 either way, and kept as it is. ``gemm``: the backend of ``H W`` and ``dQ W^T``
-    (:func:`common.dense.mm`: oneDNN on the CPU by default) and of ``dW = H^T dQ``
+    also come in bf16 (the cached ``H_0``; the sum of bf16 messages, ops.BlockedAggregation's
+    ``narrow``): it is kept as it is, widened a row block at a time for the product
+    (:func:`common.dense.mm`), which is float32 either way, and widened whole for ``dW``
+    (dropped before ``dH`` is made); its ``dH`` is rounded to bf16 a row block at a time.
+    ``gemm``: the backend of ``H W`` and ``dQ W^T`` (:func:`common.dense.mm`: oneDNN on the
+    CPU by default) and of ``dW = H^T dQ``
     (:func:`common.dense.tn`: oneDNN where both were allocated by :func:`common.dense.empty`,
     as the SpMM's output and the ReLU's gradient are).
 
@@ -283,10 +306,10 @@ class GatheredMatmul(torch.autograd.Function):
         """``gathered``: the handle of this W's all-gather issued earlier (async, so that it
         travels during the aggregation), or None to gather now."""
         ctx.group, ctx.shape, ctx.stats, ctx.gemm = group, shape, stats, gemm
+        ctx.h_dtype = h.dtype  # a bf16 H takes a bf16 dH (rounded here, not by autograd)
         ctx.save_for_backward(h if keep is None else h.to(keep), w_shard)
         w = (flat.gather(w_shard, group, shape, stats=stats) if gathered is None
              else gathered.wait())
-        h = h if h.dtype == w.dtype else h.to(w.dtype)
         if into is None:
             return dense.mm(h, w, backend=gemm)
         ctx.mark_dirty(into)
@@ -296,12 +319,16 @@ class GatheredMatmul(torch.autograd.Function):
     def backward(ctx: Any, dq):
         h, w_shard = ctx.saved_tensors
         group, shape, stats = ctx.group, ctx.shape, ctx.stats
+        if h.dtype != dq.dtype:  # bf16 H: widened for dW only, into a buffer tn reads as is
+            h = dense.empty(*h.shape, dtype=dq.dtype, device=h.device).copy_(h)
+        dw = dense.tn(h, dq, backend=ctx.gemm)
+        del h  # (a widened H goes before dH is made)
         dh = None
         if ctx.needs_input_grad[0]:
-            dh = dense.mm(dq, flat.gather(w_shard, group, shape, stats=stats).t(),
-                          backend=ctx.gemm)
-        h = h if h.dtype == dq.dtype else h.to(dq.dtype)  # bf16 H: widened for dW only
-        dw = dense.tn(h, dq, backend=ctx.gemm)
+            w = flat.gather(w_shard, group, shape, stats=stats).t()
+            out = (None if ctx.h_dtype == w.dtype else
+                   torch.empty(dq.shape[0], w.shape[1], dtype=ctx.h_dtype, device=dq.device))
+            dh = dense.mm(dq, w, backend=ctx.gemm, out=out)
         return (dh, flat.reduce_scatter(dw, group, stats=stats), None, None, None, None,
                 None, None, dq if ctx.needs_input_grad[8] else None)
 

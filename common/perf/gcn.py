@@ -196,6 +196,9 @@ def gemm_seconds(m: int, k: int, n: int, flops: float, memory_bandwidth: float) 
 # about as long as a copy on one core (round to bf16; add the g received chunks in float32;
 # widen the gathered bf16 into the float32 result), so about three copies
 WIRE_SUM_BYTES = 3 * 2 * F32
+# the same for an H that stays bf16 (plexus.ops.BlockedAggregation's narrow): the rounding of
+# the SpMM's float32 block into H (backward: autograd's of dH), and the sums; no widening
+NARROW_SUM_BYTES = 2 * 2 * F32
 
 
 def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachineProfile, *,
@@ -226,20 +229,24 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         # dG = A^T dQ for dW: a layer that multiplies first needs it without dF too
         back_spmm = backward or (first and forward)
         spmm_width, x_bytes = (b, F32) if first else (a, x_bytes)
+        narrow = work.narrows(layer, shape)  # H (R) and dH (dR) stay bf16 through (2), (7)
+        h_red = NARROW_SUM_BYTES if narrow else red
         for blk in [nnz, root][:k]:
             if forward:
                 spmm += again * spmm_bytes(rows, blk, spmm_width, index_bytes=idx,
                                            cache_line=line, x_bytes=x_bytes)
-                moved += again * rows * a * red * (O > 1)  # copy of H (R), all-reduce
-                if work.stored_bytes < F32:  # keep a bf16 copy of H (F') for dW; round it in
-                    # place first, unless it is the sum of a bf16 all-reduce (bf16 values)
+                moved += again * rows * a * h_red * (O > 1)  # copy of H (R), all-reduce
+                if work.stored_bytes < F32 and not narrow:  # keep a bf16 copy of H (F')
+                    # for dW; round it in place first, unless it is the sum of a bf16
+                    # all-reduce (bf16 values)
                     passes = 1 if O > 1 and not first else 3
                     moved += (n // O if first else rows) * a * passes * (F32 + work.stored_bytes)
-            if back_spmm:
+            if back_spmm:  # (A^T reads a narrowed dH in bf16)
                 spmm += backward_spmm_bytes(machine, rows, n // O, blk, spmm_width,
-                                            index_bytes=idx, cache_line=line)
+                                            index_bytes=idx, cache_line=line,
+                                            x_bytes=work.stored_bytes if narrow else F32)
             if backward:  # dH (dR) all-reduced over O
-                moved += rows * a * red * (O > 1)
+                moved += rows * a * h_red * (O > 1)
         if backward:  # dF (one for both terms) all-reduced over P
             moved += (n // O) * a * red * (P > 1)
         n_gemm = 3 if backward else 2  # Q = H W, dW = H^T dQ, and dH = dQ W^T

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 
 from common.comm_stats import WIRE_PIECE_BYTES
 from common.grid import round_up
-from common.perf.gcn_workload import F32, GCNWorkload
+from common.perf.gcn_workload import AGGREGATION_BLOCKS, F32, GCNWorkload
 
 __all__ = ["gcn_memory", "gcn_memory_parts", "gcn_memory_phases"]
 
@@ -151,6 +151,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
                 2 * q32 + g32 if k == 2 else g32 + q32)
         elif lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
             phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
+        elif lay["narrow"]:  # H (R) summed in bf16, one float32 row block of scratch
+            h16 = rows * a * work.stored_bytes
+            scratch = -(-rows // AGGREGATION_BLOCKS) * a * F32
+            phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h16 + scratch + max(
+                _reduce_buffer(h32, lay["o_size"], work), weights)
+            phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + (
+                q32 + max(_reduce_buffer(q32, lay["i_size"], work), weights))
         else:
             phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h32 + max(
                 _reduce_buffer(h32, lay["o_size"], work), weights)
@@ -198,12 +205,20 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
             continue
         if lay["recomputed"]:
             phases[f"backward {lay['index']} recompute"] = base + _recompute(work, lay)
-        phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + q32 + (
-            h32 if grad_in else 0) + 2 * a * b * F32
+        # per term (GraphSAGE: R's first, then H's): a bf16 H widened for dW and dropped,
+        # then dH (float32, or narrowed bf16 rounded a row block at a time); the first
+        # term's dH is held while the second's run, whose kept H is then all that is kept
+        h16 = rows * a * work.stored_bytes
+        step = max(h32 if work.stored_bytes < F32 else 0, h32 if grad_in else 0)
+        done = (h16 if lay["narrow"] else h32) if grad_in else 0
+        per = lay["kept_h"] / k
+        phases[f"backward {lay['index']} matmul"] = base + q32 + 2 * a * b * F32 + step + max(
+            lay["kept_h"], per + (k - 1) * done)
         if grad_in:  # dH (dR) all-reduced over O; A^T dH (+ S^T dR, added into the same
             df = lay["in_rows"] * a * F32  # block: plexus.ops.SharedGradient); then dF
+            held = k * (h16 if lay["narrow"] else h32)
             phases[f"backward {lay['index']} dF"] = base + max(  # all-reduced over P
-                k * h32 + _reduce_buffer(h32, lay["o_size"], work), k * h32 + df,
+                held + _reduce_buffer(h32, lay["o_size"], work), held + df,
                 df + _reduce_buffer(df, lay["p_size"], work))
     return phases
 
@@ -286,6 +301,7 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         else:  # or H [rows, a] per term
             kept_h = k * rows * a * kept
         out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,
+                    "narrow": work.narrows(layer, shape),
                     "o_size": shape[o], "i_size": shape[i], "p_size": shape[p],
                     "kept_h": kept_h, "kept_other": other,
                     "norm": norm, "recomputed": recomputed, "first": first, "remade": remade,

@@ -252,6 +252,14 @@ class GCNWorkload:
                                                           self.labelled_rows_only),
             option=self.weight_first, terms=self.terms)
 
+    def narrows(self, layer: int, shape: Mapping[str, int]) -> bool:
+        """Whether ``layer``'s ``H`` (and ``R``) come out of their all-reduce over O in bf16
+        (plexus.ops.BlockedAggregation's ``narrow``): bf16, O > 1, and the layer aggregates
+        first over its own input (not a recomputed or remade layer 0)."""
+        return (self.stored_bytes < ELEMENT_BYTES["fp32"] and shape[roles(layer)[0]] > 1
+                and not self.weight_first_layer(layer, shape)
+                and not (layer == 0 and self.recomputes_first))
+
     def _runs(self, layer: int, first_epoch: bool) -> tuple[bool, bool]:
         """(forward aggregation runs, gradient flows back through the aggregation)."""
         if layer > 0 or self.learn_features:

@@ -144,3 +144,18 @@ def test_bench_collectives_with_bf16_messages_checks_results_and_half_the_bytes(
     for row in saved["rows"]:
         for m in row["per_rank"]:  # half of float32's ring bytes
             assert m["stats_bytes"] == round(calls * row["bytes"] / 2 * BUS_FACTOR[row["op"]])
+    # the narrowed all-reduce (plexus's bf16 H summed in place), timed beside ours
+    assert "of bf16 data in place" in r.stdout
+    for row in saved["rows"]:
+        if row["op"] != "all_reduce":
+            assert "narrow_us" not in row
+            continue
+        narrow_s = statistics.median(row["rounds_s"]["ours_narrow"])
+        assert len(row["rounds_s"]["ours_narrow"]) == REPEATS
+        assert row["narrow_us"] == pytest.approx(1e6 * narrow_s, rel=1e-12)
+        assert row["narrow_ratio"] == pytest.approx(
+            narrow_s / statistics.median(row["rounds_s"]["ours"]), rel=1e-12)
+        size = [str(row["bytes"] >> 10), "KiB"]  # 4 KiB, 64 KiB
+        line = next(ln for ln in r.stdout.split("of bf16 data in place")[1].splitlines()
+                    if ln.split()[:2] == size)
+        assert printed_as(line.split()[3], row["narrow_us"]), line

@@ -39,8 +39,8 @@ def test_onednn_and_torch_products_train_alike(config, monkeypatch):
     calls, tn_calls = [], []
     for name, seen in (("uses_onednn", calls), ("uses_onednn_tn", tn_calls)):
         real = getattr(dense, name)
-        monkeypatch.setattr(dense, name, lambda a, b, backend="auto", real=real, seen=seen:
-                            seen.append(real(a, b, backend)) or seen[-1])
+        monkeypatch.setattr(dense, name, lambda a, b, backend="auto", real=real, seen=seen,
+                            **kw: seen.append(real(a, b, backend, **kw)) or seen[-1])
     ours = _train("auto", **config)
     assert any(calls), "no product went through oneDNN"
     if dense.onednn_tn_available() and config.get("model") != "sage":
