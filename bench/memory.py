@@ -418,6 +418,7 @@ def _tiny_papers_run(root: Path, args) -> tuple[int, int, Any]:
     cli = ["--dataset", "ogbn-papers100M", "--root", str(tiny_root), "--epochs", "1",
            "--hidden", str(args.hidden), "--layers", "3", "--model", args.model,
            "--device", args.device, "--precision", args.precision, *_run_flags(args)]
+    shutil.rmtree(tiny_root / "prepared", ignore_errors=True)  # (of an older format, maybe)
     _train_cli(1, cli, tiny_root / "metrics.jsonl")  # prepares
     above = []
     for ranks, extra in ((1, []), (8, ["--grid", "2x2x2"])):

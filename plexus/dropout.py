@@ -106,6 +106,30 @@ def _keep_mask_torch(rows: torch.Tensor, cols: torch.Tensor, k: int,
     return out
 
 
+# the attention coefficients of layer l are keyed as layer l + this (its input's as layer l)
+ATTENTION_LAYER_OFFSET = 1 << 16
+
+
+def edge_keep_mask(p: float, *, seed: int, step: int, layer: int, dst: torch.Tensor,
+                   src: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keep-mask of dropout with rate ``p`` on the attention coefficients of the edges
+    ``src -> dst`` (global node ids, one entry per edge) of layer ``layer`` at ``step``, one
+    column per head: entry (e, h) is :func:`keep_mask`'s hash of row ``dst[e]`` and column
+    ``src[e] * heads + h`` (mod 2^32) under the key of layer ``layer +``
+    :data:`ATTENTION_LAYER_OFFSET`, so it depends only on the edge, the head and (seed, step,
+    layer): any grid, any order of the edges, drops the same coefficients.
+
+    Shapes: dst [E], src [E] -> [E, heads] bool
+    """
+    k, threshold = _mask_key(p, seed, step, layer + ATTENTION_LAYER_OFFSET)
+    with np.errstate(over="ignore"):
+        r = _mix32(dst.numpy().astype(np.uint32) ^ k)[:, None]
+        c = (src.numpy().astype(np.uint32)[:, None] * _U32(heads)
+             + np.arange(heads, dtype=np.uint32)[None, :])
+        h = _mix32((r ^ c) * _U32(0x9E3779B1) ^ k)
+    return torch.from_numpy(h >= threshold)
+
+
 def dropout_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
                  cols: torch.Tensor) -> torch.Tensor:
     """Scaled keep-mask ``keep / (1 - p)`` (:func:`keep_mask`) as float32 [a, b]."""
