@@ -137,7 +137,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
     narrow = out is not None and out.dtype == torch.bfloat16 and b.dtype == torch.float32
     if narrow and (accumulate or widen):
         raise ValueError("a bf16 out takes a float32 product, written over it")
-    if narrow and not uses_onednn(a, b, backend):
+    if out is not None and narrow and not uses_onednn(a, b, backend):
         rows = _block_rows(k, n)
         for lo in range(0, m, rows):
             out[lo:lo + rows].copy_(torch.mm(a[lo:lo + rows], b))

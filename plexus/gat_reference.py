@@ -37,8 +37,8 @@ from torch import nn
 
 from plexus.config import NORMS
 from plexus.data.graph import Graph
-from plexus.dropout import dropout_mask, edge_keep_mask
-from plexus.reference import normalized_features
+from plexus.dropout import edge_keep_mask
+from plexus.reference import input_dropout, layer_tail_tensors, layer_tails, normalized_features
 
 __all__ = ["NEGATIVE_SLOPE", "SerialGAT", "attention_mask", "init_gat"]
 
@@ -113,11 +113,7 @@ class SerialGAT(nn.Module):
         self.weights = nn.ParameterList(nn.Parameter(p["w"].to(dtype)) for p in params)
         self.att_src = nn.ParameterList(nn.Parameter(p["att_src"].to(dtype)) for p in params)
         self.att_dst = nn.ParameterList(nn.Parameter(p["att_dst"].to(dtype)) for p in params)
-        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(d, dtype=dtype))
-                                       for d in widths[1:] if bias)
-        norms = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
-        self.norms = nn.ModuleList(norms[norm](d, eps=1e-5, dtype=dtype)
-                                   for d in widths[1:-1] if norm != "none")
+        self.biases, self.norms = layer_tails(widths, bias=bias, norm=norm, dtype=dtype)
         x = graph.x.to(dtype)
         self.register_buffer("features", normalized_features(x) if normalize_features else x)
 
@@ -126,7 +122,7 @@ class SerialGAT(nn.Module):
         f = self.features
         for layer in range(self.num_layers):
             f_in = f
-            q = self.attend(layer, self._dropout(f, layer, step), step)
+            q = self.attend(layer, input_dropout(self, f, layer, step), step)
             if len(self.biases):
                 q = q + self.biases[layer]
             if layer < self.num_layers - 1:
@@ -167,25 +163,11 @@ class SerialGAT(nn.Module):
     def _heads(self, layer: int, f: torch.Tensor) -> torch.Tensor:
         return (f @ self.weights[layer]).view(f.shape[0], self.heads, -1)
 
-    def _dropout(self, f: torch.Tensor, layer: int, step: int) -> torch.Tensor:
-        if not self.training or self.dropout == 0:
-            return f
-        rows, cols = torch.arange(f.shape[0]), torch.arange(f.shape[1])
-        return f * dropout_mask(self.dropout, seed=self.seed, step=step, layer=layer,
-                                rows=rows, cols=cols).to(f.dtype)
-
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and norm statistic by name (the class docstring)."""
         out: dict[str, torch.Tensor] = {}
         for layer in range(self.num_layers):
-            out[f"w{layer}"] = self.weights[layer]
-            out[f"att_src{layer}"] = self.att_src[layer]
-            out[f"att_dst{layer}"] = self.att_dst[layer]
-            if len(self.biases):
-                out[f"b{layer}"] = self.biases[layer]
-            if len(self.norms) and layer < self.num_layers - 1:
-                for key, t in [*self.norms[layer].named_parameters(),
-                               *self.norms[layer].named_buffers()]:
-                    if key in ("weight", "bias", "running_mean", "running_var"):
-                        out[f"norm{layer}.{key}"] = t
+            out.update({f"{name}{layer}": ts[layer] for name, ts in (
+                ("w", self.weights), ("att_src", self.att_src), ("att_dst", self.att_dst))})
+            out.update(layer_tail_tensors(self, layer))
         return out

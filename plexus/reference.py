@@ -90,11 +90,7 @@ class SerialGCN(nn.Module):
         self.root_weights = nn.ParameterList(
             nn.Parameter(w.to(dtype)) for w in init_weights(widths, seed + ROOT_SEED_OFFSET)
             if model == "sage")
-        self.biases = nn.ParameterList(nn.Parameter(torch.zeros(d, dtype=dtype))
-                                       for d in widths[1:] if bias)
-        norms = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
-        self.norms = nn.ModuleList(norms[norm](d, eps=1e-5, dtype=dtype)
-                                   for d in widths[1:-1] if norm != "none")
+        self.biases, self.norms = layer_tails(widths, bias=bias, norm=norm, dtype=dtype)
         x = graph.x.to(dtype)
         x = normalized_features(x) if normalize_features else x
         if learn_features:
@@ -121,11 +117,7 @@ class SerialGCN(nn.Module):
         return f
 
     def _dropout(self, f: torch.Tensor, layer: int, step: int) -> torch.Tensor:
-        if not self.training or self.dropout == 0:
-            return f
-        rows, cols = torch.arange(f.shape[0]), torch.arange(f.shape[1])
-        return f * dropout_mask(self.dropout, seed=self.seed, step=step, layer=layer,
-                                rows=rows, cols=cols).to(f.dtype)
+        return input_dropout(self, f, layer, step)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and norm statistic by its name in ``PlexusGCN.sharded_state()``."""
@@ -134,13 +126,42 @@ class SerialGCN(nn.Module):
             out[f"w{layer}"] = self.weights[layer]
             if len(self.root_weights):
                 out[f"root{layer}"] = self.root_weights[layer]
-            if len(self.biases):
-                out[f"b{layer}"] = self.biases[layer]
-            if len(self.norms) and layer < self.num_layers - 1:
-                for key, t in [*self.norms[layer].named_parameters(),
-                               *self.norms[layer].named_buffers()]:
-                    if key in ("weight", "bias", "running_mean", "running_var"):
-                        out[f"norm{layer}.{key}"] = t
+            out.update(layer_tail_tensors(self, layer))
         if isinstance(self.features, nn.Parameter):
             out["features"] = self.features
         return out
+
+
+def layer_tails(widths: list[int], *, bias: bool, norm: str, dtype: torch.dtype
+                ) -> tuple[nn.ParameterList, nn.ModuleList]:
+    """A serial model's biases ``b_l`` [D_l+1] (zero; none without ``bias``) and the norms of
+    its hidden layers (torch's ``BatchNorm1d`` or ``LayerNorm``, eps 1e-5)."""
+    biases = nn.ParameterList(nn.Parameter(torch.zeros(d, dtype=dtype))
+                              for d in widths[1:] if bias)
+    kinds = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
+    return biases, nn.ModuleList(kinds[norm](d, eps=1e-5, dtype=dtype)
+                                 for d in widths[1:-1] if norm != "none")
+
+
+def input_dropout(model: nn.Module, f: torch.Tensor, layer: int, step: int) -> torch.Tensor:
+    """``F' = dropout(F_l)`` of a serial model (its ``training``, ``dropout``, ``seed``), the
+    masks keyed by node and column (:func:`plexus.dropout.dropout_mask`)."""
+    if not model.training or model.dropout == 0:
+        return f
+    rows, cols = torch.arange(f.shape[0]), torch.arange(f.shape[1])
+    return f * dropout_mask(model.dropout, seed=model.seed, step=step, layer=layer,
+                            rows=rows, cols=cols).to(f.dtype)
+
+
+def layer_tail_tensors(model: nn.Module, layer: int) -> dict[str, torch.Tensor]:
+    """A serial model's bias ``b{l}`` and norm tensors ``norm{l}.*`` of ``layer`` by name (its
+    ``biases``, ``norms``, ``num_layers``)."""
+    out: dict[str, torch.Tensor] = {}
+    if len(model.biases):
+        out[f"b{layer}"] = model.biases[layer]
+    if len(model.norms) and layer < model.num_layers - 1:
+        for key, t in [*model.norms[layer].named_parameters(),
+                       *model.norms[layer].named_buffers()]:
+            if key in ("weight", "bias", "running_mean", "running_var"):
+                out[f"norm{layer}.{key}"] = t
+    return out
