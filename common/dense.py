@@ -133,20 +133,16 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
     if accumulate and out is None:
         raise ValueError("accumulate needs out")
     widen = a.dtype == torch.bfloat16 and b.dtype == torch.float32
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
     narrow = out is not None and out.dtype == torch.bfloat16 and b.dtype == torch.float32
     if narrow and (accumulate or widen):
         raise ValueError("a bf16 out takes a float32 product, written over it")
-    if out is not None and narrow and not uses_onednn(a, b, backend):
-        rows = _block_rows(k, n)
-        for lo in range(0, m, rows):
-            out[lo:lo + rows].copy_(torch.mm(a[lo:lo + rows], b))
-        return out
-    if not uses_onednn(a, b, backend, widen=widen):
+    onednn = uses_onednn(a, b, backend, widen=widen)
+    if not onednn and not narrow:
         a = a.to(b.dtype) if widen else a
         if accumulate and out is not None:
             return out.addmm_(a, b)
         return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if out is None:
         out = empty(m, n, dtype=b.dtype, device=a.device)
     elif tuple(out.shape) != (m, n) or out.dtype not in (b.dtype, torch.bfloat16) or (
@@ -154,14 +150,15 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
         raise ValueError(f"out must be a contiguous {(m, n)} tensor of {b.dtype}")
     # the primitive computes x @ weight^T with weight [n, k]; b is small (a weight), so the
     # copy that makes its transpose contiguous is cheap (none when b is a transposed view)
-    weight = b.t().contiguous()
+    weight = b.t().contiguous() if onednn else b
     rows = _block_rows(k, n)
     # a bf16 a: each block widened into one reused float32 block just before its call
     wide = torch.empty((min(rows, m), k), dtype=b.dtype) if widen else None
     for lo in range(0, m, rows):
         hi = min(m, lo + rows)
         x = a[lo:hi] if wide is None else wide[:hi - lo].copy_(a[lo:hi])
-        block = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        block = (torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "") if onednn
+                 else torch.mm(x, b))  # (torch's: a bf16 out, rounded block by block)
         if accumulate:
             out[lo:hi].add_(block)
         else:

@@ -55,10 +55,15 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
             kernels.keep_mask(r_all, c[0], np.uint64(k), np.uint64(threshold), out)
             return torch.from_numpy(out)
         for lo in range(0, r_all.size, step_rows):
-            r = _mix32(r_all[lo:lo + step_rows] ^ k)
-            h = _mix32((r[:, None] ^ c) * _U32(0x9E3779B1) ^ k)
+            h = _cell_hash(r_all[lo:lo + step_rows, None], c, k)
             np.greater_equal(h, threshold, out=out[lo:lo + step_rows])
     return torch.from_numpy(out)
+
+
+def _cell_hash(rows: np.ndarray, cols: np.ndarray, k: np.uint32) -> np.ndarray:
+    """The hash of cell (row, col) under key ``k`` (uint32, broadcast): what :func:`keep_mask`
+    compares with its threshold. Overflow warnings are the caller's to silence."""
+    return _mix32((_mix32(rows ^ k) ^ cols) * _U32(0x9E3779B1) ^ k)
 
 
 def _mask_key(p: float, seed: int, step: int, layer: int) -> tuple[np.uint32, np.uint32]:
@@ -123,10 +128,9 @@ def edge_keep_mask(p: float, *, seed: int, step: int, layer: int, dst: torch.Ten
     """
     k, threshold = _mask_key(p, seed, step, layer + ATTENTION_LAYER_OFFSET)
     with np.errstate(over="ignore"):
-        r = _mix32(dst.numpy().astype(np.uint32) ^ k)[:, None]
         c = (src.numpy().astype(np.uint32)[:, None] * _U32(heads)
              + np.arange(heads, dtype=np.uint32)[None, :])
-        h = _mix32((r ^ c) * _U32(0x9E3779B1) ^ k)
+        h = _cell_hash(dst.numpy().astype(np.uint32)[:, None], c, k)
     return torch.from_numpy(h >= threshold)
 
 

@@ -232,11 +232,10 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         if (self.plan.aggregation_blocks > 1 or narrow) and group.size > 1:
             # narrowed: in row blocks even where they do not overlap, so that the float32
             # scratch is one block's (the blocks change no bits)
-            blocks = self.plan.aggregation_blocks
+            num = self.plan.aggregation_blocks
             return ops.BlockedAggregation.apply(
-                blk.a, blk.a_t, x, group, stats,
-                max(blocks, AGGREGATION_BLOCKS) if narrow else blocks,
-                self.plan.overlap and blocks > 1, shared, spend_grad, narrow)
+                blk.a, blk.a_t, x, group, stats, max(num, AGGREGATION_BLOCKS) if narrow else num,
+                self.plan.overlap and num > 1, shared, spend_grad, narrow)
         h = ops.SpMM.apply(blk.a, blk.a_t, x, shared)  # a fresh tensor: reduced in place
         return autograd.all_reduce_all_reduce(h, group, stats, inplace=True)
 

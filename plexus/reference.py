@@ -103,7 +103,7 @@ class SerialGCN(nn.Module):
         f = self.features
         for layer in range(self.num_layers):
             f_in = f
-            f = self._dropout(f, layer, step)                             # F'
+            f = input_dropout(self, f, layer, step)                       # F'
             q = self.adj @ f @ self.weights[layer]                        # Â F' W_l
             if self.kind == "sage":
                 q = q + f @ self.root_weights[layer]                      # + F' R_l
@@ -115,9 +115,6 @@ class SerialGCN(nn.Module):
                     q = q + f_in                                          # + F_l
             f = q
         return f
-
-    def _dropout(self, f: torch.Tensor, layer: int, step: int) -> torch.Tensor:
-        return input_dropout(self, f, layer, step)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and norm statistic by its name in ``PlexusGCN.sharded_state()``."""

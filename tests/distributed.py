@@ -94,9 +94,14 @@ def _polite_at_density(env: Mapping[str, str] | None, ranks: int) -> dict[str, s
     """``env`` with ``HPC_MPI_POLITE=all`` added at two or more mpiexec ranks per core (unless
     ``env`` sets it): see :func:`launch`."""
     out = dict(env or {})
-    if ranks >= 2 * cores_available():
+    if _crowded(ranks):
         out.setdefault(ENV_MPI_POLITE, "all")
     return out
+
+
+def _crowded(ranks: int) -> bool:
+    """Two or more ranks to a core."""
+    return ranks >= 2 * cores_available()
 
 
 def launch(args: Sequence[str], *, ranks: int = 1, launcher: str = "mpiexec",
@@ -138,9 +143,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         # at two or more ranks per core (8 ranks beside another test worker on 2 cores) a
         # rank's heartbeat thread can wait for the CPU for tens of seconds: the test's own
         # timeout, not the watchdog's 30 s, is what catches a hang there
-        crowded = world >= 2 * cores_available()
         with init_distributed(device="cpu", timeout_s=120,
-                              heartbeat_timeout_s=120 if crowded else None) as ctx:
+                              heartbeat_timeout_s=120 if _crowded(world) else None) as ctx:
             result = fn(ctx, *args)
         # plain pickle: tensors travel by value, not through shared memory that dies with us
         out.put((rank, True, pickle.dumps(result)))

@@ -151,17 +151,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
                 2 * q32 + g32 if k == 2 else g32 + q32)
         elif lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
             phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
-        elif lay["narrow"]:  # H (R) summed in bf16, one float32 row block of scratch
-            h16 = rows * a * work.stored_bytes
-            scratch = -(-rows // AGGREGATION_BLOCKS) * a * F32
-            phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h16 + scratch + max(
+        else:  # narrowed: H (R) summed in bf16 beside one float32 row block of scratch
+            held = (k * rows * a * work.stored_bytes + -(-rows // AGGREGATION_BLOCKS) * a * F32
+                    if lay["narrow"] else k * h32)
+            phases[f"forward {lay['index']} aggregate"] = base + f_in + held + max(
                 _reduce_buffer(h32, lay["o_size"], work), weights)
-            phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + (
-                q32 + max(_reduce_buffer(q32, lay["i_size"], work), weights))
-        else:
-            phases[f"forward {lay['index']} aggregate"] = base + f_in + k * h32 + max(
-                _reduce_buffer(h32, lay["o_size"], work), weights)
-            wide_h = h32 if work.stored_bytes != F32 else 0  # bf16: the float32 H until H W
+            # bf16: the float32 H until H W (a narrowed H is widened a row block at a time)
+            wide_h = h32 if work.stored_bytes != F32 and not lay["narrow"] else 0
             phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (
                 q32 + max(_reduce_buffer(q32, lay["i_size"], work), weights))  # SAGE: R W_r
             # added into H W by the product itself
