@@ -228,8 +228,9 @@ def split_config(**fields: Any) -> dict[str, Any]:
 def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
     """The planner's view of one epoch of ``model`` on ``source`` (a
     :class:`~plexus.data.ShardSource`: its name and sizes), as the trainer runs it: the first
-    aggregation is cached when there is no dropout, and the last layer runs on the labelled
-    rows when few are labelled (the share of nodes in a split)."""
+    aggregation is cached when there is no dropout, the last layer runs on the labelled
+    rows when few are labelled (the share of nodes in a split), and a prepared dataset's
+    blocks are memory-mapped."""
     labelled = sum(source.split_counts.values()) / max(source.num_nodes, 1)
     return GCNWorkload(name=source.name, model=model.model, num_nodes=source.num_nodes,
                        nnz=source.nnz, cache_first_aggregation=model.dropout == 0,
@@ -240,4 +241,5 @@ def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
                        labelled_rows_only=model.labelled_rows_only, overlap=model.overlap,
                        norm=model.norm, precision=model.precision,
                        recompute_first=model.recompute_first,
-                       weight_first=model.weight_first)
+                       weight_first=model.weight_first,
+                       mapped=getattr(source, "storage", "") == "memory-mapped")

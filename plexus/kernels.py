@@ -74,12 +74,13 @@ def _prefetch(typingctx, row):  # pragma: no cover - compiled
 
 @numba.njit(parallel=True, nogil=True, cache=True)
 def csr_slice_cuts(indptr, indices, starts, cuts):  # pragma: no cover - compiled
-    """``cuts[s - 1, i]``: the first nonzero of row ``i`` whose column is >= ``starts[s]``.
+    """``cuts[s - 1, i]``: where row ``i``'s first nonzero whose column is >= ``starts[s]``
+    lies, counted from the row's start ``indptr[i]`` (so a ``uint16`` holds it where no row
+    has 65,536 nonzeros: plexus.slicing).
 
     Column slice ``s`` (columns ``starts[s] .. starts[s + 1]``) of row ``i`` is then the
-    nonzeros ``lo .. hi`` with ``lo = indptr[i]`` (s = 0) or ``cuts[s - 1, i]`` and
-    ``hi = cuts[s, i]`` or ``indptr[i + 1]`` (last slice). Columns must be sorted within a row
-    (CSR as scipy and plexus.data write it). ``cuts`` is ``[S - 1, rows]``, ``starts`` ``[S + 1]``.
+    nonzeros :func:`_segment` gives. Columns must be sorted within a row (CSR as scipy and
+    plexus.data write it). ``cuts`` is ``[S - 1, rows]``, ``starts`` ``[S + 1]``.
     """
     for i in numba.prange(indptr.shape[0] - 1):
         j = indptr[i]
@@ -87,26 +88,36 @@ def csr_slice_cuts(indptr, indices, starts, cuts):  # pragma: no cover - compile
         for s in range(1, starts.shape[0] - 1):
             while j < end and indices[j] < starts[s]:
                 j += 1
-            cuts[s - 1, i] = j
+            cuts[s - 1, i] = j - indptr[i]
+
+
+@numba.njit(inline="always")
+def _segment(indptr, cuts, s, last, i):  # pragma: no cover - compiled
+    """The nonzeros ``lo .. hi`` of row ``i`` in column slice ``s`` of ``last + 1``:
+    from the row's start (slice 0) or its cut ``s - 1`` to its cut ``s`` or its end (the last
+    slice); the cuts count from the row's start (:func:`csr_slice_cuts`)."""
+    lo = indptr[i] if s == 0 else indptr[i] + cuts[s - 1, i]
+    hi = indptr[i + 1] if s == last else indptr[i] + cuts[s, i]
+    return lo, hi
 
 
 @numba.njit(inline="always", fastmath={"contract"})
-def _spmm_chunk(lo, hi, r0, r1, indices, values, x, out, q, zero, lookahead):  # pragma: no cover
-    """Rows ``r0 .. r1`` of one column slice and feature tile ``q``: ``out[i, q] (+)= sum over
-    j in lo[i] .. hi[i] of values[j] * x[indices[j], q]``, in nonzero order.
+def _spmm_chunk(indptr, cuts, s, last, r0, r1, indices, values, x, out, q, zero,
+                lookahead):  # pragma: no cover
+    """Rows ``r0 .. r1`` of column slice ``s`` and feature tile ``q``: ``out[i, q] (+)= sum
+    over j in lo .. hi of values[j] * x[indices[j], q]``, in nonzero order (``lo .. hi``: row
+    ``i``'s :func:`_segment` of the slice).
 
     A cursor walks ``lookahead`` nonzeros ahead through the same rows and slice and prefetches
     the X rows they will read: the rows are random, so the hardware prefetcher cannot guess them.
     """
     t = x.shape[2]
     pr = r0  # the cursor: row pr, its next nonzero pj, the end pe of its segment
-    pj = lo[r0]
-    pe = hi[r0]
+    pj, pe = _segment(indptr, cuts, s, last, r0)
     for _ in range(lookahead):
         while pj == pe and pr + 1 < r1:
             pr += 1
-            pj = lo[pr]
-            pe = hi[pr]
+            pj, pe = _segment(indptr, cuts, s, last, pr)
         if pj < pe:
             _prefetch(x[indices[pj], q])
             pj += 1
@@ -115,11 +126,11 @@ def _spmm_chunk(lo, hi, r0, r1, indices, values, x, out, q, zero, lookahead):  #
         if zero:
             for k in range(t):
                 acc[k] = 0.0
-        for j in range(lo[i], hi[i]):
+        lo, hi = _segment(indptr, cuts, s, last, i)
+        for j in range(lo, hi):
             while pj == pe and pr + 1 < r1:
                 pr += 1
-                pj = lo[pr]
-                pe = hi[pr]
+                pj, pe = _segment(indptr, cuts, s, last, pr)
             if pj < pe:
                 _prefetch(x[indices[pj], q])
                 pj += 1
@@ -135,10 +146,11 @@ def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
     """Cache-blocked ``out (+)= A @ x``: column slice by column slice, row chunks in parallel.
 
     ``x`` is ``[m, T, t]`` and ``out`` ``[rows, T, t]`` (a free reshape of ``[m, d]`` and
-    ``[rows, d]``); ``cuts`` ``[S - 1, rows]`` from :func:`csr_slice_cuts` (same dtype and
-    writeability as ``indptr``); ``chunks`` ``[K + 1]`` row boundaries. For each feature tile,
-    slice ``s`` adds its nonzeros into the output rows before slice ``s + 1`` starts, so the X
-    rows of one slice stay in cache while every output row takes its terms from them.
+    ``[rows, d]``); ``cuts`` ``[S - 1, rows]`` from :func:`csr_slice_cuts` (uint16, or
+    indptr's dtype where a row is longer); ``chunks`` ``[K + 1]`` row boundaries. For each
+    feature tile, slice ``s`` adds its nonzeros into the output rows before slice ``s + 1``
+    starts, so the X rows of one slice stay in cache while every output row takes its terms
+    from them.
 
     Exactness: each output element is one float accumulator in ``out`` receiving the row's
     nonzeros in index order (slices ascend in column, columns ascend within a row), starting
@@ -149,16 +161,14 @@ def csr_spmm_sliced(indptr, cuts, chunks, indices, values, x, out, accumulate,
     slices one after the other, in increasing order, adds the same terms in the same order as
     one call (the overlapped backward of plexus.ops.BlockedAggregation).
     """
-    num_slices = cuts.shape[0] + 1
+    last = cuts.shape[0]
     for q in range(x.shape[1]):
         for s in range(s_lo, s_hi):
-            lo = indptr[:-1] if s == 0 else cuts[s - 1]
-            hi = indptr[1:] if s == num_slices - 1 else cuts[s]
             zero = s == 0 and not accumulate
             for c in numba.prange(chunks.shape[0] - 1):
                 if chunks[c] < chunks[c + 1]:
-                    _spmm_chunk(lo, hi, chunks[c], chunks[c + 1], indices, values, x, out, q,
-                                zero, lookahead)
+                    _spmm_chunk(indptr, cuts, s, last, chunks[c], chunks[c + 1], indices,
+                                values, x, out, q, zero, lookahead)
 
 
 @numba.njit(inline="always")

@@ -31,6 +31,9 @@ SLICED = ["i4 i4 f4", "i4 i4 u2", "i8 i4 f4", "i8 i8 f4", "i8 i8 u2", "I8 I8 f4"
           "i4 I4 f4", "I4 I4 u2"]
 FLOAT64 = ["i4 i4 f8", "i8 i8 f8"]
 CUTS = ["i4 i4", "i8 i8", "I4 I4", "I8 I8"]  # indptr, indices; starts and cuts writable
+# the cuts: uint16 offsets from each row's start (plexus.slicing.cut_dtype); indptr's own
+# dtype in a block with a row of 65,536 nonzeros or more compiles on first use
+CUT = "u2"
 
 
 def signatures(*, float64: bool = False) -> dict[str, list[tuple]]:
@@ -57,9 +60,9 @@ def signatures(*, float64: bool = False) -> dict[str, list[tuple]]:
         spmm.append((array(ptr, 1), array(idx, 1), array(values, 1), array(x, 2),
                      array(out, 2), flag))
     for ptr, idx, values, x, out in map(operands, SLICED + extra):
-        sliced.append((array(ptr, 1), array(ptr, 2), array("i8", 1), array(idx, 1),
+        sliced.append((array(ptr, 1), array(CUT, 2), array("i8", 1), array(idx, 1),
                        array(values, 1), array(x, 3), array(out, 3), flag, i64, i64, i64))
-    cuts = [(array(ptr, 1), array(idx, 1), array(idx.lower(), 1), array(idx.lower(), 2))
+    cuts = [(array(ptr, 1), array(idx, 1), array(idx.lower(), 1), array(CUT, 2))
             for ptr, idx in (spec.split() for spec in CUTS)]
     return {
         "csr_spmm": spmm,

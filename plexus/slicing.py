@@ -24,16 +24,19 @@ sets the budget.
 
 Precomputed once per block and slice width (:class:`ColumnSlicing`, cached on the
 :class:`~plexus.csr.CSRBlock`): ``cuts`` ``[S - 1, rows]``, where each row's nonzeros cross
-into the next slice (indptr's dtype: ``(S - 1) * rows * 4`` bytes for int32 indices, nothing
-for one slice), and ``chunks`` ``[K + 1]``, row ranges of equal work (nonzeros + rows) for the
-threads (R-MAT rows are skewed). The matrix itself is neither copied nor reordered, so memory-mapped
-blocks are read in place.
+into the next slice, counted from the row's start (``uint16``: ``(S - 1) * rows * 2`` bytes,
+nothing for one slice; indptr's dtype in a block with a row of 65,536 nonzeros or more), and
+``chunks`` ``[K + 1]``, row ranges of equal work (nonzeros + rows) for the threads (R-MAT rows
+are skewed). The kernel adds a row's start to its cuts, one sequential read a row and slice:
+at scale the plans are the largest part of the adjacency after its indices and values (the
+planner's adjacency, common.perf.gcn_memory), and offsets halve them. The matrix itself is
+neither copied nor reordered, so memory-mapped blocks are read in place.
 
 Feature tiling (``feature_tile``: X's columns in tiles, each tile all slices) is built but off
 by default: in the SpMM bench every tile width below 128 was slower (docs/benchmarks.md).
 
 Shapes:
-    cuts:   [S - 1, rows]  int32/int64 (indptr's dtype)
+    cuts:   [S - 1, rows]  uint16 (or indptr's dtype: a row of 65,536 nonzeros or more)
     chunks: [K + 1]        int64
     spmm:   [rows, m] @ [m, d] -> [rows, d]
 """
@@ -52,6 +55,7 @@ DEFAULT_CACHE_BYTES = 32 << 20  # when sysfs says nothing
 CACHE_SHARE = 2  # slice X rows take 1/2 of the last-level cache (see the module docstring)
 LOOKAHEAD_BYTES = 4096  # X bytes in flight per thread: 8 rows of 128 float32
 CHUNKS_PER_BLOCK = 256  # row chunks of equal work, scheduled over the threads
+CUT_ROW_LIMIT = 1 << 16  # rows shorter than this keep their cuts in uint16
 SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
@@ -127,7 +131,8 @@ class ColumnSlicing:
 
     Args:
         slice_cols: columns per slice (the last may be narrower).
-        cuts: [S - 1, rows] nonzero positions (:func:`plexus.kernels.csr_slice_cuts`).
+        cuts: [S - 1, rows] nonzero positions from each row's start
+            (:func:`plexus.kernels.csr_slice_cuts`).
         chunks: [K + 1] row boundaries of about equal nonzeros + rows.
     """
 
@@ -169,11 +174,18 @@ def column_slicing(indptr: np.ndarray, indices: np.ndarray, num_cols: int,
     starts = np.append(starts[starts < num_cols], num_cols) if num_cols else np.zeros(2,
                                                                                      np.int64)
     num_slices = starts.size - 1
-    cuts = np.empty((num_slices - 1, rows), dtype=indptr.dtype)
+    cuts = np.empty((num_slices - 1, rows), dtype=cut_dtype(indptr))
     if num_slices > 1 and rows > 0:
         csr_slice_cuts(indptr, indices, starts.astype(indptr.dtype), cuts)
-    cuts.flags.writeable = indptr.flags.writeable  # one numba type with indptr's row views
     return ColumnSlicing(int(width), cuts, work_chunks(indptr, CHUNKS_PER_BLOCK), starts)
+
+
+def cut_dtype(indptr: np.ndarray) -> np.dtype:
+    """The dtype of a block's cuts (offsets from each row's start): ``uint16`` where no row
+    has :data:`CUT_ROW_LIMIT` nonzeros, else ``indptr``'s own (writable: the kernels' one
+    signature for either)."""
+    longest = int(np.diff(indptr).max()) if indptr.shape[0] > 1 else 0
+    return np.dtype(np.uint16) if longest < CUT_ROW_LIMIT else np.dtype(indptr.dtype)
 
 
 def work_chunks(indptr: np.ndarray, num: int) -> np.ndarray:

@@ -68,19 +68,24 @@ NORM_CHUNKS = 8  # row chunks of a bf16 batch norm's torch temporaries (plexus.n
 # the X rows one column slice of the cache-blocked SpMM may take (plexus.slicing: 1/2 of a
 # 32 MiB last-level cache; the planner does not read the machine's cache)
 SLICE_BUDGET_BYTES = (32 << 20) // 2
+# a plan's cut: a uint16 offset from its row's start (plexus.slicing.cut_dtype; a block with a
+# row of 65,536 nonzeros or more keeps its index width, which the planner does not foresee)
+CUT_BYTES = 2
 PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
 
 
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int], *,
-               stored_transposes: bool = False, fused_norm: bool = True) -> float:
+               stored_transposes: bool = False, fused_norm: bool = True,
+               cut_bytes: int | None = CUT_BYTES) -> float:
     """Peak bytes per rank of a training step on grid ``{"x": X, "y": Y, "z": Z}``: the sum of
     :func:`gcn_memory_parts`."""
     return sum(gcn_memory_parts(work, shape, stored_transposes=stored_transposes,
+                                cut_bytes=cut_bytes,
                                 fused_norm=fused_norm).values())
 
 
 def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
-                     stored_transposes: bool = False,
+                     stored_transposes: bool = False, cut_bytes: int | None = CUT_BYTES,
                      fused_norm: bool = True) -> dict[str, float]:
     """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
     last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
@@ -91,10 +96,11 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
     is kept). ``stored_transposes``: every block's transpose is stored too (a GPU, where
     torch multiplies it; on the CPU the backward reads the block itself). ``fused_norm``: a
     batch norm and its ReLU run as plexus.norms' kernels (the CPU), else as torch operations
-    (:func:`gcn_memory_phases`)."""
+    (:func:`gcn_memory_phases`). ``cut_bytes``: a column-slice plan's bytes per cut (None: the
+    index width, the plans' positions before they were offsets)."""
     layers = _layers(work, shape)
     parts = dict.fromkeys(PARTS, 0.0)
-    adjacency, released = _adjacency(work, shape, stored_transposes)
+    adjacency, released = _adjacency(work, shape, stored_transposes, cut_bytes)
     parts["adjacency"] = adjacency - released
     n, w = work.padded(shape)
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
@@ -309,7 +315,8 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
 
 
 def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
-               stored_transposes: bool) -> tuple[float, float]:
+               stored_transposes: bool, cut_bytes: int | None = CUT_BYTES
+               ) -> tuple[float, float]:
     """CSR bytes per rank: the distinct blocks of ``min(6, L)`` layouts (and GraphSAGE's root
     blocks), the last layer's labelled rows, the forward SpMM's column-slice plans, and the
     row cursors of the backward's ``A^T`` product (plexus.transpose, while it runs); with
@@ -325,23 +332,24 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
     by_key: dict[tuple, float] = {}
     first_key: tuple | None = None
     copies = 2 if stored_transposes else 1
+    parked = None if stored_transposes else _parked_key(work, shape)
     for layer in range(work.num_layers):
         o, i, p = work.axes(layer)
-        adj_nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
+        key = _block_key(layer, o, p, shape)
+        # the last layer's own full block of A where no step reads it (only its root block)
+        adj_nnz = 0.0 if key == parked else work.imbalance * work.nnz / (shape[p] * shape[o])
         root_nnz = work.num_nodes / (shape[p] * shape[o]) if k == 2 else 0.0  # GraphSAGE's
         nnz = adj_nnz + root_nnz
         rows_a, rows_t = n // shape[p], n // shape[o]
-        # layouts of one parity whose rows and columns are cut alike on every rank (the
-        # same axis, or axes of one rank) share one block (plexus.data.memory._blocks)
-        key = (layer % 2, p if shape[p] > 1 else "", o if shape[o] > 1 else "")
         if layer < 6 and key not in cut:
             cut.add(key)
-            block = copies * nnz * (idx + F32) + k * (rows_a + 1) * idx + (
+            block = copies * nnz * (idx + F32) + (k - (key == parked)) * (rows_a + 1) * idx + (
                 k * (rows_t + 1) * idx if stored_transposes else 0)
             total += block
             by_key[key] = by_key.get(key, 0.0) + block
             cursor = 0.0 if stored_transposes else max(cursor, rows_a * idx)
         if layer == last % 6 and last_rows < rows_a:  # the labelled rows
+            nnz = work.imbalance * work.nnz / (shape[p] * shape[o]) + root_nnz
             total += copies * nnz * last_rows / rows_a * (idx + F32) + k * (
                 last_rows + 1) * idx + (k * (rows_t + 1) * idx if stored_transposes else 0)
         # the forward SpMM's column-slice plans, one per block and X width, kept with the
@@ -352,8 +360,8 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
         row_bytes = width * F32
         if (key, row_bytes) not in planned:
             planned.add((key, row_bytes))
-            plans = sum(_plan_bytes(rows_a, rows_t, blk, row_bytes, idx)
-                        for blk in (adj_nnz, root_nnz)[:k])
+            plans = sum(_plan_bytes(rows_a, rows_t, blk, row_bytes, cut_bytes or idx)
+                        for blk in (adj_nnz, root_nnz)[:k] if blk)
             total += plans
             by_key[key] = by_key.get(key, 0.0) + plans
         if layer == 0:
@@ -367,10 +375,33 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
     return total + cursor, by_key[first_key]
 
 
-def _plan_bytes(rows: int, cols: int, nnz: float, row_bytes: int, idx: int) -> float:
+def _block_key(layer: int, o: str, p: str, shape: Mapping[str, int]) -> tuple:
+    """Which block a layer's layout reads: layouts of one parity whose rows and columns are
+    cut alike on every rank (the same axis, or axes of one rank) share one block
+    (plexus.data.memory._blocks)."""
+    return (layer % 2, p if shape[p] > 1 else "", o if shape[o] > 1 else "")
+
+
+def _parked_key(work: GCNWorkload, shape: Mapping[str, int]) -> tuple | None:
+    """The block key of the last layer's full ``A`` block where a memory-mapped dataset
+    (``work.mapped``) gives its pages back (plexus.data.shard.GraphShard.restrict_last_layer):
+    the last layer runs on the labelled rows alone, within the first six layouts, and no
+    other layer reads its block. None where it stays resident."""
+    last = work.num_layers - 1
+    o, _, p = work.axes(last)
+    n, _ = work.padded(shape)
+    if not work.mapped or last >= 6 or work.output_rows(shape) >= n // shape[p]:
+        return None
+    key = _block_key(last, o, p, shape)
+    others = {_block_key(layer, *work.axes(layer)[::2], shape) for layer in range(last)}
+    return None if key in others else key
+
+
+def _plan_bytes(rows: int, cols: int, nnz: float, row_bytes: int, cut_bytes: int) -> float:
     """The most a block's column-slice plan takes (plexus.slicing.column_slicing: a cut per row
-    and slice boundary; at most one more slice than the mean row length)."""
+    and slice boundary, ``cut_bytes`` each; at most one more slice than the mean row
+    length)."""
     budget = max(1, SLICE_BUDGET_BYTES // max(1, row_bytes))
     if min(cols, nnz) <= budget:
         return 0.0
-    return rows * min(-(-cols // budget) - 1, nnz // max(1, rows)) * idx
+    return rows * min(-(-cols // budget) - 1, nnz // max(1, rows)) * cut_bytes

@@ -133,6 +133,10 @@ class GCNWorkload:
         weight_first: the model's option of that name (None: :func:`weight_first_pays`
             decides per layer; :meth:`weight_first_layer`): ``Q = A (F' W)``, the SpMMs
             ``D_l+1`` wide, ``F'`` kept instead of ``H``.
+        mapped: the adjacency blocks are memory-mapped from a prepared dataset (``python -m
+            plexus.prepare``, as at scale): on the CPU a block no step reads (the last
+            layer's full block where it runs on the labelled rows) is not resident. False:
+            an in-memory graph, whose blocks all stay in memory.
     """
 
     name: str = "graph"
@@ -155,6 +159,7 @@ class GCNWorkload:
     precision: str = "fp32"
     recompute_first: bool = True
     weight_first: bool | None = None
+    mapped: bool = True
 
     def __post_init__(self) -> None:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):

@@ -31,7 +31,6 @@ gives the other aggregation of the same files. Every block is checked when it is
 
 from __future__ import annotations
 
-import mmap
 import os
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -45,7 +44,7 @@ from plexus.data import partition as part
 from plexus.data.errors import DatasetCorruptError
 from plexus.data.memory import root_blocks
 from plexus.data.schema import MEAN_DIR, SPLIT_CODES, SPLITS, read_manifest
-from plexus.data.shard import AdjBlock, GraphShard
+from plexus.data.shard import AdjBlock, GraphShard, release_pages
 from plexus.sparse import BlockSparse, CSRBlock
 from plexus.transpose import TransposedSparse
 
@@ -187,7 +186,7 @@ class PreparedGraph:
         if flip:
             block = block.transpose()
         for arr in (indptr, indices, values):  # the reads stay in the page cache
-            _release_pages(arr)
+            release_pages(arr)
         if mapped is not None:
             mapped[key] = block
         return block
@@ -280,13 +279,3 @@ class PreparedGraph:
             features_block=feats, labels=torch.from_numpy(labels.astype(np.int64)),
             masks=masks, split_counts=dict(self.split_counts), out_rows=out_rows, root=root,
         )
-
-
-def _release_pages(arr: np.ndarray) -> None:
-    """Drop this process's mapping of the pages of the memory-mapped ``arr`` (the file's pages
-    stay in the page cache): a block read once by the integrity check and never by the step (a
-    transpose that no backward pass reads) then adds nothing to the resident size, and one the
-    step reads maps its pages again on first touch. A no-op for arrays not backed by a map."""
-    m = getattr(arr, "_mmap", None)
-    if isinstance(m, mmap.mmap) and hasattr(m, "madvise"):
-        m.madvise(mmap.MADV_DONTNEED)

@@ -32,6 +32,7 @@ Shapes (N = padded nodes; roles (O, I, P) of layer l, see plexus.layout):
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -43,6 +44,16 @@ from plexus.data.partition import Balance
 from plexus.data.schema import SPLITS
 from plexus.sparse import BlockSparse
 from plexus.transpose import TransposedSparse
+
+
+def release_pages(arr: np.ndarray) -> None:
+    """Drop this process's mapping of the pages of the memory-mapped ``arr`` (the file's pages
+    stay in the page cache): a block read once (by the integrity check, or to gather some of
+    its rows) and never by the step then adds nothing to the resident size, and one the step
+    reads maps its pages again on first touch. A no-op for arrays not backed by a map."""
+    m = getattr(arr, "_mmap", None)
+    if isinstance(m, mmap.mmap) and hasattr(m, "madvise"):
+        m.madvise(mmap.MADV_DONTNEED)
 
 
 @dataclass
@@ -91,7 +102,10 @@ class GraphShard:
         """Set :attr:`labelled_adj` (and, with ``root``, :attr:`labelled_root`): the last
         layer's block with only the rows of :meth:`labelled_rows`, gathered once, and its
         transpose (a view of it). Memory: those rows' nonzeros once and ``R + 1`` indptr
-        entries; the full blocks stay (``forward(all_rows=True)``)."""
+        entries. The full blocks stay (``forward(all_rows=True)``); a memory-mapped full
+        ``adj`` block that no other layer reads gives its pages back once the rows are
+        gathered (:func:`release_pages`): a training step never reads it, and an all-rows
+        pass maps them again."""
         rows = self.labelled_rows().numpy()
         last = (len(self.widths) - 2) % 6
 
@@ -101,6 +115,11 @@ class GraphShard:
 
         if self.labelled_adj is None:
             self.labelled_adj = restricted(self.adj[last])
+            if last == len(self.widths) - 2:  # no layer past the sixth reads this layout
+                shared = {id(a) for k, b in self.adj.items() if k != last for a in b.a.arrays()}
+                for arr in self.adj[last].a.arrays():  # gathering the rows touched its pages
+                    if id(arr) not in shared:  # (layouts cut alike share their arrays)
+                        release_pages(arr)
         if root and self.labelled_root is None:
             assert self.root is not None, "root blocks are needed to restrict them"
             self.labelled_root = restricted(self.root[last])

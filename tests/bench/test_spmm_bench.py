@@ -77,7 +77,7 @@ def test_bench_spmm_prints_what_it_measured(tmp_path):
         cols = max((64 << 10) // bench.slicing.CACHE_SHARE // 128,
                    math.ceil(m.shape[1] / (1 + m.nnz // m.shape[0])))
         assert case["slice_cols"] == cols and case["num_slices"] == math.ceil(m.shape[1] / cols)
-        assert case["plan_bytes"] >= 4 * (case["num_slices"] - 1) * m.shape[0]
+        assert case["plan_bytes"] >= 2 * (case["num_slices"] - 1) * m.shape[0]  # uint16 cuts
 
         names = ["rows", "blocked", "torch CSR", "blocked S=1", "blocked S=3", "blocked t=16"]
         assert list(case["kernels"]) == names

@@ -163,7 +163,7 @@ def test_blocked_spmm_is_bit_identical_for_every_slice_width(index_dtype):
                                    rtol=1e-5, atol=1e-5)
     assert {w: p.num_slices for (w, _), p in block.slicings.items()} == {
         1: 257, 3: 86, 64: 5, 128: 3, 256: 2, 257: 1}  # 10_000 columns: the same as 257
-    assert block.slicings[64, ()].cuts.dtype == index_dtype
+    assert block.slicings[64, ()].cuts.dtype == np.uint16  # offsets from each row's start
 
 
 def test_blocked_spmm_feature_tiles_are_bit_identical():
@@ -221,9 +221,32 @@ def test_column_slicing_cuts_each_row_where_its_columns_cross_a_slice():
     for i in range(50):
         cols = blk.indices[blk.indptr[i]:blk.indptr[i + 1]]
         for s in range(1, plan.num_slices):
-            assert plan.cuts[s - 1, i] == blk.indptr[i] + np.searchsorted(cols, 7 * s)
-    assert plan.cuts.nbytes == (plan.num_slices - 1) * 50 * 4  # int32 positions
+            assert plan.cuts[s - 1, i] == np.searchsorted(cols, 7 * s)  # from the row's start
+    assert plan.cuts.nbytes == (plan.num_slices - 1) * 50 * 2  # uint16 offsets
     assert plan.chunks[0] == 0 and plan.chunks[-1] == 50 and np.all(np.diff(plan.chunks) >= 0)
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_a_row_too_long_for_uint16_cuts_keeps_them_in_indptr_dtype(index_dtype):
+    """A row of 65,536 nonzeros or more: its block's cuts take indptr's dtype, and both kinds
+    of plan multiply bit for bit as the row kernel."""
+    from plexus.slicing import CUT_ROW_LIMIT, block_slicing
+
+    cols = 70_000
+    rng = np.random.default_rng(11)
+    for long_row in (CUT_ROW_LIMIT - 1, CUT_ROW_LIMIT):
+        dense_row = np.sort(rng.choice(cols, long_row, replace=False))
+        short = np.sort(rng.choice(cols, 9, replace=False))
+        indices = np.concatenate([short, dense_row, short]).astype(index_dtype)
+        indptr = np.array([0, 9, 9 + long_row, 18 + long_row], dtype=index_dtype)
+        values = rng.standard_normal(indices.size).astype(np.float32)
+        blk = CSRBlock(indptr, indices, values, (3, cols))
+        m = BlockSparse([[blk]], [3], [cols])
+        x = torch.randn(cols, 8, generator=torch.Generator().manual_seed(4))
+        rows, blocked = _both(m, x, slice_cols=4_000)
+        assert torch.equal(blocked, rows), long_row
+        want = np.uint16 if long_row < CUT_ROW_LIMIT else index_dtype
+        assert block_slicing(blk, 4_000).cuts.dtype == want
 
 
 def test_slice_width_follows_the_cache(tmp_path, monkeypatch):

@@ -257,3 +257,29 @@ def test_layer_0_blocks_count_until_h0_is_cached():
     assert _adjacency(work, {"x": 1, "y": 1, "z": 1}, False)[1] == 0  # layer 2 reads them
     assert _adjacency(dataclasses.replace(work, dropout=0.5), shape, False)[1] == 0
     assert _adjacency(dataclasses.replace(work, learn_features=True), shape, False)[1] == 0
+
+
+def test_a_mapped_last_layer_on_labelled_rows_counts_its_full_block_out():
+    """A prepared dataset's last-layer block that no step reads gives its pages back
+    (plexus.data.shard.GraphShard.restrict_last_layer): the planner leaves out its nonzeros,
+    its row pointers and its plan, and keeps the root block and the labelled rows' copy; an
+    in-memory graph, all rows, a GPU (stored transposes), one rank (layers 0 and 2 share the
+    block) or seven layers (layer 6 reads layout 0) keep it."""
+    from common.perf.gcn_memory import CUT_BYTES, _adjacency, _parked_key, _plan_bytes
+    from common.perf.sar import sar_workload
+
+    work = sar_workload()  # GraphSAGE, 1.4% labelled: the last layer on the labelled rows
+    shape = {"x": 8, "y": 8, "z": 4}
+    resident = dataclasses.replace(work, mapped=False)
+    assert _parked_key(work, shape) == (0, "x", "y")  # layer 2: rows over x, columns over y
+    n, w = work.padded(shape)
+    rows, cols, nnz = n // 8, n // 8, work.nnz / 64
+    block = nnz * (4 + 4) + (rows + 1) * 4 + _plan_bytes(rows, cols, nnz, w[2] // 4 * 4,
+                                                         CUT_BYTES)
+    assert _adjacency(resident, shape, False)[0] - _adjacency(work, shape, False)[0] == \
+        pytest.approx(block, rel=1e-12)
+    for kept, where in ((dataclasses.replace(work, labelled_rows_only=False), shape),
+                        (work, {"x": 1, "y": 1, "z": 1}),
+                        (dataclasses.replace(work, num_layers=7), shape)):
+        assert _parked_key(kept, where) is None
+    assert _adjacency(work, shape, True) == _adjacency(resident, shape, True)

@@ -86,7 +86,8 @@ def _check_sar_table(out: str, rows: dict) -> None:
 def test_the_savings_table_ends_at_the_prediction_and_each_saving_cuts():
     """What each saving contributes: the last column is the prediction's memory per node, and
     each earlier way takes more (int64 indices, then the stored transposes, by exactly the
-    adjacency's difference; then the batch norm as torch operations, by its transients)."""
+    adjacency's difference; then the batch norm as torch operations, by its transients; then
+    the plans' cuts in the index width, and the last layer's full block resident)."""
     from common.perf.gcn_memory import gcn_memory_parts
     from common.perf.sar import savings_table
 
@@ -96,13 +97,24 @@ def test_the_savings_table_ends_at_the_prediction_and_each_saving_cuts():
         for c, line in zip(rows, lines, strict=True):
             nodes, grid, *gb = line.split()
             assert (int(nodes), grid) == (c.number.nodes, c.prediction.label())
-            old, mid, unfused, now = map(float, gb)
+            old, mid, unfused, fused, cuts, now = map(float, gb)
             assert now == pytest.approx(c.memory_gb_per_node, abs=0.06)
-            assert old > mid > unfused >= now
+            assert old > mid > unfused > fused > cuts > now
             shape = c.prediction.shape
-            adj = gcn_memory_parts(c.workload, shape, stored_transposes=True)["adjacency"]
-            assert mid - unfused == pytest.approx(
-                (adj - gcn_memory_parts(c.workload, shape)["adjacency"]) * 2 / 1e9, abs=0.11)
-            torch_norm = gcn_memory_parts(c.workload, shape, fused_norm=False)
-            assert unfused - now == pytest.approx((torch_norm["transient"] - gcn_memory_parts(
-                c.workload, shape)["transient"]) * 2 / 1e9, abs=0.11)
+            before = dataclasses.replace(c.workload, mapped=False)
+
+            def parts(before=before, shape=shape, **kw):
+                return gcn_memory_parts(before, shape, cut_bytes=None, **kw)
+
+            adj = parts(stored_transposes=True)["adjacency"]
+            assert mid - unfused == pytest.approx((adj - parts()["adjacency"]) * 2 / 1e9,
+                                                  abs=0.11)
+            torch_norm = parts(fused_norm=False)
+            assert unfused - fused == pytest.approx(
+                (torch_norm["transient"] - parts()["transient"]) * 2 / 1e9, abs=0.11)
+            # the cuts and the parked block: adjacency alone, every other part unchanged
+            offsets = gcn_memory_parts(before, shape)
+            assert fused - cuts == pytest.approx(
+                (parts()["adjacency"] - offsets["adjacency"]) * 2 / 1e9, abs=0.11)
+            assert cuts - now == pytest.approx((offsets["adjacency"] - gcn_memory_parts(
+                c.workload, shape)["adjacency"]) * 2 / 1e9, abs=0.11)

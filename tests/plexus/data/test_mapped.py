@@ -4,8 +4,10 @@ training on it gives the same losses bit for bit; grids must divide k; damage st
 """
 
 import re
+import sys
 
 import pytest
+import torch
 
 from common.grid import ProcessGrid
 from plexus.config import split_config
@@ -181,3 +183,44 @@ def test_the_transposes_a_device_multiplies_are_made_once_from_the_one_copy(tmp_
                     | {id(blk) for _, _, blk in adj.a.present()})
     shared = made[0] & made[1]  # layer 1's forward blocks are layer 0's transposes
     assert bool(shared) == (kind == "planted" and aggregation == "gcn"), shared
+
+
+def _resident_kib(paths: set[str]) -> int:
+    """This process's resident KiB of its mappings of the files ``paths``."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                inside = len(head) > 5 and head[5] in paths
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("spec, coords", [("2x1x2", 3), ("1x2x2", 1), ("1x1x1", 0)])
+def test_the_last_layers_full_block_gives_its_pages_back_once_restricted(tmp_path, spec,
+                                                                         coords):
+    """Restricting the last layer to the labelled rows reads the rows of its full block, then
+    gives the block's pages back where no other layer maps the same arrays (the step never
+    reads it); an all-rows product maps them again and is unchanged."""
+    graph = planted_partition(num_nodes=203, num_classes=5, num_features=7, avg_degree=5,
+                              seed=3, split_fractions=(0.1, 0.05, 0.05))
+    prepare(graph_source(graph), tmp_path / "p", blocks=4, seed=4, quiet=True)
+    grid = ProcessGrid.parse(spec)
+    shard = PreparedGraph(tmp_path / "p", aggregation="mean").shard(
+        grid.shape, grid.coords(coords), widths(graph, 3, 6))
+    full = shard.adj[2].a
+    others = {id(a) for k in (0, 1) for a in shard.adj[k].a.arrays()}
+    own = {str(a.filename) for a in full.arrays() if id(a) not in others}
+    assert own or spec == "1x1x1"  # one rank: layers 0 and 2 share one block
+    x = torch.randn(full.shape[1], 3, dtype=torch.float64)
+    before = full.matmul(x)  # reads every page of the block
+    assert _resident_kib(own) > 0 or not own
+    shard.restrict_last_layer(root=True)
+    assert _resident_kib(own) == 0
+    assert _resident_kib({str(a.filename) for a in full.arrays() if id(a) in others}) > 0 or (
+        spec != "1x1x1")  # a block other layers read stays mapped
+    assert torch.equal(full.matmul(x), before)
+    assert shard.labelled_adj is not None and shard.labelled_adj.a.shape[0] < full.shape[0]
