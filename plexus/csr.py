@@ -40,18 +40,32 @@ class CSRBlock:
         return int(self.indptr[-1] - self.indptr[0])  # a row-range view shares the arrays
 
     def row_range(self, lo: int, hi: int) -> CSRBlock:
-        """Rows ``lo .. hi`` as a block: indptr rebased (a copy of ``hi - lo + 1`` entries),
-        indices and values views of this block's (numpy, memory-mapped or device arrays);
-        all rows: this block."""
+        """Rows ``lo .. hi`` as a block that copies nothing: on the host a view of this
+        block's arrays whose indptr still counts from this block's first nonzero (the numba
+        kernels, the plans and :meth:`transpose` read positions from it; :meth:`to_scipy`
+        and :meth:`to_torch` rebase); device arrays: indptr rebased (a copy of ``hi - lo + 1``
+        entries), indices and values views. All rows: this block."""
         if lo == 0 and hi == self.shape[0]:  # the block itself, with its SpMM plans
             return self
+        if isinstance(self.indptr, np.ndarray):
+            return CSRBlock(self.indptr[lo:hi + 1], self.indices, self.values,
+                            (hi - lo, self.shape[1]))
         start, end = int(self.indptr[lo]), int(self.indptr[hi])
         return CSRBlock(self.indptr[lo:hi + 1] - self.indptr[lo], self.indices[start:end],
                         self.values[start:end], (hi - lo, self.shape[1]))
 
     @property
     def nbytes(self) -> int:
-        return self.indptr.nbytes + self.indices.nbytes + self.values.nbytes
+        """Bytes of its row pointers and of its rows' nonzeros (a row-range view's share)."""
+        return self.indptr.nbytes + self.nnz * (self.indices.itemsize + self.values.itemsize)
+
+    def _rebased(self) -> tuple:
+        """(indptr, indices, values) counting from 0: the arrays themselves, or a row-range
+        view's rows (indptr copied)."""
+        lo, hi = int(self.indptr[0]), int(self.indptr[-1])
+        if lo == 0 and hi == self.indices.shape[0]:
+            return self.indptr, self.indices, self.values
+        return self.indptr - lo, self.indices[lo:hi], self.values[lo:hi]
 
     @classmethod
     def from_scipy(cls, m: sp.csr_matrix) -> CSRBlock:
@@ -61,7 +75,8 @@ class CSRBlock:
                    (int(m.shape[0]), int(m.shape[1])))
 
     def to_scipy(self) -> sp.csr_matrix:
-        return sp.csr_matrix((self.values, self.indices, self.indptr), shape=self.shape)
+        indptr, indices, values = self._rebased()
+        return sp.csr_matrix((values, indices, indptr), shape=self.shape)
 
     def take_rows(self, rows: np.ndarray) -> CSRBlock:
         """Rows ``rows`` (ascending local row ids) gathered into a new block, each row's
@@ -111,11 +126,11 @@ class CSRBlock:
         dtype = np.result_type(*(p.indptr.dtype for p in parts), *(p.indices.dtype
                                                                   for p in parts))
         nnz = np.cumsum([0] + [p.nnz for p in parts])
+        arrays = [p._rebased() for p in parts]
         indptr = np.concatenate([np.zeros(1, dtype=dtype)] + [
-            np.asarray(p.indptr[1:], dtype=dtype) - p.indptr[0] + off
-            for p, off in zip(parts, nnz)])
-        return cls(indptr, np.concatenate([np.asarray(p.indices, dtype=dtype) for p in parts]),
-                   np.concatenate([p.values for p in parts]),
+            np.asarray(ptr[1:], dtype=dtype) + off for (ptr, _, _), off in zip(arrays, nnz)])
+        return cls(indptr, np.concatenate([np.asarray(i, dtype=dtype) for _, i, _ in arrays]),
+                   np.concatenate([v for _, _, v in arrays]),
                    (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
     def transpose(self) -> CSRBlock:
@@ -143,11 +158,12 @@ class CSRBlock:
         """A torch CSR tensor on ``device``: one copy of the arrays there (none on the CPU,
         where it shares memory with them; none either when the arrays already live on
         ``device``, as after :meth:`BlockSparse.to`)."""
+        indptr, indices, values = self._rebased()
         with warnings.catch_warnings():  # "sparse CSR support is in beta"; non-writable maps
             warnings.simplefilter("ignore", UserWarning)
             return torch.sparse_csr_tensor(
-                torch.as_tensor(self.indptr), torch.as_tensor(self.indices),
-                torch.as_tensor(self.values), size=self.shape, check_invariants=False,
+                torch.as_tensor(indptr), torch.as_tensor(indices),
+                torch.as_tensor(values), size=self.shape, check_invariants=False,
             ).to(device)
 
 

@@ -363,13 +363,32 @@ def test_row_blocks_and_column_ranges_give_the_unblocked_bits(bands):
         a_t.matmul(dh, out=got, cols=(0, 7, tuple(bounds)))
 
 
-def test_a_row_range_view_shares_the_arrays():
+def test_a_row_range_view_copies_nothing_and_multiplies_as_its_rows():
+    """A row range on the host is a view of all three arrays (its indptr counts from the
+    block's first nonzero): nothing copied, its own share in ``nbytes``; scipy, torch, the
+    transpose, stacking and every kernel read it as the block's rows."""
     blk = CSRBlock.from_scipy(sp.random(50, 40, density=0.2, format="csr", random_state=2,
                                         dtype=np.float32))
     view = blk.row_range(10, 30)
-    assert np.shares_memory(view.indices, blk.indices) and view.indptr[0] == 0
+    for mine, whole in zip((view.indptr, view.indices, view.values),
+                           (blk.indptr, blk.indices, blk.values), strict=True):
+        assert np.shares_memory(mine, whole)
+    assert view.indptr[0] == blk.indptr[10] > 0
     assert view.nnz == int(blk.indptr[30] - blk.indptr[10])
-    assert (view.to_scipy() != blk.to_scipy()[10:30]).nnz == 0
+    assert view.nbytes == 21 * 4 + view.nnz * 8
+    rows = blk.to_scipy()[10:30]
+    assert (view.to_scipy() != rows).nnz == 0
+    assert (view.transpose().to_scipy() != rows.T.tocsr()).nnz == 0
+    assert (CSRBlock.vstack([view, blk.row_range(30, 50)]).to_scipy()
+            != blk.to_scipy()[10:50]).nnz == 0
+    assert torch.equal(view.to_torch().to_dense(), torch.from_numpy(rows.toarray()))
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(5))
+    whole = BlockSparse([[blk]], [50], [40]).to("cpu", kernel="numba-rows").matmul(x)
+    part = BlockSparse([[view]], [20], [40])
+    for kernel, kw in (("numba-rows", {}), ("numba", {"slice_cols": 7}), ("torch", {})):
+        got = part.to("cpu", kernel=kernel).matmul(x, **kw)
+        assert torch.allclose(got, whole[10:30], atol=1e-6) if kernel == "torch" else \
+            torch.equal(got, whole[10:30]), kernel
 
 
 @pytest.mark.parametrize("damage, code", [(None, 0), ("first", 1), ("decrease", 2),
