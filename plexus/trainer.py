@@ -375,15 +375,16 @@ def _load_state(net: PlexusGCN, state: dict[str, torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def _gathered_outputs(result: TrainResult, best: bool = False, all_rows: bool = False
-                      ) -> tuple[torch.Tensor, ...]:
-    """(predicted class, label, split code, original node id) of every padded output row,
-    gathered over P onto every rank: int64 [N_pad] each (node id -1 on padding). One forward
-    pass in eval mode, on the final weights (or, with ``best``, those of the best validation
-    epoch, when this run kept them). A model on labelled rows only predicts the rows in a
-    split (the others get -1) unless ``all_rows``: then the pass computes every row."""
-    o_ax, _, p_ax = layout.roles(result.model.num_layers - 1)
-    shard, g_p, net = result.shard, result.groups[p_ax], result.model
+def _outputs(result: TrainResult, best: bool = False, all_rows: bool = False
+             ) -> tuple[torch.Tensor, ...]:
+    """(predicted class, label, split code, original node id) of this rank's padded output
+    rows: int64 [N/P] each (split code 0 outside the splits, node id -1 on padding). One
+    forward pass in eval mode, on the final weights (or, with ``best``, those of the best
+    validation epoch, when this run kept them). A model on labelled rows only predicts the
+    rows in a split (the others get -1) unless ``all_rows``: then the pass computes every
+    row."""
+    o_ax = layout.roles(result.model.num_layers - 1)[0]
+    shard, net = result.shard, result.model
     saved = result.info.get("best_state") if best else None
     net.eval()
     if saved:
@@ -401,9 +402,13 @@ def _gathered_outputs(result: TrainResult, best: bool = False, all_rows: bool = 
     for i, s in enumerate(SPLITS, start=1):
         code[shard.masks[s]] = i
     device = pred.device
-    rows = torch.from_numpy(shard.out_rows).to(device)
-    return tuple(coll.all_gather(t.to(device), g_p).cpu()
-                 for t in (pred, shard.labels, code, rows))
+    return pred, shard.labels.to(device), code.to(device), torch.from_numpy(
+        shard.out_rows).to(device)
+
+
+def _p_group(result: TrainResult) -> AxisGroup:
+    """The group of the last layer's P axis, over which its output rows are cut."""
+    return result.groups[layout.roles(result.model.num_layers - 1)[2]]
 
 
 def predictions(result: TrainResult) -> torch.Tensor:
@@ -413,7 +418,9 @@ def predictions(result: TrainResult) -> torch.Tensor:
     (``forward(all_rows=True)``: on a model whose last layer runs on the labelled rows, this
     pass alone holds the logits of every node).
     """
-    pred, _, _, rows = _gathered_outputs(result, all_rows=True)
+    g_p = _p_group(result)
+    pred, _, _, rows = (coll.all_gather(t, g_p).cpu()
+                        for t in _outputs(result, all_rows=True))
     out = torch.full((result.shard.num_nodes,), -1, dtype=torch.int64)
     real = rows >= 0
     out[rows[real]] = pred[real]
@@ -426,6 +433,15 @@ def split_predictions(result: TrainResult, *, best: bool = False
     (or the best validation epoch's, with ``best``), on every rank (collective; for the OGB
     Evaluator). Works on any source: the labels come from the shards, not a whole graph. The
     forward pass computes the split rows only when the model's last layer does (the same
-    logits, so the same Evaluator numbers)."""
-    pred, labels, code, _ = _gathered_outputs(result, best)
+    logits, so the same Evaluator numbers). Only the split rows cross the network and are
+    held: each rank's, padded to the most any rank of P has, gathered over P in rank order."""
+    pred, labels, code, _ = _outputs(result, best)
+    mine = (code > 0).nonzero()[:, 0]
+    g_p = _p_group(result)
+    most = coll.all_reduce(torch.tensor([mine.numel()], device=code.device), g_p,
+                           op=dist.ReduceOp.MAX)
+    padded = torch.zeros(3, int(most.item()), dtype=torch.int64, device=code.device)
+    for row, t in zip(padded, (pred, labels, code), strict=True):
+        row[:mine.numel()] = t[mine]
+    pred, labels, code = coll.all_gather(padded, g_p, dim=1).cpu()  # code 0: padding
     return {s: (labels[code == i], pred[code == i]) for i, s in enumerate(SPLITS, start=1)}

@@ -45,11 +45,14 @@ ON_OFF_CASES = [
 def _on_off(ctx, grids):
     """Every ON_OFF_CASES case on each grid, the last layer on the labelled rows (on) and on
     every row (off): loss, logits of the labelled rows, correct counts, the Evaluator's pairs,
-    every node's prediction, every gradient and the bytes moved."""
+    every node's prediction, every gradient and the bytes moved; the Evaluator's pairs also
+    against those of every output row gathered."""
+    from common import collectives as coll
     from common.grid import ProcessGrid
+    from plexus.data import SPLITS
     from plexus.layout import roles
     from plexus.loss import correct_counts, sharded_argmax
-    from plexus.trainer import TrainResult, predictions, split_predictions
+    from plexus.trainer import TrainResult, _outputs, predictions, split_predictions
 
     graphs = {"small": small_graph(), "few": few_labels_graph()}
     out = []
@@ -91,10 +94,16 @@ def _on_off(ctx, grids):
                                               for s, m in shard.masks.items()}, groups[p_ax])
                 result = TrainResult([], model, shard, dict(groups))
                 labelled = shard.labelled_rows()
+                splits = split_predictions(result)
+                # only the split rows are gathered: the pairs every output row's gather gives
+                full = [coll.all_gather(t, groups[p_ax]).cpu() for t in _outputs(result)]
+                for i, s in enumerate(SPLITS, start=1):
+                    assert all(torch.equal(a, b) for a, b in zip(splits[s], (
+                        full[1][full[2] == i], full[0][full[2] == i]), strict=True)), s
                 per[rows_only] = {
                     "loss": loss.detach(), "correct": correct,
                     "logits": logits.detach() if rows_only else logits.detach()[labelled],
-                    "splits": split_predictions(result), "every": predictions(result),
+                    "splits": splits, "every": predictions(result),
                     "grads": {n: model.gather(k, t.grad, layer)
                               for n, t, k, layer in model.sharded_state()
                               if t.grad is not None},
