@@ -137,9 +137,7 @@ class CSRBlock:
         """The CSR of this block's transpose, in memory, columns ascending in every row: a
         counting sort by column, O(nnz), the index dtype kept (numba's kernel, else a stable
         sort). Shapes: [n, m] -> [m, n]"""
-        indptr, indices, values = _host(self.indptr), _host(self.indices), _host(self.values)
-        lo, hi = int(indptr[0]), int(indptr[-1])  # a row-range view shares the arrays
-        indptr, indices, values = indptr - lo, indices[lo:hi], values[lo:hi]
+        indptr, indices, values = (_host(a) for a in self._rebased())
         num_cols = self.shape[1]
         t_indptr = np.zeros(num_cols + 1, dtype=indices.dtype)
         np.cumsum(np.bincount(indices, minlength=num_cols), out=t_indptr[1:])

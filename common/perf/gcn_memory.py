@@ -336,8 +336,9 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
     for layer in range(work.num_layers):
         o, i, p = work.axes(layer)
         key = _block_key(layer, o, p, shape)
+        full_nnz = work.imbalance * work.nnz / (shape[p] * shape[o])
         # the last layer's own full block of A where no step reads it (only its root block)
-        adj_nnz = 0.0 if key == parked else work.imbalance * work.nnz / (shape[p] * shape[o])
+        adj_nnz = 0.0 if key == parked else full_nnz
         root_nnz = work.num_nodes / (shape[p] * shape[o]) if k == 2 else 0.0  # GraphSAGE's
         nnz = adj_nnz + root_nnz
         rows_a, rows_t = n // shape[p], n // shape[o]
@@ -349,8 +350,7 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
             by_key[key] = by_key.get(key, 0.0) + block
             cursor = 0.0 if stored_transposes else max(cursor, rows_a * idx)
         if layer == last % 6 and last_rows < rows_a:  # the labelled rows
-            nnz = work.imbalance * work.nnz / (shape[p] * shape[o]) + root_nnz
-            total += copies * nnz * last_rows / rows_a * (idx + F32) + k * (
+            total += copies * (full_nnz + root_nnz) * last_rows / rows_a * (idx + F32) + k * (
                 last_rows + 1) * idx + (k * (rows_t + 1) * idx if stored_transposes else 0)
         # the forward SpMM's column-slice plans, one per block and X width, kept with the
         # block: A_l [rows_a, rows_t] times F_l (D_l/I wide, or D_l+1/O where the layer
