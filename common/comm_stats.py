@@ -48,6 +48,9 @@ class CommRecord:
     # the part of ``seconds`` the caller spent blocked (a synchronous call: all of it; an
     # async one: the time inside ``wait()``); what overlap could not hide
     exposed: float = 0.0
+    # the part of ``bytes`` that pads messages of uneven content to one size (GraphSAGE's
+    # root rows by owner, plexus.root_rows): what a count of the content alone leaves out
+    padding: int = 0
 
 
 class CommStats:
@@ -75,13 +78,16 @@ class CommStats:
         return self._records
 
     def record(self, axis: str, op: str, nbytes: int,
-               seconds: float | Callable[[], float], exposed: float | None = None) -> None:
+               seconds: float | Callable[[], float], exposed: float | None = None, *,
+               padding: int = 0) -> None:
         """Count one call of ``op`` along ``axis``: ``nbytes`` sent, ``seconds`` taken (or a
         function that returns them once the collective is done, called when read), of which
-        ``exposed`` the caller waited (None: all of them, as for a synchronous call)."""
+        ``exposed`` the caller waited (None: all of them, as for a synchronous call);
+        ``padding``: how many of ``nbytes`` are padding (:class:`CommRecord`)."""
         rec = self._records[(axis, op)]
         rec.calls += 1
         rec.bytes += int(nbytes)
+        rec.padding += int(padding)
         if callable(seconds):
             self._pending.append((rec, seconds))
             if exposed is not None:
@@ -115,15 +121,16 @@ class CommStats:
             o = out[axis]
             o.calls += r.calls
             o.bytes += r.bytes
+            o.padding += r.padding
             o.seconds += r.seconds
             o.exposed += r.exposed
         return dict(out)
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        """JSON-friendly ``{"axis/op": {"calls", "bytes", "seconds", "exposed"}}``."""
+        """JSON-friendly ``{"axis/op": {"calls", "bytes", "seconds", "exposed", "padding"}}``."""
         return {
             f"{axis}/{op}": {"calls": r.calls, "bytes": r.bytes, "seconds": r.seconds,
-                             "exposed": r.exposed}
+                             "exposed": r.exposed, "padding": r.padding}
             for (axis, op), r in sorted(self.records.items())
         }
 

@@ -39,6 +39,7 @@ class FirstLayer:
     plan: LayerPlan
     shard: Any
     kind: str
+    _exchanges: dict  # plexus.model.PlexusGCN.root_exchange's maps, by their owners
     training: bool
     num_layers: int
     wire: dict
@@ -162,6 +163,8 @@ class FirstLayer:
             first = (blocks or {}).get(0)
             if first is not None and all(b is not first for k, b in blocks.items() if k):
                 del blocks[0]
+                if first.owners is not None:  # and the root rows' maps (plexus.root_rows)
+                    self._exchanges.pop(id(first.owners), None)
 
     def _kept(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` detached, in :attr:`keep_dtype` (bf16) or as it is."""

@@ -37,6 +37,7 @@ from plexus.layer_dropout import LayerDropout
 from plexus.layer_plan import AGGREGATION_BLOCKS, LayerPlan, plan_layers
 from plexus.norms import make_norm, normalized_features
 from plexus.residual import add_root_blocks, has_skip, in_output_columns
+from plexus.root_rows import ExchangedRows, RootExchange
 from plexus.sharded_state import ShardedState
 from plexus.weights import ROOT_SEED_OFFSET, init_weights
 
@@ -104,6 +105,7 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         if residual:
             add_root_blocks(shard, groups)
         self.shard, self.groups, self.kind, self.residual = shard, groups, model, residual
+        self._exchanges: dict[int, tuple] = {}  # GraphSAGE's root rows by owner, per block
         # the groups of the activation and gradient collectives (1)-(8): in bf16, their
         # float32 messages travel as bf16 and sum in float32 (common.collectives)
         self.wire = ({ax: g.on_wire(torch.bfloat16) for ax, g in groups.items()}
@@ -198,8 +200,7 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         """(H, R): ``A_l F'`` and, for SAGE, ``S_l F'`` ([N/P, D_l/I], or the labelled rows
         [R, D_l/I] with ``rows_only``); at layer 0 kept for the next passes where
         :attr:`LayerPlan.cache_first`."""
-        adj, root = self._labelled_blocks(layer) if rows_only else (self.shard.adj,
-                                                                     self.shard.root)
+        adj = self._labelled_blocks(layer)[0] if rows_only else self.shard.adj
         # GraphSAGE: A^T dH and S^T dR summed in one block (autograd would hold both)
         shared = ops.SharedGradient(2) if self.kind == "sage" and f.requires_grad else None
         # (each feeds one product only: backward may reduce its gradient in place)
@@ -209,11 +210,9 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         narrow = (self.keep_dtype is not None and o_group.size > 1
                   and o_group.wire == self.keep_dtype)
         h = self._spmm_o(adj, layer, f, stats, shared, spend_grad=True, narrow=narrow)
-        r = (self._spmm_o(root, layer, f, stats, shared, spend_grad=True, narrow=narrow)
-             if self.kind == "sage" else None)
+        r = self._root_rows(layer, f, stats, rows_only, shared) if self.kind == "sage" else None
         if self.keep_dtype is not None and not narrow:
             h = ops.Rounded.apply(h, self.keep_dtype)
-            r = None if r is None else ops.Rounded.apply(r, self.keep_dtype)
         if layer == 0 and self.plan.cache_first:
             return self._keep_h0(h, r, rows_only)
         return h, r
@@ -238,6 +237,32 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
                 self.plan.overlap and num > 1, shared, spend_grad, narrow)
         h = ops.SpMM.apply(blk.a, blk.a_t, x, shared)  # a fresh tensor: reduced in place
         return autograd.all_reduce_all_reduce(h, group, stats, inplace=True)
+
+    def _root_rows(self, layer: int, f: torch.Tensor, stats: CommStats | None,
+                   rows_only: bool, shared: ops.SharedGradient | None) -> torch.Tensor:
+        """GraphSAGE's ``R_l = S_l F'`` [N/P, D_l/I] (the labelled rows with ``rows_only``),
+        each row sent by the rank of O that holds it (plexus.root_rows: an all-gather over O
+        forward, a reduce-scatter backward, where the SpMM with ``S`` would all-reduce both);
+        in the stored precision (bf16: the messages' dtype, the values the SpMM's sum of
+        bf16 messages gives)."""
+        dtype = self.keep_dtype or f.dtype
+        return ExchangedRows.apply(f, self.root_exchange(layer, rows_only),
+                                   self.wire[layout.roles(layer)[0]], stats, dtype, shared)
+
+    def root_exchange(self, layer: int, rows_only: bool = False) -> RootExchange:
+        """Where each row of ``layer``'s ``R`` comes from (plexus.root_rows.RootExchange),
+        made once per root block; ``rows_only``: of the last layer's labelled rows."""
+        if rows_only:
+            blk = self.shard.labelled_root
+        else:
+            self._check_not_released(self.shard.root, layer)
+            blk = self.shard.root[layout.layout_of(layer)]
+        key = id(blk.owners)
+        if key not in self._exchanges:  # (the owners kept with it: the id stays theirs)
+            group = self.groups[layout.roles(layer)[0]]
+            self._exchanges[key] = (blk.owners, RootExchange(blk.owners, blk.a, group.rank,
+                                                             group.size))
+        return self._exchanges[key][1]
 
     def _prefetch(self, layer: int, stats: CommStats | None) -> tuple:
         """With :attr:`LayerPlan.overlap`, the handles of W_l's (and R_l's) all-gather over P

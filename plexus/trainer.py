@@ -184,7 +184,10 @@ class Trainer:
                 "comm_s": self.stats.total_seconds,
                 "comm_exposed_s": self.stats.exposed_seconds,
                 "comm_bytes": self.stats.total_bytes,
-                "comm_bytes_by_axis": {a: r.bytes for a, r in self.stats.by_axis().items()}}
+                "comm_bytes_by_axis": {a: r.bytes for a, r in self.stats.by_axis().items()},
+                # of those, the padding of uneven messages (GraphSAGE's root rows)
+                "comm_padding_by_axis": {a: r.padding for a, r in self.stats.by_axis().items()
+                                         if r.padding}}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -13,7 +13,11 @@ over P, (4) all-reduce Q over I, (5) all-gather W over P, (6) reduce-scatter dW 
 (7) all-reduce dH over O, (8) all-reduce dF over P (layers >= 1) or reduce-scatter (layer 0,
 trainable features). GraphSAGE (``model="sage"``) also aggregates the root term ``R = S F``
 with the permuted identity ``S`` (about ``N / (P O)`` nonzeros per block) and multiplies it by
-a second weight: (2), (3), (5), (6) and (7) run twice; (1), (4) and (8) once.
+a second weight: (3), (5) and (6) run twice; (1), (4) and (8) once. Where the layer aggregates
+its own input (:meth:`GCNWorkload.exchanges_root`) the root term moves ``R``'s rows by owner
+(plexus.root_rows): an all-gather over O forward and a reduce-scatter backward, each of ``R``'s
+bytes (half an all-reduce's; the padding of uneven owners is not counted), beside (2) and (7) of
+``H``; elsewhere (2) and (7) run twice.
 
 With fixed features ``H_0`` is cached after the first epoch, so a steady
 epoch skips (1), (2) and the layer-0 SpMM, and nothing flows back into layer 0's aggregation:
@@ -121,8 +125,11 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
         if layer == 0 and forward:
             out.append(Collective(p, "all_gather", flat(f_block, P, work.stored_bytes),
                                   count=again))  # (1)
+        root = work.exchanges_root(layer, shape)  # R's rows by owner
         if forward:
-            out.append(Collective(o, "all_reduce", h_bytes, count=k * again))  # (2)
+            out.append(Collective(o, "all_reduce", h_bytes, count=(1 if root else k) * again))
+            if root:  # (2), and R = S F' gathered from the ranks that own its rows
+                out.append(Collective(o, "all_gather", h_bytes, count=again))
         out.append(Collective(p, "all_gather", w_flat, count=k))  # (3)
         out.append(Collective(i, "all_reduce", q_bytes))  # (4)
         if backward:
@@ -142,7 +149,9 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
                 out.append(Collective(o, "all_reduce", rows * F32, count=4))
                 out.append(Collective(p, "all_reduce", affine_bytes, count=2))
         if backward:
-            out.append(Collective(o, "all_reduce", h_bytes, count=k))  # (7)
+            out.append(Collective(o, "all_reduce", h_bytes, count=1 if root else k))  # (7)
+            if root:  # dR summed onto the ranks that own its rows
+                out.append(Collective(o, "reduce_scatter", h_bytes))
             if layer == 0:
                 out.append(Collective(p, "reduce_scatter", flat(f_block, P, wire)))  # (8)
             else:
@@ -201,6 +210,24 @@ WIRE_SUM_BYTES = 3 * 2 * F32
 NARROW_SUM_BYTES = 2 * 2 * F32
 
 
+def root_exchange_bytes(rows: int, width: int, owners: int, x_bytes: int, wire: int, *,
+                        forward: bool, backward: bool, again: int = 1) -> float:
+    """Memory traffic of GraphSAGE's root term ``R = S F'`` exchanged by owner
+    (plexus.root_rows) on ``rows`` output rows of ``width`` columns over ``owners`` ranks:
+    forward, this rank's ``rows / owners`` rows of ``F'`` packed into a message and the
+    gathered messages put in row order (``R`` kept in the wire's dtype); backward, ``dR``
+    packed by owner into messages, the received ones summed in float32, and this rank's sum
+    added into ``dF``."""
+    own = rows / owners * width
+    out = 0.0
+    if forward:
+        out += again * (own * (x_bytes + wire) + rows * width * 2 * wire)
+    if backward:
+        grad = wire if wire < F32 else F32
+        out += rows * width * (grad + wire) + rows * width * wire * (owners > 1) + own * 3 * F32
+    return out
+
+
 def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachineProfile, *,
                 node_ranks: int, first_epoch: bool = False) -> dict[str, float]:
     """Seconds of SpMM, GEMM and elementwise work of one rank in one epoch."""
@@ -231,7 +258,11 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         spmm_width, x_bytes = (b, F32) if first else (a, x_bytes)
         narrow = work.narrows(layer, shape)  # H (R) and dH (dR) stay bf16 through (2), (7)
         h_red = NARROW_SUM_BYTES if narrow else red
-        for blk in [nnz, root][:k]:
+        for term, blk in enumerate([nnz, root][:k]):
+            if term == 1 and work.exchanges_root(layer, shape):  # R by owner (plexus.root_rows)
+                moved += root_exchange_bytes(rows, a, O, x_bytes, work.stored_bytes,
+                                             forward=forward, backward=backward, again=again)
+                continue
             if forward:
                 spmm += again * spmm_bytes(rows, blk, spmm_width, index_bytes=idx,
                                            cache_line=line, x_bytes=x_bytes)
@@ -317,8 +348,11 @@ def overlap_hidden_seconds(work: GCNWorkload, shape: Mapping[str, int],
         forward, backward = work._runs(layer, first_epoch)
         c2 = coll("all_reduce", o, rows * a * work.stored_bytes)  # the wire's bytes
         c3 = coll("all_gather", p, round_up(a * (w[layer + 1] // O), P) * work.stored_bytes)
+        # GraphSAGE's root term exchanges rows by owner, synchronously (no SpMM to hide in),
+        # except where it is an SpMM with S (plexus.root_rows)
+        terms = 1 if work.exchanges_root(layer, shape) else work.terms
         for blk in [kept * work.imbalance * work.nnz / (P * O),
-                    kept * work.num_nodes / (P * O)][:work.terms]:
+                    kept * work.num_nodes / (P * O)][:terms]:
             s_f = spmm_bytes(rows, blk, a, index_bytes=idx, cache_line=line) / rate.spmm_bandwidth
             s_b = backward_spmm_bytes(machine, rows, n // O, blk, a, index_bytes=idx,
                                       cache_line=line) / rate.spmm_bandwidth

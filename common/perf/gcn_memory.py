@@ -71,6 +71,7 @@ SLICE_BUDGET_BYTES = (32 << 20) // 2
 # a plan's cut: a uint16 offset from its row's start (plexus.slicing.cut_dtype; a block with a
 # row of 65,536 nonzeros or more keeps its index width, which the planner does not foresee)
 CUT_BYTES = 2
+EXCHANGE_BYTES = 4  # an entry of plexus.root_rows.RootExchange's maps (int32)
 PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
 
 
@@ -346,12 +347,19 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
             cut.add(key)
             block = copies * nnz * (idx + F32) + (k - (key == parked)) * (rows_a + 1) * idx + (
                 k * (rows_t + 1) * idx if stored_transposes else 0)
+            # GraphSAGE's root rows by owner: where each row comes from, and this rank's
+            # input rows (plexus.root_rows.RootExchange)
+            # (the last layer's full rows' only where its step computes every row)
+            block += EXCHANGE_BYTES * (rows_a + rows_a // shape[o]) * (
+                work.exchanges_root(layer, shape) and (layer != last or last_rows == rows_a))
             total += block
             by_key[key] = by_key.get(key, 0.0) + block
             cursor = 0.0 if stored_transposes else max(cursor, rows_a * idx)
         if layer == last % 6 and last_rows < rows_a:  # the labelled rows
             total += copies * (full_nnz + root_nnz) * last_rows / rows_a * (idx + F32) + k * (
-                last_rows + 1) * idx + (k * (rows_t + 1) * idx if stored_transposes else 0)
+                last_rows + 1) * idx + (k * (rows_t + 1) * idx if stored_transposes else 0) + (
+                EXCHANGE_BYTES * (last_rows + last_rows // shape[o])
+                * work.exchanges_root(layer, shape))
         # the forward SpMM's column-slice plans, one per block and X width, kept with the
         # block: A_l [rows_a, rows_t] times F_l (D_l/I wide, or D_l+1/O where the layer
         # multiplies first); the backward's A_l^T reads A_l with a plan of a few cuts

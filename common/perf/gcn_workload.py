@@ -265,6 +265,14 @@ class GCNWorkload:
                 and not self.weight_first_layer(layer, shape)
                 and not (layer == 0 and self.recomputes_first))
 
+    def exchanges_root(self, layer: int, shape: Mapping[str, int]) -> bool:
+        """Whether ``layer``'s GraphSAGE root term ``R = S F'`` moves its rows by owner
+        (plexus.root_rows: an all-gather over O forward, a reduce-scatter backward) instead of
+        an SpMM with ``S`` all-reduced over O: a layer that aggregates its own input (not one
+        that multiplies first, nor a recomputed or remade layer 0)."""
+        return (self.terms == 2 and not self.weight_first_layer(layer, shape)
+                and not (layer == 0 and self.recomputes_first))
+
     def _runs(self, layer: int, first_epoch: bool) -> tuple[bool, bool]:
         """(forward aggregation runs, gradient flows back through the aggregation)."""
         if layer > 0 or self.learn_features:

@@ -86,9 +86,11 @@ class SARComparison:
         return self.memory_gb_per_node / self.number.peak_gb
 
 
-def compare_sar(machine: MachineProfile | None = None, *, precision: str = "fp32"
-                ) -> list[SARComparison]:
-    """Our best predicted grid for every :data:`SAR_NUMBERS` entry, in ``precision``."""
+def compare_sar(machine: MachineProfile | None = None, *, precision: str = "fp32",
+                within_sar_memory: bool = False) -> list[SARComparison]:
+    """Our best predicted grid for every :data:`SAR_NUMBERS` entry, in ``precision``;
+    ``within_sar_memory``: the fastest grid whose memory per node is at most SAR's (the
+    fastest of all where none is)."""
     machine = machine or load_profile(PROFILE)
     rpn = machine.ranks_per_node or 1
     out = []
@@ -97,7 +99,10 @@ def compare_sar(machine: MachineProfile | None = None, *, precision: str = "fp32
         if not plan.runnable:
             raise ValueError(f"SAR, {num.nodes} nodes: no grid fits in memory on "
                              f"{machine.name}")
-        out.append(SARComparison(num, plan.runnable[0], rpn, sar_workload(precision)))
+        grids = plan.runnable
+        if within_sar_memory:
+            grids = [p for p in grids if p.memory * rpn / 1e9 <= num.peak_gb] or grids
+        out.append(SARComparison(num, grids[0], rpn, sar_workload(precision)))
     return out
 
 

@@ -161,10 +161,12 @@ def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[s
                 rows, cols, num_nodes, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax],
                 inv_cols=inv[par])
             a = BlockSparse.single(blk)
+            owners = part.identity_owners(rows, inv[par], num_nodes, coords[p_ax], shape[p_ax],
+                                          shape[o_ax])
             cut[key] = AdjBlock(a, TransposedSparse(a), blk.nnz,
-                                part.Balance(int(counts.max()), float(counts.mean())))
+                                part.Balance(int(counts.max()), float(counts.mean())), owners)
         same = cut[key]  # the balance depends on (parity, P, O) only: the same too
-        out[lay] = AdjBlock(same.a, same.a_t, same.nnz, same.balance)
+        out[lay] = AdjBlock(same.a, same.a_t, same.nnz, same.balance, same.owners)
     return out
 
 

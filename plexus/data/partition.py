@@ -132,6 +132,21 @@ def permuted_identity_block(rows: np.ndarray, cols: np.ndarray, num_real: int, p
                           shape=(nr, nc)), counts.reshape(num_p, num_o))
 
 
+def identity_owners(rows: np.ndarray, inv_cols: np.ndarray, num_real: int, p: int, num_p: int,
+                    num_o: int) -> np.ndarray:
+    """Which block of columns (a coordinate along O) holds the one of each row of row block
+    ``p`` of :func:`permuted_identity`: the rank of O that owns that output row's input row
+    (plexus.root_rows), -1 for a padding node.
+
+    Shapes: rows, inv_cols [N] -> int16 [N/num_p]
+    """
+    n = rows.size
+    nr, nc = n // num_p, n // num_o
+    r = np.asarray(rows[p * nr:(p + 1) * nr])
+    real = r < num_real
+    return np.where(real, inv_cols[np.where(real, r, 0)] // nc, -1).astype(np.int16)
+
+
 def inverse_permutation(perm: np.ndarray, *, chunk: int = 1 << 22) -> np.ndarray:
     """``inv`` with ``inv[perm[j]] = j``, int64 [N], filled in chunks of ``perm`` (which may be
     memory-mapped)."""

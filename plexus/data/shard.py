@@ -60,12 +60,15 @@ def release_pages(arr: np.ndarray) -> None:
 class AdjBlock:
     """One stationary sparse block, its transpose (a view that reads the block's own CSR,
     plexus.transpose), and the balance of its layout (nonzeros of this block and max/mean over
-    all ranks' blocks of the same layout)."""
+    all ranks' blocks of the same layout). A root block (GraphSAGE's ``S``) also has
+    ``owners``: int16 [rows], the coordinate along O of the rank that holds each row's input
+    row, -1 for a padding node (plexus.root_rows)."""
 
     a: BlockSparse
     a_t: TransposedSparse
     nnz: int
     balance: Balance
+    owners: np.ndarray | None = None
 
 
 @dataclass
@@ -111,7 +114,8 @@ class GraphShard:
 
         def restricted(blk: AdjBlock) -> AdjBlock:
             a = blk.a.take_rows(rows)
-            return AdjBlock(a, TransposedSparse(a), a.nnz, blk.balance)
+            return AdjBlock(a, TransposedSparse(a), a.nnz, blk.balance,
+                            None if blk.owners is None else blk.owners[rows])
 
         if self.labelled_adj is None:
             self.labelled_adj = restricted(self.adj[last])

@@ -207,7 +207,7 @@ def _parallel(ctx, grids):
         for case in CASES:
             stats = CommStats()
             run = _passes(_shard(graph, case, grid.shape, coords), groups, case, "bf16", stats)
-            run["bytes"] = {a: r.bytes for a, r in stats.by_axis().items()}
+            run["bytes"] = {a: r.bytes - r.padding for a, r in stats.by_axis().items()}
             if case == CASES[0]:
                 run["fp32"] = _passes(_shard(graph, case, grid.shape, coords), groups, case,
                                       "fp32")

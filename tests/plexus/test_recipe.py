@@ -92,7 +92,9 @@ def _cases(ctx, grids, fused_calls):
             grads = {name: model.gather(kind, t.grad, layer)
                      for name, t, kind, layer in model.sharded_state() if t.grad is not None}
             out.append({"case": (grid_text, *case), "loss": loss.item(), "shape": grid.shape,
-                        "bytes": {k: v["bytes"] for k, v in stats.as_dict().items()},
+                        # the messages' content (common.perf counts no padding)
+                        "bytes": {k: v["bytes"] - v["padding"]
+                                  for k, v in stats.as_dict().items()},
                         "logits": logits.detach(), "eval": eval_logits, "rows": held,
                         "all_rows": shard.out_rows, "rows_last": logits.shape[0],
                         "class_offset": groups[o_ax].rank * logits.shape[1], "grads": grads,

@@ -242,7 +242,7 @@ def train_and_eval(model, shard, groups, num_classes: int, step: int) -> dict:
     with torch.no_grad():
         eval_logits = model()
     return {"logits": logits.detach(), "loss": loss.item(), "eval": eval_logits,
-            "saved": saved, "bytes": {ax: r.bytes for ax, r in stats.by_axis().items()},
+            "saved": saved, "bytes": {ax: r.bytes - r.padding for ax, r in stats.by_axis().items()},
             "grads": {n: model.gather(k, t.grad, layer)
                       for n, t, k, layer in model.sharded_state() if t.grad is not None}}
 

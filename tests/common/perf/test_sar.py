@@ -66,7 +66,15 @@ def test_paper_check_prints_the_sar_rows_the_model_gives():
     sections = out.split("--precision ")[1:]
     assert [t.split()[0] for t in sections] == ["fp32", "bf16"], out
     for precision, text in zip(("fp32", "bf16"), sections, strict=True):
-        _check_sar_table(text, {r.number.nodes: r for r in compare_sar(precision=precision)})
+        best, _, capped = text.partition("the fastest grid within SAR's memory per node:")
+        _check_sar_table(best, {r.number.nodes: r for r in compare_sar(precision=precision)})
+        within = compare_sar(precision=precision, within_sar_memory=True)
+        if capped:  # printed where it differs from the fastest grids: each within SAR's memory
+            _check_sar_table(capped, {r.number.nodes: r for r in within})
+            assert all(r.memory_ratio <= 1.0 for r in within), precision
+        else:
+            assert [r.prediction.shape for r in within] == [
+                r.prediction.shape for r in compare_sar(precision=precision)]
 
 
 def _check_sar_table(out: str, rows: dict) -> None:
@@ -99,7 +107,8 @@ def test_the_savings_table_ends_at_the_prediction_and_each_saving_cuts():
             assert (int(nodes), grid) == (c.number.nodes, c.prediction.label())
             old, mid, unfused, fused, cuts, now = map(float, gb)
             assert now == pytest.approx(c.memory_gb_per_node, abs=0.06)
-            assert old > mid > unfused > fused > cuts > now
+            # (the fused norm cuts the peak where a norm phase is the peak)
+            assert old > mid > unfused >= fused > cuts > now
             shape = c.prediction.shape
             before = dataclasses.replace(c.workload, mapped=False)
 
