@@ -37,7 +37,7 @@ from common import collectives as coll
 from common import flat
 from common.grid import AxisGroup
 from common.sharded import Slab
-from plexus.data.shard import GraphShard
+from plexus.data.shard import GraphShard, release_pages
 from plexus.layout import roles
 
 KINDS = ("weight", "vector", "features")
@@ -87,7 +87,9 @@ def node_chunk(order: np.ndarray, group: AxisGroup) -> torch.Tensor:
     memory map). Shapes: order [N_pad] -> int64 [N_pad / group.size]."""
     n = order.size // group.size
     assert n * group.size == order.size, "the padded node count splits evenly over every axis"
-    return torch.from_numpy(np.array(order[group.rank * n:(group.rank + 1) * n], dtype=np.int64))
+    out = torch.from_numpy(np.array(order[group.rank * n:(group.rank + 1) * n], dtype=np.int64))
+    release_pages(order)  # a map of [N]: the pages read are not kept resident
+    return out
 
 
 def _sizes(groups: Mapping[str, AxisGroup]) -> dict[str, int]:

@@ -215,7 +215,8 @@ def memory_line(work: Any, best: Any, machine: Any) -> str:
     parts = perf_gcn.gcn_memory_parts(work, best.shape, stored_transposes=gpu,
                                       fused_norm=not gpu)
     names = {"adjacency": "adjacency", "transient": "transients", "kept_h": "kept H",
-             "kept_other": "other kept", "features": "features", "weights": "weights"}
+             "kept_other": "other kept", "features": "features", "weights": "weights",
+             "nodes": "node vectors"}
     items = sorted(parts.items(), key=lambda kv: -kv[1])
     return (f"memory per rank of {best.label()}: " + ", ".join(
         f"{names.get(k, k)} {v / 2**30:.2f} GiB" for k, v in items))

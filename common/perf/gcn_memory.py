@@ -72,7 +72,7 @@ SLICE_BUDGET_BYTES = (32 << 20) // 2
 # row of 65,536 nonzeros or more keeps its index width, which the planner does not foresee)
 CUT_BYTES = 2
 EXCHANGE_BYTES = 4  # an entry of plexus.root_rows.RootExchange's maps (int32)
-PARTS = ("adjacency", "features", "weights", "kept_h", "kept_other", "transient")
+PARTS = ("adjacency", "features", "nodes", "weights", "kept_h", "kept_other", "transient")
 
 
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int], *,
@@ -90,7 +90,8 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
                      fused_norm: bool = True) -> dict[str, float]:
     """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
     last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
-    and AdamW moments when trained), ``weights`` (``W``, ``dW`` and the AdamW moments),
+    and AdamW moments when trained), ``nodes`` (the rank's per-node vectors: labels, node ids,
+    split masks, :func:`_node_vectors`), ``weights`` (``W``, ``dW`` and the AdamW moments),
     ``kept_h`` (every ``H_l``, and GraphSAGE's ``R_l``, kept for ``dW``; the cached ``H_0`` is
     layer 0's), ``kept_other`` (the logits, ReLU and dropout masks, the norm's centred block)
     and ``transient`` (what the peak phase of :func:`gcn_memory_phases` holds beyond all that
@@ -107,6 +108,7 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
     parts["features"] = round_up(f0, shape["z"]) // shape["z"] * (
         4 * F32 if work.learn_features else work.stored_bytes)
+    parts["nodes"] = _node_vectors(work, shape)
     for lay in layers:
         parts["weights"] += work.terms * 4 * round_up(lay["a"] * lay["b"], lay["p_size"]) \
             // lay["p_size"] * F32  # W, dW and the two AdamW moments, flat shards
@@ -224,6 +226,21 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
                 held + _reduce_buffer(h32, lay["o_size"], work), held + df,
                 df + _reduce_buffer(df, lay["p_size"], work))
     return phases
+
+
+def _node_vectors(work: GCNWorkload, shape: Mapping[str, int]) -> float:
+    """Bytes of the per-node vectors a rank keeps: its output rows' labels, node ids (int64)
+    and split masks (plexus.data.shard.GraphShard), the node ids of each layer's input rows
+    that its dropout masks are drawn from (int64, plexus.layer_dropout), and GraphSAGE's
+    owners of each root layout's rows (int16, plexus.root_rows)."""
+    n, _ = work.padded(shape)
+    last = work.num_layers - 1
+    out = n // shape[work.axes(last)[2]] * (2 * 8 + 3)
+    for layer in range(work.num_layers):
+        o, _, p = work.axes(layer)
+        out += 8 * (n // shape[o]) * (work.dropout > 0)
+        out += 2 * (n // shape[p]) * (work.terms == 2 and layer < 6)
+    return out
 
 
 def _chunked_norm(work: GCNWorkload) -> bool:

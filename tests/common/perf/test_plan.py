@@ -98,7 +98,7 @@ def test_plan_cli_prints_a_ranked_table(capsys):
     out = capsys.readouterr().out
     (line,) = [ln for ln in out.splitlines() if ln.startswith("memory per rank of ")]
     sizes = [float(v) for v in re.findall(r" ([\d.]+) GiB", line)]
-    assert len(sizes) == 6 and sizes == sorted(sizes, reverse=True) and sizes[0] > 1, line
+    assert len(sizes) == 7 and sizes == sorted(sizes, reverse=True) and sizes[0] > 1, line
     assert "adjacency" in line and "transients" in line and "kept H" in line
     best = re.search(r"grid auto: \S+ .*?; ([\d.]+) GiB per rank", out)
     assert best and sum(sizes) == pytest.approx(float(best.group(1)), abs=0.01 * 6), out

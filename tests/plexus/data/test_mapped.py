@@ -224,3 +224,31 @@ def test_the_last_layers_full_block_gives_its_pages_back_once_restricted(tmp_pat
         spec != "1x1x1")  # a block other layers read stays mapped
     assert torch.equal(full.matmul(x), before)
     assert shard.labelled_adj is not None and shard.labelled_adj.a.shape[0] < full.shape[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_the_permutations_are_not_kept_resident(tmp_path):
+    """The [N] permutations of a prepared dataset are read whole to build GraphSAGE's root
+    blocks, and in chunks for the dropout masks' node ids: neither leaves their pages in the
+    rank's resident size (a full-size object per rank, at scale), and the ids read are the
+    permutation's."""
+    import numpy as np
+
+    from common.grid import AxisGroup
+    from plexus.shards import node_chunk
+
+    graph = planted_partition(num_nodes=203, num_classes=5, num_features=7, avg_degree=5,
+                              seed=3)
+    prepare(graph_source(graph), tmp_path / "p", blocks=4, seed=4, quiet=True)
+    grid = ProcessGrid.parse("2x1x2")
+    shard = PreparedGraph(tmp_path / "p", aggregation="mean").shard(
+        grid.shape, grid.coords(1), widths(graph, 3, 6))
+    perms = {str((tmp_path / "p" / "perm" / f"{name}.npy").resolve()) for name in ("pr", "pc")}
+    assert shard.root is not None and _resident_kib(perms) == 0
+    assert int(np.asarray(shard.pc)[:64].sum()) >= 0  # a read maps the pages again
+    assert _resident_kib(perms) > 0
+    group = AxisGroup(name="x", group=None, size=2, rank=1)
+    ids = node_chunk(shard.pc, group)
+    assert _resident_kib(perms) == 0
+    n = shard.pc.size // 2
+    assert torch.equal(ids, torch.from_numpy(np.array(shard.pc[n:], dtype=np.int64)))
