@@ -46,7 +46,7 @@ def sharded_cross_entropy(
 
     Args:
         logits: [rows, C_pad/O] local block (rows: N/P, or the model's labelled rows).
-        labels: int64 [rows] global class ids (-1 where unlabeled or padding).
+        labels: integer [rows] global class ids (-1 where unlabeled or padding).
         mask: bool [rows] rows that count (e.g. the training split).
         num_classes: C; classes >= C are padding.
         count: number of masked rows in the whole graph (the divisor).
@@ -66,7 +66,8 @@ def sharded_cross_entropy(
     def full(v: torch.Tensor, fill: float) -> torch.Tensor:  # [masked] -> [n]
         return v.new_full((n,), fill).index_put((rows,), v)
 
-    sel, lab = logits.index_select(0, rows), labels.index_select(0, rows)
+    # (the shard's labels are narrow integers: widened for the masked rows only)
+    sel, lab = logits.index_select(0, rows), labels.index_select(0, rows).long()
     cls = _class_ids(sel, group_o)
     padded = cls >= num_classes
     z = (sel.masked_fill(padded, float("-inf"))

@@ -401,12 +401,13 @@ def _outputs(result: TrainResult, best: bool = False, all_rows: bool = False
     if held is not None:  # labelled rows only: -1 on the others
         pred = torch.full(shard.labels.shape, -1, dtype=pred.dtype,
                           device=pred.device).index_copy_(0, held.to(pred.device), pred)
-    code = torch.zeros_like(shard.labels)
+    # int64, as the predictions: every transport gathers it (gloo has no int16)
+    code = torch.zeros(shard.labels.shape, dtype=torch.int64)
     for i, s in enumerate(SPLITS, start=1):
         code[shard.masks[s]] = i
     device = pred.device
-    return pred, shard.labels.to(device), code.to(device), torch.from_numpy(
-        shard.out_rows).to(device)
+    return pred, shard.labels.to(device, torch.int64), code.to(device), torch.from_numpy(
+        shard.out_rows).to(device, torch.int64)
 
 
 def _p_group(result: TrainResult) -> AxisGroup:

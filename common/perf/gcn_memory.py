@@ -229,13 +229,16 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
 
 
 def _node_vectors(work: GCNWorkload, shape: Mapping[str, int]) -> float:
-    """Bytes of the per-node vectors a rank keeps: its output rows' labels, node ids (int64)
-    and split masks (plexus.data.shard.GraphShard), the node ids of each layer's input rows
-    that its dropout masks are drawn from (int64, plexus.layer_dropout), and GraphSAGE's
-    owners of each root layout's rows (int16, plexus.root_rows)."""
+    """Bytes of the per-node vectors a rank keeps: its output rows' labels (int16 below 2^15
+    classes), node ids (int32 below 2^31 nodes) and split masks (plexus.data.shard.
+    node_dtypes), the node ids of each layer's input rows that its dropout masks are drawn
+    from (int64, plexus.layer_dropout), and GraphSAGE's owners of each root layout's rows
+    (int16, plexus.root_rows)."""
     n, _ = work.padded(shape)
     last = work.num_layers - 1
-    out = n // shape[work.axes(last)[2]] * (2 * 8 + 3)
+    label = 2 if work.num_classes < 2**15 else 4
+    node = 4 if n < 2**31 else 8
+    out = n // shape[work.axes(last)[2]] * (label + node + 3)
     for layer in range(work.num_layers):
         o, _, p = work.axes(layer)
         out += 8 * (n // shape[o]) * (work.dropout > 0)

@@ -24,8 +24,10 @@ Shapes (N = padded nodes; roles (O, I, P) of layer l, see plexus.layout):
     root[l % 6].a    [N/P, N/O]  mean aggregation only: S_l block (0/1, about N/(P O) ones)
     root[l % 6].a_t  [N/O, N/P]  its transpose, a view (the root term's backward: dF += S_l^T dR)
     features_block   [N/X, D_0/Y]  rows chunk x of the Pc order, columns chunk y
-    labels, masks    [N/P_last]  rows chunk p of the output order (labels -1 on padding)
-    out_rows         [N/P_last]  original node id of each output row (-1 on padding)
+    labels, masks    [N/P_last]  rows chunk p of the output order (labels -1 on padding;
+                                 int16, or int32 for 2^15 classes or more)
+    out_rows         [N/P_last]  original node id of each output row (-1 on padding; int32,
+                                 or int64 for 2^31 nodes or more)
     labelled_adj.a   [R, N/O_last]  the last layer's adj rows of the R labelled output rows
     labelled_adj.a_t [N/O_last, R]  its transpose (labelled_root: the same of root)
 """
@@ -56,6 +58,13 @@ def release_pages(arr: np.ndarray) -> None:
         m.madvise(mmap.MADV_DONTNEED)
 
 
+def node_dtypes(num_classes: int, num_nodes: int) -> tuple[torch.dtype, type]:
+    """(labels' dtype, node ids' dtype) of a shard's per-row vectors: int16 labels below 2^15
+    classes (-1 marks none), else int32; int32 node ids below 2^31 nodes, else int64."""
+    label = torch.int16 if num_classes < 2**15 else torch.int32
+    return label, (np.int32 if num_nodes < 2**31 else np.int64)
+
+
 @dataclass
 class AdjBlock:
     """One stationary sparse block, its transpose (a view that reads the block's own CSR,
@@ -84,10 +93,10 @@ class GraphShard:
     pc: np.ndarray
     adj: dict[int, AdjBlock]  # plexus.layout.layout_of(layer) -> block
     features_block: torch.Tensor
-    labels: torch.Tensor  # int64
+    labels: torch.Tensor  # int16 (int32 for 2^15 classes or more; node_dtypes)
     masks: dict[str, torch.Tensor]  # split -> bool
     split_counts: dict[str, int]  # split -> labelled nodes in the whole graph
-    out_rows: np.ndarray
+    out_rows: np.ndarray  # int32 (int64 for 2^31 nodes or more; node_dtypes)
     info: dict[str, float] = field(default_factory=dict)
     # layer % 6 -> S block of the permuted identity (mean aggregation); None for GCN
     root: dict[int, AdjBlock] | None = None
@@ -95,6 +104,12 @@ class GraphShard:
     # (:meth:`restrict_last_layer`, called by plexus.model.PlexusGCN); None until then
     labelled_adj: AdjBlock | None = None
     labelled_root: AdjBlock | None = None
+
+    def __post_init__(self) -> None:
+        # a rank keeps these for every output row: in the narrowest integers that hold them
+        label, node = node_dtypes(self.num_classes, self.num_nodes_padded)
+        self.labels = self.labels.to(label)
+        self.out_rows = np.asarray(self.out_rows).astype(node, copy=False)
 
     def labelled_rows(self) -> torch.Tensor:
         """int64 [R]: positions in the output rows (``labels``, ``masks``) of the nodes in
