@@ -14,8 +14,8 @@ Here each rank of O sends only the rows it owns, and the others place them:
   of its own rows only, which it adds into ``dF`` at their input rows. Half the bytes of
   the all-reduce, and no ``S^T`` product.
 
-Both passes run in :data:`PIECES` slices of the owners' row lists, so that the messages and
-what they are unpacked from are a slice of the block, not the block. Messages travel in the
+Both passes run in :data:`PIECES` ranges of the block's rows, so that the messages and
+what they are unpacked from are a part of the block, not the whole. Messages travel in the
 group's wire dtype (bf16 under ``--precision bf16``), sums in float32
 (common.collectives). Which rank owns which row comes from the permutations when the shard is
 built (:func:`plexus.data.partition.identity_owners`), so no collective sets this up.
@@ -37,7 +37,7 @@ from plexus.sparse import BlockSparse, sum_dtype
 
 __all__ = ["PIECES", "ExchangedRows", "RootExchange"]
 
-PIECES = 4  # slices of the owners' row lists each pass exchanges one after another
+PIECES = 4  # ranges of rows each pass exchanges one after another
 
 
 class RootExchange:
