@@ -74,64 +74,53 @@ class RootExchange:
         if not np.array_equal(np.flatnonzero(np.diff(csr.indptr)), np.flatnonzero(owners == me)):
             raise ValueError("the root block's rows and their owners disagree: rebuild the "
                              "shard (plexus.data.memory.root_blocks)")
-        counts = np.bincount(owners[real], minlength=size)
-        width = max(1, int(counts.max(initial=0)))
         # k: a row's place in its owner's list (row order), by a stable sort on the owner
         order = np.argsort(np.where(real, owners, size), kind="stable")
+        counts = np.bincount(owners[real], minlength=size)
         num_real = int(real.sum())
         k = np.zeros(rows, dtype=np.int64)
         k[order[:num_real]] = np.arange(num_real) - np.repeat(
             np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
         self.bounds = [rows * j // pieces for j in range(pieces + 1)]
-        # starts[j][o]: owner o's rows before range j (the first k it sends there)
+        # starts[j][o]: owner o's rows before range j (the first k it sends there); each
+        # row's slot in its range's gathered messages: owner * width + its place among them
         starts = np.zeros((pieces + 1, size), dtype=np.int64)
-        self.widths, pads = [], []
+        slots = np.empty(rows, dtype=np.int64)
+        self.widths = []
         for j in range(pieces):
             lo, hi = self.bounds[j], self.bounds[j + 1]
-            part = owners[lo:hi]
-            starts[j + 1] = starts[j] + np.bincount(part[part >= 0], minlength=size)
-            pads.append(bool((part < 0).any()))
-            self.widths.append(max(1, int((starts[j + 1] - starts[j]).max(initial=0))
-                                   + pads[-1]))
-        index = np.int32 if max(size * width, rows, s.shape[1]) < 2**31 - 1 else np.int64
-        self.size, self.me, self.width, self.rows = size, me, width, rows
-        self.starts = starts
+            part, mine = owners[lo:hi], real[lo:hi]
+            starts[j + 1] = starts[j] + np.bincount(part[mine], minlength=size)
+            width = max(1, int((starts[j + 1] - starts[j]).max(initial=0)) + (not mine.all()))
+            self.widths.append(width)
+            own = np.where(mine, part, 0)
+            # a padding node reads owner 0's last slot, always empty
+            slots[lo:hi] = np.where(mine, own * width + k[lo:hi] - starts[j][own], width - 1)
+        self.size, self.me, self.rows, self.starts = size, me, rows, starts
         self.sent = size * sum(self.widths)
-        # a row's owner and place, one integer (a padding node: size * width)
-        self._host = {"src": np.where(real, owners * width + k, size * width).astype(index),
-                      "cols": csr.indices.astype(index)}
+        index = np.int32 if max(self.sent, rows, s.shape[1]) < 2**31 - 1 else np.int64
+        self._host = {"slots": slots.astype(index), "cols": csr.indices.astype(index)}
         self._on: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def arrays(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """``src`` (each row's ``owner * width + k``) and ``cols`` (this rank's input rows,
-        in its list's order) on ``device`` (moved once)."""
+        """``slots`` (each row's slot in its range's gathered messages) and ``cols`` (this
+        rank's input rows, in its list's order) on ``device`` (moved once)."""
         if device not in self._on:
             self._on[device] = {name: torch.from_numpy(arr).to(device)
                                 for name, arr in self._host.items()}
         return self._on[device]
-
-    def nbytes(self) -> int:
-        """Bytes of the host arrays."""
-        return sum(arr.nbytes for arr in self._host.values())
 
     def pieces(self, device: torch.device):
         """Yield ``(lo, hi, width, slots, counts, mine)`` per range of rows ``lo..hi``: its
         messages' width, each row's slot in the gathered ``[size * width]`` messages, the
         rows each owner sends there, and the slice of :meth:`arrays`'s ``cols`` this rank
         sends."""
-        arr = self.arrays(device)
+        slots = self.arrays(device)["slots"]
         for j, width in enumerate(self.widths):
             lo, hi = self.bounds[j], self.bounds[j + 1]
-            src = arr["src"][lo:hi]
-            owner = torch.div(src, self.width, rounding_mode="floor")
-            pad = owner == self.size
-            owner = owner.clamp_(max=self.size - 1)
-            first = torch.from_numpy(self.starts[j]).to(device, src.dtype)
-            slots = owner * width + src % self.width - first[owner]
-            slots = torch.where(pad, width - 1, slots)  # owner 0's last slot: empty
             counts = (self.starts[j + 1] - self.starts[j]).tolist()
-            yield lo, hi, width, slots, counts, slice(int(self.starts[j][self.me]),
-                                                      int(self.starts[j + 1][self.me]))
+            yield lo, hi, width, slots[lo:hi], counts, slice(int(self.starts[j][self.me]),
+                                                             int(self.starts[j + 1][self.me]))
 
 
 def _record(stats: CommStats | None, counted: CommStats | None, group: AxisGroup, op: str,
