@@ -39,22 +39,17 @@ class LastLayer:
         """Whether ``layer`` computes the labelled rows only in a pass of ``all_rows``."""
         return self.labelled_rows is not None and not all_rows and layer == self.num_layers - 1
 
-    def _labelled_blocks(self, layer: int):
-        """({layout_of(layer): the labelled rows of A_l}, the same of S_l or None), on the
-        device and with the kernel of the full blocks (moved on first use: ``BlockSparse.to``
-        after the trainer uploads the full ones)."""
-        sh, key = self.shard, layout.layout_of(layer)
-        out = []
-        for sub, full in ((sh.labelled_adj, sh.adj), (sh.labelled_root, sh.root)):
-            if sub is None or full is None:
-                out.append(None)
-                continue
-            ref = full[key].a
-            for m in (sub.a_t, sub.a):  # the transpose first: a copy is made from host blocks
-                if m.device != ref.device or m.kernel != ref.kernel:
-                    m.to(ref.device, kernel=ref.kernel)
-            out.append({key: sub})
-        return out[0], out[1]
+    def _labelled_blocks(self, layer: int) -> dict:
+        """{layout_of(layer): the labelled rows of A_l}, on the device and with the kernel of
+        the full block (moved on first use: ``BlockSparse.to`` after the trainer uploads the
+        full ones). GraphSAGE's labelled rows of S_l stay on the host: plexus.root_rows reads
+        only their pattern, once."""
+        sub, key = self.shard.labelled_adj, layout.layout_of(layer)
+        ref = self.shard.adj[key].a
+        for m in (sub.a_t, sub.a):  # the transpose first: a copy is made from host blocks
+            if m.device != ref.device or m.kernel != ref.kernel:
+                m.to(ref.device, kernel=ref.kernel)
+        return {key: sub}
 
     def output_rows(self, t: torch.Tensor, *, all_rows: bool = False) -> torch.Tensor:
         """The rows of a per-output-row tensor ``t`` [N/P, ...] (labels, split masks) that the

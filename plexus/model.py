@@ -200,7 +200,7 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         """(H, R): ``A_l F'`` and, for SAGE, ``S_l F'`` ([N/P, D_l/I], or the labelled rows
         [R, D_l/I] with ``rows_only``); at layer 0 kept for the next passes where
         :attr:`LayerPlan.cache_first`."""
-        adj = self._labelled_blocks(layer)[0] if rows_only else self.shard.adj
+        adj = self._labelled_blocks(layer) if rows_only else self.shard.adj
         # GraphSAGE: A^T dH and S^T dR summed in one block (autograd would hold both)
         shared = ops.SharedGradient(2) if self.kind == "sage" and f.requires_grad else None
         # (each feeds one product only: backward may reduce its gradient in place)

@@ -18,7 +18,7 @@ from common.comm_stats import CommStats
 from common.grid import AxisGroup
 from plexus import layout
 from plexus.data.memory import root_blocks
-from plexus.data.shard import GraphShard, release_pages
+from plexus.data.shard import GraphShard
 
 
 def has_skip(residual: bool, layer: int, num_layers: int) -> bool:
@@ -35,8 +35,7 @@ def add_root_blocks(shard: GraphShard, groups: dict[str, AxisGroup]) -> None:
                                  {ax: g.size for ax, g in groups.items()},
                                  {ax: g.rank for ax, g in groups.items()},
                                  len(shard.widths) - 1)
-        for arr in (shard.pr, shard.pc):  # [N] each, read whole: not kept resident (mapped)
-            release_pages(arr)
+
 
 
 def in_output_columns(rows: torch.Tensor, layer: int, width_out: int, true_width: int,

@@ -266,10 +266,8 @@ class PreparedGraph:
         out_rows = np.array(order[rows.start * bs:rows.stop * bs], dtype=np.int64)
         out_rows[out_rows >= n] = -1
         # GraphSAGE's root term: the permuted identity, from the permutations alone (O(N))
-        root = root_blocks(np.asarray(pr), np.asarray(pc), n, shape, coords, num_layers) if (
+        root = root_blocks(pr, pc, n, shape, coords, num_layers) if (
             self.aggregation == "mean") else None
-        for arr in (pr, pc):  # [N] each, read whole by root_blocks: not kept resident
-            release_pages(arr)
         if labels.size and ((labels < -1) | (labels >= self.num_classes)).any():
             raise DatasetCorruptError(f"labels in {self.path} fall outside [0, "
                                       f"{self.num_classes}); prepare the dataset again")

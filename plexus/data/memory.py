@@ -24,7 +24,7 @@ from plexus import layout
 from plexus.data import partition as part
 from plexus.data.graph import Graph
 from plexus.data.schema import SPLITS
-from plexus.data.shard import AdjBlock, GraphShard
+from plexus.data.shard import AdjBlock, GraphShard, release_pages
 from plexus.sparse import BlockSparse
 from plexus.transpose import TransposedSparse
 
@@ -145,7 +145,8 @@ def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[s
     :func:`_blocks` cuts them from the whole ``S``: O(N) work from the permutations alone (which
     may be memory-mapped), so any source's shard can get them (plexus.data.shard). Memory:
     the rank's blocks and one ``[N]`` int64 array per parity, never ``S`` itself
-    (plexus.data.partition.permuted_identity_block)."""
+    (plexus.data.partition.permuted_identity_block); memory-mapped permutations give back
+    the pages read."""
     out: dict[int, AdjBlock] = {}
     cut: dict[tuple[int, ...], AdjBlock] = {}  # (parity, P, p, O, o) -> the layout's block
     inv: dict[int, np.ndarray] = {}  # parity -> inverse of its input (column) order
@@ -167,6 +168,8 @@ def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[s
                                 part.Balance(int(counts.max()), float(counts.mean())), owners)
         same = cut[key]  # the balance depends on (parity, P, O) only: the same too
         out[lay] = AdjBlock(same.a, same.a_t, same.nnz, same.balance, same.owners)
+    for perm in (pr, pc):  # read whole: where they are mapped, their pages not kept resident
+        release_pages(perm)
     return out
 
 
