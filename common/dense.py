@@ -65,6 +65,9 @@ MIN_WORK = 1 << 20
 # the rows of one oneDNN call of mm: its input and output blocks at most this big, which
 # glibc serves from its retained heap (common.alloc) and the cache holds until copied out
 BLOCK_BYTES = 4 << 20
+# the float32 copy :func:`tn` makes of a bf16 operand: whole up to this size, else a row block
+# of this size at a time (the copy of a tall kept H would be a step's largest transient)
+WIDEN_BYTES = 64 << 20
 # a pooled buffer serves a request of another shape if at most this many times its size
 FIT = 4
 
@@ -407,10 +410,32 @@ def tn(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tens
     """``a^T @ b``, a new contiguous tensor, through oneDNN where :func:`uses_onednn_tn`, else
     ``torch.mm(a.t(), b)``.
 
+    ``a`` may be bfloat16 where ``b`` is float32 (a bf16 ``H`` kept for ``dW``): it is widened
+    exactly, whole where that copy is at most :data:`WIDEN_BYTES` (into a buffer of
+    :func:`empty`, so that oneDNN reads it as it lies: the bits of ``tn(a.float(), b)``), else
+    one row block of that size at a time into one reused float32 block, whose products
+    ``torch.addmm`` sums in float32 (the same precision, another order of the sum).
+
     Shapes: a [m, k], b [m, n] -> [k, n]
     """
+    if a.dtype == torch.bfloat16 and b.dtype == torch.float32:
+        return _tn_widened(a, b, backend)
     if not uses_onednn_tn(a, b, backend):
         return a.t() @ b
     owner_a, owner_b = _onednn_of(a), _onednn_of(b)
     assert owner_a is not None and owner_b is not None
     return _onednn_tn(owner_a, owner_b)
+
+
+def _tn_widened(a: torch.Tensor, b: torch.Tensor, backend: str) -> torch.Tensor:
+    """:func:`tn` of a bf16 ``a`` and a float32 ``b`` (its docstring)."""
+    m, k = a.shape
+    rows = max(1, WIDEN_BYTES // (4 * max(k, 1)))
+    if m <= rows:
+        return tn(empty(m, k, dtype=b.dtype, device=a.device).copy_(a), b, backend=backend)
+    out = torch.zeros(k, b.shape[1], dtype=b.dtype, device=a.device)
+    wide = torch.empty(rows, k, dtype=b.dtype, device=a.device)
+    for lo in range(0, m, rows):
+        hi = min(m, lo + rows)
+        out.addmm_(wide[:hi - lo].copy_(a[lo:hi]).t(), b[lo:hi])
+    return out

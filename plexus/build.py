@@ -67,9 +67,11 @@ def upload_adjacency(shard: GraphShard, device: torch.device | str, *,
     (:meth:`plexus.sparse.BlockSparse.to`).
     """
     uploaded: dict = {}  # dropped on return: then nothing holds the host blocks any more
-    for blk in [*shard.adj.values(), *(shard.root or {}).values()]:
+    for blk in shard.adj.values():
         blk.a_t.to(device, kernel=kernel, uploaded=uploaded)  # (its copy, from host blocks)
         blk.a.to(device, kernel=kernel, uploaded=uploaded)
+    for root in (shard.root or {}).values():  # its CSR where made, else when it is
+        root.to(device, kernel=kernel, uploaded=uploaded)
 
 
 def make_optimizer(net: PlexusGCN, optim: OptimConfig) -> torch.optim.Optimizer:

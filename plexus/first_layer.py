@@ -163,8 +163,7 @@ class FirstLayer:
             first = (blocks or {}).get(0)
             if first is not None and all(b is not first for k, b in blocks.items() if k):
                 del blocks[0]
-                if first.owners is not None:  # and the root rows' maps (plexus.root_rows)
-                    self._exchanges.pop(id(first.owners), None)
+                self._exchanges.pop(id(first), None)  # a root block's maps (plexus.root_rows)
 
     def _kept(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` detached, in :attr:`keep_dtype` (bf16) or as it is."""

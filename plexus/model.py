@@ -257,11 +257,10 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         else:
             self._check_not_released(self.shard.root, layer)
             blk = self.shard.root[layout.layout_of(layer)]
-        key = id(blk.owners)
-        if key not in self._exchanges:  # (the owners kept with it: the id stays theirs)
-            group = self.groups[layout.roles(layer)[0]]
-            self._exchanges[key] = (blk.owners, RootExchange(blk.owners, blk.a, group.rank,
-                                                             group.size))
+        key = id(blk)
+        if key not in self._exchanges:  # (the block kept with it: the id stays its)
+            self._exchanges[key] = (blk, RootExchange(blk, self.groups[layout.roles(layer)[0]]
+                                                      .size))
         return self._exchanges[key][1]
 
     def _prefetch(self, layer: int, stats: CommStats | None) -> tuple:

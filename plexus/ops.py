@@ -286,8 +286,9 @@ class GatheredMatmul(torch.autograd.Function):
     ``keep``: the dtype ``H`` is kept in for ``dW`` (None: as it comes). With bf16, ``H`` may
     also come in bf16 (the cached ``H_0``; the sum of bf16 messages, ops.BlockedAggregation's
     ``narrow``): it is kept as it is, widened a row block at a time for the product
-    (:func:`common.dense.mm`), which is float32 either way, and widened whole for ``dW``
-    (dropped before ``dH`` is made); its ``dH`` is rounded to bf16 a row block at a time.
+    (:func:`common.dense.mm`), which is float32 either way, and for ``dW``
+    (:func:`common.dense.tn`: whole up to ``WIDEN_BYTES``, else a row block at a time); its
+    ``dH`` is rounded to bf16 a row block at a time.
     ``gemm``: the backend of ``H W`` and ``dQ W^T`` (:func:`common.dense.mm`: oneDNN on the
     CPU by default) and of ``dW = H^T dQ``
     (:func:`common.dense.tn`: oneDNN where both were allocated by :func:`common.dense.empty`,
@@ -319,10 +320,8 @@ class GatheredMatmul(torch.autograd.Function):
     def backward(ctx: Any, dq):
         h, w_shard = ctx.saved_tensors
         group, shape, stats = ctx.group, ctx.shape, ctx.stats
-        if h.dtype != dq.dtype:  # bf16 H: widened for dW only, into a buffer tn reads as is
-            h = dense.empty(*h.shape, dtype=dq.dtype, device=h.device).copy_(h)
-        dw = dense.tn(h, dq, backend=ctx.gemm)
-        del h  # (a widened H goes before dH is made)
+        dw = dense.tn(h, dq, backend=ctx.gemm)  # a bf16 H widened by tn, in row blocks
+        del h
         dh = None
         if ctx.needs_input_grad[0]:
             w = flat.gather(w_shard, group, shape, stats=stats).t()

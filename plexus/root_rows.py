@@ -33,7 +33,8 @@ import torch
 from common import collectives as coll
 from common.comm_stats import CommStats, ring_bytes
 from common.grid import AxisGroup
-from plexus.sparse import BlockSparse, sum_dtype
+from plexus.data.shard import RootBlock
+from plexus.sparse import sum_dtype
 
 __all__ = ["PIECES", "ExchangedRows", "RootExchange"]
 
@@ -49,11 +50,11 @@ class RootExchange:
     last slot of owner 0).
 
     Args:
-        owners: int [rows]: the coordinate along O of the rank that holds each output row's
-            input row, -1 for a padding node (plexus.data.shard.AdjBlock.owners).
-        s: this rank's block of ``S`` for the same rows (its nonzeros give the input rows
-            this rank sends, in row order).
-        me: this rank's coordinate along O; size: the size of O.
+        block: this rank's block of ``S``, compact (plexus.data.shard.RootBlock): its rows'
+            ``owners`` (the coordinate along O of the rank that holds each output row's
+            input row, -1 for a padding node) and ``cols`` (the input rows this rank sends,
+            in row order: read, not copied), ``me`` (this rank's coordinate along O).
+        size: the size of O.
         pieces: ranges of rows (:data:`PIECES`).
 
     Attributes:
@@ -61,19 +62,12 @@ class RootExchange:
             (``size`` times its width, summed over the ranges).
     """
 
-    def __init__(self, owners: np.ndarray, s: BlockSparse, me: int, size: int, *,
-                 pieces: int = PIECES) -> None:
-        owners = np.asarray(owners).astype(np.int64)
+    def __init__(self, block: RootBlock, size: int, *, pieces: int = PIECES) -> None:
+        owners, me = np.asarray(block.owners).astype(np.int64), block.me
         rows = owners.size
-        if s.shape[0] != rows:
-            raise ValueError(f"root block has {s.shape[0]} rows, its owners {rows}")
-        if owners.max(initial=-1) >= size:
+        if owners.max(initial=-1) >= size or not 0 <= me < size:
             raise ValueError(f"a row's owner is outside O's {size} ranks")
         real = owners >= 0
-        csr = s.to_scipy()
-        if not np.array_equal(np.flatnonzero(np.diff(csr.indptr)), np.flatnonzero(owners == me)):
-            raise ValueError("the root block's rows and their owners disagree: rebuild the "
-                             "shard (plexus.data.memory.root_blocks)")
         # k: a row's place in its owner's list (row order), by a stable sort on the owner
         order = np.argsort(np.where(real, owners, size), kind="stable")
         counts = np.bincount(owners[real], minlength=size)
@@ -98,8 +92,9 @@ class RootExchange:
             slots[lo:hi] = np.where(mine, own * width + k[lo:hi] - starts[j][own], width - 1)
         self.size, self.me, self.rows, self.starts = size, me, rows, starts
         self.sent = size * sum(self.widths)
-        index = np.int32 if max(self.sent, rows, s.shape[1]) < 2**31 - 1 else np.int64
-        self._host = {"slots": slots.astype(index), "cols": csr.indices.astype(index)}
+        index = np.int32 if max(self.sent, rows, block.shape[1]) < 2**31 - 1 else np.int64
+        self._host = {"slots": slots.astype(index),
+                      "cols": block.cols.astype(index, copy=False)}
         self._on: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def arrays(self, device: torch.device) -> dict[str, torch.Tensor]:

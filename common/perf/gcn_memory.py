@@ -72,6 +72,9 @@ SLICE_BUDGET_BYTES = (32 << 20) // 2
 # row of 65,536 nonzeros or more keeps its index width, which the planner does not foresee)
 CUT_BYTES = 2
 EXCHANGE_BYTES = 4  # an entry of plexus.root_rows.RootExchange's maps (int32)
+# the float32 copy of a bf16 H that dW = H^T dQ reads: whole up to this size, else a row block
+# of it at a time (common.dense.WIDEN_BYTES)
+WIDEN_BYTES = 64 << 20
 PARTS = ("adjacency", "features", "nodes", "weights", "kept_h", "kept_other", "transient")
 
 
@@ -210,12 +213,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
             continue
         if lay["recomputed"]:
             phases[f"backward {lay['index']} recompute"] = base + _recompute(work, lay)
-        # per term (GraphSAGE: R's first, then H's): a bf16 H widened for dW and dropped,
-        # then dH (float32, or narrowed bf16 rounded a row block at a time); the first
-        # term's dH is held while the second's run, whose kept H is then all that is kept
+        # per term (GraphSAGE: R's first, then H's): a bf16 H widened for dW a row block at
+        # a time (common.dense.tn), then dH (float32, or narrowed bf16 rounded a row block at
+        # a time); the first term's dH is held while the second's run, whose kept H is then
+        # all that is kept
         h16 = rows * a * work.stored_bytes
-        step = max(h32 if work.stored_bytes < F32 else 0, h32 if grad_in else 0)
         done = (h16 if lay["narrow"] else h32) if grad_in else 0
+        step = max(min(h32, WIDEN_BYTES) if work.stored_bytes < F32 else 0, done)
         per = lay["kept_h"] / k
         phases[f"backward {lay['index']} matmul"] = base + q32 + 2 * a * b * F32 + step + max(
             lay["kept_h"], per + (k - 1) * done)
@@ -232,18 +236,22 @@ def _node_vectors(work: GCNWorkload, shape: Mapping[str, int]) -> float:
     """Bytes of the per-node vectors a rank keeps: its output rows' labels (int16 below 2^15
     classes), node ids (int32 below 2^31 nodes) and split masks (plexus.data.shard.
     node_dtypes), the node ids of each layer's input rows that its dropout masks are drawn
-    from (int64, plexus.layer_dropout), and GraphSAGE's owners of each root layout's rows
-    (int16, plexus.root_rows)."""
+    from (int64, plexus.layer_dropout), and GraphSAGE's owners of the rows of each distinct
+    root block and of the last layer's labelled rows (int16, plexus.data.shard.RootBlock)."""
     n, _ = work.padded(shape)
     last = work.num_layers - 1
     label = 2 if work.num_classes < 2**15 else 4
     node = 4 if n < 2**31 else 8
     out = n // shape[work.axes(last)[2]] * (label + node + 3)
+    roots = set()
     for layer in range(work.num_layers):
         o, _, p = work.axes(layer)
         out += 8 * (n // shape[o]) * (work.dropout > 0)
-        out += 2 * (n // shape[p]) * (work.terms == 2 and layer < 6)
-    return out
+        if work.terms == 2 and layer < 6:  # layouts cut alike share a root block
+            roots.add((_block_key(layer, o, p, shape), n // shape[p]))
+    rows_out = n // shape[work.axes(last)[2]]
+    labelled = work.output_rows(shape) if work.output_rows(shape) < rows_out else 0
+    return out + 2 * (sum(rows for _, rows in roots) + labelled * (work.terms == 2))
 
 
 def _chunked_norm(work: GCNWorkload) -> bool:
@@ -354,6 +362,7 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
     first_key: tuple | None = None
     copies = 2 if stored_transposes else 1
     parked = None if stored_transposes else _parked_key(work, shape)
+    spmm_s = _root_spmm_keys(work, shape)
     for layer in range(work.num_layers):
         o, i, p = work.axes(layer)
         key = _block_key(layer, o, p, shape)
@@ -361,35 +370,45 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
         # the last layer's own full block of A where no step reads it (only its root block)
         adj_nnz = 0.0 if key == parked else full_nnz
         root_nnz = work.num_nodes / (shape[p] * shape[o]) if k == 2 else 0.0  # GraphSAGE's
-        nnz = adj_nnz + root_nnz
         rows_a, rows_t = n // shape[p], n // shape[o]
+        full = layer != last or last_rows == rows_a  # a step reads the layer's full block
+        transposed = (rows_t + 1) * idx if stored_transposes else 0
         if layer < 6 and key not in cut:
             cut.add(key)
-            block = copies * nnz * (idx + F32) + (k - (key == parked)) * (rows_a + 1) * idx + (
-                k * (rows_t + 1) * idx if stored_transposes else 0)
-            # GraphSAGE's root rows by owner: where each row comes from, and this rank's
-            # input rows (plexus.root_rows.RootExchange)
-            # (the last layer's full rows' only where its step computes every row)
-            block += EXCHANGE_BYTES * (rows_a + rows_a // shape[o]) * (
-                work.exchanges_root(layer, shape) and (layer != last or last_rows == rows_a))
+            block = copies * adj_nnz * (idx + F32) + (key != parked) * (rows_a + 1) * idx + (
+                transposed)
+            if k == 2:  # GraphSAGE's S, compact (plexus.data.shard.RootBlock): this rank's
+                # columns, and its CSR only where an SpMM reads it
+                block += EXCHANGE_BYTES * root_nnz + (key in spmm_s) * (
+                    copies * root_nnz * (idx + F32) + (rows_a + 1) * idx + transposed)
             total += block
             by_key[key] = by_key.get(key, 0.0) + block
             cursor = 0.0 if stored_transposes else max(cursor, rows_a * idx)
+        if layer < 6 and k == 2 and full and work.exchanges_root(layer, shape) and (
+                (key, "slots") not in cut):
+            cut.add((key, "slots"))  # where each row comes from (plexus.root_rows)
+            total += EXCHANGE_BYTES * rows_a
+            by_key[key] = by_key.get(key, 0.0) + EXCHANGE_BYTES * rows_a
         if layer == last % 6 and last_rows < rows_a:  # the labelled rows
-            total += copies * (full_nnz + root_nnz) * last_rows / rows_a * (idx + F32) + k * (
-                last_rows + 1) * idx + (k * (rows_t + 1) * idx if stored_transposes else 0) + (
-                EXCHANGE_BYTES * (last_rows + last_rows // shape[o])
-                * work.exchanges_root(layer, shape))
+            frac = last_rows / rows_a
+            total += copies * full_nnz * frac * (idx + F32) + (last_rows + 1) * idx + (
+                transposed)
+            if k == 2:
+                total += EXCHANGE_BYTES * root_nnz * frac + (
+                    EXCHANGE_BYTES * last_rows if work.exchanges_root(layer, shape) else
+                    copies * root_nnz * frac * (idx + F32) + (last_rows + 1) * idx + transposed)
         # the forward SpMM's column-slice plans, one per block and X width, kept with the
         # block: A_l [rows_a, rows_t] times F_l (D_l/I wide, or D_l+1/O where the layer
-        # multiplies first); the backward's A_l^T reads A_l with a plan of a few cuts
+        # multiplies first); the backward's A_l^T reads A_l with a plan of a few cuts;
+        # S's where an SpMM reads it
         width = (w[layer + 1] // shape[o] if work.weight_first_layer(layer, shape)
                  else w[layer] // shape[i])
         row_bytes = width * F32
         if (key, row_bytes) not in planned:
             planned.add((key, row_bytes))
+            s_nnz = root_nnz if full and not work.exchanges_root(layer, shape) else 0.0
             plans = sum(_plan_bytes(rows_a, rows_t, blk, row_bytes, cut_bytes or idx)
-                        for blk in (adj_nnz, root_nnz)[:k] if blk)
+                        for blk in (adj_nnz, s_nnz) if blk)
             total += plans
             by_key[key] = by_key.get(key, 0.0) + plans
         if layer == 0:
@@ -401,6 +420,23 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
             and 1 < work.num_layers <= 6 and not work.weight_first_layer(0, shape)):
         return total + cursor, 0.0
     return total + cursor, by_key[first_key]
+
+
+def _root_spmm_keys(work: GCNWorkload, shape: Mapping[str, int]) -> set:
+    """The block keys of GraphSAGE's ``S`` whose CSR a training step multiplies (a layer that
+    does not exchange its root rows, :meth:`GCNWorkload.exchanges_root`); the last layer's
+    full block only where its step computes every row."""
+    if work.terms != 2:
+        return set()
+    n, _ = work.padded(shape)
+    last = work.num_layers - 1
+    keys = set()
+    for layer in range(work.num_layers):
+        o, _, p = work.axes(layer)
+        full = layer != last or work.output_rows(shape) == n // shape[p]
+        if full and not work.exchanges_root(layer, shape):
+            keys.add(_block_key(layer, o, p, shape))
+    return keys
 
 
 def _block_key(layer: int, o: str, p: str, shape: Mapping[str, int]) -> tuple:

@@ -24,7 +24,7 @@ from plexus import layout
 from plexus.data import partition as part
 from plexus.data.graph import Graph
 from plexus.data.schema import SPLITS
-from plexus.data.shard import AdjBlock, GraphShard, release_pages
+from plexus.data.shard import AdjBlock, GraphShard, RootBlock, release_pages
 from plexus.sparse import BlockSparse
 from plexus.transpose import TransposedSparse
 
@@ -139,16 +139,17 @@ class InMemorySource:
 
 
 def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[str, int],
-                coords: Mapping[str, int], num_layers: int) -> dict[int, AdjBlock]:
+                coords: Mapping[str, int], num_layers: int) -> dict[int, RootBlock]:
     """This rank's blocks of the permuted identity ``S_l`` for every layer layout (GraphSAGE's
-    root term, residual connections), with the balance over all ranks' blocks, as
-    :func:`_blocks` cuts them from the whole ``S``: O(N) work from the permutations alone (which
-    may be memory-mapped), so any source's shard can get them (plexus.data.shard). Memory:
-    the rank's blocks and one ``[N]`` int64 array per parity, never ``S`` itself
-    (plexus.data.partition.permuted_identity_block); memory-mapped permutations give back
-    the pages read."""
-    out: dict[int, AdjBlock] = {}
-    cut: dict[tuple[int, ...], AdjBlock] = {}  # (parity, P, p, O, o) -> the layout's block
+    root term, residual connections), compact (:class:`~plexus.data.shard.RootBlock`), with
+    the balance over all ranks' blocks, as :func:`_blocks` cuts them from the whole ``S``: O(N)
+    work from the permutations alone (which may be memory-mapped), so any source's shard can
+    get them (plexus.data.shard). Layouts cut alike share one block. Memory: the rank's blocks
+    and one ``[N]`` int64 array per parity, never ``S`` itself
+    (plexus.data.partition.permuted_identity_rows); memory-mapped permutations give back the
+    pages read."""
+    out: dict[int, RootBlock] = {}
+    cut: dict[tuple[int, ...], RootBlock] = {}  # (parity, P, p, O, o) -> the layout's block
     inv: dict[int, np.ndarray] = {}  # parity -> inverse of its input (column) order
     for lay in range(min(layout.LAYOUTS, num_layers)):
         o_ax, _, p_ax = layout.roles(lay)
@@ -158,16 +159,12 @@ def root_blocks(pr: np.ndarray, pc: np.ndarray, num_nodes: int, shape: Mapping[s
             rows, cols = part.layer_orders(par, pr, pc)
             if par not in inv:
                 inv[par] = part.inverse_permutation(cols)
-            blk, counts = part.permuted_identity_block(
+            owners, mine, counts = part.permuted_identity_rows(
                 rows, cols, num_nodes, coords[p_ax], shape[p_ax], coords[o_ax], shape[o_ax],
                 inv_cols=inv[par])
-            a = BlockSparse.single(blk)
-            owners = part.identity_owners(rows, inv[par], num_nodes, coords[p_ax], shape[p_ax],
-                                          shape[o_ax])
-            cut[key] = AdjBlock(a, TransposedSparse(a), blk.nnz,
-                                part.Balance(int(counts.max()), float(counts.mean())), owners)
-        same = cut[key]  # the balance depends on (parity, P, O) only: the same too
-        out[lay] = AdjBlock(same.a, same.a_t, same.nnz, same.balance, same.owners)
+            cut[key] = RootBlock(owners, mine, coords[o_ax], rows.size // shape[o_ax],
+                                 part.Balance(int(counts.max()), float(counts.mean())))
+        out[lay] = cut[key]  # the balance depends on (parity, P, O) only: the same too
     for perm in (pr, pc):  # read whole: where they are mapped, their pages not kept resident
         release_pages(perm)
     return out

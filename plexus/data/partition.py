@@ -11,8 +11,8 @@ Conventions (docs/design/plexus-3d.md sections 1-3, 6):
 * Aggregations (:data:`AGGREGATIONS`): ``gcn`` uses ``Â``; ``mean`` (GraphSAGE,
   ``h_t = W1 x_t + W2 mean_{s -> t} x_s``) uses the mean adjacency ``A_mean``
   (:func:`mean_adjacency`) for the neighbour term and the permuted identity ``S``
-  (:func:`permuted_identity`; one block of it, without the whole:
-  :func:`permuted_identity_block`), cut into the same blocks, for the root term: ``S_l F_l``,
+  (:func:`permuted_identity`; one block of it, without the whole and without its values:
+  :func:`permuted_identity_rows`), cut into the same blocks, for the root term: ``S_l F_l``,
   all-reduced over O like ``A_l F_l``, holds the input rows of the layer's output nodes.
 * Permutations are arrays ``perm[new] = old``. Even layers use ``A' = Pr Â Pc^T``
   (``A'[i, j] = Â[pr[i], pc[j]]``) with input rows in ``Pc`` order and output in ``Pr``
@@ -97,23 +97,30 @@ def permuted_identity(rows: np.ndarray, cols: np.ndarray, num_real: int) -> sp.c
                          shape=(n, n))
 
 
-def permuted_identity_block(rows: np.ndarray, cols: np.ndarray, num_real: int, p: int,
-                            num_p: int, o: int, num_o: int, *, inv_cols: np.ndarray | None = None,
-                            chunk: int = 1 << 22) -> tuple[sp.csr_matrix, np.ndarray]:
-    """``block(permuted_identity(rows, cols, num_real), p, num_p, o, num_o)`` and the nonzeros
-    of every (p, o) block (:func:`block_nnz` of the whole), without the ``[N, N]`` matrix.
+def permuted_identity_rows(rows: np.ndarray, cols: np.ndarray, num_real: int, p: int,
+                           num_p: int, o: int, num_o: int, *, inv_cols: np.ndarray | None = None,
+                           chunk: int = 1 << 22) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block ``(p, o)`` of :func:`permuted_identity` in its compact form, and the nonzeros of
+    every ``(p, o)`` block (:func:`block_nnz` of the whole), without the ``[N, N]`` matrix.
 
     Row ``i`` of ``S`` holds its one at column ``inv_cols[rows[i]]`` (if ``rows[i]`` is a real
-    node), so the block is read off its ``N/num_p`` rows and the counts are taken in chunks
-    of ``chunk`` rows: O(N) time, and beside the block one ``[N]`` array in memory, the
-    inverse of ``cols`` (computed here unless given: ``inv_cols[cols[j]] = j``). A rank of a
-    prepared dataset builds its root blocks this way (plexus.data.memory.root_blocks).
+    node). So a row block is said by its rows' *owners* (the block of columns, a coordinate
+    along O, that holds each row's one: the rank of O that holds its input row,
+    plexus.root_rows) and, for the rows that block ``o`` owns, their columns inside it, in
+    row order: the block's CSR without its values (all ones) or its row pointers (the
+    running count of ``owners == o``). O(N) time in chunks of ``chunk`` rows, and beside the
+    result one ``[N]`` array in memory, the inverse of ``cols`` (computed here unless given:
+    ``inv_cols[cols[j]] = j``). A rank builds its root blocks this way
+    (plexus.data.memory.root_blocks).
 
-    Shapes: rows, cols [N] (``perm[new] = old``, may be memory-mapped) -> ([N/num_p, N/num_o]
-    CSR float32 with sorted indices, int64 [num_p, num_o]).
+    Shapes: rows, cols [N] (``perm[new] = old``, may be memory-mapped) -> (int16 [N/num_p]
+    owners, -1 for a padding node; int32 [nnz] columns (int64 from 2^31 columns); int64
+    [num_p, num_o] counts)
     """
     n = rows.size
     nr, nc = n // num_p, n // num_o
+    if num_o > np.iinfo(np.int16).max:
+        raise ValueError(f"{num_o} ranks along O: at most {np.iinfo(np.int16).max}")
     if inv_cols is None:
         inv_cols = inverse_permutation(cols, chunk=chunk)
     counts = np.zeros(num_p * num_o, dtype=np.int64)
@@ -124,27 +131,36 @@ def permuted_identity_block(rows: np.ndarray, cols: np.ndarray, num_real: int, p
                               minlength=num_p * num_o)
     r = np.asarray(rows[p * nr:(p + 1) * nr])
     real = r < num_real
-    j = np.where(real, inv_cols[np.where(real, r, 0)], -1) - o * nc  # column inside the block
-    hit = real & (j >= 0) & (j < nc)
-    indptr = np.concatenate([[0], np.cumsum(hit)])
-    indices = j[hit]
-    return (sp.csr_matrix((np.ones(indices.size, dtype=np.float32), indices, indptr),
-                          shape=(nr, nc)), counts.reshape(num_p, num_o))
+    j = inv_cols[np.where(real, r, 0)]
+    owners = np.where(real, j // nc, -1).astype(np.int16)
+    index = np.int32 if nc < 2**31 else np.int64
+    mine = (j[owners == o] - o * nc).astype(index)
+    return owners, mine, counts.reshape(num_p, num_o)
 
 
-def identity_owners(rows: np.ndarray, inv_cols: np.ndarray, num_real: int, p: int, num_p: int,
-                    num_o: int) -> np.ndarray:
-    """Which block of columns (a coordinate along O) holds the one of each row of row block
-    ``p`` of :func:`permuted_identity`: the rank of O that owns that output row's input row
-    (plexus.root_rows), -1 for a padding node.
+def permuted_identity_block(rows: np.ndarray, cols: np.ndarray, num_real: int, p: int,
+                            num_p: int, o: int, num_o: int, *, inv_cols: np.ndarray | None = None,
+                            chunk: int = 1 << 22) -> tuple[sp.csr_matrix, np.ndarray]:
+    """``block(permuted_identity(rows, cols, num_real), p, num_p, o, num_o)`` and the nonzeros
+    of every (p, o) block, from :func:`permuted_identity_rows` (the same arguments).
 
-    Shapes: rows, inv_cols [N] -> int16 [N/num_p]
+    Shapes: rows, cols [N] -> ([N/num_p, N/num_o] CSR float32 with sorted indices, int64
+    [num_p, num_o]).
     """
-    n = rows.size
-    nr, nc = n // num_p, n // num_o
-    r = np.asarray(rows[p * nr:(p + 1) * nr])
-    real = r < num_real
-    return np.where(real, inv_cols[np.where(real, r, 0)] // nc, -1).astype(np.int16)
+    owners, mine, counts = permuted_identity_rows(rows, cols, num_real, p, num_p, o, num_o,
+                                                  inv_cols=inv_cols, chunk=chunk)
+    return identity_csr(owners, mine, o, rows.size // num_o), counts
+
+
+def identity_csr(owners: np.ndarray, cols: np.ndarray, o: int, num_cols: int) -> sp.csr_matrix:
+    """The CSR (float32 ones) of a block of ``S`` from its compact form
+    (:func:`permuted_identity_rows`): the rows that ``o`` owns hold one each, at ``cols``.
+
+    Shapes: owners [rows], cols [nnz] -> [rows, num_cols]
+    """
+    indptr = np.concatenate([[0], np.cumsum(owners == o)]).astype(cols.dtype)
+    return sp.csr_matrix((np.ones(cols.size, dtype=np.float32), cols, indptr),
+                         shape=(owners.size, num_cols))
 
 
 def inverse_permutation(perm: np.ndarray, *, chunk: int = 1 << 22) -> np.ndarray:

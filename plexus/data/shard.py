@@ -21,8 +21,9 @@ at the cost of one more all-reduce of H's size and no full-size communication.
 Shapes (N = padded nodes; roles (O, I, P) of layer l, see plexus.layout):
     adj[l % 6].a     [N/P, N/O]  CSR blocks, int32 indices where they fit
     adj[l % 6].a_t   [N/O, N/P]  the transpose, read from a's own blocks (plexus.transpose)
-    root[l % 6].a    [N/P, N/O]  mean aggregation only: S_l block (0/1, about N/(P O) ones)
-    root[l % 6].a_t  [N/O, N/P]  its transpose, a view (the root term's backward: dF += S_l^T dR)
+    root[l % 6]      mean aggregation only: S_l's block [N/P, N/O] (0/1, about N/(P O)
+                     ones), compact (:class:`RootBlock`): owners int16 [N/P], cols [N/(P O)];
+                     its CSR ``.a`` and transpose ``.a_t`` made where an SpMM reads them
     features_block   [N/X, D_0/Y]  rows chunk x of the Pc order, columns chunk y
     labels, masks    [N/P_last]  rows chunk p of the output order (labels -1 on padding;
                                  int16, or int32 for 2^15 classes or more)
@@ -42,7 +43,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from plexus.data.partition import Balance
+from plexus.data.partition import Balance, identity_csr
 from plexus.data.schema import SPLITS
 from plexus.sparse import BlockSparse
 from plexus.transpose import TransposedSparse
@@ -69,15 +70,90 @@ def node_dtypes(num_classes: int, num_nodes: int) -> tuple[torch.dtype, type]:
 class AdjBlock:
     """One stationary sparse block, its transpose (a view that reads the block's own CSR,
     plexus.transpose), and the balance of its layout (nonzeros of this block and max/mean over
-    all ranks' blocks of the same layout). A root block (GraphSAGE's ``S``) also has
-    ``owners``: int16 [rows], the coordinate along O of the rank that holds each row's input
-    row, -1 for a padding node (plexus.root_rows)."""
+    all ranks' blocks of the same layout)."""
 
     a: BlockSparse
     a_t: TransposedSparse
     nnz: int
     balance: Balance
-    owners: np.ndarray | None = None
+
+    def arrays(self):
+        """Yield the index and value arrays of the block and of its transpose's copy."""
+        for m in (self.a, self.a_t):
+            yield from m.arrays()
+
+    def take_rows(self, rows: np.ndarray) -> AdjBlock:
+        """The rows ``rows`` (ascending) of the block, gathered once, with their transpose."""
+        a = self.a.take_rows(rows)
+        return AdjBlock(a, TransposedSparse(a), a.nnz, self.balance)
+
+
+class RootBlock:
+    """A block of the permuted identity ``S`` (GraphSAGE's root term, residual connections)
+    kept compact: its rows' ``owners`` (int16 [rows], the coordinate along O of the rank that
+    holds each row's input row, -1 for a padding node) and ``cols`` (int32 [nnz], the
+    columns of the rows that this rank, coordinate ``me`` along O, owns, in row order).
+    That is all plexus.root_rows reads; the CSR ``a`` (float32 ones) and its transpose
+    ``a_t`` are made on first use, where an SpMM reads ``S`` (a layer that multiplies first,
+    a recomputed layer 0, a residual), and moved where :meth:`to` last put the block.
+
+    Shapes: owners [N/P], cols [about N/(P O)]; a [N/P, N/O], a_t [N/O, N/P]
+    """
+
+    def __init__(self, owners: np.ndarray, cols: np.ndarray, me: int, num_cols: int,
+                 balance: Balance) -> None:
+        if cols.size != int(np.count_nonzero(owners == me)):
+            raise ValueError(f"a root block's rank owns {np.count_nonzero(owners == me)} rows "
+                             f"but has {cols.size} columns: rebuild the shard "
+                             "(plexus.data.memory.root_blocks)")
+        self.owners, self.cols, self.me, self.balance = owners, cols, me, balance
+        self.shape = (owners.size, num_cols)
+        self._csr: tuple[BlockSparse, TransposedSparse] | None = None
+        self._place: tuple = (None, {})  # (device, to()'s keywords) of the last :meth:`to`
+
+    nnz = property(lambda self: int(self.cols.size), doc="the ones this block holds")
+    made = property(lambda self: self._csr is not None, doc="whether the CSR has been made")
+
+    def _made(self) -> tuple[BlockSparse, TransposedSparse]:
+        if self._csr is None:
+            a = BlockSparse.single(identity_csr(self.owners, self.cols, self.me, self.shape[1]))
+            a_t = TransposedSparse(a)
+            device, kw = self._place
+            if device is not None:  # the transpose first: a copy is made from host blocks
+                a_t.to(device, **kw)
+                a.to(device, **kw)
+            self._csr = a, a_t
+        return self._csr
+
+    a = property(lambda self: self._made()[0], doc="the CSR of ``S``'s block, made once")
+    a_t = property(lambda self: self._made()[1], doc="its transpose (a view of ``a``)")
+
+    def to(self, device: torch.device | str, *, kernel: str | None = None,
+           uploaded: dict | None = None) -> RootBlock:
+        """Where the SpMMs with this block run (:meth:`BlockSparse.to`): the CSR moves now if
+        it is made, else when it is."""
+        self._place = (device, {"kernel": kernel})
+        if self._csr is not None:
+            self._csr[1].to(device, kernel=kernel, uploaded=uploaded)
+            self._csr[0].to(device, kernel=kernel, uploaded=uploaded)
+        return self
+
+    def arrays(self):
+        """Yield ``cols`` and, once made, the CSR's arrays (``owners`` are per-row vectors:
+        the planner's node vectors, not the adjacency)."""
+        yield self.cols
+        if self._csr is not None:
+            for m in self._csr:
+                yield from m.arrays()
+
+    def take_rows(self, rows: np.ndarray) -> RootBlock:
+        """The rows ``rows`` (ascending) of the block: their owners and this rank's columns."""
+        place = np.cumsum(self.owners == self.me) - 1  # each owned row's place in cols
+        owners = self.owners[rows]
+        out = RootBlock(owners, self.cols[place[rows][owners == self.me]], self.me,
+                        self.shape[1], self.balance)
+        out._place = self._place
+        return out
 
 
 @dataclass
@@ -99,11 +175,11 @@ class GraphShard:
     out_rows: np.ndarray  # int32 (int64 for 2^31 nodes or more; node_dtypes)
     info: dict[str, float] = field(default_factory=dict)
     # layer % 6 -> S block of the permuted identity (mean aggregation); None for GCN
-    root: dict[int, AdjBlock] | None = None
+    root: dict[int, RootBlock] | None = None
     # the last layer's adj (and root) blocks restricted to the labelled output rows
     # (:meth:`restrict_last_layer`, called by plexus.model.PlexusGCN); None until then
     labelled_adj: AdjBlock | None = None
-    labelled_root: AdjBlock | None = None
+    labelled_root: RootBlock | None = None
 
     def __post_init__(self) -> None:
         # a rank keeps these for every output row: in the narrowest integers that hold them
@@ -127,13 +203,8 @@ class GraphShard:
         rows = self.labelled_rows().numpy()
         last = (len(self.widths) - 2) % 6
 
-        def restricted(blk: AdjBlock) -> AdjBlock:
-            a = blk.a.take_rows(rows)
-            return AdjBlock(a, TransposedSparse(a), a.nnz, blk.balance,
-                            None if blk.owners is None else blk.owners[rows])
-
         if self.labelled_adj is None:
-            self.labelled_adj = restricted(self.adj[last])
+            self.labelled_adj = self.adj[last].take_rows(rows)
             if last == len(self.widths) - 2:  # no layer past the sixth reads this layout
                 shared = {id(a) for k, b in self.adj.items() if k != last for a in b.a.arrays()}
                 for arr in self.adj[last].a.arrays():  # gathering the rows touched its pages
@@ -141,7 +212,7 @@ class GraphShard:
                         release_pages(arr)
         if root and self.labelled_root is None:
             assert self.root is not None, "root blocks are needed to restrict them"
-            self.labelled_root = restricted(self.root[last])
+            self.labelled_root = self.root[last].take_rows(rows)
 
     def adjacency_bytes(self) -> int:
         """Bytes of the distinct index/value arrays of all blocks, root blocks and the
@@ -150,9 +221,8 @@ class GraphShard:
         seen: dict[object, int] = {}
         extra = [b for b in (self.labelled_adj, self.labelled_root) if b is not None]
         for b in [*self.adj.values(), *(self.root or {}).values(), *extra]:
-            for m in (b.a, b.a_t):
-                for arr in m.arrays():
-                    seen[getattr(arr, "filename", None) or id(arr)] = arr.nbytes
+            for arr in b.arrays():
+                seen[getattr(arr, "filename", None) or id(arr)] = arr.nbytes
         return sum(seen.values())
 
 

@@ -326,3 +326,24 @@ def test_empty_like_is_contiguous_and_pairs_2d_blocks():
     cube = torch.randn(4, 8, 2048).transpose(0, 2)
     got = dense.empty_like(cube)
     assert got.shape == cube.shape and got.is_contiguous() and got.data_ptr() not in dense._OWNERS
+
+
+@pytest.mark.parametrize("backend", dense.BACKENDS)
+def test_tn_widens_a_bf16_operand_a_row_block_at_a_time(backend, monkeypatch):
+    """``tn`` of a bf16 ``a`` and a float32 ``b`` is ``a.float()^T b``: the bits of the
+    whole widened copy's product where that copy fits ``WIDEN_BYTES``, and above it the same
+    product summed over row blocks (each block's sum in float32) to float rounding; the
+    planner charges the copy that ``WIDEN_BYTES`` bounds."""
+    from common.perf import gcn_memory
+
+    assert gcn_memory.WIDEN_BYTES == dense.WIDEN_BYTES
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(5003, 48, generator=g).to(torch.bfloat16)
+    b = dense.empty(5003, 20).copy_(torch.randn(5003, 20, generator=g))
+    whole = dense.tn(a, b, backend=backend)
+    wide = dense.empty(5003, 48).copy_(a.float())
+    assert torch.equal(whole, dense.tn(wide, b, backend=backend))
+    monkeypatch.setattr(dense, "WIDEN_BYTES", 48 * 4 * 700)  # 700 rows a block: 8 blocks
+    blocked = dense.tn(a, b, backend=backend)
+    assert blocked.dtype == torch.float32 and blocked.shape == (48, 20)
+    assert_product_orders_agree(blocked.t(), b.t(), a.float(), what="not a^T b")

@@ -66,7 +66,8 @@ def _one(grid_text, layer, blk, group, me, wire):
         want = want.to(wire)
     summed = coll.all_reduce(dr.float() if wire is None else dr, group)
     want_df = blk.a_t.matmul(summed.float())
-    plan = RootExchange(blk.owners, blk.a, me, group.size)
+    assert blk.me == me
+    plan = RootExchange(blk, group.size)
     stats = CommStats()
     got = ExchangedRows.apply(f, plan, group, stats, wire or torch.float32)
     got.backward(dr)

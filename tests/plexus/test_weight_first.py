@@ -56,7 +56,9 @@ def _runs(ctx, grids):
                                   labelled_rows_only=False, precision=precision,
                                   weight_first=option)
                 per[option] = {"layers": list(model.weight_first),
-                               **train_and_eval(model, shard, groups, graph.num_classes, STEP)}
+                               **train_and_eval(model, shard, groups, graph.num_classes, STEP),
+                               # each root block (by identity) and whether its CSR was made
+                               "made": {k: (id(b), b.made) for k, b in (shard.root or {}).items()}}
             out.append({"case": (grid_text, kind, num_layers, precision, learn, residual, norm),
                         "per": per})
     return out
@@ -82,6 +84,13 @@ def _assert_weight_first_equals_aggregate_first(results):
                 assert rel(on["eval"], off["eval"]) < tol, tag
                 assert abs(on["loss"] - off["loss"]) <= tol * abs(off["loss"]), tag
                 assert on["bytes"] == off["bytes"], f"{tag} {option}: bytes moved differ"
+            for option, on in per.items():  # S's CSR made only where an SpMM reads it
+                made, kind, residual = on["made"], r["case"][1], r["case"][5]
+                for k, (blk, was) in made.items():
+                    readers = [m for m, (other, _) in made.items() if other == blk]
+                    want = any((kind == "sage" and on["layers"][m])
+                               or (residual and 1 <= m < num_layers - 1) for m in readers)
+                    assert was == want, f"{tag} {option}: root block {k} made {was}"
                 assert sorted(on["grads"]) == sorted(off["grads"]), tag
                 for name, want in off["grads"].items():
                     got = on["grads"][name]
