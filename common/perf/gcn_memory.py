@@ -80,17 +80,19 @@ PARTS = ("adjacency", "features", "nodes", "weights", "kept_h", "kept_other", "t
 
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int], *,
                stored_transposes: bool = False, fused_norm: bool = True,
-               cut_bytes: int | None = CUT_BYTES) -> float:
+               cut_bytes: int | None = CUT_BYTES, compact_root: bool = True,
+               widen_bytes: int | None = WIDEN_BYTES) -> float:
     """Peak bytes per rank of a training step on grid ``{"x": X, "y": Y, "z": Z}``: the sum of
     :func:`gcn_memory_parts`."""
     return sum(gcn_memory_parts(work, shape, stored_transposes=stored_transposes,
-                                cut_bytes=cut_bytes,
-                                fused_norm=fused_norm).values())
+                                cut_bytes=cut_bytes, fused_norm=fused_norm,
+                                compact_root=compact_root, widen_bytes=widen_bytes).values())
 
 
 def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
                      stored_transposes: bool = False, cut_bytes: int | None = CUT_BYTES,
-                     fused_norm: bool = True) -> dict[str, float]:
+                     fused_norm: bool = True, compact_root: bool = True,
+                     widen_bytes: int | None = WIDEN_BYTES) -> dict[str, float]:
     """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
     last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
     and AdamW moments when trained), ``nodes`` (the rank's per-node vectors: labels, node ids,
@@ -102,10 +104,14 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
     torch multiplies it; on the CPU the backward reads the block itself). ``fused_norm``: a
     batch norm and its ReLU run as plexus.norms' kernels (the CPU), else as torch operations
     (:func:`gcn_memory_phases`). ``cut_bytes``: a column-slice plan's bytes per cut (None: the
-    index width, the plans' positions before they were offsets)."""
+    index width, the plans' positions before they were offsets). ``compact_root`` (what the
+    planner counts before that saving when False): GraphSAGE's root blocks keep the CSR of
+    ``S`` only where an SpMM reads it (plexus.data.shard.RootBlock), not for every layout.
+    ``widen_bytes``: the float32 copy of a bf16 ``H`` for ``dW`` is made a row block of at
+    most this size at a time (common.dense.tn), or whole (None)."""
     layers = _layers(work, shape)
     parts = dict.fromkeys(PARTS, 0.0)
-    adjacency, released = _adjacency(work, shape, stored_transposes, cut_bytes)
+    adjacency, released = _adjacency(work, shape, stored_transposes, cut_bytes, compact_root)
     parts["adjacency"] = adjacency - released
     n, w = work.padded(shape)
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
@@ -118,7 +124,7 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
         parts["kept_h"] += lay["kept_h"]
         parts["kept_other"] += lay["kept_other"] + lay["dropout"]
     kept = parts["kept_h"] + parts["kept_other"]
-    phases = gcn_memory_phases(work, shape, fused_norm=fused_norm)
+    phases = gcn_memory_phases(work, shape, fused_norm=fused_norm, widen_bytes=widen_bytes)
     if released:  # layer 0's blocks, alive until H_0 is cached
         phases["forward 0 aggregate"] += released
     parts["transient"] = max(0.0, max(phases.values()) - kept)
@@ -126,10 +132,12 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
 
 
 def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
-                      fused_norm: bool = True) -> dict[str, float]:
+                      fused_norm: bool = True,
+                      widen_bytes: int | None = WIDEN_BYTES) -> dict[str, float]:
     """Bytes per rank alive beyond the persistent ones (adjacency, features, weights) at each
     phase of a training step (module docstring), keyed ``"forward 0 aggregate"``,
-    ``"backward 2 dF"`` and so on. ``fused_norm``: as :func:`gcn_memory_parts`."""
+    ``"backward 2 dF"`` and so on. ``fused_norm``, ``widen_bytes``: as
+    :func:`gcn_memory_parts`."""
     fused = fused_norm and work.norm == "batch"
     layers = _layers(work, shape)
     k, last = work.terms, len(layers) - 1
@@ -219,7 +227,8 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
         # all that is kept
         h16 = rows * a * work.stored_bytes
         done = (h16 if lay["narrow"] else h32) if grad_in else 0
-        step = max(min(h32, WIDEN_BYTES) if work.stored_bytes < F32 else 0, done)
+        wide = h32 if widen_bytes is None else min(h32, widen_bytes)
+        step = max(wide if work.stored_bytes < F32 else 0, done)
         per = lay["kept_h"] / k
         phases[f"backward {lay['index']} matmul"] = base + q32 + 2 * a * b * F32 + step + max(
             lay["kept_h"], per + (k - 1) * done)
@@ -344,8 +353,8 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
 
 
 def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
-               stored_transposes: bool, cut_bytes: int | None = CUT_BYTES
-               ) -> tuple[float, float]:
+               stored_transposes: bool, cut_bytes: int | None = CUT_BYTES,
+               compact_root: bool = True) -> tuple[float, float]:
     """CSR bytes per rank: the distinct blocks of ``min(6, L)`` layouts (and GraphSAGE's root
     blocks), the last layer's labelled rows, the forward SpMM's column-slice plans, and the
     row cursors of the backward's ``A^T`` product (plexus.transpose, while it runs); with
@@ -362,7 +371,7 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
     first_key: tuple | None = None
     copies = 2 if stored_transposes else 1
     parked = None if stored_transposes else _parked_key(work, shape)
-    spmm_s = _root_spmm_keys(work, shape)
+    spmm_s = _root_spmm_keys(work, shape, compact_root)
     for layer in range(work.num_layers):
         o, i, p = work.axes(layer)
         key = _block_key(layer, o, p, shape)
@@ -394,8 +403,9 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
             total += copies * full_nnz * frac * (idx + F32) + (last_rows + 1) * idx + (
                 transposed)
             if k == 2:
-                total += EXCHANGE_BYTES * root_nnz * frac + (
-                    EXCHANGE_BYTES * last_rows if work.exchanges_root(layer, shape) else
+                exchanged = work.exchanges_root(layer, shape)
+                total += EXCHANGE_BYTES * (root_nnz * frac + last_rows * exchanged) + (
+                    not exchanged or not compact_root) * (
                     copies * root_nnz * frac * (idx + F32) + (last_rows + 1) * idx + transposed)
         # the forward SpMM's column-slice plans, one per block and X width, kept with the
         # block: A_l [rows_a, rows_t] times F_l (D_l/I wide, or D_l+1/O where the layer
@@ -406,7 +416,8 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
         row_bytes = width * F32
         if (key, row_bytes) not in planned:
             planned.add((key, row_bytes))
-            s_nnz = root_nnz if full and not work.exchanges_root(layer, shape) else 0.0
+            s_nnz = root_nnz if not compact_root or (
+                full and not work.exchanges_root(layer, shape)) else 0.0
             plans = sum(_plan_bytes(rows_a, rows_t, blk, row_bytes, cut_bytes or idx)
                         for blk in (adj_nnz, s_nnz) if blk)
             total += plans
@@ -422,10 +433,12 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
     return total + cursor, by_key[first_key]
 
 
-def _root_spmm_keys(work: GCNWorkload, shape: Mapping[str, int]) -> set:
+def _root_spmm_keys(work: GCNWorkload, shape: Mapping[str, int],
+                    compact_root: bool = True) -> set:
     """The block keys of GraphSAGE's ``S`` whose CSR a training step multiplies (a layer that
     does not exchange its root rows, :meth:`GCNWorkload.exchanges_root`); the last layer's
-    full block only where its step computes every row."""
+    full block only where its step computes every row. Every layer's without
+    ``compact_root``."""
     if work.terms != 2:
         return set()
     n, _ = work.padded(shape)
@@ -434,7 +447,7 @@ def _root_spmm_keys(work: GCNWorkload, shape: Mapping[str, int]) -> set:
     for layer in range(work.num_layers):
         o, _, p = work.axes(layer)
         full = layer != last or work.output_rows(shape) == n // shape[p]
-        if full and not work.exchanges_root(layer, shape):
+        if not compact_root or (full and not work.exchanges_root(layer, shape)):
             keys.add(_block_key(layer, o, p, shape))
     return keys
 

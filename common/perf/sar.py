@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from common.perf.gcn import GCNWorkload, ogbn_papers100m, plan_gcn
-from common.perf.gcn_memory import CUT_BYTES, gcn_memory
+from common.perf.gcn_memory import CUT_BYTES, WIDEN_BYTES, gcn_memory
 from common.perf.machine import MachineProfile, load_profile
 from common.perf.model import Prediction
 
@@ -122,29 +122,37 @@ def sar_table(rows: list[SARComparison]) -> str:
 
 
 # the memory before each saving: (label, index_bytes, stored_transposes, fused_norm,
-# cut_bytes (None: the index width), mapped)
-SAVINGS = (("int64 indices + stored transposes", 8, True, False, None, False),
-           ("int32 indices where a block fits", None, True, False, None, False),
-           ("+ A^T read from A", None, False, False, None, False),
-           ("+ norm and ReLU kernels", None, False, True, None, False),
-           ("+ uint16 plan cuts", None, False, True, CUT_BYTES, False),
-           ("+ last full block unmapped (now)", None, False, True, CUT_BYTES, True))
+# cut_bytes (None: the index width), mapped, compact_root, widen_bytes (None: whole))
+SAVINGS = (("int64 indices + stored transposes", 8, True, False, None, False, False, None),
+           ("int32 indices where a block fits", None, True, False, None, False, False, None),
+           ("+ A^T read from A", None, False, False, None, False, False, None),
+           ("+ norm and ReLU kernels", None, False, True, None, False, False, None),
+           ("+ uint16 plan cuts", None, False, True, CUT_BYTES, False, False, None),
+           ("+ last full block unmapped", None, False, True, CUT_BYTES, True, False, None),
+           ("+ S without its CSR", None, False, True, CUT_BYTES, True, True, None),
+           ("+ dW's copy in row blocks (now)", None, False, True, CUT_BYTES, True, True,
+            WIDEN_BYTES))
 
 
 def savings_table(rows: list[SARComparison]) -> str:
     """Memory per node of each row's best grid as before each saving (:data:`SAVINGS`): what
     int32 indices per block, the transpose read from the block (docs/design/plexus-3d.md
     section 13), the batch norm's kernels (section 11), the column-slice plans' cuts as
-    uint16 offsets (plexus.slicing) and the last layer's full block given back where it runs
-    on the labelled rows (plexus.data.shard.GraphShard.restrict_last_layer) contribute."""
+    uint16 offsets (plexus.slicing), the last layer's full block given back where it runs
+    on the labelled rows (plexus.data.shard.GraphShard.restrict_last_layer), GraphSAGE's
+    ``S`` kept as its rows' owners and columns where its rows are exchanged
+    (plexus.data.shard.RootBlock) and a bf16 ``H`` widened for ``dW`` a row block at a time
+    (common.dense.tn) contribute."""
     widths = [len(label) + 3 for label, *_ in SAVINGS]
     lines = [f"{'nodes':>5}  {'grid':<8}" + "".join(
         f"{label:>{w}}" for (label, *_), w in zip(SAVINGS, widths)) + "   (GB per node)"]
     for c in rows:
         work, shape = c.workload, c.prediction.shape
         gb = [gcn_memory(dataclasses.replace(work, index_bytes=idx, mapped=mapped), shape,
-                         stored_transposes=stored, fused_norm=fused, cut_bytes=cut)
-              * c.ranks_per_node / 1e9 for _, idx, stored, fused, cut, mapped in SAVINGS]
+                         stored_transposes=stored, fused_norm=fused, cut_bytes=cut,
+                         compact_root=compact, widen_bytes=widen)
+              * c.ranks_per_node / 1e9
+              for _, idx, stored, fused, cut, mapped, compact, widen in SAVINGS]
         lines.append(f"{c.number.nodes:>5}  {c.prediction.label():<8}"
                      + "".join(f"{v:>{w}.1f}" for v, w in zip(gb, widths)))
     return "\n".join(lines)

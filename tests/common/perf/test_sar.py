@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from common.perf.gcn import gcn_collectives, gcn_memory, plan_gcn
+from common.perf.gcn_memory import CUT_BYTES
 from common.perf.machine import load_profile
 from common.perf.sar import PAPERS_SYMMETRIC_NNZ, PROFILE, SAR_NUMBERS, compare_sar, sar_workload
 from tests.distributed import ROOT
@@ -95,35 +96,49 @@ def test_the_savings_table_ends_at_the_prediction_and_each_saving_cuts():
     """What each saving contributes: the last column is the prediction's memory per node, and
     each earlier way takes more (int64 indices, then the stored transposes, by exactly the
     adjacency's difference; then the batch norm as torch operations, by its transients; then
-    the plans' cuts in the index width, and the last layer's full block resident)."""
+    the plans' cuts in the index width, the last layer's full block resident, the CSR of
+    GraphSAGE's ``S`` in every layout, by the adjacency's; and a bf16 ``H`` widened whole for
+    ``dW``, by the transients)."""
     from common.perf.gcn_memory import gcn_memory_parts
     from common.perf.sar import savings_table
 
+    widened = []  # what widening in row blocks saves, per row
     for precision in ("fp32", "bf16"):
         rows = compare_sar(precision=precision)
         lines = savings_table(rows).splitlines()[1:]
         for c, line in zip(rows, lines, strict=True):
             nodes, grid, *gb = line.split()
             assert (int(nodes), grid) == (c.number.nodes, c.prediction.label())
-            old, mid, unfused, fused, cuts, now = map(float, gb)
+            old, mid, unfused, fused, cuts, parked, compact, now = map(float, gb)
             assert now == pytest.approx(c.memory_gb_per_node, abs=0.06)
-            # (the fused norm cuts the peak where a norm phase is the peak)
-            assert old > mid > unfused >= fused > cuts > now
+            # (the fused norm cuts the peak where a norm phase is the peak; float32 widens
+            # nothing)
+            assert old > mid > unfused >= fused > cuts > parked > compact >= now
+            assert compact == now or precision == "bf16"
+            widened.append(compact - now)
             shape = c.prediction.shape
             before = dataclasses.replace(c.workload, mapped=False)
 
-            def parts(before=before, shape=shape, **kw):
-                return gcn_memory_parts(before, shape, cut_bytes=None, **kw)
+            def parts(work=before, shape=shape, **kw):  # as before the savings of the table
+                return gcn_memory_parts(work, shape, **{"cut_bytes": None, "compact_root": False,
+                                                        "widen_bytes": None, **kw})
 
-            adj = parts(stored_transposes=True)["adjacency"]
-            assert mid - unfused == pytest.approx((adj - parts()["adjacency"]) * 2 / 1e9,
-                                                  abs=0.11)
-            torch_norm = parts(fused_norm=False)
+            def gb_of(a, b, part):  # GB a node (two ranks) that ``part`` differs by
+                return (a[part] - b[part]) * 2 / 1e9
+
+            adj = parts(stored_transposes=True)
+            assert mid - unfused == pytest.approx(gb_of(adj, parts(), "adjacency"), abs=0.11)
             assert unfused - fused == pytest.approx(
-                (torch_norm["transient"] - parts()["transient"]) * 2 / 1e9, abs=0.11)
-            # the cuts and the parked block: adjacency alone, every other part unchanged
-            offsets = gcn_memory_parts(before, shape)
-            assert fused - cuts == pytest.approx(
-                (parts()["adjacency"] - offsets["adjacency"]) * 2 / 1e9, abs=0.11)
-            assert cuts - now == pytest.approx((offsets["adjacency"] - gcn_memory_parts(
-                c.workload, shape)["adjacency"]) * 2 / 1e9, abs=0.11)
+                gb_of(parts(fused_norm=False), parts(), "transient"), abs=0.11)
+            # the cuts, the parked block and the compact S: adjacency alone
+            offsets = parts(cut_bytes=CUT_BYTES)
+            assert fused - cuts == pytest.approx(gb_of(parts(), offsets, "adjacency"), abs=0.11)
+            resident = parts(c.workload, cut_bytes=CUT_BYTES)
+            assert cuts - parked == pytest.approx(gb_of(offsets, resident, "adjacency"),
+                                                  abs=0.11)
+            compact_s = parts(c.workload, cut_bytes=CUT_BYTES, compact_root=True)
+            assert parked - compact == pytest.approx(
+                gb_of(resident, compact_s, "adjacency"), abs=0.11)
+            assert compact - now == pytest.approx(gb_of(compact_s, gcn_memory_parts(
+                c.workload, shape), "transient"), abs=0.11)
+    assert max(widened) > 1.0  # bf16 at 128 nodes, where backward's dW was the peak
