@@ -18,7 +18,7 @@ Both passes run in :data:`PIECES` ranges of the block's rows, so that the messag
 what they are unpacked from are a part of the block, not the whole. Messages travel in the
 group's wire dtype (bf16 under ``--precision bf16``), sums in float32
 (common.collectives). Which rank owns which row comes from the permutations when the shard is
-built (:func:`plexus.data.partition.identity_owners`), so no collective sets this up.
+built (:func:`plexus.data.partition.permuted_identity_rows`), so no collective sets this up.
 
 Shapes: F' [N/O, D_l/I] -> R [rows, D_l/I] (rows: the layer's N/P, or its labelled rows)
 """
