@@ -1,0 +1,136 @@
+"""Graph attention on one rank's block of the adjacency (docs/design/plexus-3d.md section 14,
+equations (14.3) to (14.5) and collective G4).
+
+A layer's block ``A_l`` [N/P, N/O] gives the pattern: its nonzeros are the edges ``j -> i``
+(self-loops included) whose target ``i`` is one of the block's rows and whose source ``j``
+one of its columns; its values are not read. The scores are made from per-node terms on the
+block's nonzeros (an SDDMM-style pass), so nothing of the edges' size crosses the network:
+
+    u_ij    = t_i + s_j                    [nnz, K']   t: the rows' term, s: the columns'
+    e_ij    = LeakyReLU_0.2(u_ij)
+    m_i     = max_j e_ij                   max over the block's row, then over O     (G4)
+    z_i     = sum_j exp(e_ij - m_i)        sum over the block's row, then over O     (G4)
+    alpha   = exp(e - m) / z
+    Q_i     = sum_j (keep * alpha)_ij G_j  [N/P, K', c]  partial over O: the caller sums it (G5)
+
+``K'`` is the rank's heads (every head whole on the rank: a score is never partial over an
+axis). A row of the block with no nonzero on any rank of O (a padding node) gets ``m = 0``,
+``z = 0`` and ``Q = 0``: nothing is divided, so nothing is NaN.
+
+Backward, from ``dQ`` (the gradient of the sum over O, the same on every rank of O):
+
+    dG_j    = sum_i (keep * alpha)_ij dQ_i                   partial over P
+    dalpha  = keep * (dQ_i . G_j)                            per head, on the block
+    de      = alpha * (dalpha - r_i),  r_i = sum_j alpha_ij dalpha_ij   r summed over O (G4')
+    du      = de * (1 if u > 0 else 0.2)
+    dt_i    = sum_j du_ij              partial over O
+    ds_j    = sum_i du_ij              partial over P
+
+so the caller sums ``dt`` over O and ``dG``, ``ds`` over P, as the collectives that made ``t``,
+``s`` and ``G`` do in their backward.
+
+Shapes: g [N/O, K', c], t [N/P, K'], s [N/O, K'], keep [nnz, K'] or None -> q [N/P, K', c]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from common import collectives as coll
+from common.comm_stats import CommStats
+from common.grid import AxisGroup
+from plexus.gat_reference import NEGATIVE_SLOPE
+from plexus.sparse import BlockSparse
+
+__all__ = ["BlockAttention", "block_attention", "edge_pattern"]
+
+
+def edge_pattern(a: BlockSparse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nonzeros of the block ``a`` as (row, column) int64 pairs, in row order: the edges
+    ``column -> row`` its attention runs over.
+
+    Shapes: a [n, m] -> rows [nnz], cols [nnz]
+    """
+    csr = a.to_scipy()
+    counts = torch.from_numpy(csr.indptr).diff()
+    rows = torch.repeat_interleave(torch.arange(csr.shape[0]), counts)
+    return rows, torch.from_numpy(csr.indices).to(torch.int64)
+
+
+def _row_sum(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``out[i] = sum of x[e] over the edges e of row i``. Shapes: [nnz, K] -> [num_rows, K]"""
+    return x.new_zeros(num_rows, x.shape[1]).index_add_(0, rows, x)
+
+
+class BlockAttention(torch.autograd.Function):
+    """(14.3)-(14.5) on the block (the module docstring): ``Q`` partial over O, with the row
+    maximum and row sum of the softmax (and, backward, ``r``) all-reduced over ``group``, the
+    axis O that splits a row's columns. ``keep``: attention dropout's scaled keep-mask
+    (``keep / (1 - p)``, :func:`plexus.dropout.edge_keep_mask`), None for none.
+
+    Kept for backward: ``g``, ``alpha`` and the sign of ``u`` [nnz, K'] (one byte an entry)
+    and the keep-mask."""
+
+    @staticmethod
+    def forward(ctx: Any, g, t, s, rows, cols, group: AxisGroup, stats: CommStats | None,
+                keep=None):
+        num_rows, heads = t.shape
+        u = t.index_select(0, rows) + s.index_select(0, cols)                     # [nnz, K']
+        positive = u > 0
+        e = torch.where(positive, u, u * NEGATIVE_SLOPE)
+        del u
+        m = e.new_full((num_rows, heads), -torch.inf).scatter_reduce_(
+            0, rows[:, None].expand(-1, heads), e, "amax")
+        m = coll.all_reduce(m, group, op=coll.ReduceOp.MAX, stats=stats, inplace=True)  # G4
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows without an edge
+        alpha = e.sub_(m.index_select(0, rows)).exp_()
+        z = coll.all_reduce(_row_sum(alpha, rows, num_rows), group, stats=stats,
+                            inplace=True)                                         # G4
+        alpha = alpha.div_(z.index_select(0, rows))
+        ctx.save_for_backward(g, alpha, positive, rows, cols, keep)
+        ctx.group, ctx.stats, ctx.num_rows = group, stats, num_rows
+        weight = alpha if keep is None else alpha * keep
+        return _aggregate(weight, g, rows, cols, num_rows)
+
+    @staticmethod
+    def backward(ctx: Any, dq):
+        g, alpha, positive, rows, cols, keep = ctx.saved_tensors
+        weight = alpha if keep is None else alpha * keep
+        dg = _aggregate(weight, dq, cols, rows, g.shape[0])                   # A_alpha^T dQ
+        del weight
+        dalpha = (dq.index_select(0, rows) * g.index_select(0, cols)).sum(-1)  # [nnz, K']
+        if keep is not None:
+            dalpha = dalpha.mul_(keep)
+        r = coll.all_reduce(_row_sum(alpha * dalpha, rows, ctx.num_rows), ctx.group,
+                            stats=ctx.stats, inplace=True)                        # G4'
+        du = dalpha.sub_(r.index_select(0, rows)).mul_(alpha)
+        du = torch.where(positive, du, du * NEGATIVE_SLOPE)
+        dt = _row_sum(du, rows, ctx.num_rows)
+        ds = du.new_zeros(g.shape[0], du.shape[1]).index_add_(0, cols, du)
+        return dg, dt, ds, None, None, None, None, None
+
+
+def _aggregate(weight: torch.Tensor, x: torch.Tensor, to: torch.Tensor, of: torch.Tensor,
+               num: int) -> torch.Tensor:
+    """``out[to[e]] += weight[e] * x[of[e]]`` per head. Shapes: weight [nnz, K'],
+    x [n, K', c] -> [num, K', c]"""
+    out = x.new_zeros(num, *x.shape[1:])
+    return out.index_add_(0, to, x.index_select(0, of) * weight[:, :, None])
+
+
+def block_attention(g: torch.Tensor, t: torch.Tensor, s: torch.Tensor,
+                    pattern: tuple[torch.Tensor, torch.Tensor], group: AxisGroup,
+                    stats: CommStats | None = None,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`BlockAttention` over ``pattern`` (:func:`edge_pattern`); the module docstring
+    gives the shapes. ``Q`` is partial over ``group`` (O)."""
+    rows, cols = pattern
+    if g.shape[0] != s.shape[0] or t.shape[1] != s.shape[1] or g.shape[1] != t.shape[1]:
+        raise ValueError(f"g {tuple(g.shape)}, t {tuple(t.shape)} and s {tuple(s.shape)} do "
+                         "not fit: g [N/O, K', c], t [N/P, K'], s [N/O, K']")
+    if keep is not None and tuple(keep.shape) != (rows.numel(), t.shape[1]):
+        raise ValueError(f"keep {tuple(keep.shape)} is not [nnz, K'] = "
+                         f"{(rows.numel(), t.shape[1])}")
+    return BlockAttention.apply(g, t, s, rows, cols, group, stats, keep)

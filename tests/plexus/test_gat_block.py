@@ -1,0 +1,131 @@
+"""Graph attention on the blocks of a P x O split (plexus.gat.BlockAttention) against the serial
+GAT layer (plexus.gat_reference.SerialGAT.attend), in float64, with attention dropout.
+
+On grids whose O (x) and P (z) split the 203 nodes with padding (2x1x2, 4x1x1, 1x1x4 and
+3x1x2), every rank takes its block of the adjacency with self-loops, the rows of ``G`` for its
+columns and the per-node terms ``t`` (its rows) and ``s`` (its columns):
+
+- ``Q`` summed over O equals the serial layer's rows to float64 rounding (the softmax's
+  maximum and sum all-reduced over O: a row's columns on several ranks give the serial
+  coefficients), and the padding rows are zeros, not NaN;
+- the gradients of ``f``, ``W``, ``att_src`` and ``att_dst`` summed over the ranks equal the
+  serial ones (``dt`` partial over O, ``dG`` and ``ds`` partial over P, as documented);
+- attention dropout drops the coefficients the serial model drops (keyed by edge and head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common import collectives as coll
+from common.grid import ProcessGrid, round_up
+from plexus.dropout import edge_keep_mask
+from plexus.gat import block_attention
+from plexus.gat_reference import SerialGAT, attention_mask
+from tests.distributed import run_ranks
+from tests.plexus.data.shards import small_graph
+
+HEADS, WIDTH, SEED, STEP, RATE = 2, 3, 4, 2, 0.3
+GRIDS = {4: ["2x1x2", "4x1x1", "1x1x4"], 6: ["3x1x2"]}
+
+
+def _serial():
+    """The serial layer 0 (training mode, attention dropout), its input and the loss's
+    projection; ``(q, grads)`` of ``sum(q * proj)``."""
+    graph = small_graph()
+    model = SerialGAT(graph, [graph.num_features, HEADS * WIDTH, graph.num_classes],
+                      heads=HEADS, attention_dropout=RATE, seed=SEED)
+    model.train()
+    gen = torch.Generator().manual_seed(9)
+    f = torch.randn(graph.num_nodes, graph.num_features, generator=gen, dtype=torch.float64)
+    proj = torch.randn(graph.num_nodes, HEADS * WIDTH, generator=gen, dtype=torch.float64)
+    return graph, model, f, proj
+
+
+def _parallel(ctx, grids):
+    graph, model, f, proj = _serial()
+    n = graph.num_nodes
+    mask = attention_mask(graph)
+    out = []
+    for grid_text in grids:
+        grid = ProcessGrid.parse(grid_text)
+        groups = ctx.create_groups(grid)
+        coords = grid.coords(ctx.rank)
+        num_o, num_p, o, p = grid.shape["x"], grid.shape["z"], coords["x"], coords["z"]
+        n_pad = round_up(n, math.lcm(num_o, num_p))
+        nr, nc = n_pad // num_p, n_pad // num_o
+        padded = torch.zeros(n_pad, n_pad, dtype=torch.bool)
+        padded[:n, :n] = mask
+        rows, cols = padded[p * nr:(p + 1) * nr, o * nc:(o + 1) * nc].nonzero(as_tuple=True)
+        leaves = {name: t.detach().clone().requires_grad_(True) for name, t in (
+            ("f", f), ("w", model.weights[0]), ("att_src", model.att_src[0]),
+            ("att_dst", model.att_dst[0]))}
+        f_pad = torch.cat([leaves["f"], leaves["f"].new_zeros(n_pad - n, f.shape[1])])
+        g = (f_pad @ leaves["w"]).view(n_pad, HEADS, WIDTH)
+        g_cols = g[o * nc:(o + 1) * nc]
+        s = torch.einsum("jkc,kc->jk", g_cols, leaves["att_src"])
+        t = torch.einsum("ikc,kc->ik", g[p * nr:(p + 1) * nr], leaves["att_dst"])
+        keep = edge_keep_mask(RATE, seed=SEED, step=STEP, layer=0, dst=rows + p * nr,
+                              src=cols + o * nc, heads=HEADS).to(torch.float64) / (1 - RATE)
+        q = block_attention(g_cols, t, s, (rows, cols), groups["x"], keep=keep)
+        proj_pad = torch.cat([proj, proj.new_zeros(n_pad - n, proj.shape[1])])
+        (q.reshape(nr, -1) * proj_pad[p * nr:(p + 1) * nr]).sum().backward()
+        whole = coll.all_reduce(q.detach().reshape(nr, -1), groups["x"])
+        out.append({"grid": grid_text, "rows": (p * nr, (p + 1) * nr), "q": whole,
+                    "grads": {name: leaf.grad for name, leaf in leaves.items()}})
+    return out
+
+
+def _check(results):
+    graph, model, f, proj = _serial()
+    f = f.clone().requires_grad_(True)
+    q = model.attend(0, f, STEP)
+    (q * proj).sum().backward()
+    want = {"f": f.grad, "w": model.weights[0].grad, "att_src": model.att_src[0].grad,
+            "att_dst": model.att_dst[0].grad}
+    n = graph.num_nodes
+    for cases in zip(*results, strict=True):
+        tag = cases[0]["grid"]
+        for r in cases:
+            lo, hi = r["rows"]
+            got = r["q"]
+            assert torch.isfinite(got).all(), f"{tag}: NaN or inf in Q"
+            real = min(hi, n) - lo
+            if real > 0:
+                assert torch.allclose(got[:real], q[lo:lo + real].detach(), rtol=1e-10,
+                                      atol=1e-12), f"{tag}: Q rows {lo}..{hi}"
+            assert torch.all(got[max(real, 0):] == 0), f"{tag}: padding rows are not zero"
+        for name, grad in want.items():
+            summed = sum(r["grads"][name] for r in cases)
+            assert torch.allclose(summed, grad, rtol=1e-10, atol=1e-12), \
+                f"{tag}: d{name} differs by {(summed - grad).abs().max():.3g}"
+
+
+@pytest.mark.cross_shape
+@pytest.mark.parametrize("world", sorted(GRIDS))
+def test_block_attention_is_the_serial_layer(world):
+    _check(run_ranks(_parallel, world, GRIDS[world]))
+
+
+def test_a_row_without_edges_and_bad_shapes():
+    """One rank: a row with no nonzero gives zeros and zero gradients; shapes that do not fit
+    are refused by name."""
+    from common.grid import AxisGroup
+
+    group = AxisGroup("x", None, 1, 0)
+    rows, cols = torch.tensor([0, 0, 2]), torch.tensor([0, 1, 1])
+    g = torch.randn(2, 1, 3, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(3, 1, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(2, 1, dtype=torch.float64, requires_grad=True)
+    q = block_attention(g, t, s, (rows, cols), group)
+    assert torch.all(q[1] == 0) and torch.isfinite(q).all()
+    assert torch.allclose(q[2], g[1].detach())  # one edge: alpha = 1
+    q.sum().backward()
+    assert t.grad[1].item() == 0 and torch.isfinite(g.grad).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        block_attention(g, t[:, :0], s, (rows, cols), group)
+    with pytest.raises(ValueError, match=r"keep .* is not \[nnz, K'\]"):
+        block_attention(g, t, s, (rows, cols), group, keep=torch.ones(2, 1))
