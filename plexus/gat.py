@@ -38,13 +38,15 @@ from typing import Any
 
 import torch
 
+from common import autograd
 from common import collectives as coll
 from common.comm_stats import CommStats
 from common.grid import AxisGroup
 from plexus.gat_reference import NEGATIVE_SLOPE
+from plexus.root_rows import ExchangedRows, RootExchange
 from plexus.sparse import BlockSparse
 
-__all__ = ["BlockAttention", "block_attention", "edge_pattern"]
+__all__ = ["BlockAttention", "attention_layer", "block_attention", "edge_pattern"]
 
 
 def edge_pattern(a: BlockSparse) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,3 +136,46 @@ def block_attention(g: torch.Tensor, t: torch.Tensor, s: torch.Tensor,
         raise ValueError(f"keep {tuple(keep.shape)} is not [nnz, K'] = "
                          f"{(rows.numel(), t.shape[1])}")
     return BlockAttention.apply(g, t, s, rows, cols, group, stats, keep)
+
+
+def attention_layer(f: torch.Tensor, w: torch.Tensor, att_src: torch.Tensor,
+                    att_dst: torch.Tensor, pattern: tuple[torch.Tensor, torch.Tensor],
+                    root: RootExchange, groups: dict[str, AxisGroup],
+                    roles: tuple[str, str, str], *, stats: CommStats | None = None,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+    """One GAT layer's aggregation on the grid (docs/design/plexus-3d.md section 14, G1-G5),
+    on rank (o, i, p) of a layer whose roles are ``roles`` = (O, I, P) axes:
+
+    * G1: ``G = F' W`` for row chunk p of the rank's ``N/O`` rows (``F'`` is replicated over
+      P), partial over I, reduce-scattered over I along the heads: every head whole on one
+      rank of I; backward all-gathers ``dG`` over I, and ``dF'``'s row chunks over P;
+    * G2: ``G`` all-gathered over P: the rank's heads for every column of its block;
+    * ``s`` (the columns' term) is local; ``t`` (the rows' term) is moved from the column
+      order to the block's rows by owner (plexus.root_rows, the permuted identity ``root``,
+      an all-gather over O; backward a reduce-scatter);
+    * :class:`BlockAttention` on the block ``pattern``, its G4 over O;
+    * G5: ``Q`` summed over O; backward identity (``Q`` is replicated over O, and each rank
+      of O sends the gradient of its own partial).
+
+    ``dW`` is partial over O and P (each rank's rows), ``datt_*`` too, and ``dF'`` is whole:
+    the caller sums the weights' gradients over O and P (a flat shard's reduce-scatter), and
+    does not sum ``dF'`` over P.
+
+    Shapes: f [N/O, D/I], w [D/I, K c] (the rank's rows of ``W``), att_src and att_dst
+    [K/I, c] (the rank's heads) -> Q [N/P, K/I, c]
+    """
+    o_ax, i_ax, p_ax = roles
+    go, gi, gp = groups[o_ax], groups[i_ax], groups[p_ax]
+    heads, width = att_src.shape[0] * gi.size, att_src.shape[1]
+    if w.shape[1] != heads * width:
+        raise ValueError(f"w has {w.shape[1]} columns: K c = {heads} x {width} (the heads "
+                         f"over I's {gi.size} ranks)")
+    rows = autograd.split_all_gather(f, gp, 0, stats)                       # [N/(O P), D/I]
+    g = (rows @ w).view(rows.shape[0], heads, width)                        # partial over I
+    g = autograd.reduce_scatter_all_gather(g, gi, 1, stats)                 # (G1) [.., K/I, c]
+    g = autograd.all_gather_reduce_scatter(g, gp, 0, stats)                 # (G2) [N/O, ..]
+    s = torch.einsum("jkc,kc->jk", g, att_src)                              # [N/O, K/I]
+    t = ExchangedRows.apply(torch.einsum("jkc,kc->jk", g, att_dst), root, go, stats,
+                            g.dtype)                                        # [N/P, K/I]
+    q = block_attention(g, t, s, pattern, go, stats, keep)                  # partial over O
+    return autograd.all_reduce_identity(q, go, stats)                       # (G5)

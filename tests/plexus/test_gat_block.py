@@ -11,6 +11,10 @@ columns and the per-node terms ``t`` (its rows) and ``s`` (its columns):
 - the gradients of ``f``, ``W``, ``att_src`` and ``att_dst`` summed over the ranks equal the
   serial ones (``dt`` partial over O, ``dG`` and ``ds`` partial over P, as documented);
 - attention dropout drops the coefficients the serial model drops (keyed by edge and head).
+
+And the whole layer on the 3D grid (plexus.gat.attention_layer: G1-G5, the heads over I, the
+rows' term moved by owner) on 2x2x2, 1x2x4 and 4x1x2: every rank's ``Q``, its block of
+``dF'`` and the weights' gradients summed over O and P are the serial layer's.
 """
 
 from __future__ import annotations
@@ -129,3 +133,98 @@ def test_a_row_without_edges_and_bad_shapes():
         block_attention(g, t[:, :0], s, (rows, cols), group)
     with pytest.raises(ValueError, match=r"keep .* is not \[nnz, K'\]"):
         block_attention(g, t, s, (rows, cols), group, keep=torch.ones(2, 1))
+
+
+# (O, I, P) = (x, y, z): layer 0's roles; the heads split over I
+LAYER_GRIDS = {8: ["2x2x2", "1x2x4", "4x1x2"]}
+
+
+def _layer(ctx, grids):
+    """plexus.gat.attention_layer on each grid: every rank's ``Q`` (rows p, heads i) and the
+    gradients of its leaves (its block of ``f``, its rows of ``W``, its heads of the
+    attention vectors)."""
+    from plexus import layout
+    from plexus.data.partition import Balance, permuted_identity_rows
+    from plexus.data.shard import RootBlock
+    from plexus.gat import attention_layer
+    from plexus.root_rows import RootExchange
+
+    graph, model, f, proj = _serial()
+    n, d = f.shape
+    mask = attention_mask(graph)
+    out = []
+    for grid_text in grids:
+        grid = ProcessGrid.parse(grid_text)
+        groups = ctx.create_groups(grid)
+        coords = grid.coords(ctx.rank)
+        roles = layout.roles(0)
+        (num_o, num_i, num_p), (o, i, p) = ((grid.shape[a] for a in roles),
+                                            (coords[a] for a in roles))
+        n_pad, d_pad = round_up(n, num_o * num_p), round_up(d, num_i)
+        nr, nc, dc, kc = n_pad // num_p, n_pad // num_o, d_pad // num_i, HEADS // num_i
+        padded = torch.zeros(n_pad, n_pad, dtype=torch.bool)
+        padded[:n, :n] = mask
+        rows, cols = padded[p * nr:(p + 1) * nr, o * nc:(o + 1) * nc].nonzero(as_tuple=True)
+        f_pad = torch.zeros(n_pad, d_pad, dtype=torch.float64)
+        f_pad[:n, :d] = f
+        w_pad = torch.zeros(d_pad, HEADS * WIDTH, dtype=torch.float64)
+        w_pad[:d] = model.weights[0].detach()
+        leaves = {"f": f_pad[o * nc:(o + 1) * nc, i * dc:(i + 1) * dc],
+                  "w": w_pad[i * dc:(i + 1) * dc],
+                  "att_src": model.att_src[0].detach()[i * kc:(i + 1) * kc],
+                  "att_dst": model.att_dst[0].detach()[i * kc:(i + 1) * kc]}
+        leaves = {k: v.clone().requires_grad_(True) for k, v in leaves.items()}
+        ident = torch.arange(n_pad).numpy()
+        owners, mine, counts = permuted_identity_rows(ident, ident, n, p, num_p, o, num_o)
+        root = RootBlock(owners, mine, o, nc, Balance(int(counts.max()), float(counts.mean())))
+        keep = edge_keep_mask(RATE, seed=SEED, step=STEP, layer=0, dst=rows + p * nr,
+                              src=cols + o * nc, heads=HEADS)[:, i * kc:(i + 1) * kc]
+        q = attention_layer(leaves["f"], leaves["w"], leaves["att_src"], leaves["att_dst"],
+                            (rows, cols), RootExchange(root, num_o), groups, roles,
+                            keep=keep.to(torch.float64) / (1 - RATE))
+        proj_pad = torch.zeros(n_pad, HEADS, WIDTH, dtype=torch.float64)
+        proj_pad[:n] = proj.view(n, HEADS, WIDTH)
+        (q * proj_pad[p * nr:(p + 1) * nr, i * kc:(i + 1) * kc]).sum().backward()
+        out.append({"grid": grid_text, "o": o, "i": i, "p": p, "q": q.detach(),
+                    "sizes": (nr, nc, dc, kc),
+                    "grads": {k: v.grad for k, v in leaves.items()}})
+    return out
+
+
+@pytest.mark.cross_shape
+@pytest.mark.parametrize("world", sorted(LAYER_GRIDS))
+def test_the_layer_on_the_grid_is_the_serial_layer(world):
+    """``Q`` (rows p, heads i) of every rank, its block of ``dF'`` whole (gathered over P),
+    and ``dW``, ``datt_src``, ``datt_dst`` summed over the ranks of O and P that hold the same
+    rows and heads: the serial layer's, in float64, with attention dropout."""
+    results = run_ranks(_layer, world, LAYER_GRIDS[world])
+    graph, model, f, proj = _serial()
+    f = f.clone().requires_grad_(True)
+    q = model.attend(0, f, STEP).view(graph.num_nodes, HEADS, WIDTH)
+    (q * proj.view(graph.num_nodes, HEADS, WIDTH)).sum().backward()
+    n, d = f.shape
+    for cases in zip(*results, strict=True):
+        tag = cases[0]["grid"]
+        nr, nc, dc, kc = cases[0]["sizes"]
+        sums: dict = {}
+        for r in cases:
+            o, i, p = r["o"], r["i"], r["p"]
+            want_q = torch.zeros(nr, kc, WIDTH, dtype=torch.float64)
+            real = max(0, min(n - p * nr, nr))
+            want_q[:real] = q.detach()[p * nr:p * nr + real, i * kc:(i + 1) * kc]
+            assert torch.allclose(r["q"], want_q, rtol=1e-10, atol=1e-12), f"{tag}: Q"
+            want_f = torch.zeros(nc, dc, dtype=torch.float64)
+            rows_f, cols_f = max(0, min(n - o * nc, nc)), max(0, min(d - i * dc, dc))
+            want_f[:rows_f, :cols_f] = f.grad[o * nc:o * nc + rows_f, i * dc:i * dc + cols_f]
+            assert torch.allclose(r["grads"]["f"], want_f, rtol=1e-10, atol=1e-12), \
+                f"{tag}: dF' of rank (o, i, p) = {(o, i, p)}"
+            for name in ("w", "att_src", "att_dst"):
+                sums[name, i] = sums.get((name, i), 0) + r["grads"][name]
+        for (name, i), got in sums.items():
+            full = {"w": model.weights[0].grad, "att_src": model.att_src[0].grad,
+                    "att_dst": model.att_dst[0].grad}[name]
+            lo, hi = (i * dc, (i + 1) * dc) if name == "w" else (i * kc, (i + 1) * kc)
+            want = torch.zeros_like(got)
+            want[:max(0, min(hi, full.shape[0]) - lo)] = full[lo:hi]
+            assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), \
+                f"{tag}: d{name} of I rank {i} differs by {(got - want).abs().max():.3g}"
