@@ -46,7 +46,8 @@ from plexus.gat_reference import NEGATIVE_SLOPE
 from plexus.root_rows import ExchangedRows, RootExchange
 from plexus.sparse import BlockSparse
 
-__all__ = ["BlockAttention", "attention_layer", "block_attention", "edge_pattern"]
+__all__ = ["BlockAttention", "attention_layer", "block_attention", "edge_pattern",
+           "heads_to_columns"]
 
 
 def edge_pattern(a: BlockSparse) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,3 +180,29 @@ def attention_layer(f: torch.Tensor, w: torch.Tensor, att_src: torch.Tensor,
                             g.dtype)                                        # [N/P, K/I]
     q = block_attention(g, t, s, pattern, go, stats, keep)                  # partial over O
     return autograd.all_reduce_identity(q, go, stats)                       # (G5)
+
+
+def heads_to_columns(q: torch.Tensor, groups: dict[str, AxisGroup], roles: tuple[str, str, str],
+                     *, last: bool, stats: CommStats | None = None) -> torch.Tensor:
+    """A layer's ``Q`` from :func:`attention_layer` (heads over I, replicated over O) in the
+    layout of a GCN layer's output, ``[N/P, D_l+1/O]`` replicated over I (section 14, option
+    (b)): a hidden layer's heads concatenated, all-gathered over I along the heads (G7), the
+    last layer's averaged, summed over I (G6); then the rank's chunk of columns over O.
+
+    Backward: the gradient of the chunk arrives whole (the next :func:`attention_layer`
+    gathers its ``dF'`` over its P, which is this I; the loss gives the logits' own), so the
+    chunks are all-gathered over O and each rank of I keeps its heads' part (G7), or takes it
+    as it is (G6).
+
+    Shapes: q [N/P, K/I, c] -> [N/P, K c/O] (hidden) or [N/P, c/O] (last: c the classes)
+    """
+    o_ax, i_ax, _ = roles
+    go, gi = groups[o_ax], groups[i_ax]
+    if last:
+        q = autograd.all_reduce_identity(q.sum(1) / (q.shape[1] * gi.size), gi, stats)  # (G6)
+    else:
+        q = autograd.all_gather_split(q, gi, 1, stats).flatten(1)                # (G7)
+    if q.shape[1] % go.size:
+        raise ValueError(f"{q.shape[1]} columns do not split over O's {go.size} ranks: pad "
+                         "the width to a multiple of it")
+    return autograd.split_all_gather(q, go, 1, stats)

@@ -14,7 +14,9 @@ columns and the per-node terms ``t`` (its rows) and ``s`` (its columns):
 
 And the whole layer on the 3D grid (plexus.gat.attention_layer: G1-G5, the heads over I, the
 rows' term moved by owner) on 2x2x2, 1x2x4 and 4x1x2: every rank's ``Q``, its block of
-``dF'`` and the weights' gradients summed over O and P are the serial layer's.
+``dF'`` and the weights' gradients summed over O and P are the serial layer's; and two layers
+joined on GCN's rotation of roles (G7, then G6: plexus.gat.heads_to_columns) are the serial
+two-layer model, logits and every gradient.
 """
 
 from __future__ import annotations
@@ -226,5 +228,169 @@ def test_the_layer_on_the_grid_is_the_serial_layer(world):
             lo, hi = (i * dc, (i + 1) * dc) if name == "w" else (i * kc, (i + 1) * kc)
             want = torch.zeros_like(got)
             want[:max(0, min(hi, full.shape[0]) - lo)] = full[lo:hi]
+            assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), \
+                f"{tag}: d{name} of I rank {i} differs by {(got - want).abs().max():.3g}"
+
+
+MODEL_HEADS, MODEL_WIDTH = 4, 2  # hidden 8: the heads split over I = 1, 2 or 4
+
+
+def _model(ctx, grids):
+    """Two GAT layers on GCN's rotation of roles (layer 0 (x, y, z), layer 1 (z, x, y)):
+    attention_layer, heads_to_columns (G7), ReLU, attention_layer (whose ``dF'`` is whole: not
+    summed over its P again), heads_to_columns (G6). Every rank's logits and its leaves'
+    gradients."""
+    from plexus import layout
+    from plexus.data.partition import Balance, permuted_identity_rows
+    from plexus.data.shard import RootBlock
+    from plexus.gat import attention_layer, heads_to_columns
+    from plexus.root_rows import RootExchange
+
+    graph, model, f, proj = _serial_model()
+    n, d = f.shape
+    heads = MODEL_HEADS
+    mask = attention_mask(graph)
+    out = []
+    for grid_text in grids:
+        grid = ProcessGrid.parse(grid_text)
+        groups = ctx.create_groups(grid)
+        coords = grid.coords(ctx.rank)
+        n_pad = round_up(n, math.prod(grid.shape.values()))
+        widths = [round_up(d, grid.shape[layout.roles(0)[1]]), heads * MODEL_WIDTH,
+                  round_up(graph.num_classes, grid.shape[layout.roles(1)[0]])]
+        padded = torch.zeros(n_pad, n_pad, dtype=torch.bool)
+        padded[:n, :n] = mask
+        leaves, pieces = {}, {}
+        for layer in range(2):
+            roles = layout.roles(layer)
+            (num_o, num_i, num_p), (o, i, p) = ((grid.shape[a] for a in roles),
+                                                (coords[a] for a in roles))
+            nr, nc = n_pad // num_p, n_pad // num_o
+            dc, kc = widths[layer] // num_i, heads // num_i
+            c = MODEL_WIDTH if layer == 0 else widths[2]
+            w = torch.zeros(widths[layer], heads, c, dtype=torch.float64)
+            true_c = MODEL_WIDTH if layer == 0 else graph.num_classes
+            w[:model.weights[layer].shape[0], :, :true_c] = model.weights[layer].detach().view(
+                -1, heads, true_c)
+            att = {}
+            for name, full in (("att_src", model.att_src[layer]),
+                               ("att_dst", model.att_dst[layer])):
+                att[name] = torch.zeros(heads, c, dtype=torch.float64)
+                att[name][:, :true_c] = full.detach()
+            leaves[f"w{layer}"] = w.view(widths[layer], -1)[i * dc:(i + 1) * dc]
+            for name in att:
+                leaves[f"{name}{layer}"] = att[name][i * kc:(i + 1) * kc]
+            rows, cols = padded[p * nr:(p + 1) * nr, o * nc:(o + 1) * nc].nonzero(as_tuple=True)
+            ident = torch.arange(n_pad).numpy()
+            owners, mine, counts = permuted_identity_rows(ident, ident, n, p, num_p, o, num_o)
+            root = RootBlock(owners, mine, o, nc, Balance(int(counts.max()),
+                                                          float(counts.mean())))
+            keep = edge_keep_mask(RATE, seed=SEED, step=STEP, layer=layer, dst=rows + p * nr,
+                                  src=cols + o * nc, heads=heads)[:, i * kc:(i + 1) * kc]
+            pieces[layer] = (roles, (rows, cols), RootExchange(root, num_o),
+                             keep.to(torch.float64) / (1 - RATE))
+        roles0 = layout.roles(0)
+        o0, i0 = coords[roles0[0]], coords[roles0[1]]
+        nc0, dc0 = n_pad // grid.shape[roles0[0]], widths[0] // grid.shape[roles0[1]]
+        f_pad = torch.zeros(n_pad, widths[0], dtype=torch.float64)
+        f_pad[:n, :d] = f
+        leaves["f"] = f_pad[o0 * nc0:(o0 + 1) * nc0, i0 * dc0:(i0 + 1) * dc0]
+        leaves = {k: v.clone().requires_grad_(True) for k, v in leaves.items()}
+        x = leaves["f"]
+        for layer in range(2):
+            roles, pattern, exchange, keep = pieces[layer]
+            q = attention_layer(x, leaves[f"w{layer}"], leaves[f"att_src{layer}"],
+                                leaves[f"att_dst{layer}"], pattern, exchange, groups, roles,
+                                keep=keep)
+            x = heads_to_columns(q, groups, roles, last=layer == 1)
+            x = torch.relu(x) if layer == 0 else x
+        roles1 = layout.roles(1)
+        o1, p1 = coords[roles1[0]], coords[roles1[2]]
+        nr1, cc1 = n_pad // grid.shape[roles1[2]], widths[2] // grid.shape[roles1[0]]
+        proj_pad = torch.zeros(n_pad, widths[2], dtype=torch.float64)
+        proj_pad[:n, :graph.num_classes] = proj
+        (x * proj_pad[p1 * nr1:(p1 + 1) * nr1, o1 * cc1:(o1 + 1) * cc1]).sum().backward()
+        out.append({"grid": grid_text, "coords": coords, "shape": grid.shape,
+                    "n_pad": n_pad, "widths": widths, "logits": x.detach(),
+                    "grads": {k: v.grad for k, v in leaves.items()}})
+    return out
+
+
+def _serial_model():
+    graph = small_graph()
+    model = SerialGAT(graph, [graph.num_features, MODEL_HEADS * MODEL_WIDTH, graph.num_classes],
+                      heads=MODEL_HEADS, attention_dropout=RATE, seed=SEED, bias=False)
+    model.train()
+    gen = torch.Generator().manual_seed(11)
+    f = torch.randn(graph.num_nodes, graph.num_features, generator=gen, dtype=torch.float64)
+    proj = torch.randn(graph.num_nodes, graph.num_classes, generator=gen, dtype=torch.float64)
+    return graph, model, f, proj
+
+
+def _serial_forward(model, f):
+    """SerialGAT's forward on the input ``f`` (no input dropout): its layers' attention, the
+    ReLU between them."""
+    x = f
+    for layer in range(model.num_layers):
+        x = model.attend(layer, x, STEP)
+        x = torch.relu(x) if layer < model.num_layers - 1 else x
+    return x
+
+
+@pytest.mark.cross_shape
+@pytest.mark.parametrize("world", sorted(LAYER_GRIDS))
+def test_two_layers_on_gcns_rotation_are_the_serial_model(world):
+    """Two layers joined by G7 (a hidden layer's heads to the next input's layout) and ended
+    by G6 (the mean over heads): the logits of every rank and every gradient are the serial
+    model's (float64, attention dropout in both layers)."""
+    from plexus import layout
+
+    results = run_ranks(_model, world, LAYER_GRIDS[world])
+    graph, model, f, proj = _serial_model()
+    f = f.clone().requires_grad_(True)
+    logits = _serial_forward(model, f)
+    (logits * proj).sum().backward()
+    n, d, classes = graph.num_nodes, graph.num_features, graph.num_classes
+    for cases in zip(*results, strict=True):
+        tag = cases[0]["grid"]
+        sums: dict = {}
+        for r in cases:
+            shape, coords, n_pad, widths = r["shape"], r["coords"], r["n_pad"], r["widths"]
+            o1, _, p1 = (coords[a] for a in layout.roles(1))
+            nr1, cc1 = n_pad // shape[layout.roles(1)[2]], widths[2] // shape[layout.roles(1)[0]]
+            want = torch.zeros(n_pad, widths[2], dtype=torch.float64)
+            want[:n, :classes] = logits.detach()
+            assert torch.allclose(r["logits"], want[p1 * nr1:(p1 + 1) * nr1,
+                                                    o1 * cc1:(o1 + 1) * cc1],
+                                  rtol=1e-10, atol=1e-12), f"{tag}: logits of {coords}"
+            o0, i0, _ = (coords[a] for a in layout.roles(0))
+            nc0, dc0 = n_pad // shape[layout.roles(0)[0]], widths[0] // shape[layout.roles(0)[1]]
+            want_f = torch.zeros(n_pad, widths[0], dtype=torch.float64)
+            want_f[:n, :d] = f.grad
+            assert torch.allclose(r["grads"]["f"], want_f[o0 * nc0:(o0 + 1) * nc0,
+                                                          i0 * dc0:(i0 + 1) * dc0],
+                                  rtol=1e-10, atol=1e-12), f"{tag}: dF of {coords}"
+            for layer in range(2):
+                i = coords[layout.roles(layer)[1]]
+                for name in ("w", "att_src", "att_dst"):
+                    key = (f"{name}{layer}", i)
+                    sums[key] = sums.get(key, 0) + r["grads"][f"{name}{layer}"]
+        for (name, i), got in sums.items():
+            layer, kind = int(name[-1]), name[:-1]
+            full = {"w": model.weights, "att_src": model.att_src,
+                    "att_dst": model.att_dst}[kind][layer].grad
+            c = MODEL_WIDTH if layer == 0 else cases[0]["widths"][2]
+            true_c = MODEL_WIDTH if layer == 0 else classes
+            if kind == "w":
+                padded = torch.zeros(cases[0]["widths"][layer], MODEL_HEADS, c,
+                                     dtype=torch.float64)
+                padded[:full.shape[0], :, :true_c] = full.view(full.shape[0], MODEL_HEADS,
+                                                               true_c)
+                rows = got.shape[0]
+                want = padded.view(padded.shape[0], -1)[i * rows:(i + 1) * rows]
+            else:
+                padded = torch.zeros(MODEL_HEADS, c, dtype=torch.float64)
+                padded[:, :true_c] = full
+                want = padded[i * got.shape[0]:(i + 1) * got.shape[0]]
             assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), \
                 f"{tag}: d{name} of I rank {i} differs by {(got - want).abs().max():.3g}"
