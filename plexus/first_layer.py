@@ -39,7 +39,7 @@ class FirstLayer:
     plan: LayerPlan
     shard: Any
     kind: str
-    _exchanges: dict  # plexus.model.PlexusGCN.root_exchange's maps, by their owners
+    _exchanges: dict  # plexus.model.PlexusGCN.root_exchange's maps, by their root blocks
     training: bool
     num_layers: int
     wire: dict
