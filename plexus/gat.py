@@ -46,8 +46,12 @@ from plexus.gat_reference import NEGATIVE_SLOPE
 from plexus.root_rows import ExchangedRows, RootExchange
 from plexus.sparse import BlockSparse
 
-__all__ = ["BlockAttention", "attention_layer", "block_attention", "edge_pattern",
+__all__ = ["EDGE_CHUNK", "BlockAttention", "attention_layer", "block_attention", "edge_pattern",
            "heads_to_columns"]
+
+# the edges a pass over the block's nonzeros takes at once: what it gathers per edge ([chunk,
+# K', c], a row of G or dQ for each) is this many rows, not the block's nnz
+EDGE_CHUNK = 1 << 18
 
 
 def edge_pattern(a: BlockSparse) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +78,8 @@ class BlockAttention(torch.autograd.Function):
     (``keep / (1 - p)``, :func:`plexus.dropout.edge_keep_mask`), None for none.
 
     Kept for backward: ``g``, ``alpha`` and the sign of ``u`` [nnz, K'] (one byte an entry)
-    and the keep-mask."""
+    and the keep-mask. The passes that gather a row of ``G`` or ``dQ`` per edge take
+    :data:`EDGE_CHUNK` edges at a time."""
 
     @staticmethod
     def forward(ctx: Any, g, t, s, rows, cols, group: AxisGroup, stats: CommStats | None,
@@ -103,7 +108,11 @@ class BlockAttention(torch.autograd.Function):
         weight = alpha if keep is None else alpha * keep
         dg = _aggregate(weight, dq, cols, rows, g.shape[0])                   # A_alpha^T dQ
         del weight
-        dalpha = (dq.index_select(0, rows) * g.index_select(0, cols)).sum(-1)  # [nnz, K']
+        dalpha = torch.empty_like(alpha)                                      # [nnz, K']
+        for lo in range(0, rows.numel(), EDGE_CHUNK):
+            hi = min(rows.numel(), lo + EDGE_CHUNK)
+            torch.sum(dq.index_select(0, rows[lo:hi]) * g.index_select(0, cols[lo:hi]), -1,
+                      out=dalpha[lo:hi])
         if keep is not None:
             dalpha = dalpha.mul_(keep)
         r = coll.all_reduce(_row_sum(alpha * dalpha, rows, ctx.num_rows), ctx.group,
@@ -117,10 +126,13 @@ class BlockAttention(torch.autograd.Function):
 
 def _aggregate(weight: torch.Tensor, x: torch.Tensor, to: torch.Tensor, of: torch.Tensor,
                num: int) -> torch.Tensor:
-    """``out[to[e]] += weight[e] * x[of[e]]`` per head. Shapes: weight [nnz, K'],
-    x [n, K', c] -> [num, K', c]"""
+    """``out[to[e]] += weight[e] * x[of[e]]`` per head, :data:`EDGE_CHUNK` edges at a time.
+    Shapes: weight [nnz, K'], x [n, K', c] -> [num, K', c]"""
     out = x.new_zeros(num, *x.shape[1:])
-    return out.index_add_(0, to, x.index_select(0, of) * weight[:, :, None])
+    for lo in range(0, to.numel(), EDGE_CHUNK):
+        hi = min(to.numel(), lo + EDGE_CHUNK)
+        out.index_add_(0, to[lo:hi], x.index_select(0, of[lo:hi]) * weight[lo:hi, :, None])
+    return out
 
 
 def block_attention(g: torch.Tensor, t: torch.Tensor, s: torch.Tensor,

@@ -394,3 +394,29 @@ def test_two_layers_on_gcns_rotation_are_the_serial_model(world):
                 want = padded[i * got.shape[0]:(i + 1) * got.shape[0]]
             assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), \
                 f"{tag}: d{name} of I rank {i} differs by {(got - want).abs().max():.3g}"
+
+
+def test_the_passes_over_edges_in_chunks_give_the_whole_pass(monkeypatch):
+    """A block's aggregation, its transpose and the scores' gradient taken a few edges at a
+    time (plexus.gat.EDGE_CHUNK) are the pass over all edges at once."""
+    from common.grid import AxisGroup
+    from plexus import gat
+
+    group = AxisGroup("x", None, 1, 0)
+    gen = torch.Generator().manual_seed(2)
+    dense = torch.rand(30, 20, generator=gen) < 0.3
+    rows, cols = dense.nonzero(as_tuple=True)
+    keep = (torch.rand(rows.numel(), 3, generator=gen) < 0.7).double() / 0.7
+
+    def run():
+        draw = torch.Generator().manual_seed(3)
+        g, t, s = (torch.randn(*shape, generator=draw, dtype=torch.float64).requires_grad_(True)
+                   for shape in ((20, 3, 4), (30, 3), (20, 3)))
+        q = gat.block_attention(g, t, s, (rows, cols), group, keep=keep)
+        (q * torch.linspace(-1, 1, q.numel(), dtype=torch.float64).view_as(q)).sum().backward()
+        return q.detach(), g.grad, t.grad, s.grad
+
+    whole = run()
+    monkeypatch.setattr(gat, "EDGE_CHUNK", 7)
+    for a, b in zip(run(), whole, strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
