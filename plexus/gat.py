@@ -183,10 +183,15 @@ def attention_layer(f: torch.Tensor, w: torch.Tensor, att_src: torch.Tensor,
     if w.shape[1] != heads * width:
         raise ValueError(f"w has {w.shape[1]} columns: K c = {heads} x {width} (the heads "
                          f"over I's {gi.size} ranks)")
+    num = f.shape[0]
+    extra = -num % gp.size  # N/O rows padded to split over P (N is padded to each axis alone)
+    if extra:
+        f = torch.nn.functional.pad(f, (0, 0, 0, extra))
     rows = autograd.split_all_gather(f, gp, 0, stats)                       # [N/(O P), D/I]
     g = (rows @ w).view(rows.shape[0], heads, width)                        # partial over I
     g = autograd.reduce_scatter_all_gather(g, gi, 1, stats)                 # (G1) [.., K/I, c]
     g = autograd.all_gather_reduce_scatter(g, gp, 0, stats)                 # (G2) [N/O, ..]
+    g = g[:num] if extra else g
     s = torch.einsum("jkc,kc->jk", g, att_src)                              # [N/O, K/I]
     t = ExchangedRows.apply(torch.einsum("jkc,kc->jk", g, att_dst), root, go, stats,
                             g.dtype)                                        # [N/P, K/I]
