@@ -2,7 +2,7 @@
 (plexus.gat_reference.SerialGAT, float64) of the same seed: logits of every node and the
 gradients of every weight, attention vector and bias, with dropout on the inputs and on the
 coefficients, on 1x1x1 and on 2x2x2, 1x2x4 and 4x1x2 (203 nodes: every grid pads; the double
-permutation), for two and three layers."""
+permutation), for two and three layers; and one rank's logits are PyG's ``GATConv`` stack's."""
 
 from __future__ import annotations
 
@@ -133,3 +133,45 @@ def _check(results):
 @pytest.mark.parametrize("world", sorted(GRIDS))
 def test_the_3d_gat_is_the_serial_gat(world):
     _check(run_ranks(_parallel, world, GRIDS[world]))
+
+
+def _one_rank_logits(ctx, num_layers):
+    from plexus.gat_model import PlexusGAT
+
+    graph = small_graph()
+    grid = ProcessGrid.parse("1x1x1")
+    shard = model_source(graph, "gat").shard(grid.shape, grid.coords(ctx.rank),
+                                             _widths(graph, num_layers))
+    net = PlexusGAT(shard, ctx.create_groups(grid), heads=HEADS, seed=SEED)
+    net.eval()
+    logits = net().detach()
+    out = torch.empty(graph.num_nodes, logits.shape[1])
+    rows = torch.from_numpy(shard.out_rows.astype("int64"))
+    out[rows[rows >= 0]] = logits[rows >= 0]
+    return out[:, :graph.num_classes]
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_one_rank_is_pygs_gatconv_stack(num_layers):
+    """One rank's logits are PyG's ``GATConv`` stack's with the same weights (float32, no
+    dropout): the semantics are GATConv's, not similar ones."""
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    from plexus.gat_reference import init_gat
+
+    graph = small_graph()
+    widths = _widths(graph, num_layers)
+    ours = run_ranks(_one_rank_logits, 1, num_layers)[0]
+    h = graph.x.float()
+    for layer, p in enumerate(init_gat(widths, HEADS, SEED)):
+        last = layer == num_layers - 1
+        c = p["att_src"].shape[1]
+        conv = pyg_nn.GATConv(widths[layer], c, heads=HEADS, concat=not last,
+                              negative_slope=0.2, add_self_loops=True, bias=True)
+        with torch.no_grad():
+            conv.lin.weight.copy_(p["w"].t())
+            conv.att_src.copy_(p["att_src"].view(1, HEADS, c))
+            conv.att_dst.copy_(p["att_dst"].view(1, HEADS, c))
+            conv.bias.zero_()
+        h = conv(h, graph.edge_index)
+        h = h if last else torch.relu(h)
+    assert torch.allclose(ours, h.detach(), rtol=1e-5, atol=1e-5), (ours - h).abs().max()
