@@ -46,24 +46,57 @@ from plexus.gat_reference import NEGATIVE_SLOPE
 from plexus.root_rows import ExchangedRows, RootExchange
 from plexus.sparse import BlockSparse
 
-__all__ = ["EDGE_CHUNK", "BlockAttention", "attention_layer", "block_attention", "edge_pattern",
-           "heads_to_columns"]
+__all__ = ["EDGE_CHUNK", "BlockAttention", "EdgePattern", "attention_layer", "block_attention",
+           "edge_pattern", "heads_to_columns"]
 
 # the edges a pass over the block's nonzeros takes at once: what it gathers per edge ([chunk,
 # K', c], a row of G or dQ for each) is this many rows, not the block's nnz
 EDGE_CHUNK = 1 << 18
 
 
-def edge_pattern(a: BlockSparse) -> tuple[torch.Tensor, torch.Tensor]:
-    """The nonzeros of the block ``a`` as (row, column) int64 pairs, in row order: the edges
-    ``column -> row`` its attention runs over.
+class EdgePattern:
+    """A block's nonzeros as edges in row order: ``rows``, ``cols`` (int64 [nnz]) and the row
+    pointers; the transposed order (by column) is made on first use. Shapes: [nnz]"""
 
-    Shapes: a [n, m] -> rows [nnz], cols [nnz]
-    """
+    def __init__(self, rows: torch.Tensor, cols: torch.Tensor, num_rows: int) -> None:
+        if rows.numel() > 1 and bool((rows[1:] < rows[:-1]).any()):
+            raise ValueError("the edges must come in row order")
+        self.rows, self.cols, self.num_rows = rows, cols, num_rows
+        self.indptr = _pointers(rows, num_rows)
+        self._t: tuple | None = None
+
+    def transposed(self, num_cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(column pointers, each position's row, each position's edge) in column order."""
+        if self._t is None:
+            order = torch.argsort(self.cols, stable=True)
+            self._t = (_pointers(self.cols, num_cols), self.rows[order], order)
+        return self._t
+
+
+def _pointers(index: torch.Tensor, num: int) -> torch.Tensor:
+    return torch.cat([index.new_zeros(1), torch.bincount(index, minlength=num).cumsum(0)])
+
+
+def edge_pattern(a: BlockSparse) -> EdgePattern:
+    """The nonzeros of the block ``a`` as edges ``column -> row`` in row order (its attention
+    runs over them). Shapes: a [n, m] -> [nnz] each"""
     csr = a.to_scipy()
     counts = torch.from_numpy(csr.indptr).diff()
     rows = torch.repeat_interleave(torch.arange(csr.shape[0]), counts)
-    return rows, torch.from_numpy(csr.indices).to(torch.int64)
+    return EdgePattern(rows, torch.from_numpy(csr.indices).to(torch.int64), csr.shape[0])
+
+
+def _kernels(*ts: torch.Tensor):
+    """plexus.gat_kernels where its numba kernels take these tensors (CPU, float32 or
+    float64), else None (the torch path)."""
+    if not all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+               and t.dtype == ts[0].dtype for t in ts):
+        return None
+    try:
+        from plexus import gat_kernels
+    except ImportError:
+        return None
+    return gat_kernels
 
 
 def _row_sum(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -78,13 +111,15 @@ class BlockAttention(torch.autograd.Function):
     (``keep / (1 - p)``, :func:`plexus.dropout.edge_keep_mask`), None for none.
 
     Kept for backward: ``g``, ``alpha`` and the sign of ``u`` [nnz, K'] (one byte an entry)
-    and the keep-mask. The passes that gather a row of ``G`` or ``dQ`` per edge take
-    :data:`EDGE_CHUNK` edges at a time."""
+    and the keep-mask. The passes that read a row of ``G`` or ``dQ`` per edge run as numba
+    kernels (plexus.gat_kernels: a row of the output a thread, no temporaries), or without
+    numba :data:`EDGE_CHUNK` edges at a time."""
 
     @staticmethod
-    def forward(ctx: Any, g, t, s, rows, cols, group: AxisGroup, stats: CommStats | None,
-                keep=None):
+    def forward(ctx: Any, g, t, s, pattern: EdgePattern, group: AxisGroup,
+                stats: CommStats | None, keep=None):
         num_rows, heads = t.shape
+        rows, cols = pattern.rows, pattern.cols
         u = t.index_select(0, rows) + s.index_select(0, cols)                     # [nnz, K']
         positive = u > 0
         e = torch.where(positive, u, u * NEGATIVE_SLOPE)
@@ -97,22 +132,21 @@ class BlockAttention(torch.autograd.Function):
         z = coll.all_reduce(_row_sum(alpha, rows, num_rows), group, stats=stats,
                             inplace=True)                                         # G4
         alpha = alpha.div_(z.index_select(0, rows))
-        ctx.save_for_backward(g, alpha, positive, rows, cols, keep)
-        ctx.group, ctx.stats, ctx.num_rows = group, stats, num_rows
+        ctx.save_for_backward(g, alpha, positive, keep)
+        ctx.group, ctx.stats, ctx.num_rows, ctx.pattern = group, stats, num_rows, pattern
         weight = alpha if keep is None else alpha * keep
-        return _aggregate(weight, g, rows, cols, num_rows)
+        return _aggregate(pattern, weight, g, num_rows)
 
     @staticmethod
     def backward(ctx: Any, dq):
-        g, alpha, positive, rows, cols, keep = ctx.saved_tensors
+        g, alpha, positive, keep = ctx.saved_tensors
+        pattern = ctx.pattern
+        rows, cols = pattern.rows, pattern.cols
         weight = alpha if keep is None else alpha * keep
-        dg = _aggregate(weight, dq, cols, rows, g.shape[0])                   # A_alpha^T dQ
+        dq = dq.contiguous()
+        dg = _aggregate(pattern, weight, dq, g.shape[0], transposed=True)    # A_alpha^T dQ
         del weight
-        dalpha = torch.empty_like(alpha)                                      # [nnz, K']
-        for lo in range(0, rows.numel(), EDGE_CHUNK):
-            hi = min(rows.numel(), lo + EDGE_CHUNK)
-            torch.sum(dq.index_select(0, rows[lo:hi]) * g.index_select(0, cols[lo:hi]), -1,
-                      out=dalpha[lo:hi])
+        dalpha = _scores_grad(pattern, dq, g, alpha)                          # [nnz, K']
         if keep is not None:
             dalpha = dalpha.mul_(keep)
         r = coll.all_reduce(_row_sum(alpha * dalpha, rows, ctx.num_rows), ctx.group,
@@ -121,38 +155,72 @@ class BlockAttention(torch.autograd.Function):
         du = torch.where(positive, du, du * NEGATIVE_SLOPE)
         dt = _row_sum(du, rows, ctx.num_rows)
         ds = du.new_zeros(g.shape[0], du.shape[1]).index_add_(0, cols, du)
-        return dg, dt, ds, None, None, None, None, None
+        return dg, dt, ds, None, None, None, None
 
 
-def _aggregate(weight: torch.Tensor, x: torch.Tensor, to: torch.Tensor, of: torch.Tensor,
-               num: int) -> torch.Tensor:
-    """``out[to[e]] += weight[e] * x[of[e]]`` per head, :data:`EDGE_CHUNK` edges at a time.
+def _aggregate(pattern: EdgePattern, weight: torch.Tensor, x: torch.Tensor, num: int, *,
+               transposed: bool = False) -> torch.Tensor:
+    """``out[i] = sum over the edges e of row i of weight[e] * x[cols[e]]`` per head (with
+    ``transposed``: over the edges of column i, of ``x[rows[e]]``): a numba kernel, a row of
+    ``out`` a thread, or else :data:`EDGE_CHUNK` edges at a time with ``index_add``.
     Shapes: weight [nnz, K'], x [n, K', c] -> [num, K', c]"""
-    out = x.new_zeros(num, *x.shape[1:])
+    kernels = _kernels(weight, x)
+    out = x.new_empty(num, *x.shape[1:]) if kernels else x.new_zeros(num, *x.shape[1:])
+    if kernels is not None:
+        if transposed:
+            indptr, indices, edges = pattern.transposed(num)
+        else:
+            indptr, indices, edges = pattern.indptr, pattern.cols, pattern.cols[:0]
+        kernels.heads_spmm(indptr.numpy(), indices.numpy(), edges.numpy(),
+                           weight.detach().contiguous().numpy(), x.detach().contiguous().numpy(),
+                           out.numpy())
+        return out
+    to, of = (pattern.cols, pattern.rows) if transposed else (pattern.rows, pattern.cols)
     for lo in range(0, to.numel(), EDGE_CHUNK):
         hi = min(to.numel(), lo + EDGE_CHUNK)
         out.index_add_(0, to[lo:hi], x.index_select(0, of[lo:hi]) * weight[lo:hi, :, None])
     return out
 
 
+def _scores_grad(pattern: EdgePattern, dq: torch.Tensor, g: torch.Tensor,
+                 like: torch.Tensor) -> torch.Tensor:
+    """``out[e] = dq[rows[e]] . g[cols[e]]`` per head (an SDDMM): a numba kernel, or
+    :data:`EDGE_CHUNK` edges at a time. Shapes: dq [rows, K', c], g [n, K', c] -> [nnz, K']"""
+    out = torch.empty_like(like)
+    kernels = _kernels(dq, g, like)
+    if kernels is not None:
+        kernels.heads_sddmm(pattern.indptr.numpy(), pattern.cols.numpy(),
+                            dq.detach().contiguous().numpy(), g.detach().contiguous().numpy(),
+                            out.numpy())
+        return out
+    rows, cols = pattern.rows, pattern.cols
+    for lo in range(0, rows.numel(), EDGE_CHUNK):
+        hi = min(rows.numel(), lo + EDGE_CHUNK)
+        torch.sum(dq.index_select(0, rows[lo:hi]) * g.index_select(0, cols[lo:hi]), -1,
+                  out=out[lo:hi])
+    return out
+
+
 def block_attention(g: torch.Tensor, t: torch.Tensor, s: torch.Tensor,
-                    pattern: tuple[torch.Tensor, torch.Tensor], group: AxisGroup,
+                    pattern: EdgePattern | tuple[torch.Tensor, torch.Tensor], group: AxisGroup,
                     stats: CommStats | None = None,
                     keep: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`BlockAttention` over ``pattern`` (:func:`edge_pattern`); the module docstring
-    gives the shapes. ``Q`` is partial over ``group`` (O)."""
-    rows, cols = pattern
+    """:class:`BlockAttention` over ``pattern`` (:func:`edge_pattern`, or (rows, cols) in row
+    order); the module docstring gives the shapes. ``Q`` is partial over ``group`` (O)."""
+    if not isinstance(pattern, EdgePattern):
+        pattern = EdgePattern(*pattern, t.shape[0])
+    rows = pattern.rows
     if g.shape[0] != s.shape[0] or t.shape[1] != s.shape[1] or g.shape[1] != t.shape[1]:
         raise ValueError(f"g {tuple(g.shape)}, t {tuple(t.shape)} and s {tuple(s.shape)} do "
                          "not fit: g [N/O, K', c], t [N/P, K'], s [N/O, K']")
     if keep is not None and tuple(keep.shape) != (rows.numel(), t.shape[1]):
         raise ValueError(f"keep {tuple(keep.shape)} is not [nnz, K'] = "
                          f"{(rows.numel(), t.shape[1])}")
-    return BlockAttention.apply(g, t, s, rows, cols, group, stats, keep)
+    return BlockAttention.apply(g, t, s, pattern, group, stats, keep)
 
 
 def attention_layer(f: torch.Tensor, w: torch.Tensor, att_src: torch.Tensor,
-                    att_dst: torch.Tensor, pattern: tuple[torch.Tensor, torch.Tensor],
+                    att_dst: torch.Tensor, pattern: EdgePattern | tuple[torch.Tensor, ...],
                     root: RootExchange, groups: dict[str, AxisGroup],
                     roles: tuple[str, str, str], *, stats: CommStats | None = None,
                     keep: torch.Tensor | None = None) -> torch.Tensor:

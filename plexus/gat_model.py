@@ -118,7 +118,8 @@ class PlexusGAT(nn.Module):
         """Attention dropout's scaled keep-mask of the rank's edges and heads (training)."""
         if not self.training or self.attention_dropout == 0:
             return None
-        (rows, cols), _, out_ids, in_ids = self._layer(layer)
+        pattern, _, out_ids, in_ids = self._layer(layer)
+        rows, cols = pattern.rows, pattern.cols
         gi = self.groups[layout.roles(layer)[1]]
         kc = self.heads // gi.size
         keep = edge_keep_mask(self.attention_dropout, seed=self.seed, step=step, layer=layer,

@@ -396,9 +396,10 @@ def test_two_layers_on_gcns_rotation_are_the_serial_model(world):
                 f"{tag}: d{name} of I rank {i} differs by {(got - want).abs().max():.3g}"
 
 
-def test_the_passes_over_edges_in_chunks_give_the_whole_pass(monkeypatch):
-    """A block's aggregation, its transpose and the scores' gradient taken a few edges at a
-    time (plexus.gat.EDGE_CHUNK) are the pass over all edges at once."""
+def test_the_kernels_and_the_passes_over_edges_in_chunks_agree(monkeypatch):
+    """A block's aggregation, its transpose and the scores' gradient by the numba kernels
+    (plexus.gat_kernels, where numba is installed), and by torch a few edges at a time
+    (plexus.gat.EDGE_CHUNK), agree to float64 rounding."""
     from common.grid import AxisGroup
     from plexus import gat
 
@@ -418,5 +419,6 @@ def test_the_passes_over_edges_in_chunks_give_the_whole_pass(monkeypatch):
 
     whole = run()
     monkeypatch.setattr(gat, "EDGE_CHUNK", 7)
+    monkeypatch.setattr(gat, "_kernels", lambda *ts: None)
     for a, b in zip(run(), whole, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
