@@ -51,6 +51,30 @@ def _serial():
     return graph, model, f, proj
 
 
+def _block_edges(mask: torch.Tensor, n_pad: int, p: int, num_p: int, o: int, num_o: int):
+    """(rows, cols) of block (p, o) of the adjacency with self-loops padded to ``n_pad``
+    nodes (no permutation), in row order."""
+    n = mask.shape[0]
+    padded = torch.zeros(n_pad, n_pad, dtype=torch.bool)
+    padded[:n, :n] = mask
+    nr, nc = n_pad // num_p, n_pad // num_o
+    return padded[p * nr:(p + 1) * nr, o * nc:(o + 1) * nc].nonzero(as_tuple=True)
+
+
+def _identity_exchange(n: int, n_pad: int, p: int, num_p: int, o: int, num_o: int):
+    """The root rows by owner (plexus.root_rows.RootExchange) of block (p, o) of the padded
+    identity: a layer's rows and columns in one order."""
+    from plexus.data.partition import Balance, permuted_identity_rows
+    from plexus.data.shard import RootBlock
+    from plexus.root_rows import RootExchange
+
+    ident = torch.arange(n_pad).numpy()
+    owners, mine, counts = permuted_identity_rows(ident, ident, n, p, num_p, o, num_o)
+    root = RootBlock(owners, mine, o, n_pad // num_o,
+                     Balance(int(counts.max()), float(counts.mean())))
+    return RootExchange(root, num_o)
+
+
 def _parallel(ctx, grids):
     graph, model, f, proj = _serial()
     n = graph.num_nodes
@@ -63,9 +87,7 @@ def _parallel(ctx, grids):
         num_o, num_p, o, p = grid.shape["x"], grid.shape["z"], coords["x"], coords["z"]
         n_pad = round_up(n, math.lcm(num_o, num_p))
         nr, nc = n_pad // num_p, n_pad // num_o
-        padded = torch.zeros(n_pad, n_pad, dtype=torch.bool)
-        padded[:n, :n] = mask
-        rows, cols = padded[p * nr:(p + 1) * nr, o * nc:(o + 1) * nc].nonzero(as_tuple=True)
+        rows, cols = _block_edges(mask, n_pad, p, num_p, o, num_o)
         leaves = {name: t.detach().clone().requires_grad_(True) for name, t in (
             ("f", f), ("w", model.weights[0]), ("att_src", model.att_src[0]),
             ("att_dst", model.att_dst[0]))}
@@ -146,10 +168,7 @@ def _layer(ctx, grids):
     gradients of its leaves (its block of ``f``, its rows of ``W``, its heads of the
     attention vectors)."""
     from plexus import layout
-    from plexus.data.partition import Balance, permuted_identity_rows
-    from plexus.data.shard import RootBlock
     from plexus.gat import attention_layer
-    from plexus.root_rows import RootExchange
 
     graph, model, f, proj = _serial()
     n, d = f.shape
@@ -164,9 +183,7 @@ def _layer(ctx, grids):
                                             (coords[a] for a in roles))
         n_pad, d_pad = round_up(n, num_o * num_p), round_up(d, num_i)
         nr, nc, dc, kc = n_pad // num_p, n_pad // num_o, d_pad // num_i, HEADS // num_i
-        padded = torch.zeros(n_pad, n_pad, dtype=torch.bool)
-        padded[:n, :n] = mask
-        rows, cols = padded[p * nr:(p + 1) * nr, o * nc:(o + 1) * nc].nonzero(as_tuple=True)
+        rows, cols = _block_edges(mask, n_pad, p, num_p, o, num_o)
         f_pad = torch.zeros(n_pad, d_pad, dtype=torch.float64)
         f_pad[:n, :d] = f
         w_pad = torch.zeros(d_pad, HEADS * WIDTH, dtype=torch.float64)
@@ -176,13 +193,11 @@ def _layer(ctx, grids):
                   "att_src": model.att_src[0].detach()[i * kc:(i + 1) * kc],
                   "att_dst": model.att_dst[0].detach()[i * kc:(i + 1) * kc]}
         leaves = {k: v.clone().requires_grad_(True) for k, v in leaves.items()}
-        ident = torch.arange(n_pad).numpy()
-        owners, mine, counts = permuted_identity_rows(ident, ident, n, p, num_p, o, num_o)
-        root = RootBlock(owners, mine, o, nc, Balance(int(counts.max()), float(counts.mean())))
         keep = edge_keep_mask(RATE, seed=SEED, step=STEP, layer=0, dst=rows + p * nr,
                               src=cols + o * nc, heads=HEADS)[:, i * kc:(i + 1) * kc]
         q = attention_layer(leaves["f"], leaves["w"], leaves["att_src"], leaves["att_dst"],
-                            (rows, cols), RootExchange(root, num_o), groups, roles,
+                            (rows, cols), _identity_exchange(n, n_pad, p, num_p, o, num_o),
+                            groups, roles,
                             keep=keep.to(torch.float64) / (1 - RATE))
         proj_pad = torch.zeros(n_pad, HEADS, WIDTH, dtype=torch.float64)
         proj_pad[:n] = proj.view(n, HEADS, WIDTH)
@@ -241,10 +256,7 @@ def _model(ctx, grids):
     summed over its P again), heads_to_columns (G6). Every rank's logits and its leaves'
     gradients."""
     from plexus import layout
-    from plexus.data.partition import Balance, permuted_identity_rows
-    from plexus.data.shard import RootBlock
     from plexus.gat import attention_layer, heads_to_columns
-    from plexus.root_rows import RootExchange
 
     graph, model, f, proj = _serial_model()
     n, d = f.shape
@@ -258,8 +270,6 @@ def _model(ctx, grids):
         n_pad = round_up(n, math.prod(grid.shape.values()))
         widths = [round_up(d, grid.shape[layout.roles(0)[1]]), heads * MODEL_WIDTH,
                   round_up(graph.num_classes, grid.shape[layout.roles(1)[0]])]
-        padded = torch.zeros(n_pad, n_pad, dtype=torch.bool)
-        padded[:n, :n] = mask
         leaves, pieces = {}, {}
         for layer in range(2):
             roles = layout.roles(layer)
@@ -280,14 +290,10 @@ def _model(ctx, grids):
             leaves[f"w{layer}"] = w.view(widths[layer], -1)[i * dc:(i + 1) * dc]
             for name in att:
                 leaves[f"{name}{layer}"] = att[name][i * kc:(i + 1) * kc]
-            rows, cols = padded[p * nr:(p + 1) * nr, o * nc:(o + 1) * nc].nonzero(as_tuple=True)
-            ident = torch.arange(n_pad).numpy()
-            owners, mine, counts = permuted_identity_rows(ident, ident, n, p, num_p, o, num_o)
-            root = RootBlock(owners, mine, o, nc, Balance(int(counts.max()),
-                                                          float(counts.mean())))
+            rows, cols = _block_edges(mask, n_pad, p, num_p, o, num_o)
             keep = edge_keep_mask(RATE, seed=SEED, step=STEP, layer=layer, dst=rows + p * nr,
                                   src=cols + o * nc, heads=heads)[:, i * kc:(i + 1) * kc]
-            pieces[layer] = (roles, (rows, cols), RootExchange(root, num_o),
+            pieces[layer] = (roles, (rows, cols), _identity_exchange(n, n_pad, p, num_p, o, num_o),
                              keep.to(torch.float64) / (1 - RATE))
         roles0 = layout.roles(0)
         o0, i0 = coords[roles0[0]], coords[roles0[1]]
