@@ -111,27 +111,49 @@ class BlockAttention(torch.autograd.Function):
     (``keep / (1 - p)``, :func:`plexus.dropout.edge_keep_mask`), None for none.
 
     Kept for backward: ``g``, ``alpha`` and the sign of ``u`` [nnz, K'] (one byte an entry)
-    and the keep-mask. The passes that read a row of ``G`` or ``dQ`` per edge run as numba
-    kernels (plexus.gat_kernels: a row of the output a thread, no temporaries), or without
-    numba :data:`EDGE_CHUNK` edges at a time."""
+    and the keep-mask. Every pass over the edges (the scores and the row maximum, the
+    exponentials and the row sum, the division, the aggregation and its transpose, the
+    scores' gradient and its row and column sums) runs as a numba kernel
+    (plexus.gat_kernels: a row of the output a thread, no temporaries beyond ``[nnz, K']``);
+    without numba, as torch operations, :data:`EDGE_CHUNK` edges at a time where they read a
+    row of ``G`` or ``dQ`` per edge."""
 
     @staticmethod
     def forward(ctx: Any, g, t, s, pattern: EdgePattern, group: AxisGroup,
                 stats: CommStats | None, keep=None):
         num_rows, heads = t.shape
         rows, cols = pattern.rows, pattern.cols
-        u = t.index_select(0, rows) + s.index_select(0, cols)                     # [nnz, K']
-        positive = u > 0
-        e = torch.where(positive, u, u * NEGATIVE_SLOPE)
-        del u
-        m = e.new_full((num_rows, heads), -torch.inf).scatter_reduce_(
-            0, rows[:, None].expand(-1, heads), e, "amax")
+        kernels = _kernels(g, t, s)
+        nnz = rows.numel()
+        if kernels is not None:  # each pass over the edges one kernel, a row a thread
+            e = t.new_empty(nnz, heads)
+            positive = torch.empty(nnz, heads, dtype=torch.bool)
+            m = t.new_empty(num_rows, heads)
+            kernels.scores(pattern.indptr.numpy(), cols.numpy(), t.detach().contiguous().numpy(),
+                           s.detach().contiguous().numpy(), NEGATIVE_SLOPE, e.numpy(),
+                           positive.numpy(), m.numpy())
+        else:
+            u = t.index_select(0, rows) + s.index_select(0, cols)                 # [nnz, K']
+            positive = u > 0
+            e = torch.where(positive, u, u * NEGATIVE_SLOPE)
+            del u
+            m = e.new_full((num_rows, heads), -torch.inf).scatter_reduce_(
+                0, rows[:, None].expand(-1, heads), e, "amax")
         m = coll.all_reduce(m, group, op=coll.ReduceOp.MAX, stats=stats, inplace=True)  # G4
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows without an edge
-        alpha = e.sub_(m.index_select(0, rows)).exp_()
-        z = coll.all_reduce(_row_sum(alpha, rows, num_rows), group, stats=stats,
-                            inplace=True)                                         # G4
-        alpha = alpha.div_(z.index_select(0, rows))
+        if kernels is not None:
+            z = t.new_empty(num_rows, heads)
+            kernels.exp_rows(pattern.indptr.numpy(), e.numpy(), m.contiguous().numpy(),
+                             z.numpy())
+            alpha = e
+        else:
+            alpha = e.sub_(m.index_select(0, rows)).exp_()
+            z = _row_sum(alpha, rows, num_rows)
+        z = coll.all_reduce(z, group, stats=stats, inplace=True)                 # G4
+        if kernels is not None:
+            kernels.divide_rows(pattern.indptr.numpy(), alpha.numpy(), z.contiguous().numpy())
+        else:
+            alpha = alpha.div_(z.index_select(0, rows))
         ctx.save_for_backward(g, alpha, positive, keep)
         ctx.group, ctx.stats, ctx.num_rows, ctx.pattern = group, stats, num_rows, pattern
         weight = alpha if keep is None else alpha * keep
@@ -149,6 +171,19 @@ class BlockAttention(torch.autograd.Function):
         dalpha = _scores_grad(pattern, dq, g, alpha)                          # [nnz, K']
         if keep is not None:
             dalpha = dalpha.mul_(keep)
+        kernels = _kernels(alpha, dalpha)
+        if kernels is not None:  # r, then du over dalpha with dt, then ds by column
+            indptr = pattern.indptr.numpy()
+            r = alpha.new_empty(ctx.num_rows, alpha.shape[1])
+            kernels.dot_rows(indptr, alpha.numpy(), dalpha.numpy(), r.numpy())
+            r = coll.all_reduce(r, ctx.group, stats=ctx.stats, inplace=True)      # G4'
+            dt = torch.empty_like(r)
+            kernels.scores_grad(indptr, alpha.numpy(), dalpha.numpy(), r.contiguous().numpy(),
+                                positive.numpy(), NEGATIVE_SLOPE, dt.numpy())
+            t_indptr, _, t_edges = pattern.transposed(g.shape[0])
+            ds = alpha.new_empty(g.shape[0], alpha.shape[1])
+            kernels.gather_sum(t_indptr.numpy(), t_edges.numpy(), dalpha.numpy(), ds.numpy())
+            return dg, dt, ds, None, None, None, None
         r = coll.all_reduce(_row_sum(alpha * dalpha, rows, ctx.num_rows), ctx.group,
                             stats=ctx.stats, inplace=True)                        # G4'
         du = dalpha.sub_(r.index_select(0, rows)).mul_(alpha)

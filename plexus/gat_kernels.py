@@ -12,6 +12,7 @@ out [nnz, K]
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 
 @numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
@@ -46,3 +47,89 @@ def heads_sddmm(indptr, indices, a, b, out):  # pragma: no cover - compiled
                 for k in range(width):
                     s += ai[h, k] * bj[h, k]
                 out[e, h] = s
+
+
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
+def scores(indptr, indices, t, s, slope, e_out, positive_out, m_out):  # pragma: no cover
+    """``e = LeakyReLU(t[i] + s[j])`` on every edge (and whether ``t[i] + s[j] > 0``), and
+    each row's maximum ``m[i]`` (``-inf`` for a row without edges), per head."""
+    heads = t.shape[1]
+    for i in numba.prange(indptr.shape[0] - 1):
+        for h in range(heads):
+            m_out[i, h] = -np.inf
+        for e in range(indptr[i], indptr[i + 1]):
+            j = indices[e]
+            for h in range(heads):
+                u = t[i, h] + s[j, h]
+                positive_out[e, h] = u > 0
+                v = u if u > 0 else u * slope
+                e_out[e, h] = v
+                if v > m_out[i, h]:
+                    m_out[i, h] = v
+
+
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
+def exp_rows(indptr, e_io, m, z_out):  # pragma: no cover - compiled
+    """``e <- exp(e - m[i])`` on every edge of row i, and each row's sum ``z[i]``."""
+    heads = m.shape[1]
+    for i in numba.prange(indptr.shape[0] - 1):
+        for h in range(heads):
+            z_out[i, h] = 0.0
+        for e in range(indptr[i], indptr[i + 1]):
+            for h in range(heads):
+                v = np.exp(e_io[e, h] - m[i, h])
+                e_io[e, h] = v
+                z_out[i, h] += v
+
+
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
+def divide_rows(indptr, x_io, z):  # pragma: no cover - compiled
+    """``x <- x / z[i]`` on every edge of row i."""
+    heads = z.shape[1]
+    for i in numba.prange(indptr.shape[0] - 1):
+        for e in range(indptr[i], indptr[i + 1]):
+            for h in range(heads):
+                x_io[e, h] /= z[i, h]
+
+
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
+def dot_rows(indptr, a, b, out):  # pragma: no cover - compiled
+    """``out[i] = sum over the edges e of row i of a[e] * b[e]``, per head."""
+    heads = a.shape[1]
+    for i in numba.prange(indptr.shape[0] - 1):
+        for h in range(heads):
+            out[i, h] = 0.0
+        for e in range(indptr[i], indptr[i + 1]):
+            for h in range(heads):
+                out[i, h] += a[e, h] * b[e, h]
+
+
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
+def scores_grad(indptr, alpha, dalpha_io, r, positive, slope, dt_out):  # pragma: no cover
+    """``du = alpha * (dalpha - r[i])``, times ``slope`` where the score was not positive,
+    written over ``dalpha``; and each row's sum ``dt[i]`` of ``du``."""
+    heads = r.shape[1]
+    for i in numba.prange(indptr.shape[0] - 1):
+        for h in range(heads):
+            dt_out[i, h] = 0.0
+        for e in range(indptr[i], indptr[i + 1]):
+            for h in range(heads):
+                du = (dalpha_io[e, h] - r[i, h]) * alpha[e, h]
+                if not positive[e, h]:
+                    du *= slope
+                dalpha_io[e, h] = du
+                dt_out[i, h] += du
+
+
+@numba.njit(parallel=True, fastmath={"contract"}, nogil=True, cache=True)
+def gather_sum(indptr, edges, x, out):  # pragma: no cover - compiled
+    """``out[j] = sum of x[edges[p]]`` over the positions p of row j of a (transposed)
+    pattern: the column sums of per-edge values, a column a thread."""
+    heads = x.shape[1]
+    for j in numba.prange(indptr.shape[0] - 1):
+        for h in range(heads):
+            out[j, h] = 0.0
+        for p in range(indptr[j], indptr[j + 1]):
+            e = edges[p]
+            for h in range(heads):
+                out[j, h] += x[e, h]
