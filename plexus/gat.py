@@ -29,6 +29,11 @@ Backward, from ``dQ`` (the gradient of the sum over O, the same on every rank of
 so the caller sums ``dt`` over O and ``dG``, ``ds`` over P, as the collectives that made ``t``,
 ``s`` and ``G`` do in their backward.
 
+Around it, one layer on the grid: :func:`attention_layer` (G1-G5: ``G = F' W`` with the heads
+split over I, gathered over P, ``t`` moved to the block's rows by owner) and
+:func:`heads_to_columns` (G6 or G7: ``Q`` in a GCN layer's output layout), so that a GAT layer
+replaces a GCN layer's aggregation and product in GCN's rotation of roles (plexus.gat_model).
+
 Shapes: g [N/O, K', c], t [N/P, K'], s [N/O, K'], keep [nnz, K'] or None -> q [N/P, K', c]
 """
 
