@@ -138,20 +138,6 @@ def permuted_identity_rows(rows: np.ndarray, cols: np.ndarray, num_real: int, p:
     return owners, mine, counts.reshape(num_p, num_o)
 
 
-def permuted_identity_block(rows: np.ndarray, cols: np.ndarray, num_real: int, p: int,
-                            num_p: int, o: int, num_o: int, *, inv_cols: np.ndarray | None = None,
-                            chunk: int = 1 << 22) -> tuple[sp.csr_matrix, np.ndarray]:
-    """``block(permuted_identity(rows, cols, num_real), p, num_p, o, num_o)`` and the nonzeros
-    of every (p, o) block, from :func:`permuted_identity_rows` (the same arguments).
-
-    Shapes: rows, cols [N] -> ([N/num_p, N/num_o] CSR float32 with sorted indices, int64
-    [num_p, num_o]).
-    """
-    owners, mine, counts = permuted_identity_rows(rows, cols, num_real, p, num_p, o, num_o,
-                                                  inv_cols=inv_cols, chunk=chunk)
-    return identity_csr(owners, mine, o, rows.size // num_o), counts
-
-
 def identity_csr(owners: np.ndarray, cols: np.ndarray, o: int, num_cols: int) -> sp.csr_matrix:
     """The CSR (float32 ones) of a block of ``S`` from its compact form
     (:func:`permuted_identity_rows`): the rows that ``o`` owns hold one each, at ``cols``.

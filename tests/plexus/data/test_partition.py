@@ -99,8 +99,9 @@ def test_permuted_identity_is_the_permuted_identity(mode):
 
 @pytest.mark.parametrize("mode", part.PERMUTATIONS)
 def test_a_block_of_the_permuted_identity_without_the_whole(mode):
-    """permuted_identity_block == block(permuted_identity) and block_nnz of the whole, for
-    every block of lopsided cuts, in chunks smaller than a block (the counts add up)."""
+    """permuted_identity_rows, made a CSR by identity_csr, == block(permuted_identity) and
+    block_nnz of the whole, for every block of lopsided cuts, in chunks smaller than a block
+    (the counts add up)."""
     n_pad, n = 60, 55
     pr, pc = part.make_permutations(n_pad, mode, seed=7)
     for layer, (num_p, num_o), chunk in itertools.product((0, 1), [(1, 1), (4, 2), (2, 6)],
@@ -110,8 +111,9 @@ def test_a_block_of_the_permuted_identity_without_the_whole(mode):
         inv = part.inverse_permutation(cols, chunk=chunk)
         assert np.array_equal(inv, np.argsort(cols))
         for p, o in itertools.product(range(num_p), range(num_o)):
-            blk, counts = part.permuted_identity_block(rows, cols, n, p, num_p, o, num_o,
-                                                       inv_cols=inv, chunk=chunk)
+            owners, mine, counts = part.permuted_identity_rows(
+                rows, cols, n, p, num_p, o, num_o, inv_cols=inv, chunk=chunk)
+            blk = part.identity_csr(owners, mine, o, n_pad // num_o)
             want = part.block(whole, p, num_p, o, num_o)
             assert blk.dtype == np.float32 and blk.has_sorted_indices
             assert np.array_equal(blk.indptr, want.indptr)
