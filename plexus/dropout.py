@@ -116,20 +116,22 @@ ATTENTION_LAYER_OFFSET = 1 << 16
 
 
 def edge_keep_mask(p: float, *, seed: int, step: int, layer: int, dst: torch.Tensor,
-                   src: torch.Tensor, heads: int) -> torch.Tensor:
+                   src: torch.Tensor, heads: int, of: range | None = None) -> torch.Tensor:
     """Keep-mask of dropout with rate ``p`` on the attention coefficients of the edges
     ``src -> dst`` (global node ids, one entry per edge) of layer ``layer`` at ``step``, one
     column per head: entry (e, h) is :func:`keep_mask`'s hash of row ``dst[e]`` and column
     ``src[e] * heads + h`` (mod 2^32) under the key of layer ``layer +``
     :data:`ATTENTION_LAYER_OFFSET`, so it depends only on the edge, the head and (seed, step,
-    layer): any grid, any order of the edges, drops the same coefficients.
+    layer): any grid, any order of the edges, drops the same coefficients. ``of``: only
+    these of the ``heads`` heads (a rank's), as their columns of the whole mask.
 
-    Shapes: dst [E], src [E] -> [E, heads] bool
+    Shapes: dst [E], src [E] -> [E, heads] bool (or [E, len(of)])
     """
     k, threshold = _mask_key(p, seed, step, layer + ATTENTION_LAYER_OFFSET)
+    of = range(heads) if of is None else of
     with np.errstate(over="ignore"):
         c = (src.numpy().astype(np.uint32)[:, None] * _U32(heads)
-             + np.arange(heads, dtype=np.uint32)[None, :])
+             + np.arange(of.start, of.stop, dtype=np.uint32)[None, :])
         h = _cell_hash(dst.numpy().astype(np.uint32)[:, None], c, k)
     return torch.from_numpy(h >= threshold)
 

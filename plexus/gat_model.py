@@ -123,8 +123,9 @@ class PlexusGAT(nn.Module):
         gi = self.groups[layout.roles(layer)[1]]
         kc = self.heads // gi.size
         keep = edge_keep_mask(self.attention_dropout, seed=self.seed, step=step, layer=layer,
-                              dst=out_ids[rows], src=in_ids[cols], heads=self.heads)
-        return keep[:, gi.rank * kc:(gi.rank + 1) * kc].float() / (1 - self.attention_dropout)
+                              dst=out_ids[rows], src=in_ids[cols], heads=self.heads,
+                              of=range(gi.rank * kc, (gi.rank + 1) * kc))
+        return keep.float() / (1 - self.attention_dropout)
 
     def forward(self, stats: CommStats | None = None, *, step: int = 0) -> torch.Tensor:
         """Logits [N/P_last, C_pad/O_last] (module docstring); ``step`` keys the masks."""

@@ -101,6 +101,8 @@ def test_attention_dropout_masks_are_keyed_by_edge_and_head():
     again = edge_keep_mask(0.3, seed=5, step=2, layer=1, dst=dst[order], src=src[order],
                            heads=4)
     assert torch.equal(again, keep[order])
+    part = edge_keep_mask(0.3, seed=5, step=2, layer=1, dst=dst, src=src, heads=4, of=range(1, 3))
+    assert torch.equal(part, keep[:, 1:3])  # a rank's heads: their columns of the whole
     other = edge_keep_mask(0.3, seed=5, step=3, layer=1, dst=dst, src=src, heads=4)
     assert not torch.equal(other, keep)
 
