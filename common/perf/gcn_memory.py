@@ -251,14 +251,14 @@ def _node_vectors(work: GCNWorkload, shape: Mapping[str, int]) -> float:
     last = work.num_layers - 1
     label = 2 if work.num_classes < 2**15 else 4
     node = 4 if n < 2**31 else 8
-    out = n // shape[work.axes(last)[2]] * (label + node + 3)
+    rows_out = n // shape[work.axes(last)[2]]
+    out = rows_out * (label + node + 3)
     roots = set()
     for layer in range(work.num_layers):
         o, _, p = work.axes(layer)
         out += 8 * (n // shape[o]) * (work.dropout > 0)
         if work.terms == 2 and layer < 6:  # layouts cut alike share a root block
             roots.add((_block_key(layer, o, p, shape), n // shape[p]))
-    rows_out = n // shape[work.axes(last)[2]]
     labelled = work.output_rows(shape) if work.output_rows(shape) < rows_out else 0
     return out + 2 * (sum(rows for _, rows in roots) + labelled * (work.terms == 2))
 
@@ -416,8 +416,7 @@ def _adjacency(work: GCNWorkload, shape: Mapping[str, int],
         row_bytes = width * F32
         if (key, row_bytes) not in planned:
             planned.add((key, row_bytes))
-            s_nnz = root_nnz if not compact_root or (
-                full and not work.exchanges_root(layer, shape)) else 0.0
+            s_nnz = root_nnz if _reads_s(work, shape, layer, compact_root) else 0.0
             plans = sum(_plan_bytes(rows_a, rows_t, blk, row_bytes, cut_bytes or idx)
                         for blk in (adj_nnz, s_nnz) if blk)
             total += plans
@@ -441,15 +440,19 @@ def _root_spmm_keys(work: GCNWorkload, shape: Mapping[str, int],
     ``compact_root``."""
     if work.terms != 2:
         return set()
+    return {_block_key(layer, *work.axes(layer)[::2], shape)
+            for layer in range(work.num_layers) if _reads_s(work, shape, layer, compact_root)}
+
+
+def _reads_s(work: GCNWorkload, shape: Mapping[str, int], layer: int,
+             compact_root: bool = True) -> bool:
+    """Whether a training step multiplies by the CSR of ``layer``'s block of ``S``: a layer
+    that does not exchange its root rows (the last one only where it computes every row);
+    every layer without ``compact_root``."""
     n, _ = work.padded(shape)
-    last = work.num_layers - 1
-    keys = set()
-    for layer in range(work.num_layers):
-        o, _, p = work.axes(layer)
-        full = layer != last or work.output_rows(shape) == n // shape[p]
-        if not compact_root or (full and not work.exchanges_root(layer, shape)):
-            keys.add(_block_key(layer, o, p, shape))
-    return keys
+    full = (layer != work.num_layers - 1
+            or work.output_rows(shape) == n // shape[work.axes(layer)[2]])
+    return not compact_root or (full and not work.exchanges_root(layer, shape))
 
 
 def _block_key(layer: int, o: str, p: str, shape: Mapping[str, int]) -> tuple:
