@@ -98,33 +98,38 @@ class PlexusGAT(nn.Module):
                 cols = padded[layer + 1] // go.size
                 self.biases.append(nn.Parameter(torch.zeros(cols)))
         self._layers: dict[int, tuple] = {}
+        self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _layer(self, layer: int) -> tuple:
-        """``layer``'s block pattern, root exchange and the node ids of its rows and columns
-        (made once)."""
+        """``layer``'s block pattern and root exchange (made once)."""
         if layer not in self._layers:
-            o_ax, _, p_ax = layout.roles(layer)
             key = layout.layout_of(layer)
+            self._layers[layer] = (edge_pattern(self.shard.adj[key].a), RootExchange(
+                self.shard.root[key], self.groups[layout.roles(layer)[0]].size))
+        return self._layers[layer]
+
+    def _node_ids(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The node ids of ``layer``'s block rows and columns (made once, for attention
+        dropout only)."""
+        if layer not in self._ids:
+            o_ax, _, p_ax = layout.roles(layer)
             out_order, in_order = partition.layer_orders(layer % 2, self.shard.pr,
                                                          self.shard.pc)
-            self._layers[layer] = (
-                edge_pattern(self.shard.adj[key].a),
-                RootExchange(self.shard.root[key], self.groups[o_ax].size),
-                node_chunk(out_order, self.groups[p_ax]), node_chunk(in_order,
-                                                                     self.groups[o_ax]))
-        return self._layers[layer]
+            self._ids[layer] = (node_chunk(out_order, self.groups[p_ax]),
+                                node_chunk(in_order, self.groups[o_ax]))
+        return self._ids[layer]
 
     def _keep(self, layer: int, step: int) -> torch.Tensor | None:
         """Attention dropout's scaled keep-mask of the rank's edges and heads (training)."""
         if not self.training or self.attention_dropout == 0:
             return None
-        pattern, _, out_ids, in_ids = self._layer(layer)
-        rows, cols = pattern.rows, pattern.cols
+        pattern = self._layer(layer)[0]
+        out_ids, in_ids = self._node_ids(layer)
         gi = self.groups[layout.roles(layer)[1]]
         kc = self.heads // gi.size
         keep = edge_keep_mask(self.attention_dropout, seed=self.seed, step=step, layer=layer,
-                              dst=out_ids[rows], src=in_ids[cols], heads=self.heads,
-                              of=range(gi.rank * kc, (gi.rank + 1) * kc))
+                              dst=out_ids[pattern.rows], src=in_ids[pattern.cols],
+                              heads=self.heads, of=range(gi.rank * kc, (gi.rank + 1) * kc))
         return keep.float() / (1 - self.attention_dropout)
 
     def forward(self, stats: CommStats | None = None, *, step: int = 0) -> torch.Tensor:
@@ -142,7 +147,7 @@ class PlexusGAT(nn.Module):
             att = [autograd.identity_all_reduce(autograd.identity_all_reduce(a, go, stats),
                                                 gp, stats)
                    for a in (self.att_src[layer], self.att_dst[layer])]
-            pattern, exchange, _, _ = self._layer(layer)
+            pattern, exchange = self._layer(layer)
             q = attention_layer(f, w, att[0], att[1], pattern, exchange, self.groups,
                                 (o_ax, i_ax, p_ax), stats=stats, keep=self._keep(layer, step))
             last = layer == self.num_layers - 1

@@ -37,7 +37,6 @@ def add_root_blocks(shard: GraphShard, groups: dict[str, AxisGroup]) -> None:
                                  len(shard.widths) - 1)
 
 
-
 def in_output_columns(rows: torch.Tensor, layer: int, width_out: int, true_width: int,
                       groups: dict[str, AxisGroup], wire: dict[str, AxisGroup],
                       stats: CommStats | None) -> torch.Tensor:
