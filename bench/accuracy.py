@@ -1,6 +1,6 @@
-"""Accuracy parity: plexus's GCN and GraphSAGE against PyG's on the same graphs, in one run.
+"""Accuracy parity: plexus's GCN, GraphSAGE and GAT against PyG's on the same graphs, in one run.
 
-    python bench/accuracy.py                      # 2 graphs x {gcn, sage} x 5 seeds, 200 epochs
+    python bench/accuracy.py                      # 2 graphs x 3 models x 5 seeds, 200 epochs
     python bench/accuracy.py --models gcn --seeds 10 --first-layer-decay
     python bench/accuracy.py --quick              # 1,000 nodes, 2 seeds, 30 epochs (the test)
     python bench/accuracy.py --precision bf16     # plexus in bf16 too, against its float32
@@ -28,6 +28,13 @@ examples/gcn.py does), full-batch cross-entropy on the training nodes, ``--epoch
   under mpiexec (both precisions; PyG stays on one process);
 * PyG: ``GCNConv(cached=True, normalize=True)`` or ``SAGEConv(aggr="mean")`` twice in the
   model and loop of examples/gcn.py, ``NormalizeFeatures()`` where features are normalised.
+
+GAT runs PyG's GAT recipe (examples/gat.py, the paper's): 8 heads of 8 hidden units
+concatenated, dropout 0.6 on every layer's input and on the attention coefficients, Adam lr
+0.005 with L2 weight decay 5e-4, ``--epochs``; its last layer's 8 heads averaged (the GAT
+paper's PubMed model) and ReLU between the layers on both sides (plexus's hidden activation):
+``GATConv(F, 8, heads=8, dropout=0.6)`` and ``GATConv(64, C, heads=8, concat=False,
+dropout=0.6)`` against ``plexus.fit(model="gat", hidden=8, heads=8, attention_dropout=0.6)``.
 
 Model selection is OGB's: after every update both sides evaluate with dropout off; a seed's
 score is the test accuracy at the first epoch of best validation accuracy (plexus:
@@ -79,11 +86,21 @@ from torch.nn import functional
 from plexus.data import Graph, load_dataset
 from plexus.data.generators import planted_partition
 
-MODELS = ("gcn", "sage")
+MODELS = ("gcn", "sage", "gat")
 DATASETS = ("planted", "arxiv-like")
 DROPOUT = 0.5
 LR = 0.01
 WEIGHT_DECAY = 5e-4
+# PyG's GAT recipe (the module docstring): heads, each head's width, dropout (inputs and
+# coefficients), learning rate
+GAT_HEADS, GAT_HIDDEN, GAT_DROPOUT, GAT_LR = 8, 8, 0.6, 0.005
+
+
+def recipe(kind: str, args: argparse.Namespace) -> dict:
+    """The hidden width (a head's, for GAT), dropout and learning rate of ``kind``."""
+    if kind == "gat":
+        return {"hidden": GAT_HIDDEN, "dropout": GAT_DROPOUT, "lr": GAT_LR}
+    return {"hidden": args.hidden, "dropout": DROPOUT, "lr": LR}
 
 
 @dataclass(frozen=True)
@@ -210,9 +227,11 @@ def summarize(history: list[dict]) -> Run:
                eval_ms=1000 * statistics.median(r["eval_s"] for r in timed))
 
 
-def pyg_model(kind: str, num_features: int, hidden: int, num_classes: int) -> torch.nn.Module:
-    """PyG's examples/gcn.py model (``SAGEConv(aggr="mean")`` in place of GCNConv for sage)."""
-    from torch_geometric.nn import GCNConv, SAGEConv
+def pyg_model(kind: str, num_features: int, hidden: int, num_classes: int,
+              dropout: float = DROPOUT) -> torch.nn.Module:
+    """PyG's examples/gcn.py model (``SAGEConv(aggr="mean")`` in place of GCNConv for sage;
+    for gat, examples/gat.py's two ``GATConv`` with the module docstring's recipe)."""
+    from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -220,14 +239,18 @@ def pyg_model(kind: str, num_features: int, hidden: int, num_classes: int) -> to
             if kind == "gcn":
                 self.conv1 = GCNConv(num_features, hidden, cached=True, normalize=True)
                 self.conv2 = GCNConv(hidden, num_classes, cached=True, normalize=True)
+            elif kind == "gat":
+                self.conv1 = GATConv(num_features, hidden, heads=GAT_HEADS, dropout=dropout)
+                self.conv2 = GATConv(hidden * GAT_HEADS, num_classes, heads=GAT_HEADS,
+                                     concat=False, dropout=dropout)
             else:
                 self.conv1 = SAGEConv(num_features, hidden, aggr="mean")
                 self.conv2 = SAGEConv(hidden, num_classes, aggr="mean")
 
         def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
-            x = functional.dropout(x, p=DROPOUT, training=self.training)
+            x = functional.dropout(x, p=dropout, training=self.training)
             x = self.conv1(x, edge_index).relu()
-            x = functional.dropout(x, p=DROPOUT, training=self.training)
+            x = functional.dropout(x, p=dropout, training=self.training)
             return self.conv2(x, edge_index)
 
     return Net()
@@ -247,13 +270,14 @@ def run_pyg(ds: Dataset, kind: str, args: argparse.Namespace, seed: int) -> Run:
         data = NormalizeFeatures()(data)
     masks = {s: g.mask(s) for s in ("train", "val", "test")}
     torch.manual_seed(seed)
-    model = pyg_model(kind, g.num_features, args.hidden, g.num_classes)
+    rec = recipe(kind, args)
+    model = pyg_model(kind, g.num_features, rec["hidden"], g.num_classes, rec["dropout"])
     if args.first_layer_decay:
         groups = [dict(params=model.conv1.parameters(), weight_decay=WEIGHT_DECAY),
                   dict(params=model.conv2.parameters(), weight_decay=0.0)]
     else:
         groups = [dict(params=model.parameters(), weight_decay=WEIGHT_DECAY)]
-    opt = torch.optim.Adam(groups, lr=LR)
+    opt = torch.optim.Adam(groups, lr=rec["lr"])
     history = []
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
@@ -278,8 +302,9 @@ def run_pyg(ds: Dataset, kind: str, args: argparse.Namespace, seed: int) -> Run:
 def plexus_config(ds: Dataset, kind: str, args: argparse.Namespace, seed: int,
                   precision: str = "fp32") -> dict:
     """The keyword arguments of ``plexus.fit`` for this graph, model and seed."""
-    return dict(model=kind, num_layers=2, hidden=args.hidden, dropout=DROPOUT, norm="none",
-                optimizer="adam", lr=LR,
+    gat = {"heads": GAT_HEADS, "attention_dropout": GAT_DROPOUT} if kind == "gat" else {}
+    return dict(model=kind, num_layers=2, norm="none", optimizer="adam", **recipe(kind, args),
+                **gat,
                 weight_decay=[WEIGHT_DECAY, 0.0] if args.first_layer_decay else WEIGHT_DECAY,
                 normalize_features=ds.normalize_features, epochs=args.epochs, seed=seed,
                 precision=precision)
@@ -404,8 +429,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=None, help="default 200 (--quick: 30)")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..n-1; default 5 (quick: 2)")
-    p.add_argument("--hidden", type=int, default=None, help="default 64 (--quick: 16)")
-    p.add_argument("--models", default="gcn,sage", help=f"comma list from {', '.join(MODELS)}")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="gcn and sage (gat: its recipe's); default 64 (--quick: 16)")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma list from {', '.join(MODELS)}")
     p.add_argument("--datasets", default=",".join(DATASETS),
                    help=f"comma list from {', '.join(DATASETS)}")
     p.add_argument("--quick", action="store_true", help="small graphs and short runs (the test)")
@@ -458,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     print(f"{args.epochs} epochs, {args.seeds} seeds, hidden {args.hidden}, dropout {DROPOUT}, "
           f"Adam lr {LR} weight decay {WEIGHT_DECAY}"
-          f"{' (first layer only)' if args.first_layer_decay else ''}, "
+          f"{' (first layer only)' if args.first_layer_decay else ''}; gat: {GAT_HEADS} heads "
+          f"of {GAT_HIDDEN}, dropout {GAT_DROPOUT} (inputs and coefficients), lr {GAT_LR}, "
           f"{torch.get_num_threads()} torch threads", flush=True)
     rows = []
     sides = {**SIDES, BF16_SIDE: run_plexus_bf16} if args.precision == "bf16" else SIDES

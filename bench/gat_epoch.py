@@ -1,4 +1,4 @@
-"""One-rank GAT epoch time: ours (plexus.gat_model.PlexusGAT, grid 1x1x1) against PyG's
+"""One-rank GAT epoch time: ours (plexus.model.PlexusGCN with model="gat", grid 1x1x1) against PyG's
 ``GATConv`` stack, equal work, in one run.
 
     python bench/gat_epoch.py                       # 200K nodes, 3.2M edges, 128 features
@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--classes", type=int, default=32)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=64, help="heads x their width")
+    p.add_argument("--hidden", type=int, default=8, help="each head's width (hidden layers "
+                   "are heads x hidden wide)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.6, help="inputs and coefficients")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs a side")
@@ -51,14 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def ours(graph, args):
     """A function that runs one epoch of ours."""
-    from plexus.gat_model import PlexusGAT
+    from plexus.model import PlexusGCN
 
     groups = {ax: AxisGroup(ax, None, 1, 0) for ax in "xyz"}
-    widths = layer_widths(graph.num_features, args.hidden, args.layers, graph.num_classes)
+    widths = layer_widths(graph.num_features, args.heads * args.hidden, args.layers,
+                          graph.num_classes)
     shard = InMemorySource(graph, permutation="double", seed=0, aggregation="gcn").shard(
         {"x": 1, "y": 1, "z": 1}, {"x": 0, "y": 0, "z": 0}, widths)
-    net = PlexusGAT(shard, groups, heads=args.heads, seed=0, dropout=args.dropout,
-                    attention_dropout=args.dropout)
+    net = PlexusGCN(shard, groups, model="gat", heads=args.heads, seed=0, dropout=args.dropout,
+                    attention_dropout=args.dropout, bias=True)
     net.train()
     opt = torch.optim.Adam(net.parameters(), lr=0.005, weight_decay=5e-4)
     rows = torch.from_numpy(shard.out_rows.astype("int64"))
@@ -79,10 +81,9 @@ def pyg(graph, args):
     from torch_geometric.nn import GATConv
 
     torch.manual_seed(0)
-    c = args.hidden // args.heads
     convs = torch.nn.ModuleList(
-        GATConv(graph.num_features if layer == 0 else args.hidden,
-                graph.num_classes if layer == args.layers - 1 else c, heads=args.heads,
+        GATConv(graph.num_features if layer == 0 else args.heads * args.hidden,
+                graph.num_classes if layer == args.layers - 1 else args.hidden, heads=args.heads,
                 concat=layer < args.layers - 1, dropout=args.dropout)
         for layer in range(args.layers))
     convs.train()

@@ -10,7 +10,6 @@ import torch
 
 from common.exchange import any_rank
 from common.parallel import ParallelState
-from plexus import layout
 from plexus.config import ModelConfig, OptimConfig
 from plexus.data import DatasetCorruptError, GraphShard, ShardSource
 from plexus.layer_plan import OPTIONS as PLAN_OPTIONS
@@ -30,8 +29,7 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
     so that no rank waits in a collective for one that stopped.
     """
     grid = parallel.grid
-    widths = layout.layer_widths(source.num_features, model.hidden, model.num_layers,
-                                 source.num_classes)
+    widths = model.widths(source.num_features, source.num_classes)
     error: Exception | None = None
     try:
         shard = source.shard(grid.shape, grid.coords(parallel.rank), widths)
@@ -48,7 +46,8 @@ def shard_and_model(source: ShardSource, parallel: ParallelState, model: ModelCo
                     learn_features=model.learn_features, seed=seed, dropout=model.dropout,
                     bias=model.bias, norm=model.norm,
                     normalize_features=model.normalize_features, residual=model.residual,
-                    precision=model.precision, gemm=gemm, plan=plan)
+                    precision=model.precision, gemm=gemm, plan=plan, heads=model.heads,
+                    attention_dropout=model.attention_dropout)
     # the model keeps its 1/Z slice of the [N/X, D_0/Y] block: release the block itself
     shard.features_block = shard.features_block.new_empty((0, shard.features_block.shape[1]))
     # and once H_0 is cached, layer 0's adjacency (the trainer never moves the model again)

@@ -21,7 +21,7 @@ from plexus.model import PlexusGCN
 
 # what must agree between the checkpoint and the run that loads it
 IDENTITY = ("dataset", "num_nodes", "widths", "learn_features", "model", "bias", "norm",
-            "residual")
+            "residual", "heads")
 
 
 def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
@@ -30,7 +30,8 @@ def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
             "widths": list(model.shard.widths),
             "learn_features": isinstance(model.features, torch.nn.Parameter),
             "model": model.kind, "bias": len(model.biases) > 0, "norm": model.norm_kind,
-            "residual": model.residual}
+            "residual": model.residual,
+            "heads": model.heads if model.kind == "gat" else None}
 
 
 def entries(model: PlexusGCN) -> list[sharded.Entry]:

@@ -1,6 +1,6 @@
 """Keyword-only configs of a plexus run, one per component, validated at construction.
 
-    ModelConfig   GCN/SAGE, depth, width, the recipe      -> plexus.model.PlexusGCN
+    ModelConfig   GCN/SAGE/GAT, depth, width, the recipe  -> plexus.model.PlexusGCN
     OptimConfig   Adam (L2 decay) or AdamW, per layer    -> torch.optim.Adam / AdamW
     RunConfig     epochs, seed, CPU kernel and allocator -> plexus.trainer.Trainer
 
@@ -18,18 +18,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import dense
-from common.perf.gcn_workload import GCNWorkload
+from common.perf.gcn_workload import GCNWorkload, heads_problems
 from common.precision import PRECISIONS
+from plexus.layout import layer_widths
 from plexus.sparse import SPMM_KERNELS
 
-MODELS = ("gcn", "sage")
+MODELS = ("gcn", "sage", "gat")
 NORMS = ("none", "batch", "layer")
 OPTIMIZERS = ("adam", "adamw")
 
 
 def aggregation_of(model: str) -> str:
-    """The adjacency a model needs from its data source: ``gcn`` (``Â``) or ``mean``
-    (GraphSAGE's mean over in-neighbours, with the root blocks)."""
+    """The adjacency a model needs from its data source: ``gcn`` (``Â``: GAT reads its
+    pattern, ``A + I``, not its values) or ``mean`` (GraphSAGE's mean over in-neighbours,
+    with the root blocks)."""
     return "mean" if model == "sage" else "gcn"
 
 
@@ -43,9 +45,14 @@ class ModelConfig:
     plan_layers`, once per model).
 
     Attributes:
-        model: ``gcn`` (Kipf & Welling) or ``sage`` (GraphSAGE, mean aggregation + root weight).
+        model: ``gcn`` (Kipf & Welling), ``sage`` (GraphSAGE, mean aggregation + root weight)
+            or ``gat`` (graph attention, PyG's ``GATConv``: plexus.gat_model).
         num_layers: layers L (>= 1).
-        hidden: hidden width.
+        hidden: hidden width; for ``gat`` the width of each head (a hidden layer is ``heads``
+            times as wide, its heads concatenated), as PyG's ``GATConv(.., hidden, heads)``.
+        heads: ``gat``'s attention heads in every layer (averaged in the last); each layer's
+            I axis must split them.
+        attention_dropout: ``gat``'s dropout rate on the attention coefficients.
         learn_features: make the input features trainable parameters (as the paper does).
         dropout: dropout rate on the input of every layer (0.5 as the PyG and OGB examples).
         bias: a bias in every layer.
@@ -79,6 +86,8 @@ class ModelConfig:
     model: str = "gcn"
     num_layers: int = 3
     hidden: int = 128
+    heads: int = 8
+    attention_dropout: float = 0.0
     learn_features: bool = False
     dropout: float = 0.5
     bias: bool = True
@@ -97,9 +106,34 @@ class ModelConfig:
                      precision=self.precision, learn_features=self.learn_features)
         if self.aggregation_blocks is not None and self.aggregation_blocks < 1:
             raise ValueError(f"need aggregation_blocks >= 1, got {self.aggregation_blocks}")
-        if self.num_layers < 1 or self.hidden < 1:
-            raise ValueError(f"need num_layers >= 1 and hidden >= 1; got num_layers="
-                             f"{self.num_layers}, hidden={self.hidden}")
+        if self.num_layers < 1 or self.hidden < 1 or self.heads < 1:
+            raise ValueError(f"need num_layers, hidden and heads >= 1; got num_layers="
+                             f"{self.num_layers}, hidden={self.hidden}, heads={self.heads}")
+        if not 0 <= self.attention_dropout < 1:
+            raise ValueError(f"need 0 <= attention_dropout < 1, got {self.attention_dropout}")
+        if self.model == "gat":
+            # GAT's layer is attention, not an aggregation and a product: none of these runs
+            asked = [name for name in ("labelled_rows_only", "overlap", "weight_first")
+                     if getattr(self, name)] + (
+                ["aggregation_blocks"] if (self.aggregation_blocks or 1) > 1 else [])
+            if asked:
+                raise ValueError(f"model 'gat' does not run {', '.join(asked)}: leave "
+                                 "them unset (they change how GCN and GraphSAGE layers run)")
+
+    @property
+    def width(self) -> int:
+        """The width of a hidden layer: ``hidden``, or ``heads * hidden`` for ``gat``."""
+        return self.hidden * self.heads if self.model == "gat" else self.hidden
+
+    def grid_problems(self, shape: Any) -> list[str]:
+        """Problems of running this model on a grid of ``shape`` (axis -> ranks), as
+        sentences (a :class:`common.grid.ProcessGrid` constraint): GAT's heads must split
+        over every layer's inner axis."""
+        return heads_problems(self.heads, self.num_layers, shape) if self.model == "gat" else []
+
+    def widths(self, num_features: int, num_classes: int) -> list[int]:
+        """``[D_0, width, ..., C]``: every layer's input width and the classes."""
+        return layer_widths(num_features, self.width, self.num_layers, num_classes)
 
 
 def check_recipe(*, model: str, norm: str, dropout: float, precision: str = "fp32",
@@ -113,6 +147,9 @@ def check_recipe(*, model: str, norm: str, dropout: float, precision: str = "fp3
         raise ValueError(f"need 0 <= dropout < 1, got {dropout}")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
+    if model == "gat" and (precision != "fp32" or learn_features):
+        raise ValueError("model 'gat' runs in precision 'fp32' with fixed input features; "
+                         "drop --precision bf16 and --learn-features")
     if precision == "bf16" and learn_features:
         raise ValueError("precision 'bf16' keeps the input features in bf16 and cannot train "
                          "them (learn_features): use precision 'fp32' to learn them")
@@ -236,7 +273,9 @@ def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:
                        nnz=source.nnz, cache_first_aggregation=model.dropout == 0,
                        dropout=model.dropout, num_features=source.num_features,
                        num_classes=source.num_classes, num_layers=model.num_layers,
-                       hidden=model.hidden, learn_features=model.learn_features,
+                       hidden=model.width, heads=model.heads if model.model == "gat" else 1,
+                       attention_dropout=model.attention_dropout,
+                       learn_features=model.learn_features,
                        labelled_fraction=min(1.0, labelled),
                        labelled_rows_only=model.labelled_rows_only, overlap=model.overlap,
                        norm=model.norm, precision=model.precision,

@@ -308,7 +308,8 @@ def attention_layer(f: torch.Tensor, w: torch.Tensor, att_src: torch.Tensor,
 
 
 def heads_to_columns(q: torch.Tensor, groups: dict[str, AxisGroup], roles: tuple[str, str, str],
-                     *, last: bool, stats: CommStats | None = None) -> torch.Tensor:
+                     *, last: bool, width: int | None = None,
+                     stats: CommStats | None = None) -> torch.Tensor:
     """A layer's ``Q`` from :func:`attention_layer` (heads over I, replicated over O) in the
     layout of a GCN layer's output, ``[N/P, D_l+1/O]`` replicated over I (section 14, option
     (b)): a hidden layer's heads concatenated, all-gathered over I along the heads (G7), the
@@ -317,9 +318,10 @@ def heads_to_columns(q: torch.Tensor, groups: dict[str, AxisGroup], roles: tuple
     Backward: the gradient of the chunk arrives whole (the next :func:`attention_layer`
     gathers its ``dF'`` over its P, which is this I; the loss gives the logits' own), so the
     chunks are all-gathered over O and each rank of I keeps its heads' part (G7), or takes it
-    as it is (G6).
+    as it is (G6). ``width``: the columns zero-padded to it first (the layer's padded width,
+    plexus.layout.padded_widths), so that they split over O.
 
-    Shapes: q [N/P, K/I, c] -> [N/P, K c/O] (hidden) or [N/P, c/O] (last: c the classes)
+    Shapes: q [N/P, K/I, c] -> [N/P, width/O] (hidden: K c columns; last: c, the classes)
     """
     o_ax, i_ax, _ = roles
     go, gi = groups[o_ax], groups[i_ax]
@@ -327,6 +329,8 @@ def heads_to_columns(q: torch.Tensor, groups: dict[str, AxisGroup], roles: tuple
         q = autograd.all_reduce_identity(q.sum(1) / (q.shape[1] * gi.size), gi, stats)  # (G6)
     else:
         q = autograd.all_gather_split(q, gi, 1, stats).flatten(1)                # (G7)
+    if width is not None and width > q.shape[1]:
+        q = torch.nn.functional.pad(q, (0, width - q.shape[1]))
     if q.shape[1] % go.size:
         raise ValueError(f"{q.shape[1]} columns do not split over O's {go.size} ranks: pad "
                          "the width to a multiple of it")

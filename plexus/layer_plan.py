@@ -88,7 +88,8 @@ def plan_layers(shard: GraphShard, sizes: Mapping[str, int], *, model: str = "gc
                 labelled_rows_only: bool | None = None, overlap: bool | None = None,
                 aggregation_blocks: int | None = None, recompute_first: bool = True,
                 weight_first: bool | None = None, comm_offloaded: bool = True) -> LayerPlan:
-    """The plan of a model of ``model`` (``gcn`` or ``sage``) on ``shard`` over a grid of
+    """The plan of a model of ``model`` (``gcn`` or ``sage``; ``gat`` runs none of the
+    options, so its plan is all off) on ``shard`` over a grid of
     ``sizes`` (``{"x": X, "y": Y, "z": Z}``). Each option is :class:`~plexus.config.
     ModelConfig`'s of that name; None leaves the choice to the rule of
     :mod:`common.perf.gcn_workload`:
@@ -108,6 +109,8 @@ def plan_layers(shard: GraphShard, sizes: Mapping[str, int], *, model: str = "gc
       ``H_0`` would be recomputed; False never (``weight_first_pays``).
     """
     num_layers = len(shard.widths) - 1
+    if model == "gat":  # attention, not an aggregation and a product: none of these applies
+        return LayerPlan(weight_first=(False,) * num_layers)
     fixed = not learn_features
     labelled = sum(shard.split_counts.values()) / max(shard.num_nodes, 1)
     rows_only = labelled_rows_pay(labelled, labelled_rows_only)

@@ -32,6 +32,7 @@ from plexus import layout, ops, shards
 from plexus.config import check_recipe
 from plexus.data.shard import GraphShard
 from plexus.first_layer import FirstLayer
+from plexus.gat_model import GATLayers
 from plexus.last_layer import LastLayer
 from plexus.layer_dropout import LayerDropout
 from plexus.layer_plan import AGGREGATION_BLOCKS, LayerPlan, plan_layers
@@ -44,8 +45,8 @@ from plexus.weights import ROOT_SEED_OFFSET, init_weights
 __all__ = ["ROOT_SEED_OFFSET", "PlexusGCN", "init_weights"]
 
 
-class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
-    """An L-layer GCN or GraphSAGE whose every tensor is sharded over a 3D grid (x, y, z).
+class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
+    """An L-layer GCN, GraphSAGE or GAT whose every tensor is sharded over a 3D grid (x, y, z).
 
     Layer ``l`` (roles O, I, P)::
 
@@ -53,6 +54,7 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         GCN:  Q = (Â F') W_l                     collectives 1-4
         SAGE: Q = (A_mean F') W_l + (S F') R_l   A_mean: mean over in-neighbours
         Q  += b_l                                b_l [D_l+1/O], replicated over I and P
+        GAT:  Q = attention(F', W_l, a_l)        plexus.gat_model: heads over I, G1-G7
         F_l+1 = relu(norm(Q)) (+ F_l)            hidden layers; the last layer returns Q
 
     GraphSAGE's root term ``x_i R_l`` needs the input rows of the output nodes, which live on
@@ -72,6 +74,8 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
             norm's saved inputs in bf16 and sends every message of (1)-(8) as bf16
             (:attr:`wire`); sums, weights and gradients stay float32.
         gemm: the backend of ``H W`` and ``dQ W^T`` (:func:`common.dense.mm`).
+        heads, attention_dropout: GAT's (``model="gat"``; ``shard.widths``' hidden widths are
+            then ``heads`` times a head's).
         plan: how each layer runs (:func:`plexus.layer_plan.plan_layers`, as the trainer
             makes it); None: made here from ``options`` (``labelled_rows_only``, ``overlap``,
             ``aggregation_blocks``, ``recompute_first``, ``weight_first``).
@@ -85,7 +89,8 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
                  learn_features: bool = False, seed: int = 0, dropout: float = 0.0,
                  bias: bool = False, norm: str = "none", normalize_features: bool = False,
                  residual: bool = False, precision: str = "fp32", gemm: str = "auto",
-                 plan: LayerPlan | None = None, **options: Any) -> None:
+                 plan: LayerPlan | None = None, heads: int = 1, attention_dropout: float = 0.0,
+                 **options: Any) -> None:
         super().__init__()
         check_recipe(model=model, norm=norm, dropout=dropout, precision=precision,
                      learn_features=learn_features)
@@ -102,7 +107,7 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         self.plan, self.precision, self.gemm = plan, precision, dense.check_backend(gemm)
         # the dtype F_0 and the kept activations are stored in (None: float32, as computed)
         self.keep_dtype = torch.bfloat16 if precision == "bf16" else None
-        if residual:
+        if residual or model == "gat":  # GAT: t reaches the block's rows by owner
             add_root_blocks(shard, groups)
         self.shard, self.groups, self.kind, self.residual = shard, groups, model, residual
         self._exchanges: dict[int, tuple] = {}  # GraphSAGE's root rows by owner, per block
@@ -111,18 +116,26 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         self.wire = ({ax: g.on_wire(torch.bfloat16) for ax, g in groups.items()}
                      if precision == "bf16" else groups)
         self.seed, self.dropout, self.norm_kind = seed, dropout, norm
+        self.heads, self.attention_dropout = heads, attention_dropout
         self.num_layers = len(shard.widths) - 1
-        self.maps = shards.shard_maps(shard)
+        self.maps = shards.shard_maps(shard, heads if model == "gat" else None)
         self.block_shapes = [self.maps["weight", layer].block_shape(sizes)
                              for layer in range(self.num_layers)]
-        self.weights = self.sharded_weights(init_weights(shard.widths, seed))  # W_l
+        # Q's columns on this rank, D_l+1/O (GAT's weight blocks hold every column)
+        self.out_cols = [self.maps["vector", layer].block_shape(sizes)[0]
+                         for layer in range(self.num_layers)]
+        self.att_src, self.att_dst = nn.ParameterList(), nn.ParameterList()  # GAT's a_l
+        if model == "gat":
+            self._gat_parameters(seed)  # W_l and a_l (plexus.gat_model)
+        else:
+            self.weights = self.sharded_weights(init_weights(shard.widths, seed))  # W_l
         self.root_weights = self.sharded_weights(  # R_l: GraphSAGE's root term
             init_weights(shard.widths, seed + ROOT_SEED_OFFSET) if model == "sage" else [])
         self.biases = nn.ParameterList(
             nn.Parameter(self.shard_vector(torch.zeros(shard.widths[layer + 1]), layer))
             for layer in range(self.num_layers) if bias)
         self.norms = nn.ModuleList(
-            make_norm(norm, layer, self.block_shapes[layer][1], shard, groups)
+            make_norm(norm, layer, self.out_cols[layer], shard, groups)
             for layer in range(self.num_layers - 1) if norm != "none")
         block = shard.features_block  # [N/X, D_0/Y]
         if normalize_features:
@@ -158,6 +171,12 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
             skip = None
             if layer == 0 and self.plan.recompute_first and not rows_only:
                 q = self._first_not_kept(step, stats, w)   # H_0 W_0, nothing kept  (1)-(7)
+            elif self.kind == "gat":
+                f = self._input(layer, f, stats)           # F_l                      (1)
+                skip = self._skip(layer, f, stats)
+                f = self.drop(layer, f, step) if self.training else f  # F'
+                q = self._attend(layer, f, stats, step)    # attention, G1-G7
+                f = None
             elif self.plan.weight_first[layer]:
                 f = self._input(layer, f, stats)           # F_l                      (1) or (8)
                 skip = self._skip(layer, f, stats)
@@ -188,12 +207,13 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
 
     def _input(self, layer: int, f: torch.Tensor | None, stats: CommStats | None):
         """F_l [N/O, D_l/I], replicated over P: layer 0 gathers its flat shard over P
-        (collective 1; backward 8 reduce-scatters), later layers all-reduce dF over P."""
+        (collective 1; backward 8 reduce-scatters), later layers all-reduce dF over P (not
+        GAT's: its dF' is whole there, plexus.gat_model)."""
         p_group = self.wire[layout.roles(layer)[2]]
         if layer == 0:
             return flat.all_gather_reduce_scatter(self.features, p_group, self.features_shape,
                                                   stats)
-        return autograd.identity_all_reduce(f, p_group, stats)
+        return f if self.kind == "gat" else autograd.identity_all_reduce(f, p_group, stats)
 
     def _aggregate(self, layer: int, f: torch.Tensor, stats: CommStats | None,
                    rows_only: bool = False):
@@ -303,7 +323,8 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         """Q summed over I (collective 4, in place: q is fresh), then ``+ b_l`` in place (the
         logits block is the largest activation); the bias's gradient is all-reduced over P."""
         _, i_ax, p_ax = layout.roles(layer)
-        q = autograd.all_reduce_identity(q, self.wire[i_ax], stats, inplace=True)
+        if self.kind != "gat":  # GAT's Q is whole already (plexus.gat.heads_to_columns)
+            q = autograd.all_reduce_identity(q, self.wire[i_ax], stats, inplace=True)
         if len(self.biases):
             q = q.add_(autograd.identity_all_reduce(self.biases[layer], self.groups[p_ax], stats))
         return q
@@ -323,6 +344,8 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, nn.Module):
         layer has a residual (plexus.residual), else None."""
         if not has_skip(self.residual, layer, self.num_layers):
             return None
+        if self.kind == "gat":  # S^T dR is partial over P, where GAT's input is not summed
+            f = autograd.identity_all_reduce(f, self.wire[layout.roles(layer)[2]], stats)
         rows = self._spmm_o(self.shard.root, layer, f, stats)  # S_l F_l [N/P, D_l/I]
-        return in_output_columns(rows, layer, self.block_shapes[layer][1],
+        return in_output_columns(rows, layer, self.out_cols[layer],
                                  self.shard.widths[layer], self.groups, self.wire, stats)

@@ -19,13 +19,16 @@ from plexus import shards
 class ShardedState:
     """Mixed into :class:`plexus.model.PlexusGCN`, which sets what it reads: ``maps``
     (:func:`plexus.shards.shard_maps`), ``groups`` (the rank's axis groups), ``num_layers``,
-    and the ``weights``, ``root_weights``, ``biases``, ``norms`` and ``features`` it holds."""
+    and the ``weights``, ``root_weights``, ``att_src``, ``att_dst``, ``biases``, ``norms`` and
+    ``features`` it holds."""
 
     maps: dict[tuple[str, int | None], shards.ShardMap]
     groups: Mapping[str, AxisGroup]
     num_layers: int
     weights: Any
     root_weights: Any
+    att_src: Any
+    att_dst: Any
     biases: Any
     norms: Any
     features: torch.Tensor
@@ -37,6 +40,9 @@ class ShardedState:
         out: list[tuple[str, torch.Tensor, str, int | None]] = []
         for layer in range(self.num_layers):
             out.append((f"w{layer}", self.weights[layer], "weight", layer))
+            if len(self.att_src):  # GAT's attention vectors
+                out += [(f"att_src{layer}", self.att_src[layer], "att", layer),
+                        (f"att_dst{layer}", self.att_dst[layer], "att", layer)]
             if len(self.root_weights):
                 out.append((f"root{layer}", self.root_weights[layer], "weight", layer))
             if len(self.biases):

@@ -12,6 +12,9 @@ kind         full shape      rows split over         cols over     then
 weight l     [D_l, D_l+1]    I_l                     O_l           flat over P_l
 vector l     [D_l+1]         (1-D)                   O_l           replicated over I_l, P_l
 features     [N, D_0]        x (= O_0), in order Pc  y (= I_0)     flat over z (= P_0)
+GAT:
+weight l     [D_l, K c_l]    I_l                     (whole)       flat over P_l
+att l        [K, c_l]        I_l (the heads)         (whole)       replicated over O_l, P_l
 ===========  ==============  ======================  ============  =========================
 
 ``weight`` covers ``W_l`` and ``R_l`` (and anything laid out like them: gradients, Adam
@@ -40,7 +43,7 @@ from common.sharded import Slab
 from plexus.data.shard import GraphShard, release_pages
 from plexus.layout import roles
 
-KINDS = ("weight", "vector", "features")
+KINDS = ("weight", "vector", "features", "att")
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,18 +70,27 @@ class ShardMap:
         return tuple(n // sizes[a] if a else n for n, a in zip(self.padded, self.axes))
 
 
-def shard_maps(shard: GraphShard) -> dict[tuple[str, int | None], ShardMap]:
-    """The table of the module docstring for a shard's widths, keyed by (kind, layer). Pure."""
+def shard_maps(shard: GraphShard, heads: int | None = None
+               ) -> dict[tuple[str, int | None], ShardMap]:
+    """The table of the module docstring for a shard's widths, keyed by (kind, layer); with
+    ``heads``, GAT's weights and attention vectors (plexus.gat_model). Pure."""
     w, wp = shard.widths, shard.widths_padded
     o0, i0, p0 = roles(0)
     maps = {("features", None): ShardMap((shard.num_nodes, w[0]),
                                          (shard.num_nodes_padded, wp[0]), (o0, i0), p0,
                                          order=shard.pc)}
+    last = len(w) - 2
     for layer in range(len(w) - 1):
         o, i, p = roles(layer)
-        maps["weight", layer] = ShardMap((w[layer], w[layer + 1]), (wp[layer], wp[layer + 1]),
-                                         (i, o), p)
         maps["vector", layer] = ShardMap((w[layer + 1],), (wp[layer + 1],), (o,))
+        if heads is None:
+            maps["weight", layer] = ShardMap((w[layer], w[layer + 1]),
+                                             (wp[layer], wp[layer + 1]), (i, o), p)
+            continue
+        c = w[layer + 1] if layer == last else w[layer + 1] // heads  # a head's width
+        maps["weight", layer] = ShardMap((w[layer], heads * c), (wp[layer], heads * c),
+                                         (i, None), p)
+        maps["att", layer] = ShardMap((heads, c), (heads, c), (i, None))
     return maps
 
 

@@ -89,10 +89,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "machine profile (name or JSON path; default $HPC_MACHINE_PROFILE, else "
                    "local-cpu; see python -m common.perf)")
     p.add_argument("--model", choices=MODELS, default=m.model,
-                   help="gcn (Kipf & Welling) or sage (GraphSAGE: mean of in-neighbours plus "
-                   "a root weight)")
+                   help="gcn (Kipf & Welling), sage (GraphSAGE: mean of in-neighbours plus "
+                   "a root weight) or gat (graph attention, PyG's GATConv: --heads, "
+                   "--attention-dropout)")
     p.add_argument("--layers", type=int, default=m.num_layers, help="layers")
-    p.add_argument("--hidden", type=int, default=m.hidden)
+    p.add_argument("--hidden", type=int, default=m.hidden,
+                   help="hidden width (gat: of each head; a hidden layer is heads x hidden)")
+    p.add_argument("--heads", type=int, default=m.heads,
+                   help="gat: attention heads of every layer, concatenated in the hidden "
+                   "layers and averaged in the last; every layer's inner grid axis must "
+                   "divide it")
+    p.add_argument("--attention-dropout", type=float, default=m.attention_dropout,
+                   help="gat: dropout rate on the attention coefficients (PyG's GATConv "
+                   "dropout; the same masks on any grid)")
     p.add_argument("--dropout", type=float, default=m.dropout,
                    help="dropout rate on the input of every layer (the same masks on any grid)")
     p.add_argument("--no-bias", dest="bias", action="store_false", help="layers without bias")
@@ -262,6 +271,7 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
     token = job_token(ctx, prepare=args.prepare)  # first: no rank may be left waiting in it
     configs = {
         "model": ModelConfig(model=args.model, num_layers=args.layers, hidden=args.hidden,
+                             heads=args.heads, attention_dropout=args.attention_dropout,
                              learn_features=args.learn_features, dropout=args.dropout,
                              bias=args.bias, norm=args.norm,
                              normalize_features=args.normalize_features,

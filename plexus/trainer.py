@@ -88,7 +88,7 @@ class Trainer:
         self.source, self.parallel, self.model_config = source, parallel, model
         self.optim_cfg, self.run_cfg = optim or OptimConfig(), run or RunConfig()
         self.checkpoint = checkpoint or CheckpointConfig()
-        parallel.grid.check(parallel.world_size, source.grid_problems)
+        parallel.grid.check(parallel.world_size, source.grid_problems, model.grid_problems)
         need, has = aggregation_of(model.model), getattr(source, "aggregation", "gcn")
         if has != need and hasattr(source, "with_aggregation"):  # the same data, served both ways
             source, has = source.with_aggregation(need), need

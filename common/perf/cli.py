@@ -40,6 +40,8 @@ DATASETS = {"ogbn-products": perf_gcn.ogbn_products, "ogbn-papers100M": perf_gcn
 def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
     """The GCN workload of the ``gcn`` sub-command's flags."""
     opts = {"model": args.model, "num_layers": args.layers, "hidden": args.hidden,
+            "heads": args.heads if args.model == "gat" else 1,
+            "attention_dropout": args.attention_dropout,
             "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache,
             "overlap": {"auto": None, "on": True, "off": False}[args.overlap],
             "norm": args.norm, "precision": args.precision, "dropout": args.dropout,
@@ -125,9 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "made symmetric; so --nodes, --features, --classes)")
     g.add_argument("--features", type=int)
     g.add_argument("--classes", type=int)
-    g.add_argument("--model", choices=("gcn", "sage"), default="gcn",
+    g.add_argument("--model", choices=("gcn", "sage", "gat"), default="gcn",
                    help="sage: GraphSAGE, whose root term doubles the aggregation and weight "
-                   "collectives")
+                   "collectives; gat: graph attention (common.perf.gat; --hidden is then "
+                   "every head's width together, heads x a head's)")
+    g.add_argument("--heads", type=int, default=8, help="gat: attention heads per layer")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="gat: dropout rate on the attention coefficients")
     g.add_argument("--layers", type=int, default=3)
     g.add_argument("--hidden", type=int, default=128)
     g.add_argument("--learn-features", action="store_true")

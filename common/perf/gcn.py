@@ -64,6 +64,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from common.grid import ProcessGrid, ceil_div, round_up
+from common.perf.gat import gat_collectives, gat_compute, gat_memory
 from common.perf.gcn_memory import RECOMPUTE_BLOCKS as RECOMPUTE_BLOCKS  # re-exported
 from common.perf.gcn_memory import gcn_memory
 from common.perf.gcn_memory import gcn_memory_parts as gcn_memory_parts  # re-exported
@@ -90,6 +91,8 @@ from common.perf.model import (
     group_stride,
     rank_predictions,
 )
+from common.perf.roofline import gemm_seconds as gemm_seconds  # re-exported
+from common.perf.roofline import spmm_bytes as spmm_bytes  # re-exported
 from common.precision import PRECISIONS as PRECISIONS
 
 
@@ -163,14 +166,6 @@ def gcn_collectives(work: GCNWorkload, shape: Mapping[str, int], *, first_epoch:
     return out
 
 
-def spmm_bytes(rows: int, nnz: float, width: int, *, index_bytes: int, cache_line: int,
-               x_bytes: int = F32) -> float:
-    """Bytes a CSR SpMM ``[rows, *] @ [*, width]`` moves without reuse of the gathered rows
-    (of ``x_bytes`` an element: 2 for a bf16 X; the output is float32)."""
-    row = ceil_div(width * x_bytes, cache_line) * cache_line
-    return nnz * (index_bytes + F32) + (rows + 1) * index_bytes + nnz * row + rows * width * F32
-
-
 def spmm_t_bytes(rows: int, cols: int, nnz: float, width: int, *, index_bytes: int,
                  cache_line: int, x_bytes: int = F32) -> float:
     """Bytes ``A^T @ Y`` moves for a CSR ``A [rows, cols]`` read as its own transpose
@@ -193,11 +188,6 @@ def backward_spmm_bytes(machine: MachineProfile, rows: int, cols: int, nnz: floa
                           x_bytes=x_bytes)
     return spmm_t_bytes(rows, cols, nnz, width, index_bytes=index_bytes,
                         cache_line=cache_line, x_bytes=x_bytes)
-
-
-def gemm_seconds(m: int, k: int, n: int, flops: float, memory_bandwidth: float) -> float:
-    """Roofline time of a float32 GEMM ``[m, k] @ [k, n]``."""
-    return max(2.0 * m * k * n / flops, F32 * (m * k + k * n + m * n) / memory_bandwidth)
 
 
 # what an all-reduce with bf16 messages (common.collectives, common.wire) costs in memory
@@ -371,6 +361,14 @@ def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],
     grid = ProcessGrid.plexus(shape["x"], shape["y"], shape["z"])
     num_ranks = grid.num_ranks
     node_ranks = machine.node_ranks(num_ranks, ranks_per_node)
+    limit = machine.memory_per_rank(num_ranks, ranks_per_node)
+    if work.model == "gat":  # common.perf.gat: no overlap, nothing cached
+        colls = gat_collectives(work, shape)
+        return Prediction(shape=dict(grid.shape),
+                          compute=gat_compute(work, shape, machine, node_ranks=node_ranks),
+                          comm=comm_seconds(colls, grid, machine, node_ranks),
+                          comm_bytes=bytes_by_axis(colls, shape),
+                          memory=gat_memory(work, shape), memory_limit=limit)
     colls = gcn_collectives(work, shape, first_epoch=first_epoch)
     return Prediction(
         shape=dict(grid.shape),
@@ -380,7 +378,7 @@ def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],
         comm_bytes=bytes_by_axis(colls, shape),
         memory=gcn_memory(work, shape, stored_transposes=machine.device_memory is not None,
                           fused_norm=machine.device_memory is None),
-        memory_limit=machine.memory_per_rank(num_ranks, ranks_per_node),
+        memory_limit=limit,
         hidden=overlap_hidden_seconds(work, shape, machine, node_ranks=node_ranks,
                                       first_epoch=first_epoch),
     )

@@ -85,6 +85,14 @@ def overlap_pays(shape: Mapping[str, int], option: bool | None = None, *,
     return comm_offloaded and any(size > 1 for size in shape.values())
 
 
+def heads_problems(heads: int, num_layers: int, shape: Mapping[str, int]) -> list[str]:
+    """A GAT's grid problems: its ``heads`` must split over each layer's inner axis I (every
+    head whole on a rank, plexus.gat), as sentences with the arithmetic."""
+    return [f"heads: {heads} % {ax}={shape[ax]} = {heads % shape[ax]} (layer {layer}'s inner "
+            "axis; choose heads divisible by it)" for layer in range(num_layers)
+            for ax in [roles(layer)[1]] if heads % shape[ax]]
+
+
 def comm_offloaded(machine: MachineProfile, node_ranks: int) -> bool:
     """Whether ``machine``'s collectives leave the compute's cores alone at ``node_ranks``
     ranks per node: a GPU profile, or a CPU one with at least two cores per rank."""
@@ -99,11 +107,17 @@ class GCNWorkload:
 
     Attributes:
         name: label for tables.
-        model: ``gcn`` or ``sage`` (GraphSAGE: a root term beside the mean aggregation).
+        model: ``gcn``, ``sage`` (GraphSAGE: a root term beside the mean aggregation) or
+            ``gat`` (graph attention: common.perf.gat models its epoch; none of the options
+            below that change how a GCN layer runs applies, and the first layer is never
+            cached).
         num_nodes: N.
         nnz: nonzeros of the normalised adjacency, self-loops included.
         num_features, num_classes: D_0 and C.
-        num_layers, hidden: L and the hidden width.
+        num_layers, hidden: L and the hidden width (``gat``: every head's, ``heads`` times a
+            head's width).
+        heads: ``gat``'s attention heads ``K`` per layer.
+        attention_dropout: ``gat``'s rate on the coefficients (its keep-masks are kept).
         learn_features: trainable input features (every collective runs every epoch).
         cache_first_aggregation: reuse ``H_0`` across epochs when features are fixed (our
             trainer does without dropout; the paper's code recomputes it, so its check sets
@@ -147,6 +161,8 @@ class GCNWorkload:
     num_classes: int
     num_layers: int = 3
     hidden: int = 128
+    heads: int = 1
+    attention_dropout: float = 0.0
     learn_features: bool = False
     cache_first_aggregation: bool = True
     dropout: float = 0.0
@@ -165,8 +181,17 @@ class GCNWorkload:
         for f in ("num_nodes", "nnz", "num_features", "num_classes", "num_layers", "hidden"):
             if getattr(self, f) < 1:
                 raise ValueError(f"GCNWorkload.{f} must be >= 1, got {getattr(self, f)}")
-        if self.model not in ("gcn", "sage"):
-            raise ValueError(f"GCNWorkload.model must be gcn or sage, got {self.model!r}")
+        if self.model not in ("gcn", "sage", "gat"):
+            raise ValueError(f"GCNWorkload.model must be gcn, sage or gat, got {self.model!r}")
+        if self.model == "gat":
+            if self.learn_features or self.precision != "fp32" or self.hidden % self.heads:
+                raise ValueError("GCNWorkload: gat runs fp32 with fixed features, and its "
+                                 f"hidden width ({self.hidden}) is heads ({self.heads}) times "
+                                 "a head's")
+            for name, value in (("labelled_rows_only", False), ("overlap", False),
+                                ("weight_first", False), ("recompute_first", False),
+                                ("cache_first_aggregation", False)):
+                object.__setattr__(self, name, value)  # GAT runs none of these
         if self.imbalance < 1:
             raise ValueError(f"imbalance is max/mean nonzeros, >= 1; got {self.imbalance}")
         if self.norm not in ("none", "batch", "layer"):
@@ -212,9 +237,10 @@ class GCNWorkload:
         return n, out
 
     def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
-        """Problems of running on ``shape``: none; every X x Y x Z grid pads what it needs
-        (the same interface as :meth:`common.perf.gpt.GPTWorkload.grid_problems`)."""
-        return []
+        """Problems of running on ``shape`` (the same interface as :meth:`common.perf.gpt.
+        GPTWorkload.grid_problems`): every X x Y x Z grid pads what it needs, but GAT's heads
+        must split over each layer's inner axis."""
+        return heads_problems(self.heads, self.num_layers, shape) if self.model == "gat" else []
 
     @property
     def terms(self) -> int:

@@ -14,7 +14,7 @@ def test_the_bench_times_both_sides_and_judges_the_ratio(capsys):
     pytest.importorskip("torch_geometric")
     module = load_bench("gat_epoch")
     code = module.main(["--nodes", "1500", "--epochs", "2", "--warmup", "1", "--heads", "2",
-                        "--hidden", "8"])
+                        "--hidden", "4"])
     out = capsys.readouterr().out
     verdict = re.search(r"ours (\d+) ms, PyG (\d+) ms; ours/PyG ([\d.]+) \(target <= 0.5: "
                         r"(met|NOT met)\)", out)

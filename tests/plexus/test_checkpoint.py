@@ -46,7 +46,7 @@ def _train_and_save(ctx, grid, ck, model):
     source = InMemorySource(planted_partition(num_nodes=301, seed=2), permutation="double",
                             aggregation=aggregation_of(model["model"]))
     res = train_gcn(source, ProcessGrid.parse(grid), ctx.rank,
-                    **split_config(epochs=3, hidden=12, learn_features=True, **model),
+                    **split_config(epochs=3, hidden=12, **{"learn_features": True, **model}),
                     checkpoint=CheckpointConfig(dir=ck))
     return _full_logits(res.model)
 
@@ -63,7 +63,7 @@ def _load_and_predict(ctx, grid, ck, model):
     source = InMemorySource(planted_partition(num_nodes=301, seed=2), permutation="single",
                             seed=9, aggregation=aggregation_of(model["model"]))
     _, net = shard_and_model(source, ParallelState.create(ctx, ProcessGrid.parse(grid)),
-                             ModelConfig(hidden=12, learn_features=True, **model), seed=9)
+                             ModelConfig(hidden=12, **{"learn_features": True, **model}), seed=9)
     opt = torch.optim.AdamW(net.parameters())
     checkpoint.load(ck, net, opt, meta=checkpoint.identity(net, source.name))
     return _full_logits(net)
@@ -90,6 +90,9 @@ def _full_logits(model):
 @pytest.mark.parametrize("save_grid, load_grid, model", [
     ("2x2x2", "1x1x1", {"model": "gcn", "norm": "none"}),
     ("2x1x2", "1x2x1", {"model": "sage", "norm": "batch"}),  # root weights, norm statistics
+    # attention vectors, W over I only; heads over every layer's I (y, x, z)
+    ("1x2x4", "2x1x1", {"model": "gat", "norm": "batch", "heads": 4, "learn_features": False,
+                        "attention_dropout": 0.3}),
 ])
 def test_checkpoint_loads_on_another_grid(tmp_path, save_grid, load_grid, model):
     ck = str(tmp_path / "ck")
@@ -101,7 +104,8 @@ def test_checkpoint_loads_on_another_grid(tmp_path, save_grid, load_grid, model)
     manifest = sharded.load_latest(ck).manifest
     sizes = [v["bytes"] for k, v in manifest["files"].items() if k.startswith("shard-")]
     assert len(sizes) == world(save_grid)
-    assert max(sizes) < 1.5 * sum(sizes) / len(sizes), sizes
+    if model["model"] != "gat":  # (GAT's W is whole over O, written once: by its first rank)
+        assert max(sizes) < 1.5 * sum(sizes) / len(sizes), sizes
     loaded = run_ranks(_load_and_predict, world(load_grid), load_grid, ck, model)
     for out in loaded:
         err = float((out - saved).norm() / saved.norm())

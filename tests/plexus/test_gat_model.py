@@ -1,8 +1,10 @@
-"""The 3D-parallel GAT (plexus.gat_model.PlexusGAT) equals the serial GAT
-(plexus.gat_reference.SerialGAT, float64) of the same seed: logits of every node and the
-gradients of every weight, attention vector and bias, with dropout on the inputs and on the
-coefficients, on 1x1x1 and on 2x2x2, 1x2x4 and 4x1x2 (203 nodes: every grid pads; the double
-permutation), for two and three layers; and one rank's logits are PyG's ``GATConv`` stack's."""
+"""The 3D-parallel GAT (plexus.model.PlexusGCN with ``model="gat"``, plexus.gat_model) equals the
+serial GAT (plexus.gat_reference.SerialGAT, float64) of the same seed: the loss, the logits of
+a training pass and of an eval-mode pass after it, and the gradient of every weight, attention
+vector, bias and norm parameter, with dropout on the inputs and on the coefficients, on 1x1x1
+and on 2x2x2, 1x2x4 and 4x1x2 (203 nodes: every grid pads; the double permutation; the last
+layer's classes padded), for two, three and four layers, with batch and layer norm, feature
+normalisation and residuals; and one rank's logits are PyG's ``GATConv`` stack's."""
 
 from __future__ import annotations
 
@@ -14,119 +16,118 @@ from plexus import layout
 from plexus.gat_reference import SerialGAT
 from tests.distributed import run_ranks
 from tests.plexus.data.shards import model_source, small_graph
+from tests.plexus.test_model import full_logits, rel
 
-HEADS, HIDDEN, SEED, STEP, RATE = 4, 8, 6, 3, 0.3
+HEADS, HIDDEN, SEED, STEP, RATE = 4, 2, 6, 3, 0.3
 GRIDS = {1: ["1x1x1"], 8: ["2x2x2", "1x2x4", "4x1x2"]}
+CASES = [  # (layers, dropout, attention dropout, norm, normalize features, bias, residual)
+    (2, RATE, RATE, "none", False, True, False),
+    (3, RATE, RATE, "batch", True, True, True),
+    (4, 0.0, RATE, "layer", False, False, True),
+    (3, 0.0, 0.0, "batch", False, False, False),  # bare but the norm: bytes as common.perf's
+]
+BARE = CASES[-1]
 
 
 def _widths(graph, num_layers):
-    return layout.layer_widths(graph.num_features, HIDDEN, num_layers, graph.num_classes)
+    return layout.layer_widths(graph.num_features, HEADS * HIDDEN, num_layers,
+                               graph.num_classes)
 
 
-def _proj(graph):
-    gen = torch.Generator().manual_seed(21)
-    return torch.randn(graph.num_nodes, graph.num_classes, generator=gen, dtype=torch.float64)
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    """float32 against float64: within 1e-4 relative, or 1e-6 of the largest entry."""
-    top = ref.abs().max().item() if ref.numel() else 0.0
-    return torch.allclose(got.double(), ref, rtol=1e-4, atol=1e-6 * max(1.0, top))
+def _serial(graph, case):
+    num_layers, dropout, attention, norm, normalize, bias, residual = case
+    ref = SerialGAT(graph, _widths(graph, num_layers), heads=HEADS, seed=SEED, dropout=dropout,
+                    attention_dropout=attention, bias=bias, norm=norm,
+                    normalize_features=normalize, residual=residual)
+    logits = ref(step=STEP)
+    loss = torch.nn.functional.cross_entropy(logits[graph.train_idx], graph.y[graph.train_idx])
+    loss.backward()
+    ref.eval()
+    with torch.no_grad():
+        eval_logits = ref()
+    grads = {name: t.grad for name, t in ref.named_tensors().items() if t.grad is not None}
+    return {"loss": loss.item(), "logits": logits.detach(), "eval": eval_logits, "grads": grads}
 
 
 def _parallel(ctx, grids):
-    from plexus.gat_model import PlexusGAT
+    from common.comm_stats import CommStats
+    from plexus.loss import sharded_cross_entropy
+    from plexus.model import PlexusGCN
 
     graph = small_graph()
-    proj = _proj(graph)
     out = []
     for grid_text in grids:
         grid = ProcessGrid.parse(grid_text)
         groups = ctx.create_groups(grid)
-        for num_layers in (2, 3):
+        for case in CASES:
+            num_layers, dropout, attention, norm, normalize, bias, residual = case
             shard = model_source(graph, "gat").shard(grid.shape, grid.coords(ctx.rank),
                                                      _widths(graph, num_layers))
-            net = PlexusGAT(shard, groups, heads=HEADS, seed=SEED, dropout=RATE,
-                            attention_dropout=RATE)
+            net = PlexusGCN(shard, groups, model="gat", heads=HEADS, seed=SEED, dropout=dropout,
+                            attention_dropout=attention, bias=bias, norm=norm,
+                            normalize_features=normalize, residual=residual)
             net.train()
-            logits = net(step=STEP)
-            o_ax = layout.roles(num_layers - 1)[0]
-            cols = logits.shape[1]
-            lo = groups[o_ax].rank * cols
-            rows = torch.from_numpy(shard.out_rows.astype("int64"))
-            real = rows >= 0
-            want = torch.zeros_like(logits, dtype=torch.float64)
-            keep = min(graph.num_classes, lo + cols) - lo
-            if keep > 0:
-                want[real, :keep] = proj[rows[real], lo:lo + keep]
-            (logits.double() * want).sum().backward()
-            out.append({"case": (grid_text, num_layers), "rows": rows, "lo": lo,
-                        "logits": logits.detach().double(),
-                        "grads": {name: p.grad.clone() for name, p in net.named_parameters()},
-                        "coords": grid.coords(ctx.rank), "shapes": net.shapes})
+            o_ax, _, p_ax = layout.roles(num_layers - 1)
+            stats = CommStats()  # the model's collectives only (the loss gets none)
+            logits = net(stats, step=STEP)
+            loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
+                                         num_classes=graph.num_classes,
+                                         count=shard.split_counts["train"],
+                                         group_o=groups[o_ax], group_p=groups[p_ax])
+            loss.backward()
+            net.eval()
+            with torch.no_grad():
+                eval_logits = net()
+            grads = {name: net.gather(kind, t.grad, layer)
+                     for name, t, kind, layer in net.sharded_state() if t.grad is not None}
+            out.append({"case": (grid_text, *case), "loss": loss.item(), "shape": grid.shape,
+                        # the messages' content (common.perf counts no padding)
+                        "bytes": {k: v["bytes"] - v["padding"]
+                                  for k, v in stats.as_dict().items()},
+                        "logits": logits.detach(), "eval": eval_logits,
+                        "rows": shard.out_rows, "grads": grads,
+                        "class_offset": groups[o_ax].rank * logits.shape[1]})
     return out
 
 
 def _check(results):
     graph = small_graph()
-    proj = _proj(graph)
-    n, classes = graph.num_nodes, graph.num_classes
-    for cases in zip(*results, strict=True):
-        grid_text, num_layers = cases[0]["case"]
-        tag = f"{grid_text}, {num_layers} layers"
-        serial = SerialGAT(graph, _widths(graph, num_layers), heads=HEADS, seed=SEED,
-                           dropout=RATE, attention_dropout=RATE)
-        serial.train()
-        want = serial(step=STEP)
-        (want * proj).sum().backward()
-        got = torch.full((n, classes), float("nan"), dtype=torch.float64)
-        for r in cases:
-            real = r["rows"] >= 0
-            keep = min(classes, r["lo"] + r["logits"].shape[1]) - r["lo"]
-            if keep > 0:
-                got[r["rows"][real], r["lo"]:r["lo"] + keep] = r["logits"][real, :keep]
-        assert not torch.isnan(got).any(), f"{tag}: some logits were on no rank"
-        scale = want.abs().max().item()
-        assert (got - want.detach()).abs().max().item() <= 1e-5 * scale, f"{tag}: logits"
-        grid = ProcessGrid.parse(grid_text)
-        for layer in range(num_layers):
-            o_ax, i_ax, p_ax = layout.roles(layer)
-            heads_w = serial.weights[layer].grad.shape[1] // HEADS
-            for r in cases:
-                co = r["coords"]
-                grads = r["grads"]
-                # the rank's heads of the attention vectors (padded classes: zero columns)
-                kc = HEADS // grid.shape[i_ax]
-                for name, full in (("att_src", serial.att_src), ("att_dst", serial.att_dst)):
-                    mine = grads[f"{name}.{layer}"]
-                    ref = full[layer].grad[co[i_ax] * kc:(co[i_ax] + 1) * kc]
-                    assert _close(mine[:, :heads_w], ref), f"{tag}: d{name} {layer} on {co}"
-                    assert torch.all(mine[:, heads_w:] == 0)
-                if len(serial.biases):
-                    mine = grads[f"biases.{layer}"]
-                    lo = co[o_ax] * mine.numel()
-                    ref = serial.biases[layer].grad[lo:lo + mine.numel()]
-                    assert _close(mine[:ref.numel()], ref), f"{tag}: db of layer {layer} on {co}"
-                    assert torch.all(mine[ref.numel():] == 0), f"{tag}: db's padding"
-            # W: the flat chunks over P of the rank's rows, the same on every rank of O
-            for i in range(grid.shape[i_ax]):
-                mine = [s for s in cases if s["coords"][i_ax] == i]
-                for s in mine:  # the gradient is summed over O: every rank of O holds it
-                    twin = next(t for t in mine if t["coords"][p_ax] == s["coords"][p_ax]
-                                and t["coords"][o_ax] == 0)
-                    assert torch.equal(s["grads"][f"weights.{layer}"],
-                                       twin["grads"][f"weights.{layer}"]), tag
-                ranks = sorted((s for s in mine if s["coords"][o_ax] == 0),
-                               key=lambda s: s["coords"][p_ax])
-                rows_w, cols_w = ranks[0]["shapes"][layer]
-                flat_w = torch.cat([s["grads"][f"weights.{layer}"] for s in ranks])
-                block = flat_w[:rows_w * cols_w].view(rows_w, HEADS, -1).double()
-                ref = serial.weights[layer].grad.view(-1, HEADS, heads_w)[
-                    i * rows_w:(i + 1) * rows_w]
-                assert _close(block[:ref.shape[0], :, :heads_w], ref), \
-                    f"{tag}: dW of layer {layer}, I rank {i}"
-                assert torch.all(block[ref.shape[0]:] == 0) and torch.all(
-                    block[:, :, heads_w:] == 0), f"{tag}: dW's padding"
+    for per_rank in zip(*results, strict=True):
+        grid_text, *case = per_rank[0]["case"]
+        tag = f"{grid_text}, case {case}"
+        ref = _serial(graph, case)
+        for r in per_rank:
+            assert abs(r["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), tag
+            assert sorted(r["grads"]) == sorted(ref["grads"]), tag
+            for name, want in ref["grads"].items():
+                got = r["grads"][name].double()
+                # a bias before batch norm has a zero gradient: compare it absolutely
+                assert rel(got, want) < 1e-5 or (got - want).norm() < 1e-6, \
+                    f"{tag}: grad of {name} differs ({rel(got, want)})"
+        for key in ("logits", "eval"):
+            got = full_logits(per_rank, key, "rows", ref[key], graph.num_classes)
+            assert not torch.isnan(got).any(), f"{tag}: some {key} were on no rank"
+            assert rel(got, ref[key]) < 1e-5, f"{tag}: {key} differ ({rel(got, ref[key])})"
+        if tuple(case) == BARE:
+            _check_bytes(graph, case, per_rank, tag)
+
+
+def _check_bytes(graph, case, per_rank, tag):
+    """Every rank's bytes on each axis are common.perf.gat's prediction for the workload."""
+    from common.perf.gat import gat_collectives
+    from common.perf.gcn import GCNWorkload
+    from common.perf.model import bytes_by_axis
+
+    work = GCNWorkload(model="gat", num_nodes=graph.num_nodes, nnz=1,
+                       num_features=graph.num_features, num_classes=graph.num_classes,
+                       num_layers=case[0], hidden=HEADS * HIDDEN, heads=HEADS, norm=case[3])
+    for r in per_rank:
+        want = {k: v for k, v in bytes_by_axis(gat_collectives(work, r["shape"], loss=False),
+                                               r["shape"]).items() if v}
+        got: dict[str, int] = {}
+        for key, b in r["bytes"].items():
+            got[key.split("/")[0]] = got.get(key.split("/")[0], 0) + b
+        assert {k: v for k, v in got.items() if v} == want, f"{tag}: bytes {got} != {want}"
 
 
 @pytest.mark.cross_shape
@@ -135,14 +136,32 @@ def test_the_3d_gat_is_the_serial_gat(world):
     _check(run_ranks(_parallel, world, GRIDS[world]))
 
 
+def _heads_that_do_not_split(ctx):
+    from plexus.model import PlexusGCN
+
+    graph = small_graph()
+    grid = ProcessGrid.parse("1x2x1")  # layer 0's I is y: 2 ranks
+    shard = model_source(graph, "gat").shard(grid.shape, grid.coords(ctx.rank),
+                                             layout.layer_widths(graph.num_features, 6, 2,
+                                                                 graph.num_classes))
+    with pytest.raises(ValueError, match="3 heads do not split over its I axis"):
+        PlexusGCN(shard, ctx.create_groups(grid), model="gat", heads=3)
+    return True
+
+
+def test_heads_must_split_over_each_layers_inner_axis():
+    assert run_ranks(_heads_that_do_not_split, 2) == [True, True]
+
+
 def _one_rank_logits(ctx, num_layers):
-    from plexus.gat_model import PlexusGAT
+    from plexus.model import PlexusGCN
 
     graph = small_graph()
     grid = ProcessGrid.parse("1x1x1")
     shard = model_source(graph, "gat").shard(grid.shape, grid.coords(ctx.rank),
                                              _widths(graph, num_layers))
-    net = PlexusGAT(shard, ctx.create_groups(grid), heads=HEADS, seed=SEED)
+    net = PlexusGCN(shard, ctx.create_groups(grid), model="gat", heads=HEADS, seed=SEED,
+                    bias=True)
     net.eval()
     logits = net().detach()
     out = torch.empty(graph.num_nodes, logits.shape[1])
