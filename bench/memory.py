@@ -5,8 +5,8 @@
     python bench/memory.py ogb         # --dataset ogbn-papers100M on OGB-format files of a
                                        # generated graph (1M nodes, 8M edges, 128 features,
                                        # 172 classes, 1.4% labelled): 1 rank prepares,
-                                       # 1 rank reuses, 8 ranks (2x2x2); --model sage,
-                                       # --precision bf16
+                                       # 1 rank reuses, 8 ranks (2x2x2); --model sage
+                                       # or gat, --precision bf16
     python bench/memory.py llm         # gpt1b: build on 8 ranks, save, load on 4, generate
     python bench/memory.py plexus --scale 16 --edge-factor 16 --features 32   # a quick run
     python bench/memory.py plexus --device cuda --ranks 1   # GPU peaks beside the RSS ones
@@ -321,9 +321,8 @@ def ogb_case(args) -> bool:
 
     nodes, edges, feats = ogb_sizes(raw.parent)
     data_bytes = nodes * feats * 4 + edges * 16
-    cli = ["--dataset", "ogbn-papers100M", "--root", str(root), "--epochs", "1", "--hidden",
-           str(args.hidden), "--layers", "3", "--model", args.model, "--device", args.device,
-           "--precision", args.precision, *_run_flags(args)]
+    cli = ["--dataset", "ogbn-papers100M", "--root", str(root), "--epochs", "1",
+           *_model_flags(args), "--device", args.device, *_run_flags(args)]
     rows = []
     for label, ranks, extra in (("1 rank, prepares", 1, []), ("1 rank, reuses", 1, []),
                                 ("8 ranks 2x2x2", 8, ["--grid", "2x2x2"])):
@@ -403,6 +402,16 @@ def _run_flags(args) -> list[str]:
     return flags + (["--keep-first-aggregation"] if args.keep_first_aggregation else [])
 
 
+def _model_flags(args) -> list[str]:
+    """plexus.train's flags for the model: 3 layers of ``--hidden`` (GAT: ``--heads`` heads of
+    ``hidden / heads``, dropout on the coefficients too), in ``--precision``."""
+    flags = ["--layers", "3", "--model", args.model, "--precision", args.precision]
+    if args.model == "gat":
+        return flags + ["--hidden", str(args.hidden // args.heads), "--heads", str(args.heads),
+                        "--attention-dropout", str(args.attention_dropout)]
+    return flags + ["--hidden", str(args.hidden)]
+
+
 def _tiny_papers_run(root: Path, args) -> tuple[int, int, Any]:
     """Peak above start of one rank, and of the 8 ranks' largest (2x2x2), on a 2,000-node
     graph of the same format, classes and model (prepared first, outside the measured
@@ -416,8 +425,7 @@ def _tiny_papers_run(root: Path, args) -> tuple[int, int, Any]:
                               avg_degree=2 * args.ogb_edges / args.ogb_nodes,
                               num_classes=args.ogb_classes, labeled_fraction=0.5)
     cli = ["--dataset", "ogbn-papers100M", "--root", str(tiny_root), "--epochs", "1",
-           "--hidden", str(args.hidden), "--layers", "3", "--model", args.model,
-           "--device", args.device, "--precision", args.precision, *_run_flags(args)]
+           *_model_flags(args), "--device", args.device, *_run_flags(args)]
     shutil.rmtree(tiny_root / "prepared", ignore_errors=True)  # (of an older format, maybe)
     _train_cli(1, cli, tiny_root / "metrics.jsonl")  # prepares
     above = []
@@ -436,17 +444,21 @@ def _papers_workload(root: Path, args) -> Any:
     from plexus.data import PreparedGraph
 
     (manifest,) = (root / "prepared").glob("*/manifest.json")
-    model = ModelConfig(model=args.model, num_layers=3, hidden=args.hidden,
-                        precision=args.precision,
-                        recompute_first=not args.keep_first_aggregation)
+    gat = {"model": "gat", "hidden": args.hidden // args.heads, "heads": args.heads,
+           "attention_dropout": args.attention_dropout} if args.model == "gat" else {}
+    model = ModelConfig(**{"model": args.model, "num_layers": 3, "hidden": args.hidden,
+                           "precision": args.precision,
+                           "recompute_first": not args.keep_first_aggregation, **gat})
     return gcn_workload(model, PreparedGraph(manifest.parent,
                                              aggregation=aggregation_of(args.model)))
 
 
 def gcn_memory_of(work: Any, grid: str) -> float:
+    from common.perf.gat import gat_memory
     from common.perf.gcn import gcn_memory
 
-    return gcn_memory(work, dict(zip("xyz", (int(v) for v in grid.split("x")))))
+    shape = dict(zip("xyz", (int(v) for v in grid.split("x"))))
+    return gat_memory(work, shape) if work.model == "gat" else gcn_memory(work, shape)
 
 
 def llm_case(args) -> bool:
@@ -518,8 +530,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-first-aggregation", action="store_true",
                    help="ogb: train with plexus.train --keep-first-aggregation (H_0 kept for "
                    "backward, not recomputed), for the comparison")
-    p.add_argument("--model", choices=("gcn", "sage"), default="gcn",
-                   help="plexus and ogb: the model trained")
+    p.add_argument("--model", choices=("gcn", "sage", "gat"), default="gcn",
+                   help="plexus and ogb (gat: ogb only): the model trained")
+    p.add_argument("--heads", type=int, default=8,
+                   help="ogb, gat: heads, each of --hidden / heads (hidden layers stay "
+                   "--hidden wide)")
+    p.add_argument("--attention-dropout", type=float, default=0.5,
+                   help="ogb, gat: dropout on the attention coefficients (its keep-masks are "
+                   "kept for backward)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="ogb: what features and kept activations are stored in")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -533,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(e.g. bench/results/memory_per_rank.json)")
     args = p.parse_args(argv)
     args.argv = list(argv)
+    if args.model == "gat" and (args.case != "ogb" or args.hidden % args.heads):
+        p.error("--model gat: the ogb case, with --hidden a multiple of --heads")
     ok = True
     if args.case in ("plexus", "all"):
         ok &= plexus_case(args)

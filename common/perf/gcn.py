@@ -368,7 +368,8 @@ def predict_gcn(work: GCNWorkload, shape: Mapping[str, int] | Sequence[int],
                           compute=gat_compute(work, shape, machine, node_ranks=node_ranks),
                           comm=comm_seconds(colls, grid, machine, node_ranks),
                           comm_bytes=bytes_by_axis(colls, shape),
-                          memory=gat_memory(work, shape), memory_limit=limit)
+                          memory=gat_memory(work, shape), memory_limit=limit,
+                          invalid="; ".join(work.grid_problems(shape)))  # the heads
     colls = gcn_collectives(work, shape, first_epoch=first_epoch)
     return Prediction(
         shape=dict(grid.shape),

@@ -8,6 +8,7 @@ no partial output behind.
 import hashlib
 import json
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -216,6 +217,48 @@ def _tree_digest(path):
     return h.hexdigest()
 
 
+def test_gat_trains_a_prepared_dataset_and_resumes_on_another_grid(tmp_path):
+    """``--model gat`` end to end on an OGB-format papers100M-like graph, prepared into the
+    cache (GCN's blocks: GAT reads their pattern) on 2 ranks: it learns; resumed from its
+    epoch-3 checkpoint on the same grid it continues bit for bit, on another grid to float
+    rounding; heads that do not split over a layer's inner axis stop every rank clearly."""
+    from tests.plexus.data.ogb_format import write_papers100m_like
+
+    write_papers100m_like(tmp_path, num_nodes=400)
+    base = ["--dataset", "ogbn-papers100M", "--root", str(tmp_path), "--model", "gat",
+            "--heads", "2", "--hidden", "8", "--attention-dropout", "0.3", "--dropout", "0.3",
+            "--norm", "batch", "--lr", "0.01", "--log-every", "1"]
+    ck = str(tmp_path / "ck")
+    runs = {"full": ["--grid", "1x1x2", "--epochs", "6"],
+            "first": ["--grid", "1x1x2", "--epochs", "3", "--checkpoint-dir", ck],
+            "same": ["--grid", "1x1x2", "--epochs", "6", "--checkpoint-dir", ck, "--resume",
+                     "--checkpoint-every", "100"],
+            "other": ["--grid", "2x1x1", "--epochs", "6", "--checkpoint-dir", ck + "-copy",
+                      "--resume", "--checkpoint-every", "100"]}
+    losses = {}
+    for name, extra in runs.items():
+        if name == "same":  # "other" resumes from the epoch-3 checkpoint too
+            shutil.copytree(ck, ck + "-copy")
+        path = tmp_path / f"{name}.jsonl"
+        r = cli([*base, *extra, "--metrics", str(path)], 2)
+        assert r.returncode == 0, r.stdout + r.stderr
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        losses[name] = {x["epoch"]: x["loss"] for x in rows if "loss" in x}
+        if name == "full":
+            summary = next(x["summary"] for x in rows if "summary" in x)
+            assert summary["config"]["model"]["model"] == "gat"
+            assert summary["ogb_evaluator"]["train"] > 0.5, summary  # it learned
+            assert losses[name][6] < losses[name][1]
+    assert sorted(losses["same"]) == sorted(losses["other"]) == [4, 5, 6], losses
+    assert all(losses["same"][e] == losses["full"][e] for e in (4, 5, 6)), losses
+    assert all(abs(losses["other"][e] - losses["full"][e]) <= 1e-5 * losses["full"][e]
+               for e in (4, 5, 6)), losses
+    r = cli([*base, "--grid", "1x1x2", "--heads", "3", "--epochs", "1"], 2, timeout=120)
+    assert r.returncode != 0
+    assert set(re.findall(r"\[rank (\d)\] error: .*heads: 3 % z=2 = 1", r.stderr)) == {"0", "1"}, \
+        r.stderr
+
+
 @pytest.mark.slow
 def test_bad_inputs_fail_clearly_and_lose_nothing(tmp_path):
     """A table of bad inputs; each must exit non-zero with a message naming the problem, write
@@ -263,7 +306,10 @@ def test_bad_inputs_fail_clearly_and_lose_nothing(tmp_path):
          "NaN"),
         ("grid does not match", ["--grid", "2x1x1"], "but 1 processes were launched"),
         ("layers 0", ["--layers", "0"], "layers >= 1"),
-        ("hidden 0", ["--hidden", "0"], "hidden >= 1"),
+        ("hidden 0", ["--hidden", "0"], "hidden and heads >= 1"),
+        ("gat in bf16", ["--model", "gat", "--precision", "bf16"], "runs in precision 'fp32'"),
+        ("attention dropout 1", ["--model", "gat", "--attention-dropout", "1"],
+         "attention_dropout < 1"),
         ("unwritable metrics dir", ["--metrics", str(tmp_path / "a-file" / "m.jsonl")],
          "does not exist"),
         ("unwritable checkpoint dir", ["--checkpoint-dir", str(tmp_path / "a-file" / "ck")],
