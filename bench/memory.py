@@ -407,9 +407,9 @@ def _model_flags(args) -> list[str]:
     ``hidden / heads``, dropout on the coefficients too), in ``--precision``."""
     flags = ["--layers", "3", "--model", args.model, "--precision", args.precision]
     if args.model == "gat":
-        return flags + ["--hidden", str(args.hidden // args.heads), "--heads", str(args.heads),
-                        "--attention-dropout", str(args.attention_dropout)]
-    return flags + ["--hidden", str(args.hidden)]
+        return [*flags, "--hidden", str(args.hidden // args.heads), "--heads", str(args.heads),
+                "--attention-dropout", str(args.attention_dropout)]
+    return [*flags, "--hidden", str(args.hidden)]
 
 
 def _tiny_papers_run(root: Path, args) -> tuple[int, int, Any]:
