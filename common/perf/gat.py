@@ -1,7 +1,8 @@
 """Performance model of one Plexus 3D GAT epoch (``GCNWorkload(model="gat")``;
 docs/design/plexus-3d.md section 14, docs/design/perf-model.md): its collectives, compute and
-peak memory per rank, as plexus.gat_model runs a layer. :func:`common.perf.gcn.predict_gcn` calls these for
-a GAT workload, so ``--grid auto`` and ``python -m common.perf gcn --model gat`` rank its grids.
+peak memory per rank, as plexus.gat_model runs a layer. :func:`common.perf.gcn.predict_gcn`
+calls these for a GAT workload, so ``--grid auto`` and ``python -m common.perf gcn --model gat``
+rank its grids.
 
 Layer ``l`` with roles (O, I, P), ``K`` heads of width ``c`` (the classes in the last layer),
 ``K' = K / I`` of them on a rank, ``N`` and widths padded as plexus.layout pads them, ``a =
