@@ -60,20 +60,24 @@ EDGE_CHUNK = 1 << 18
 
 
 class EdgePattern:
-    """A block's nonzeros as edges in row order: ``rows``, ``cols`` (int64 [nnz]) and the row
-    pointers; the transposed order (by column) is made on first use. Shapes: [nnz]"""
+    """A block's nonzeros as edges in row order: ``rows``, ``cols`` and the row pointers; the
+    transposed order (by column) is made on first use. The edge lists are int32 where the
+    block's rows, columns and edges fit (half the bytes of int64: they are kept for the run).
+    Shapes: [nnz]"""
 
     def __init__(self, rows: torch.Tensor, cols: torch.Tensor, num_rows: int) -> None:
         if rows.numel() > 1 and bool((rows[1:] < rows[:-1]).any()):
             raise ValueError("the edges must come in row order")
-        self.rows, self.cols, self.num_rows = rows, cols, num_rows
+        small = max(num_rows, rows.numel(), int(cols.max()) + 1 if cols.numel() else 0) < 2**31
+        dtype = torch.int32 if small else torch.int64
+        self.rows, self.cols, self.num_rows = rows.to(dtype), cols.to(dtype), num_rows
         self.indptr = _pointers(rows, num_rows)
         self._t: tuple | None = None
 
     def transposed(self, num_cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(column pointers, each position's row, each position's edge) in column order."""
         if self._t is None:
-            order = torch.argsort(self.cols, stable=True)
+            order = torch.argsort(self.cols, stable=True).to(self.cols.dtype)
             self._t = (_pointers(self.cols, num_cols), self.rows[order], order)
         return self._t
 
@@ -88,7 +92,7 @@ def edge_pattern(a: BlockSparse) -> EdgePattern:
     csr = a.to_scipy()
     counts = torch.from_numpy(csr.indptr).diff()
     rows = torch.repeat_interleave(torch.arange(csr.shape[0]), counts)
-    return EdgePattern(rows, torch.from_numpy(csr.indices).to(torch.int64), csr.shape[0])
+    return EdgePattern(rows, torch.from_numpy(csr.indices), csr.shape[0])
 
 
 def _kernels(*ts: torch.Tensor):
@@ -143,7 +147,7 @@ class BlockAttention(torch.autograd.Function):
             e = torch.where(positive, u, u * NEGATIVE_SLOPE)
             del u
             m = e.new_full((num_rows, heads), -torch.inf).scatter_reduce_(
-                0, rows[:, None].expand(-1, heads), e, "amax")
+                0, rows.long()[:, None].expand(-1, heads), e, "amax")
         m = coll.all_reduce(m, group, op=coll.ReduceOp.MAX, stats=stats, inplace=True)  # G4
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows without an edge
         if kernels is not None:

@@ -97,6 +97,9 @@ class Trainer:
             raise ValueError(f"model {model.model!r} needs a source built with aggregation="
                              f"{need!r}; {source.name} has {has!r}")
         device = parallel.device
+        if model.model == "gat" and device.type != "cpu":
+            raise ValueError(f"model 'gat' trains on the CPU (its edge passes and attention "
+                             f"dropout are host kernels); got device {device}: use --device cpu")
         if device.type == "cpu":
             # True: reuse activation pages every epoch; False: glibc's thresholds fixed at
             # their defaults, since left alone they rise to each freed buffer's size (up to

@@ -30,8 +30,8 @@ keep-mask's hash, about fifteen 4-byte passes over ``[e, K']``; the ReLU, norm, 
 as the GCN's.
 
 Memory per rank (:func:`gat_memory_parts`): the adjacency blocks (their CSR, read as the
-pattern only) with each block's edge lists (rows and columns int64, and the column order: two
-more int64 arrays), the root blocks that move ``t`` (owners int16, columns int32), the feature
+pattern only) with each block's edge lists (rows and columns, and the column order: two more
+arrays; int32 where a block fits, int64 pointers), the root blocks that move ``t`` (owners int16, columns int32), the feature
 shard, ``W``, ``a_src``, ``a_dst`` with their gradients and Adam moments; kept per layer:
 ``F'`` [N/O, a] for ``dW``, its dropout bits, ``G`` [N/O, K' c], ``alpha`` [e, K'] float32,
 the sign of the scores (one byte) and the attention keep-mask (float32), the ReLU's bits and
@@ -54,7 +54,6 @@ from common.perf.roofline import gemm_seconds, spmm_bytes
 
 __all__ = ["gat_collectives", "gat_compute", "gat_memory", "gat_memory_parts"]
 
-EDGE_INDEX = 8  # an int64 entry of plexus.gat.EdgePattern's lists
 EDGE_PASSES = 8  # float32 passes over [e, K'] each way (scores, softmax, keep; gradients)
 HASH_PASSES = 15  # 4-byte passes of the attention keep-mask's hash over [e, K']
 
@@ -70,7 +69,10 @@ def _layer(work: GCNWorkload, shape: Mapping[str, int], layer: int) -> dict:
             "c": c, "kc": work.heads * c, "kpc": work.heads // shape[i] * c,
             "kp": work.heads // shape[i], "rows_p": n // shape[p], "rows_o": n // shape[o],
             "chunk": ceil_div(n // shape[o], shape[p]),
-            "edges": work.imbalance * work.nnz / (shape[p] * shape[o]), "last": last}
+            "edges": work.imbalance * work.nnz / (shape[p] * shape[o]), "last": last,
+            # an entry of plexus.gat.EdgePattern's lists: int32 where the block fits
+            "index": 4 if max(work.imbalance * work.nnz / (shape[p] * shape[o]), n) < 2**31
+            else 8}
 
 
 def gat_collectives(work: GCNWorkload, shape: Mapping[str, int], *,
@@ -135,8 +137,8 @@ def gat_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
     for layer in range(work.num_layers):
         s = _layer(work, shape, layer)
         e, kp, kpc = s["edges"], s["kp"], s["kpc"]
-        aggregate = spmm_bytes(s["rows_p"], e, kpc, index_bytes=EDGE_INDEX, cache_line=line)
-        transposed = spmm_bytes(s["rows_o"], e, kpc, index_bytes=2 * EDGE_INDEX,
+        aggregate = spmm_bytes(s["rows_p"], e, kpc, index_bytes=s["index"], cache_line=line)
+        transposed = spmm_bytes(s["rows_o"], e, kpc, index_bytes=2 * s["index"],
                                 cache_line=line)
         # forward: the aggregation; backward: its transpose and the SDDMM of dQ with G
         edge += aggregate + transposed + aggregate + 2 * EDGE_PASSES * e * kp * F32
@@ -183,7 +185,7 @@ def gat_memory_parts(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, f
             blocks.add(key)
             parts["adjacency"] += (
                 e * (idx + F32) + (s["rows_p"] + 1) * idx          # the CSR
-                + 4 * e * EDGE_INDEX + (s["rows_p"] + s["rows_o"]) * EDGE_INDEX  # edge lists
+                + 4 * e * s["index"] + (s["rows_p"] + s["rows_o"]) * 8  # edge lists
                 + work.num_nodes / (P * O) * 4 + s["rows_p"] * 2   # the root block
                 + s["rows_p"] * 4)                                  # the exchange's slots
         parts["weights"] += 4 * (round_up(s["a"] * s["kc"], P) // P + 2 * kp * s["c"]) * F32
