@@ -31,8 +31,9 @@ as the GCN's.
 
 Memory per rank (:func:`gat_memory_parts`): the adjacency blocks (their CSR, read as the
 pattern only) with each block's edge lists (rows and columns, and the column order: two more
-arrays; int32 where a block fits, int64 pointers), the root blocks that move ``t`` (owners int16, columns int32), the feature
-shard, ``W``, ``a_src``, ``a_dst`` with their gradients and Adam moments; kept per layer:
+arrays; int32 where a block fits, int64 pointers), the root blocks that move ``t`` (owners
+int16, columns int32), the feature shard, ``W``, ``a_src``, ``a_dst`` with their gradients
+and Adam moments; kept per layer:
 ``F'`` [N/O, a] for ``dW``, its dropout bits, ``G`` [N/O, K' c], ``alpha`` [e, K'] float32,
 the sign of the scores (one byte) and the attention keep-mask (float32), the ReLU's bits and
 the norm's centred block; the largest transient set of the step's phases on top (forward:
