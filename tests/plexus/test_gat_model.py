@@ -17,6 +17,7 @@ from plexus.gat_reference import SerialGAT
 from tests.distributed import run_ranks
 from tests.plexus.data.shards import model_source, small_graph
 from tests.plexus.test_model import full_logits, rel
+from tests.plexus.test_recipe import assert_loss_and_grads, train_and_evaluate
 
 HEADS, HIDDEN, SEED, STEP, RATE = 4, 2, 6, 3, 0.3
 GRIDS = {1: ["1x1x1"], 8: ["2x2x2", "1x2x4", "4x1x2"]}
@@ -39,14 +40,7 @@ def _serial(graph, case):
     ref = SerialGAT(graph, _widths(graph, num_layers), heads=HEADS, seed=SEED, dropout=dropout,
                     attention_dropout=attention, bias=bias, norm=norm,
                     normalize_features=normalize, residual=residual)
-    logits = ref(step=STEP)
-    loss = torch.nn.functional.cross_entropy(logits[graph.train_idx], graph.y[graph.train_idx])
-    loss.backward()
-    ref.eval()
-    with torch.no_grad():
-        eval_logits = ref()
-    grads = {name: t.grad for name, t in ref.named_tensors().items() if t.grad is not None}
-    return {"loss": loss.item(), "logits": logits.detach(), "eval": eval_logits, "grads": grads}
+    return train_and_evaluate(ref, graph, STEP)
 
 
 def _parallel(ctx, grids):
@@ -96,14 +90,7 @@ def _check(results):
         grid_text, *case = per_rank[0]["case"]
         tag = f"{grid_text}, case {case}"
         ref = _serial(graph, case)
-        for r in per_rank:
-            assert abs(r["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), tag
-            assert sorted(r["grads"]) == sorted(ref["grads"]), tag
-            for name, want in ref["grads"].items():
-                got = r["grads"][name].double()
-                # a bias before batch norm has a zero gradient: compare it absolutely
-                assert rel(got, want) < 1e-5 or (got - want).norm() < 1e-6, \
-                    f"{tag}: grad of {name} differs ({rel(got, want)})"
+        assert_loss_and_grads(per_rank, ref, tag)
         for key in ("logits", "eval"):
             got = full_logits(per_rank, key, "rows", ref[key], graph.num_classes)
             assert not torch.isnan(got).any(), f"{tag}: some {key} were on no rank"

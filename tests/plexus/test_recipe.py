@@ -36,7 +36,13 @@ def serial_reference(graph, model, num_layers, dropout, norm, learn, normalize, 
     ref = SerialGCN(graph, widths, model=model, learn_features=learn, seed=SEED,
                     dropout=dropout, bias=bias, norm=norm, normalize_features=normalize,
                     residual=residual)
-    logits = ref(step=STEP)
+    return train_and_evaluate(ref, graph, STEP)
+
+
+def train_and_evaluate(ref, graph, step):
+    """A serial model's training pass at ``step`` (loss on the training nodes, backward), then
+    an eval-mode pass: loss, both passes' logits and every gradient by name."""
+    logits = ref(step=step)
     loss = torch.nn.functional.cross_entropy(logits[graph.train_idx], graph.y[graph.train_idx])
     loss.backward()
     ref.eval()
@@ -102,20 +108,25 @@ def _cases(ctx, grids, fused_calls):
     return out
 
 
+def assert_loss_and_grads(per_rank, ref, tag):
+    """Every rank's loss and gathered gradients equal the serial model's (``ref``) to 1e-5."""
+    for r in per_rank:
+        assert abs(r["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), tag
+        assert sorted(r["grads"]) == sorted(ref["grads"]), tag
+        for name, want in ref["grads"].items():
+            got = r["grads"][name].double()
+            # a bias before batch norm has a zero gradient: compare it absolutely
+            assert rel(got, want) < 1e-5 or (got - want).norm() < 1e-6, \
+                f"{tag}: grad of {name} differs ({rel(got, want)})"
+
+
 def _assert_matches(results):
     graph = small_graph()
     for per_rank in zip(*results):
         grid_text, *case = per_rank[0]["case"]
         tag = f"grid {grid_text} case {case}"
         ref = serial_reference(graph, *case)
-        for r in per_rank:
-            assert abs(r["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), tag
-            assert sorted(r["grads"]) == sorted(ref["grads"]), tag
-            for name, want in ref["grads"].items():
-                got = r["grads"][name].double()
-                # a bias before batch norm has a zero gradient: compare it absolutely
-                assert rel(got, want) < 1e-5 or (got - want).norm() < 1e-6, \
-                    f"{tag}: grad of {name} differs ({rel(got, want)})"
+        assert_loss_and_grads(per_rank, ref, tag)
         if case == list(CASES[-1]):  # the bare SAGE model: bytes as common.perf predicts
             from common.perf.gcn import GCNWorkload, gcn_collectives
             from common.perf.model import bytes_by_axis
