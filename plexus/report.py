@@ -129,7 +129,9 @@ def print_summary(s: dict[str, Any]) -> None:
     rows = [
         ("dataset", f"{s['dataset']} ({s['num_nodes']:,} nodes, {s['num_edges']:,} edges)"),
         ("grid", f"{s['grid']} on {s['world_size']} ranks ({s['launcher']}, {s['device']})"),
-        ("model", f"{m['model']}, {m['num_layers']} layers, hidden {m['hidden']}, dropout "
+        ("model", f"{m['model']}, {m['num_layers']} layers, hidden {m['hidden']}"
+                  + (f" x {m['heads']} heads, attention dropout {m['attention_dropout']}"
+                     if m["model"] == "gat" else "") + ", dropout "
                   f"{m['dropout']}, norm {m['norm']}, bias {m['bias']}, residual "
                   f"{m['residual']}, permutation "
                   f"{c['permutation']}, learn features {m['learn_features']}, precision "
