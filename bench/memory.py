@@ -27,7 +27,8 @@ Checks (issue "Memory per rank at scale"):
           nor the resume's set-up + load exceeds the epoch's peak on the same grid by more
           than 10%.
   ogb:    (freed buffers handed back, as the planner counts live bytes; --retain-freed-memory
-          measures the trainer's default heap retention) 1-rank peak <= 4 x the data; the
+          measures the trainer's default heap retention) 1-rank peak <= 4 x the data (not
+          for GAT, whose last layer keeps [N, heads, classes] blocks); the
           1-rank peak above the process's start, less a 2,000-node graph's, within 10% of the
           planner's bytes (less that graph's), and the 8 ranks' largest likewise (less the
           2,000-node graph's on 8 ranks); 8-rank peak per rank <= 0.5 x the 1-rank peak;
@@ -352,7 +353,10 @@ def ogb_case(args) -> bool:
     planner = (reuse["planner_bytes"] - gcn_memory_of(tiny_work, "1x1x1")) / train_peak
     planner8 = (eight["planner_bytes"] - gcn_memory_of(tiny_work, "2x2x2")) / (
         eight["peak_bytes"] - eight["start_bytes"] - tiny8)
-    checks = {f"1-rank peak <= 4 x data ({one / data_bytes:.2f})": one <= 4 * data_bytes,
+    # (GAT's last layer keeps [N, K, C] blocks, heads times a GCN's logits: no 4x bound)
+    bound = {} if args.model == "gat" else {
+        f"1-rank peak <= 4 x data ({one / data_bytes:.2f})": one <= 4 * data_bytes}
+    checks = {**bound,
               f"1-rank training peak within 10% of the planner, both less a 2,000-node "
               f"graph's (planner/measured {planner:.2f})": abs(planner - 1) <= 0.10,
               f"8-rank training peak per rank within 10% of the planner, likewise "
@@ -532,9 +536,11 @@ def main(argv: list[str] | None = None) -> int:
                    "backward, not recomputed), for the comparison")
     p.add_argument("--model", choices=("gcn", "sage", "gat"), default="gcn",
                    help="plexus and ogb (gat: ogb only): the model trained")
-    p.add_argument("--heads", type=int, default=8,
+    p.add_argument("--heads", type=int, default=2,
                    help="ogb, gat: heads, each of --hidden / heads (hidden layers stay "
-                   "--hidden wide)")
+                   "--hidden wide). The last layer holds a few [N, heads, 172] blocks: with 8 "
+                   "heads 5.5 GB each on one rank, and 8 ranks' share of them does not fit "
+                   "in 24 GiB")
     p.add_argument("--attention-dropout", type=float, default=0.5,
                    help="ogb, gat: dropout on the attention coefficients (its keep-masks are "
                    "kept for backward)")

@@ -202,9 +202,15 @@ def gat_memory_parts(work: GCNWorkload, shape: Mapping[str, int]) -> dict[str, f
         hashing = 3 * e * kp * 4 * (work.attention_dropout > 0)  # uint32 temporaries
         forward.append(max(s["chunk"] * s["kc"] * F32 * 1.5 + s["rows_o"] * kpc * F32,
                            hashing + e * kp * F32,
-                           2 * q + _reduce_buffer(q, O, work) + s["rows_p"] * s["kc"] * F32))
+                           2 * q + _reduce_buffer(q, O, work) + s["rows_p"] * F32 * (
+                               2 * s["c"] if s["last"] else s["kc"])))  # G6's mean, or G7
+        # dQ's chunks gathered over O; then dQ per head (the last layer: the mean's gradient,
+        # a copy per head where the rank has more than one), dG and dalpha
+        gathered, mean = s["rows_p"] * s["width"] * F32, s["rows_p"] * s["c"] * F32
+        heads_grad = (mean + q * (kp > 1)) if s["last"] else gathered + q
         backward.append(max(
-            s["rows_p"] * s["width"] * F32 + q + s["rows_o"] * kpc * F32 + e * kp * F32,
+            gathered + mean * s["last"],
+            heads_grad + s["rows_o"] * kpc * F32 + e * kp * F32,
             s["chunk"] * s["kc"] * F32 * 2 + s["chunk"] * s["a"] * F32 + f_rows * s["a"] * F32
             * (layer > 0)))
     f0 = (n // shape["x"]) * (w[0] // shape["y"])
