@@ -4,7 +4,9 @@ a training pass and of an eval-mode pass after it, and the gradient of every wei
 vector, bias and norm parameter, with dropout on the inputs and on the coefficients, on 1x1x1
 and on 2x2x2, 1x2x4 and 4x1x2 (203 nodes: every grid pads; the double permutation; the last
 layer's classes padded), for two, three and four layers, with batch and layer norm, feature
-normalisation and residuals; and one rank's logits are PyG's ``GATConv`` stack's."""
+normalisation and residuals, from the in-memory source and from a prepared dataset; each
+rank's bytes per axis are common.perf.gat's; and one rank's logits are PyG's ``GATConv``
+stack's."""
 
 from __future__ import annotations
 
@@ -43,20 +45,21 @@ def _serial(graph, case):
     return train_and_evaluate(ref, graph, STEP)
 
 
-def _parallel(ctx, grids):
+def _parallel(ctx, grids, cases=CASES, prepared=None):
     from common.comm_stats import CommStats
+    from plexus.data import PreparedGraph
     from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
     graph = small_graph()
+    source = PreparedGraph(prepared) if prepared else model_source(graph, "gat")
     out = []
     for grid_text in grids:
         grid = ProcessGrid.parse(grid_text)
         groups = ctx.create_groups(grid)
-        for case in CASES:
+        for case in cases:
             num_layers, dropout, attention, norm, normalize, bias, residual = case
-            shard = model_source(graph, "gat").shard(grid.shape, grid.coords(ctx.rank),
-                                                     _widths(graph, num_layers))
+            shard = source.shard(grid.shape, grid.coords(ctx.rank), _widths(graph, num_layers))
             net = PlexusGCN(shard, groups, model="gat", heads=HEADS, seed=SEED, dropout=dropout,
                             attention_dropout=attention, bias=bias, norm=norm,
                             normalize_features=normalize, residual=residual)
@@ -121,6 +124,17 @@ def _check_bytes(graph, case, per_rank, tag):
 @pytest.mark.parametrize("world", sorted(GRIDS))
 def test_the_3d_gat_is_the_serial_gat(world):
     _check(run_ranks(_parallel, world, GRIDS[world]))
+
+
+@pytest.mark.cross_shape
+def test_the_3d_gat_on_a_prepared_dataset_is_the_serial_gat(tmp_path):
+    """The same on the blocks plexus.prepare writes (GCN's, whose pattern GAT reads; 4 x 4
+    blocks, so 203 nodes pad to 204), mapped by each rank."""
+    from plexus.data.sources import graph_source
+    from plexus.data.writer import prepare
+
+    prepare(graph_source(small_graph()), tmp_path / "p", blocks=4, seed=11, quiet=True)
+    _check(run_ranks(_parallel, 8, GRIDS[8], CASES[:2], str(tmp_path / "p")))
 
 
 def _heads_that_do_not_split(ctx):
