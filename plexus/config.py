@@ -107,7 +107,7 @@ class ModelConfig:
         if self.aggregation_blocks is not None and self.aggregation_blocks < 1:
             raise ValueError(f"need aggregation_blocks >= 1, got {self.aggregation_blocks}")
         if self.num_layers < 1 or self.hidden < 1 or self.heads < 1:
-            raise ValueError(f"need num_layers, hidden and heads >= 1; got num_layers="
+            raise ValueError(f"need num_layers >= 1, hidden >= 1 and heads >= 1; got num_layers="
                              f"{self.num_layers}, hidden={self.hidden}, heads={self.heads}")
         if not 0 <= self.attention_dropout < 1:
             raise ValueError(f"need 0 <= attention_dropout < 1, got {self.attention_dropout}")

@@ -16,7 +16,7 @@ SCRIPT = ROOT / "bench" / "accuracy.py"
 NUM = r"([0-9.]+|nan|inf)"
 ACC = rf"\s+{NUM}\+-{NUM}"
 # dataset, model, plexus best, plexus last, PyG best, PyG last, diff, train ms, eval ms, result
-ROW = re.compile(r"^(planted|arxiv-like)\s+(gcn|sage)" + ACC * 4 + r"\s+([+-][0-9.]+|nan)"
+ROW = re.compile(r"^(planted|arxiv-like)\s+(gcn|sage|gat)" + ACC * 4 + r"\s+([+-][0-9.]+|nan)"
                  + rf"\s+{NUM} / {NUM}" * 2 + r"\s+(PASS|FAIL)\s*$")
 CHANCE = {"planted": 100 / 8, "arxiv-like": 100 / 5}  # points: the graphs' planted classes
 
@@ -33,7 +33,8 @@ def test_bench_accuracy_quick_prints_both_sides(tmp_path):
     for line in r.stdout.splitlines():
         if m := ROW.match(line):
             rows[m.group(1), m.group(2)] = [float(v) for v in m.groups()[2:-1]]
-    assert sorted(rows) == sorted((d, m) for d in CHANCE for m in ("gcn", "sage")), r.stdout
+    assert sorted(rows) == sorted((d, m) for d in CHANCE for m in ("gcn", "sage", "gat")), \
+        r.stdout
     for (dataset, _), values in rows.items():
         assert all(math.isfinite(v) for v in values), (dataset, values)
         plexus_best, pyg_best = values[0], values[4]
@@ -42,7 +43,7 @@ def test_bench_accuracy_quick_prints_both_sides(tmp_path):
             assert min(plexus_best, pyg_best) > CHANCE[dataset]  # ones (planted) take ~100
         assert all(ms > 0 for ms in values[9:]), values
     saved = json.loads(out.read_text())
-    assert len(saved["rows"]) == 4
+    assert len(saved["rows"]) == 6
     for row in saved["rows"]:
         assert len(row["plexus"]["seeds"]) == len(row["pyg"]["seeds"]) == 2
 

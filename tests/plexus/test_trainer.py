@@ -113,24 +113,26 @@ def test_loss_curve_8_ranks_matches_1_rank():
     assert serial[-1][0] < 0.5 * serial[0][0]  # it learned
 
 
-def _fit_pyg(ctx, data):
+def _fit_pyg(ctx, data, model):
     from plexus import fit
 
-    res = fit(data, grid="1x1x2", epochs=30, num_layers=2, hidden=16, lr=0.05)
+    res = fit(data, grid="1x1x2", epochs=30, num_layers=2, hidden=16, lr=0.05, **model)
     return [r["loss"] for r in res.history], res.history[-1]["train_acc"]
 
 
 @pytest.mark.slow
-def test_fit_trains_on_a_pyg_data_object_on_two_ranks():
+@pytest.mark.parametrize("model", [{}, {"model": "gat", "heads": 2, "attention_dropout": 0.2}])
+def test_fit_trains_on_a_pyg_data_object_on_two_ranks(model):
     """The README's Python entry point: plexus.fit on a torch_geometric Data with boolean
-    masks, under a running 2-rank job; every rank sees the same replicated losses, which fall."""
+    masks, under a running 2-rank job; every rank sees the same replicated losses, which fall.
+    The GCN, and GAT (``model="gat"``)."""
     from torch_geometric.data import Data
 
     g = planted_partition(num_nodes=301, seed=4)
     masks = {s: g.mask(s) for s in ("train", "val", "test")}
     data = Data(x=g.x, y=g.y, edge_index=g.edge_index, train_mask=masks["train"],
                 val_mask=masks["val"], test_mask=masks["test"])
-    (l0, acc0), (l1, acc1) = run_ranks(_fit_pyg, 2, data)
+    (l0, acc0), (l1, acc1) = run_ranks(_fit_pyg, 2, data, model)
     assert l0 == l1 and acc0 == acc1  # replicated on both ranks
     assert len(l0) == 30 and l0[-1] < 0.7 * l0[0], l0
     assert acc0 > 0.5
