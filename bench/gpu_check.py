@@ -79,13 +79,14 @@ def gcn_key(out: str) -> str:
 
 
 def llm_key(out: str) -> str:
-    """``ours 123,456 tok/s, ours/plain 0.97`` from bench/llm_throughput.py's output, else
-    ``?``."""
-    ours = re.search(r"^ours, grid 1x1x1x1\s.*?([\d,]+)\s*$", out, re.M)
+    """``ours 123,456 tok/s, ours/plain 0.97`` (with ``, MFU 41.20%`` after the tokens/s where
+    the bench knew the device's peak) from bench/llm_throughput.py's output, else ``?``."""
+    ours = re.search(r"^ours, grid 1x1x1x1\s.*?\s([\d,]+)(?:\s+([\d.]+)%)?\s*$", out, re.M)
     ratio = re.search(r"throughput ratio ours / plain = ([\d.]+)", out)
     if ratio is None or ours is None:
         return "?"
-    return f"ours {ours[1]} tok/s, ours/plain {ratio[1]}"
+    share = f", MFU {ours[2]}%" if ours[2] else ""
+    return f"ours {ours[1]} tok/s{share}, ours/plain {ratio[1]}"
 
 
 def host_cpu() -> str:

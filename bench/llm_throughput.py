@@ -34,6 +34,7 @@ from common.grid import ProcessGrid
 from common.parallel import ParallelState
 from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
 from llm.data.batches import BatchIterator, encode_stream, load_documents, split_documents
+from llm.mfu import mfu, peak_tflops
 from llm.model import GPT, PRESETS, get_preset
 from llm.parallel.gpt import AXIS_SETS
 from llm.trainer import Trainer
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where both sides train (default: %(default)s)")
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                   help="the device's dense float32 peak, for an MFU column (default: "
+                   "llm.mfu's table for a GPU it knows; none on a CPU)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda was asked for, but torch sees no CUDA device")
@@ -120,11 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT {args.preset} ({config.num_params():,} parameters), {args.batch_size} x "
           f"{args.seq_len} tokens per step, on {device}, torch threads "
           f"{torch.get_num_threads()}, {args.steps} alternating steps per side")
-    print(f"{'':24}{'median step':>14}{'quartiles':>24}{'tokens/s':>12}")
-    print(f"{'plain PyTorch loop':24}{1000 * med_base:>11.1f} ms{quartiles(t_base):>24}"
-          f"{tokens / med_base:>12,.0f}")
-    print(f"{'ours, grid 1x1x1x1':24}{1000 * med_ours:>11.1f} ms{quartiles(t_ours):>24}"
-          f"{tokens / med_ours:>12,.0f}")
+    # MFU where the device's peak is known (--peak-tflops, or llm.mfu's table for the GPU)
+    peak = peak_tflops(device, "fp32", args.peak_tflops)
+    per_token = config.flops_per_token(args.seq_len)
+    print(f"{'':24}{'median step':>14}{'quartiles':>24}{'tokens/s':>12}"
+          + (f"{'MFU':>8}" if peak else ""))
+    for name, med, times in (("plain PyTorch loop", med_base, t_base),
+                             ("ours, grid 1x1x1x1", med_ours, t_ours)):
+        share = f"{100 * mfu(per_token, tokens, med, 1, peak):>7.2f}%" if peak else ""
+        print(f"{name:24}{1000 * med:>11.1f} ms{quartiles(times):>24}{tokens / med:>12,.0f}"
+              + share)
+    if peak:
+        print(f"(MFU: {per_token:,} FLOPs a token over {peak:g} TFLOP/s, llm.mfu)")
     ratio = med_base / med_ours
     print(f"throughput ratio ours / plain = {ratio:.3f} (target >= 0.95: "
           f"{'met' if ratio >= 0.95 else 'NOT met'})")

@@ -227,6 +227,8 @@ class RunConfig:
         grad_accum: micro-batches per optimizer step.
         eval_every, log_every: in steps (eval 0: only at the end; log 0: never).
         overlap: communication overlap, ``all``, ``none`` or a list of ``oar,ors,oag``.
+        peak_tflops: one device's dense peak TFLOP/s for the MFU logged every step (None: from
+            :data:`llm.mfu.PEAK_TFLOPS` on a GPU it names, else no MFU).
     """
 
     steps: int | None = None
@@ -235,6 +237,7 @@ class RunConfig:
     eval_every: int = 0
     log_every: int = 10
     overlap: str = "all"
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -246,6 +249,8 @@ class RunConfig:
         if self.eval_every < 0 or self.log_every < 0:
             raise ValueError(f"need eval_every >= 0 and log_every >= 0; got "
                              f"{self.eval_every}, {self.log_every}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
         Overlap.parse(self.overlap)
 
 

@@ -56,6 +56,7 @@ from llm.config import (
     PrecisionConfig,
     RunConfig,
 )
+from llm.mfu import mfu
 from llm.model import PRESETS, GPTConfig, get_preset
 from llm.parallel.gpt import AXIS_SETS
 from llm.trainer import Trainer, run
@@ -151,6 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: bf16 compute and communication with float32 master weights, "
                    "optimizer state and loss (default: %(default)s)")
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                   help="one device's dense peak TFLOP/s, for the MFU printed every logged "
+                   "step (default: from llm.mfu's table on a GPU it knows; none on a CPU)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each transformer block in backward instead of keeping its "
                    "activations (less memory, about one more forward of compute)")
@@ -182,7 +186,7 @@ def build(args: argparse.Namespace, ctx: DistContext, checkpoint: CheckpointConf
                               strategy=args.goldfish_strategy)
     run_cfg = RunConfig(steps=args.steps, epochs=args.epochs, grad_accum=args.grad_accum,
                         eval_every=args.eval_every, log_every=args.log_every,
-                        overlap=args.overlap)
+                        overlap=args.overlap, peak_tflops=args.peak_tflops)
     width = 2 if args.precision == "bf16" else 4  # what --grid auto's memory model counts
     work = GPTWorkload.from_config(model_config, global_batch=args.batch_size * args.grad_accum,
                                    micro_batch=args.batch_size, seq_len=args.seq_len,
@@ -311,6 +315,8 @@ def _format_row(row: dict[str, Any], trainer: Trainer) -> str:
         text += f" (all {row['loss_all']:.4f}, dropped {row['loss_dropped']:.4f})"
     text += (f"  lr {row['lr']:.2e}  |g| {row['grad_norm']:.3f}  "
              f"{row['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in row:
+        text += f"  MFU {100 * row['mfu']:.1f}%"
     if "val_loss" in row:
         text += f"  val {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f})"
     if "checkpoint" in row:
@@ -331,6 +337,12 @@ def _summary(history: list[dict[str, Any]], seconds: float, trainer: Trainer,
     out = {"steps": trainer.step, "loss": last["loss"], "val_loss": last.get("val_loss"),
            "tokens_per_s": tokens_per_s, "wall_s": seconds, **memory}
     val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+    if "mfu" in last:  # the steady steps' FLOPs over their time, as tokens/s
+        out["mfu"] = mfu(trainer.flops_per_token, steady_mean(history, "tokens"),
+                         steady_mean(history, "step_s"),
+                         trainer.groups["row"].size * trainer.groups["col"].size,
+                         trainer.peak_tflops)
+        val += f", MFU {100 * out['mfu']:.1f}% of {trainer.peak_tflops:g} TFLOP/s"
     out["text"] = (f"done: {trainer.step} steps in {seconds:.1f} s, loss {last['loss']:.4f}"
                    f"{val}, {tokens_per_s:,.0f} tokens/s, peak memory {describe_peaks(peaks)}")
     return out

@@ -58,6 +58,7 @@ from llm.data.streams import open_stream, split_tokens
 from llm.data.tokenizers import load_tokenizer
 from llm.goldfish import drop_mask
 from llm.loss import goldfish_sums, token_losses
+from llm.mfu import mfu, peak_tflops
 from llm.model import GPT, GPTConfig
 from llm.parallel.gpt import AXIS_SETS, ParallelGPT, batch_shard
 from llm.precision import compute_dtype
@@ -153,9 +154,15 @@ class Trainer:
                                  stats=self.stats, device=self.device)
         decay = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) > 1]
         rest = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) <= 1]
+        # torch's fused AdamW on a GPU (one kernel per tensor group); the CPU keeps the
+        # for-each implementation, whose numbers the CPU runs have always had
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": optim.weight_decay},
-             {"params": rest, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
+             {"params": rest, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas,
+            fused=True if self.device.type == "cuda" else None)
+        # MFU (llm.mfu): the model's FLOPs of a token, the device's peak (None: not logged)
+        self.peak_tflops = peak_tflops(self.device, self.precision.precision, run.peak_tflops)
+        self.flops_per_token = model_config.flops_per_token(data.seq_len)
         self.train_iter, self.val_batches = make_data(data, model_config.vocab_size)
         per_epoch = self.train_iter.steps_per_epoch / run.grad_accum
         self.total_steps = (run.steps if run.steps is not None else
@@ -205,7 +212,10 @@ class Trainer:
                 "num_dropped": num_dropped, "lr": lr, "grad_norm": float(grad_norm),
                 "epoch": self.train_iter.epoch, "tokens": tokens, "step_s": seconds,
                 "tokens_per_s": tokens / seconds, "comm_s": self.stats.total_seconds,
-                "comm_bytes": self.stats.total_bytes, "overlapped": asdict(self.model.overlapped)}
+                "comm_bytes": self.stats.total_bytes, "overlapped": asdict(self.model.overlapped),
+                **({} if self.peak_tflops is None else {"mfu": mfu(
+                    self.flops_per_token, tokens, seconds,
+                    self.groups["row"].size * self.groups["col"].size, self.peak_tflops)})}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

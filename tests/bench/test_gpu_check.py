@@ -68,6 +68,12 @@ def test_key_numbers_are_read_from_the_benches_real_output():
     assert "on cpu" in llm
     assert re.fullmatch(r"ours [\d,]+ tok/s, ours/plain [\d.]+", gpu_check.llm_key(llm)), \
         gpu_check.llm_key(llm)
+    # with the device's peak (a GPU the table knows, or the flag): MFU beside tokens/s
+    llm = _bench(["bench/llm_throughput.py", *on_cpu(gpu_check.LLM_ARGS), "--preset", "tiny",
+                  "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1",
+                  "--threads", "1", "--peak-tflops", "0.05"])
+    assert re.fullmatch(r"ours [\d,]+ tok/s, MFU [\d.]+%, ours/plain [\d.]+",
+                        gpu_check.llm_key(llm)), gpu_check.llm_key(llm)
     assert gpu_check.gcn_key("crashed") == gpu_check.llm_key("") == "?"
 
 
