@@ -8,6 +8,8 @@ tensor or in bits); :func:`can_spend` says when a block may be written over.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -36,15 +38,21 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
     Entry (r, c) depends only on (seed, step, layer, r, c) (node ids modulo 2^32). Computed on
     the CPU by a numba kernel, rows in parallel (:func:`plexus.kernels.keep_mask`), or without
     numba (and for small blocks) in numpy's wrapping uint32 arithmetic, in row chunks of about
-    2^22 entries so the hash's temporaries stay small; on another device (a GPU) by torch's
-    int64 operations there (:func:`_keep_mask_torch`), so that no mask of the block's size is
-    made on the host and copied over: the same bits every way. Shapes: rows [a], cols [b] ->
+    2^22 entries so the hash's temporaries stay small; on a CUDA device by one Triton kernel
+    where ``triton`` is installed (plexus.dropout_triton; ``PLEXUS_TRITON=0`` turns it off),
+    else, and on other devices, by torch's int64 operations there (:func:`_keep_mask_torch`),
+    so that no mask of the block's size is made on the host and copied over: the same bits
+    every way. Shapes: rows [a], cols [b] ->
     [a, b] bool.
     """
     k, threshold = _mask_key(p, seed, step, layer)
     # (ids already on the device move nowhere; ids on the host are copied, and wait for it)
     if device is not None and torch.device(device).type != "cpu":
-        return _keep_mask_torch(rows.to(device), cols.to(device), int(k), int(threshold))
+        rows, cols = rows.to(device), cols.to(device)
+        fused = _triton_keep_mask() if torch.device(device).type == "cuda" else None
+        if fused is not None:
+            return fused(rows, cols, int(k), int(threshold))
+        return _keep_mask_torch(rows, cols, int(k), int(threshold))
     c = cols.numpy().astype(np.uint32)[None, :]
     out = np.empty((rows.numel(), c.shape[1]), dtype=bool)
     step_rows = max(1, (1 << 22) // max(c.shape[1], 1))
@@ -58,6 +66,18 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
             h = _cell_hash(r_all[lo:lo + step_rows, None], c, k)
             np.greater_equal(h, threshold, out=out[lo:lo + step_rows])
     return torch.from_numpy(out)
+
+
+def _triton_keep_mask():
+    """plexus.dropout_triton's one-kernel mask where ``triton`` is installed and
+    ``PLEXUS_TRITON`` is not ``0``, else None (the torch hash: the same bits)."""
+    if os.environ.get("PLEXUS_TRITON", "1") == "0":
+        return None
+    try:
+        from plexus.dropout_triton import keep_mask_triton
+    except ImportError:
+        return None
+    return keep_mask_triton
 
 
 def _cell_hash(rows: np.ndarray, cols: np.ndarray, k: np.uint32) -> np.ndarray:
