@@ -140,6 +140,23 @@ def test_run_check_reads_a_bench_and_keeps_its_log(tmp_path):
     assert (late.status, late.seconds) == ("not run", 0.0)
 
 
+def test_a_bench_that_misses_its_target_is_missed_and_fails_the_check(tmp_path):
+    def bench(ratio):
+        out = ("ours, grid 1x1x1x1  1.0 ms  1.0-1.0 ms  1,000\n"
+               f"throughput ratio ours / plain = {ratio}")
+        return gpu_check.Check("llm", ["-c", f"print({out!r})"], 60, "bench",
+                               gpu_check.llm_key, gpu_check.LLM_TARGET)
+
+    (ok,), _ = gpu_check.run_check(bench(0.97), 600, tmp_path, tmp_path / "r.xml")
+    (miss,), _ = gpu_check.run_check(bench(0.90), 600, tmp_path, tmp_path / "r.xml")
+    assert ok.status == "passed" and ok.key.endswith("(target ours/plain >= 0.95: met)")
+    assert miss.status == "missed" and "NOT met" in miss.key
+    assert not gpu_check.failed([ok]) and gpu_check.failed([ok, miss])
+    assert gpu_check.DROPOUT_TARGET[1]("ours/PyG 0.84, ours 0.012 s/epoch")
+    assert not gpu_check.DROPOUT_TARGET[1]("ours/PyG 1.37, ours 0.012 s/epoch")
+    assert not gpu_check.DROPOUT_TARGET[1]("?")
+
+
 def test_a_command_past_its_limit_is_interrupted_then_reported():
     """SIGINT first (pytest writes its report on it), so the command can say what it did."""
     # 'started' is printed inside the try, so that a SIGINT that comes before it (an
