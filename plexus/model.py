@@ -104,6 +104,13 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
             raise TypeError(f"give a plan or its options, not both: {sorted(options)}")
         plan.check(num_layers=len(shard.widths) - 1, learn_features=learn_features,
                    dropout=dropout)
+        asked = [k for k, v in options.items()
+                 if v and k != "recompute_first" and not (k == "aggregation_blocks" and v == 1)]
+        if model == "gat" and (asked or plan != LayerPlan(weight_first=plan.weight_first)
+                               or any(plan.weight_first)):
+            raise ValueError(f"model 'gat' runs none of the layer plan's options (asked: "
+                             f"{asked or plan}): its layers are attention, not an aggregation "
+                             "and a product")
         self.plan, self.precision, self.gemm = plan, precision, dense.check_backend(gemm)
         # the dtype F_0 and the kept activations are stored in (None: float32, as computed)
         self.keep_dtype = torch.bfloat16 if precision == "bf16" else None

@@ -145,8 +145,18 @@ def _heads_that_do_not_split(ctx):
     shard = model_source(graph, "gat").shard(grid.shape, grid.coords(ctx.rank),
                                              layout.layer_widths(graph.num_features, 6, 2,
                                                                  graph.num_classes))
+    groups = ctx.create_groups(grid)
     with pytest.raises(ValueError, match="3 heads do not split over its I axis"):
-        PlexusGCN(shard, ctx.create_groups(grid), model="gat", heads=3)
+        PlexusGCN(shard, groups, model="gat", heads=3)
+    # nor does a GAT take the options of GCN layers (its last layer computes every row)
+    with pytest.raises(ValueError, match="runs none of the layer plan's options"):
+        PlexusGCN(shard, groups, model="gat", heads=2, labelled_rows_only=True)
+    from plexus.layer_plan import LayerPlan
+
+    with pytest.raises(ValueError, match="runs none of the layer plan's options"):
+        PlexusGCN(shard, groups, model="gat", heads=2,
+                  plan=LayerPlan(labelled_rows_only=True, weight_first=(False, False)))
+    PlexusGCN(shard, groups, model="gat", heads=2, aggregation_blocks=1)  # the default: fine
     return True
 
 
