@@ -1,10 +1,10 @@
 """Model FLOPs utilisation (MFU), as torchtitan logs it: the model's training FLOPs a second
 (:meth:`llm.config.GPTConfig.flops_per_token`, PaLM's count) over the device's dense peak.
 
-A rank of the 4D grid trains its own rows of the batch (split over data and depth) with the
-model split over row x col, so its share of a step's FLOPs is ``flops_per_token * tokens /
-(row * col)``, ``tokens`` being the rows it holds; MFU is that share a second over the peak
-of one device. The peak comes from ``--peak-tflops`` where given, else from
+A step trains the global batch's ``tokens`` on every rank of the 4D grid together (its rows
+split over data and depth, the model over row x col), so a rank's share of the step's FLOPs
+is ``flops_per_token * tokens / ranks``; MFU is that share a second over the peak of one
+device. The peak comes from ``--peak-tflops`` where given, else from
 :data:`PEAK_TFLOPS` by the CUDA device's name and the run's precision; on a CPU, or a device
 the table does not know, there is none and no MFU is logged.
 """
@@ -43,8 +43,8 @@ def peak_tflops(device: torch.device | str, precision: str,
     return next((peaks[precision] for part, peaks in PEAK_TFLOPS.items() if part in name), None)
 
 
-def mfu(flops_per_token: float, tokens: int, seconds: float, tensor_ranks: int,
+def mfu(flops_per_token: float, tokens: int, seconds: float, ranks: int,
         peak: float) -> float:
-    """The share of ``peak`` TFLOP/s one rank reached: its ``tokens`` of a step (of
-    ``flops_per_token`` each, split over ``tensor_ranks`` = row x col ranks) in ``seconds``."""
-    return flops_per_token * tokens / tensor_ranks / seconds / (peak * 1e12)
+    """The share of ``peak`` TFLOP/s one rank reached: the step's global ``tokens`` (of
+    ``flops_per_token`` each) over all ``ranks`` of the grid, in ``seconds``."""
+    return flops_per_token * tokens / ranks / seconds / (peak * 1e12)

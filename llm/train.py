@@ -339,8 +339,7 @@ def _summary(history: list[dict[str, Any]], seconds: float, trainer: Trainer,
     val = f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""
     if "mfu" in last:  # the steady steps' FLOPs over their time, as tokens/s
         out["mfu"] = mfu(trainer.flops_per_token, steady_mean(history, "tokens"),
-                         steady_mean(history, "step_s"),
-                         trainer.groups["row"].size * trainer.groups["col"].size,
+                         steady_mean(history, "step_s"), trainer.parallel.grid.num_ranks,
                          trainer.peak_tflops)
         val += f", MFU {100 * out['mfu']:.1f}% of {trainer.peak_tflops:g} TFLOP/s"
     out["text"] = (f"done: {trainer.step} steps in {seconds:.1f} s, loss {last['loss']:.4f}"

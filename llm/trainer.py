@@ -214,8 +214,8 @@ class Trainer:
                 "tokens_per_s": tokens / seconds, "comm_s": self.stats.total_seconds,
                 "comm_bytes": self.stats.total_bytes, "overlapped": asdict(self.model.overlapped),
                 **({} if self.peak_tflops is None else {"mfu": mfu(
-                    self.flops_per_token, tokens, seconds,
-                    self.groups["row"].size * self.groups["col"].size, self.peak_tflops)})}
+                    self.flops_per_token, tokens, seconds, self.parallel.grid.num_ranks,
+                    self.peak_tflops)})}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -111,6 +111,9 @@ class ModelConfig:
                              f"{self.num_layers}, hidden={self.hidden}, heads={self.heads}")
         if not 0 <= self.attention_dropout < 1:
             raise ValueError(f"need 0 <= attention_dropout < 1, got {self.attention_dropout}")
+        if self.attention_dropout and self.model != "gat":
+            raise ValueError(f"--attention-dropout is GAT's; model {self.model!r} has no "
+                             "attention: use --model gat or drop it")
         if self.model == "gat":
             # GAT's layer is attention, not an aggregation and a product: none of these runs
             asked = [name for name in ("labelled_rows_only", "overlap", "weight_first")

@@ -62,6 +62,10 @@ class GATLayers:
     def _gat_parameters(self, seed: int) -> None:
         """``W_l``, ``a_src`` and ``a_dst`` of every layer, this rank's shards of
         :func:`plexus.gat_reference.init_gat`'s (the serial model of ``seed`` starts equal)."""
+        widths = self.shard.widths
+        if any(d % self.heads for d in widths[1:-1]):
+            raise ValueError(f"the hidden widths {list(widths[1:-1])} must be multiples of "
+                             f"the {self.heads} heads (each heads x a head's width)")
         for layer in range(self.num_layers):
             i_ax = layout.roles(layer)[1]
             if self.heads % self.groups[i_ax].size:

@@ -29,7 +29,7 @@ def test_the_peak_is_the_flag_else_the_tables_for_the_gpu_it_names(monkeypatch):
 
 
 def test_mfu_is_a_ranks_share_of_the_flops_over_its_peak():
-    # 1e9 FLOPs a token, 3000 tokens of the rank in 0.5 s, the model over 4 ranks, 2 TFLOP/s
+    # 1e9 FLOPs a token, 3000 tokens of the step in 0.5 s over 4 ranks, 2 TFLOP/s
     assert mfu(1e9, 3000, 0.5, 4, 2.0) == pytest.approx(1e9 * 3000 / 4 / 0.5 / 2e12)
 
 
