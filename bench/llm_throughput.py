@@ -3,6 +3,8 @@
     python bench/llm_throughput.py                        # tiny preset, 16 x 128 tokens/step
     python bench/llm_throughput.py --preset small --batch-size 8 --seq-len 256 --steps 10
     python bench/llm_throughput.py --device cuda --preset small --batch-size 8 --seq-len 256
+    python bench/llm_throughput.py --device cuda --preset gpt1b --precision bf16 --compile \
+        --batch-size 4 --seq-len 1024 --steps 10      # MFU of the 1.1B model in bf16
 
 Both sides train the same model from the same seed on the same batches (the same resumable
 iterator) with the same AdamW settings, weight-decay groups and global-norm clipping. The
@@ -15,6 +17,12 @@ of the median tokens/s (target >= 0.95). One thread by default: on a shared 2-co
 threads per process make single steps stall unpredictably (the ratio far apart from one run
 to the next), while one thread gives repeatable numbers; pass ``--threads 2`` to compare.
 ``--device cuda`` runs both on one GPU (each step timed after the GPU has finished).
+``--precision bf16`` trains both in bf16 with float32 master weights (the baseline builds the
+same ``GPT(compute_dtype=bfloat16)``), ``--compile`` compiles each transformer block of both
+(:func:`llm.trainer.compile_blocks`; the first warm-up step of each compiles, so give
+``--warmup`` at least 2). On a GPU both step torch's fused AdamW. The MFU column (on a GPU
+``llm.mfu`` knows, or with ``--peak-tflops``) is the model's FLOPs a second over the peak of
+the precision run.
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ from torch.nn.functional import cross_entropy
 
 from common.grid import ProcessGrid
 from common.parallel import ParallelState
-from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
+from llm.config import DataConfig, GoldfishConfig, OptimConfig, PrecisionConfig, RunConfig
 from llm.data.batches import BatchIterator, encode_stream, load_documents, split_documents
 from llm.mfu import mfu, peak_tflops
 from llm.model import GPT, PRESETS, get_preset
 from llm.parallel.gpt import AXIS_SETS
+from llm.precision import compute_dtype
 from llm.trainer import Trainer
 
 
@@ -44,15 +53,20 @@ class Baseline:
     """The plain single-process loop on the same model, optimizer and batches."""
 
     def __init__(self, preset: str, data: DataConfig, optim: OptimConfig, seed: int,
-                 device: torch.device) -> None:
-        # the trainer's keyed initialisation
-        self.model = GPT(get_preset(preset), seed=seed, device=device)
+                 device: torch.device, precision: PrecisionConfig) -> None:
+        # the trainer's keyed initialisation, compute dtype and compiled blocks
+        self.model = GPT(get_preset(preset), seed=seed, device=device,
+                         compute_dtype=compute_dtype(precision.precision))
+        if precision.compile:
+            for block in self.model.blocks:
+                block.compile()
         self.device = device
         decay = [p for p in self.model.parameters() if p.dim() > 1]
         rest = [p for p in self.model.parameters() if p.dim() <= 1]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": optim.weight_decay},
-             {"params": rest, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas)
+             {"params": rest, "weight_decay": 0.0}], lr=optim.lr, betas=optim.betas,
+            fused=True if device.type == "cuda" else None)  # as the trainer's
         train_docs, _ = split_documents(load_documents(), data.val_fraction, data.seed)
         self.batches = BatchIterator(encode_stream(train_docs), batch_size=data.batch_size,
                                      seq_len=data.seq_len, seed=data.seed)
@@ -96,9 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where both sides train (default: %(default)s)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="both sides' compute: bf16 with float32 master weights, or fp32 "
+                   "(default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block on both sides")
     p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
-                   help="the device's dense float32 peak, for an MFU column (default: "
-                   "llm.mfu's table for a GPU it knows; none on a CPU)")
+                   help="the device's dense peak in the precision run, for an MFU column "
+                   "(default: llm.mfu's table for a GPU it knows; none on a CPU)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda was asked for, but torch sees no CUDA device")
@@ -108,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     data = DataConfig(batch_size=args.batch_size, seq_len=args.seq_len, eval_batches=0)
     optim = OptimConfig()
     total = args.warmup + args.steps
+    precision = PrecisionConfig(precision=args.precision, compile=args.compile)
     ours = Trainer(get_preset(args.preset), data, optim, GoldfishConfig(),
                    RunConfig(steps=total), ParallelState.single(ProcessGrid.axonn(1, 1, 1, 1),
-                                                                AXIS_SETS, device=device))
-    base = Baseline(args.preset, data, optim, seed=0, device=device)
+                                                                AXIS_SETS, device=device),
+                   precision=precision)
+    base = Baseline(args.preset, data, optim, seed=0, device=device, precision=precision)
     for _ in range(args.warmup):
         timed(ours.train_step, device), timed(base.train_step, device)
     t_ours, t_base = [], []
@@ -122,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     med_ours, med_base = statistics.median(t_ours), statistics.median(t_base)
     config = get_preset(args.preset)
     print(f"GPT {args.preset} ({config.num_params():,} parameters), {args.batch_size} x "
-          f"{args.seq_len} tokens per step, on {device}, torch threads "
+          f"{args.seq_len} tokens per step, on {device}, {precision}, torch threads "
           f"{torch.get_num_threads()}, {args.steps} alternating steps per side")
     # MFU where the device's peak is known (--peak-tflops, or llm.mfu's table for the GPU)
-    peak = peak_tflops(device, "fp32", args.peak_tflops)
+    peak = peak_tflops(device, args.precision, args.peak_tflops)
     per_token = config.flops_per_token(args.seq_len)
     print(f"{'':24}{'median step':>14}{'quartiles':>24}{'tokens/s':>12}"
           + (f"{'MFU':>8}" if peak else ""))

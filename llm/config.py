@@ -264,10 +264,15 @@ class PrecisionConfig:
         activation_checkpointing: keep only each transformer block's input and recompute the
             block in backward (its collectives included); fp32 results are bit for bit those
             without it.
+        compile: ``torch.compile`` each transformer block (in place: parameter names and
+            checkpoints unchanged), as torchtitan does; fused kernels round otherwise than
+            eager ones, so results agree to rounding, not bit for bit. Grids without tensor
+            parallelism only (row = col = depth = 1).
     """
 
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -276,7 +281,7 @@ class PrecisionConfig:
 
     def __str__(self) -> str:
         return self.precision + (", activation checkpointing" if self.activation_checkpointing
-                                 else "")
+                                 else "") + (", compiled blocks" if self.compile else "")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -158,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each transformer block in backward instead of keeping its "
                    "activations (less memory, about one more forward of compute)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (fused kernels: faster steps "
+                   "after a first one that compiles; grids without tensor parallelism)")
     add_launch_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank; 0 "
                    "(default): 1 for models with d_model <= 128 (their GEMMs lose more to "
@@ -195,7 +198,8 @@ def build(args: argparse.Namespace, ctx: DistContext, checkpoint: CheckpointConf
     grid, note = choose_grid(parse_grid(args.grid, ctx.world_size, AXONN_AXES), work,
                              ctx.world_size, ranks_per_node=ctx.local_world_size)
     precision = PrecisionConfig(precision=args.precision,
-                                activation_checkpointing=args.activation_checkpointing)
+                                activation_checkpointing=args.activation_checkpointing,
+                                compile=args.compile)
     trainer = Trainer(model_config, data, optim, goldfish, run_cfg,
                       ParallelState.create(ctx, grid, AXIS_SETS), seed=args.seed,
                       precision=precision, checkpoint=checkpoint)

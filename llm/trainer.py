@@ -61,6 +61,7 @@ from llm.loss import goldfish_sums, token_losses
 from llm.mfu import mfu, peak_tflops
 from llm.model import GPT, GPTConfig
 from llm.parallel.gpt import AXIS_SETS, ParallelGPT, batch_shard
+from llm.parallel.layout import is_tensor_parallel
 from llm.precision import compute_dtype
 
 
@@ -152,6 +153,8 @@ class Trainer:
                   neftune_alpha=optim.neftune_alpha)
         self.model = ParallelGPT(gpt, self.groups, seed=seed, overlap=Overlap.parse(run.overlap),
                                  stats=self.stats, device=self.device)
+        if self.precision.compile:
+            compile_blocks(self.model)
         decay = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) > 1]
         rest = [p for n, p in self.model.shards().items() if len(self.model.specs[n].shape) <= 1]
         # torch's fused AdamW on a GPU (one kernel per tensor group); the CPU keeps the
@@ -288,6 +291,27 @@ class Trainer:
         path = ckpt.save(directory, step=self.step, model=self.model, optimizer=self.optimizer,
                          meta=self.meta(), state=state, keep=keep, group=self.transport)
         return str(path) if is_main else None
+
+
+def compile_blocks(model: ParallelGPT) -> None:
+    """``torch.compile`` each transformer block of ``model`` in place (``--compile``).
+
+    Per block, as torchtitan compiles: every block has the same code, so one compilation
+    serves them all, and the embedding, head and loss stay eager. In place
+    (``nn.Module.compile``), so parameter names, checkpoints and the optimizer's view of the
+    parameters do not change.
+
+    Raises:
+        ValueError: the grid is tensor parallel (its layers' collectives are custom autograd
+            functions that dynamo would split the graph at).
+    """
+    if is_tensor_parallel(model.sizes):
+        grid = "x".join(str(model.sizes[a]) for a in model.sizes)
+        raise ValueError(f"--compile runs on grids without tensor parallelism (depth = row = "
+                         f"col = 1), not on {grid}: drop --compile, or put the ranks on the "
+                         "data axis")
+    for block in model.model.blocks:
+        block.compile()
 
 
 def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None,

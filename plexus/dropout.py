@@ -9,6 +9,7 @@ tensor or in bits); :func:`can_spend` says when a block may be written over.
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -49,9 +50,11 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
     # (ids already on the device move nowhere; ids on the host are copied, and wait for it)
     if device is not None and torch.device(device).type != "cpu":
         rows, cols = rows.to(device), cols.to(device)
-        fused = _triton_keep_mask() if torch.device(device).type == "cuda" else None
+        fused = _triton("keep_mask_triton") if torch.device(device).type == "cuda" else None
         if fused is not None:
-            return fused(rows, cols, int(k), int(threshold))
+            out = _launch(fused, rows, cols, int(k), int(threshold))
+            if out is not None:
+                return out
         return _keep_mask_torch(rows, cols, int(k), int(threshold))
     c = cols.numpy().astype(np.uint32)[None, :]
     out = np.empty((rows.numel(), c.shape[1]), dtype=bool)
@@ -68,16 +71,60 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
     return torch.from_numpy(out)
 
 
-def _triton_keep_mask():
-    """plexus.dropout_triton's one-kernel mask where ``triton`` is installed and
-    ``PLEXUS_TRITON`` is not ``0``, else None (the torch hash: the same bits)."""
-    if os.environ.get("PLEXUS_TRITON", "1") == "0":
+_TRITON_FAILED: list[str] = []  # why Triton's kernels failed in this process (then: not used)
+_TRITON_LAUNCHED: set[str] = set()  # the kernels that have run here
+
+
+def _triton(name: str):
+    """plexus.dropout_triton's function ``name`` where ``triton`` is installed,
+    ``PLEXUS_TRITON`` is not ``0`` and no Triton kernel has failed to launch in this process;
+    else None (the torch hash: the same bits)."""
+    if os.environ.get("PLEXUS_TRITON", "1") == "0" or _TRITON_FAILED:
         return None
     try:
-        from plexus.dropout_triton import keep_mask_triton
+        import plexus.dropout_triton as kernels
     except ImportError:
         return None
-    return keep_mask_triton
+    return getattr(kernels, name)
+
+
+def _launch(fn, *args):
+    """``fn(*args)`` for a Triton function of :func:`_triton`; None, with a warning, where its
+    kernel fails before it has ever run here (Triton compiles at the first launch: a node with
+    no C compiler for its launcher, a GPU its backend does not know): the caller then takes the
+    torch path, and so do all later calls. Once a kernel has run, its errors are raised."""
+    name = getattr(fn, "__name__", str(fn))
+    if name in _TRITON_LAUNCHED:
+        return fn(*args)
+    try:
+        out = fn(*args)
+    except Exception as exc:  # compilation and launch errors come in many types
+        _TRITON_FAILED.append(f"{name}: {type(exc).__name__}: {exc}")
+        warnings.warn(f"plexus: the Triton dropout kernel failed at its first launch "
+                      f"({type(exc).__name__}: {str(exc)[:200]}); dropout masks are hashed by "
+                      "torch operations instead (the same bits, slower). Set PLEXUS_TRITON=0 "
+                      "to skip Triton.", RuntimeWarning, stacklevel=3)
+        return None
+    _TRITON_LAUNCHED.add(name)
+    return out
+
+
+def hashed_dropout(x: torch.Tensor, p: float, *, seed: int, step: int, layer: int,
+                   rows: torch.Tensor, cols: torch.Tensor, spent: bool = False
+                   ) -> torch.Tensor | None:
+    """:func:`apply_dropout` of ``x`` with :func:`keep_mask`'s mask of ``rows`` x ``cols``
+    (on ``x``'s CUDA device), as one Triton kernel each way that hashes the mask where it
+    applies it, keeping no mask for backward (plexus.dropout_triton.HashedDropout): the same
+    values and gradient. None where Triton is not there to run it (the caller applies the
+    mask itself). ``spent``: as :func:`apply_dropout`'s."""
+    if x.device.type != "cuda" or x.dtype != torch.float32:
+        return None
+    fn = _triton("HashedDropout")
+    if fn is None:
+        return None
+    k, threshold = _mask_key(p, seed, step, layer)
+    return _launch(fn.apply, x, rows, cols, int(k), int(threshold), p,
+                   spent and can_spend(x), spent)
 
 
 def _cell_hash(rows: np.ndarray, cols: np.ndarray, k: np.uint32) -> np.ndarray:

@@ -4,6 +4,8 @@ cells in uint32 arithmetic, the same xor-shift-multiply mixer as the CPU's, and 
 the threshold, so its bits are the CPU hash's. :func:`fused_dropout` also applies the mask in
 the same pass: ``x * keep / (1 - p)`` and the mask, one read of ``x`` and one write of each,
 where the torch hash takes about fifteen int64 passes over the block before the mask is used.
+:class:`HashedDropout` is that pass as an autograd function whose backward hashes the mask
+again instead of keeping it (plexus.layer_dropout uses it on a GPU).
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors),
 which is how the tests compare their bits with the CPU hash's (tests/plexus/test_dropout_triton.py).
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fused_dropout", "keep_mask_triton"]
+__all__ = ["HashedDropout", "fused_dropout", "keep_mask_triton"]
 
 BLOCK_ROWS, BLOCK_COLS = 32, 64  # a program's tile of cells
 
@@ -58,14 +60,16 @@ def _keep_kernel(rows_ptr, cols_ptr, out_ptr, n_rows, n_cols, k, threshold,
 
 @triton.jit(do_not_specialize=["k", "threshold"])
 def _dropout_kernel(x_ptr, rows_ptr, cols_ptr, y_ptr, keep_ptr, n_rows, n_cols, k, threshold,
-                    scale, block_r: tl.constexpr, block_c: tl.constexpr):
+                    scale, block_r: tl.constexpr, block_c: tl.constexpr,
+                    store_keep: tl.constexpr):
     keep, offs_r, offs_c, inside = _tile_keep(rows_ptr, cols_ptr, n_rows, n_cols, k, threshold,
                                               block_r, block_c)
     at = offs_r.to(tl.int64)[:, None] * n_cols + offs_c[None, :]
     x = tl.load(x_ptr + at, mask=inside, other=0.0)
     y = tl.where(keep, x * scale, 0.0)
-    tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=inside)
-    tl.store(keep_ptr + at, keep.to(tl.int8), mask=inside)
+    tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=inside)  # (y may be x: in place)
+    if store_keep:
+        tl.store(keep_ptr + at, keep.to(tl.int8), mask=inside)
 
 
 def _grid(n_rows: int, n_cols: int) -> tuple[int, int]:
@@ -87,20 +91,60 @@ def keep_mask_triton(rows: torch.Tensor, cols: torch.Tensor, k: int,
 
 
 def fused_dropout(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, k: int,
-                  threshold: int, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  threshold: int, p: float, *, out: torch.Tensor | None = None,
+                  with_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x * keep / (1 - p), keep)`` with :func:`keep_mask_triton`'s mask, in one pass over
-    ``x`` (contiguous [a, b] on the ids' device). Shapes: x [a, b] -> ([a, b], [a, b] bool)"""
+    ``x`` (contiguous [a, b] on the ids' device, float32, bfloat16 or float16: the factor
+    travels as a float32). ``out``: where the values go (``x`` itself: in place);
+    ``with_mask=False``: no mask is written (None in its place).
+    Shapes: x [a, b] -> ([a, b], [a, b] bool)"""
     if tuple(x.shape) != (rows.numel(), cols.numel()):
         raise ValueError(f"x {tuple(x.shape)} is not [rows, cols] = "
                          f"[{rows.numel()}, {cols.numel()}]")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"fused_dropout takes float32, bfloat16 or float16 x, not {x.dtype} "
+                         "(its factor travels as a float32)")
     rows, cols = rows.to(torch.int64).contiguous(), cols.to(torch.int64).contiguous()
     x = x.contiguous()
     # the factor plexus.dropout.dropped multiplies by, in x's dtype: the same products
     factor = float(torch.ones((), dtype=x.dtype) / (1.0 - p))
-    y = torch.empty_like(x)
-    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    y = torch.empty_like(x) if out is None else out
+    keep = torch.empty(x.shape, dtype=torch.bool, device=x.device) if with_mask else None
     if x.numel():
-        _dropout_kernel[_grid(*x.shape)](x, rows, cols, y, keep.view(torch.int8), rows.numel(),
-                                         cols.numel(), int(k), int(threshold), factor,
-                                         block_r=BLOCK_ROWS, block_c=BLOCK_COLS)
+        _dropout_kernel[_grid(*x.shape)](x, rows, cols, y, y if keep is None else
+                                         keep.view(torch.int8), rows.numel(), cols.numel(),
+                                         int(k), int(threshold), factor,
+                                         block_r=BLOCK_ROWS, block_c=BLOCK_COLS,
+                                         store_keep=keep is not None)
     return y, keep
+
+
+class HashedDropout(torch.autograd.Function):
+    """``x * keep / (1 - p)`` whose mask is hashed in the kernel that applies it, in forward
+    and again in backward: one pass each way, and nothing kept for backward but the ids and
+    the key (where :class:`plexus.dropout._Dropout` keeps the mask as bits, and packs and
+    unpacks them in passes of their own). The same values, both ways, as
+    :func:`plexus.dropout.apply_dropout` with :func:`plexus.dropout.keep_mask`'s mask.
+
+    ``over_x``, ``over_grad``: written over ``x`` (forward), over the incoming gradient
+    (backward), as :func:`plexus.dropout.apply_dropout`'s ``spent``.
+    Shapes: x [a, b], rows [a], cols [b] -> [a, b]
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, k: int,
+                threshold: int, p: float, over_x: bool, over_grad: bool) -> torch.Tensor:
+        ctx.save_for_backward(rows, cols)
+        ctx.key, ctx.p, ctx.over_grad = (k, threshold), p, over_grad
+        if over_x and x.is_contiguous():
+            ctx.mark_dirty(x)
+            return fused_dropout(x, rows, cols, k, threshold, p, out=x, with_mask=False)[0]
+        return fused_dropout(x, rows, cols, k, threshold, p, with_mask=False)[0]
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        rows, cols = ctx.saved_tensors
+        over = ctx.over_grad and dy.is_contiguous()
+        dx = fused_dropout(dy, rows, cols, *ctx.key, ctx.p, out=dy if over else None,
+                           with_mask=False)[0]
+        return dx, None, None, None, None, None, None, None

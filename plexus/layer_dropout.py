@@ -3,7 +3,9 @@
 The mask of entry (node, column) is hashed from the node and column ids
 (:func:`plexus.dropout.keep_mask`), so a rank draws exactly the entries of the block it holds
 and any grid drops what one rank drops. :class:`LayerDropout` holds the ids of this rank's
-rows and columns of every layer's ``F_l``, made once per device.
+rows and columns of every layer's ``F_l``, made once per device. On a GPU with Triton the mask
+is hashed inside the kernel that applies it, forward and backward
+(:func:`plexus.dropout.hashed_dropout`); elsewhere it is drawn, applied and kept as bits.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from common.grid import AxisGroup
 from plexus import layout
 from plexus.data import partition
 from plexus.data.shard import GraphShard
-from plexus.dropout import apply_dropout, dropped, keep_mask
+from plexus.dropout import apply_dropout, dropped, hashed_dropout, keep_mask
 from plexus.ops import BitMask
 from plexus.shards import node_chunk
 
@@ -41,13 +43,26 @@ class LayerDropout:
             return scaled.masked_fill_(~self.mask(layer, step, f.device), 0.0)
         if kept is not None:
             return dropped(f, kept, self.p)
-        # F_l is read by nothing after this, F' feeds the aggregation or H W alone: in place
+        # F_l is read by nothing after this, F' feeds the aggregation or H W alone: in place.
+        # On a GPU one Triton kernel each way hashes the mask where it applies it
+        rows, cols = self.ids(layer, f.device)
+        fused = hashed_dropout(f, self.p, seed=self.seed, step=step, layer=layer, rows=rows,
+                               cols=cols, spent=True)
+        if fused is not None:
+            return fused
         return apply_dropout(f, self.mask(layer, step, f.device), self.p, spent=True)
 
     def mask(self, layer: int, step: int, device) -> torch.Tensor:
         """The keep-mask of ``layer``'s input at ``step``, bool [N/O, D_l/I], drawn on
-        ``device`` from the ids of this rank's rows and columns: made once per device (a copy
-        from host memory every step would make the host wait for a GPU)."""
+        ``device`` from the ids of this rank's rows and columns (:meth:`ids`)."""
+        rows, cols = self.ids(layer, device)
+        return keep_mask(self.p, seed=self.seed, step=step, layer=layer, rows=rows, cols=cols,
+                         device=device)
+
+    def ids(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global ids of this rank's rows (nodes) and columns of ``layer``'s input, on
+        ``device``: made once per device (a copy from host memory every step would make the
+        host wait for a GPU)."""
         device = torch.device(device)
         if (layer, device) not in self._ids:
             o_ax, i_ax, _ = layout.roles(layer)
@@ -56,6 +71,4 @@ class LayerDropout:
             cols = torch.arange(width) + self.groups[i_ax].rank * width
             self._ids[layer, device] = (node_chunk(order, self.groups[o_ax]).to(device),
                                         cols.to(device))
-        rows, cols = self._ids[layer, device]
-        return keep_mask(self.p, seed=self.seed, step=step, layer=layer, rows=rows, cols=cols,
-                         device=device)
+        return self._ids[layer, device]

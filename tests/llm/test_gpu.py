@@ -3,8 +3,9 @@
 On ONE GPU, each against the CPU:
 
 * training: the tiny trainer on one CUDA rank follows the CPU run and its checkpoint continues
-  on the CPU; bf16, activation checkpointing and NEFTune follow their CPU runs; the CLI picks
-  NCCL; with two GPUs a 2-rank NCCL run (row = 2) follows one CPU rank.
+  on the CPU; bf16, activation checkpointing and NEFTune follow their CPU runs; bf16 attention
+  runs SDPA's flash kernels; compiled blocks follow the eager run; the CLI picks NCCL; with
+  two GPUs a 2-rank NCCL run (row = 2) follows one CPU rank.
 * the tensor-parallel layers with 4 ranks sharing cuda:0 over gloo (which carries CUDA
   tensors for the three collectives they use: all_reduce, all_gather_into_tensor,
   reduce_scatter_tensor; NCCL refuses two ranks on one GPU): loss and every gradient equal
@@ -82,15 +83,16 @@ def test_one_cuda_rank_follows_the_cpu_run(tmp_path):
     assert run(resumed)[-1]["step"] == STEPS + 1
 
 
-def trainer(device, *, precision="fp32", checkpointing=False, neftune=0.0):
+def trainer(device, *, precision="fp32", checkpointing=False, neftune=0.0, compile=False):
     """tests.llm.helpers.make_trainer's run (SMALL, goldfish k=4, accumulation 2) with the
-    precision, checkpointing and NEFTune switches."""
+    precision, checkpointing, compile and NEFTune switches."""
     return Trainer(SMALL, DataConfig(seq_len=16, batch_size=6, eval_batches=1),
                    OptimConfig(lr=1e-2, warmup_steps=3, neftune_alpha=neftune),
                    GoldfishConfig(k=4, h=3), RunConfig(steps=STEPS, grad_accum=2),
                    one_rank(device), seed=5,
                    precision=PrecisionConfig(precision=precision,
-                                             activation_checkpointing=checkpointing))
+                                             activation_checkpointing=checkpointing,
+                                             compile=compile))
 
 
 def test_bf16_on_cuda_follows_the_cpu_bf16_run():
@@ -105,6 +107,28 @@ def test_bf16_on_cuda_follows_the_cpu_bf16_run():
         assert p.is_cuda and p.dtype == p.grad.dtype == torch.float32, name
     x, _ = next(gpu_trainer.train_iter)
     assert gpu_trainer.model(x.to(CUDA)).dtype == torch.bfloat16  # the GEMMs ran in bf16
+
+
+def test_bf16_attention_runs_the_flash_kernel_forward_and_backward():
+    """The causal self-attention of training (no mask, bf16, head_dim 16) is what SDPA's
+    flash backend takes: the default dispatch picks it, forward and backward."""
+    model = GPT(tiny(), seed=0, device=CUDA, compute_dtype=torch.bfloat16)
+    x = torch.randint(0, 256, (2, 64), device=CUDA)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).float().square().mean().backward()
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention" in ops, sorted(ops)
+    assert "aten::_scaled_dot_product_flash_attention_backward" in ops, sorted(ops)
+
+
+def test_compiled_blocks_on_cuda_follow_the_eager_run():
+    eager = run(trainer("cuda", precision="bf16"))
+    compiled_trainer = trainer("cuda", precision="bf16", compile=True)
+    compiled = run(compiled_trainer)
+    assert all(b._compiled_call_impl is not None for b in compiled_trainer.model.model.blocks)
+    for a, b in zip(eager, compiled, strict=True):
+        # fused kernels round bf16 once where eager rounds each op: a bf16 rounding or so
+        assert close(a["loss"], b["loss"], 2e-2), (a["step"], a["loss"], b["loss"])
 
 
 def test_activation_checkpointing_on_cuda_follows_the_plain_run():

@@ -50,3 +50,29 @@ def test_train_prints_mfu_with_a_peak_and_not_without(tmp_path, capsys):
     assert 0 < summary["mfu"] and "of 0.5 TFLOP/s" in out
     assert train_main(args) == 0
     assert "MFU" not in capsys.readouterr().out  # a CPU: no peak, no MFU
+
+
+def data_parallel_rows(ctx):
+    """Two steps of the tiny trainer on the 2x1x1x1 grid with a 0.5 TFLOP/s peak."""
+    from llm.config import DataConfig, GoldfishConfig, OptimConfig, RunConfig
+    from llm.trainer import Trainer
+    from tests.llm.helpers import on_grid
+
+    torch.set_num_threads(1)
+    trainer = Trainer(tiny(), DataConfig(seq_len=32, batch_size=4, eval_batches=0),
+                      OptimConfig(), GoldfishConfig(), RunConfig(steps=2, peak_tflops=0.5),
+                      on_grid(ctx, "2x1x1x1"))
+    return [trainer.train_step() for _ in range(2)]
+
+
+@pytest.mark.slow
+def test_mfu_on_two_ranks_counts_the_global_batch_over_both():
+    from tests.distributed import run_ranks
+
+    per_token = tiny().flops_per_token(32)
+    for rank, rows in enumerate(run_ranks(data_parallel_rows, 2, timeout=120)):
+        for r in rows:
+            assert r["tokens"] == 4 * 32, rank  # the step's global batch, on every rank ...
+            # ... of which this rank trained half: MFU over both ranks
+            assert r["mfu"] == pytest.approx(mfu(per_token, 4 * 32, r["step_s"], 2, 0.5))
+            assert r["mfu"] == pytest.approx(per_token * 64 / r["step_s"] / 0.5e12), rank

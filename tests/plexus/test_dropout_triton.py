@@ -2,8 +2,10 @@
 and run in Triton's interpreter without one (``TRITON_INTERPRET=1``, CPU tensors): its bits
 are the CPU hash's (plexus.dropout.keep_mask) for node ids beyond 2^32, keys above 2^31, odd
 block shapes and every rate; the fused dropout gives the CPU's ``dropped`` values bit for
-bit, and the mask; on a GPU, ``keep_mask(device="cuda")`` gives the same bits with the kernel
-and with the torch hash (``PLEXUS_TRITON=0``)."""
+bit, and the mask; HashedDropout (the mask hashed again in backward, none kept) gives
+apply_dropout's values and gradient; a kernel that fails at its first launch leaves the torch
+hash; on a GPU, ``keep_mask(device="cuda")`` gives the same bits with the kernel and with the
+torch hash (``PLEXUS_TRITON=0``), and so does the dropout of a layer."""
 
 import os
 
@@ -15,8 +17,9 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 triton = pytest.importorskip("triton")
 
-from plexus.dropout import _mask_key, dropped, keep_mask  # noqa: E402
-from plexus.dropout_triton import fused_dropout, keep_mask_triton  # noqa: E402
+from plexus import dropout  # noqa: E402
+from plexus.dropout import _mask_key, apply_dropout, dropped, keep_mask  # noqa: E402
+from plexus.dropout_triton import HashedDropout, fused_dropout, keep_mask_triton  # noqa: E402
 
 
 @pytest.mark.parametrize("p, seed, step, layer", [(0.5, 0, 1, 0), (0.1, 7, 123, 2),
@@ -44,6 +47,61 @@ def test_the_fused_dropout_is_the_cpus_values_and_mask():
     assert torch.equal(y, dropped(x, ~keep, p))  # bit for bit
     with pytest.raises(ValueError, match="is not"):
         fused_dropout(x[:, :5], rows, cols, int(k), int(threshold), p)
+    with pytest.raises(ValueError, match=r"float32, bfloat16 or float16 x, not torch\.float64"):
+        fused_dropout(x.double(), rows, cols, int(k), int(threshold), p)
+    if DEVICE == "cuda":  # (the interpreter computes in numpy, which has no bfloat16)
+        y16, none = fused_dropout(x.bfloat16().to(DEVICE), rows.to(DEVICE), cols.to(DEVICE),
+                                  int(k), int(threshold), p, with_mask=False)
+        assert none is None and torch.equal(y16.cpu(), dropped(x.bfloat16(), ~keep, p))
+
+
+@pytest.mark.parametrize("spent", [False, True])
+def test_hashed_dropout_gives_apply_dropouts_values_and_gradient(spent):
+    """Forward and backward each hash the mask again: no mask kept, the same numbers as the
+    mask drawn, applied and kept as bits; ``spent`` writes over x and over the gradient."""
+    gen = torch.Generator().manual_seed(5)
+    rows, cols = torch.randint(0, 2**33, (29,), generator=gen), torch.arange(64, 101)
+    w = torch.randn(37, 37, generator=gen)
+    p, (k, threshold) = 0.5, _mask_key(0.5, 1, 4, 2)
+    keep = keep_mask(p, seed=1, step=4, layer=2, rows=rows, cols=cols)
+    outs, grads = [], []
+    for fused in (False, True):
+        base = torch.randn(29, 37, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        base.requires_grad_(True)
+        x = base * 1.0  # a fresh non-leaf block, as a layer's input
+        if fused:
+            y = HashedDropout.apply(x, rows.to(DEVICE), cols.to(DEVICE), int(k), int(threshold),
+                                    p, spent, spent)
+        else:
+            y = apply_dropout(x, keep.to(DEVICE), p, spent=spent)
+        (y @ w.to(DEVICE)).square().sum().backward()
+        outs.append(y.detach().cpu())
+        grads.append(base.grad.cpu())
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    assert (outs[1] == 0).float().mean().item() == pytest.approx(0.5, abs=0.1)
+
+
+def test_a_kernel_that_fails_at_its_first_launch_leaves_the_torch_hash(monkeypatch):
+    monkeypatch.setattr(dropout, "_TRITON_FAILED", [])
+    monkeypatch.setattr(dropout, "_TRITON_LAUNCHED", set())
+
+    def broken(*args):
+        raise RuntimeError("no C compiler")
+
+    with pytest.warns(RuntimeWarning, match="failed at its first launch .*no C compiler"):
+        assert dropout._launch(broken, 1) is None
+    assert dropout._triton("keep_mask_triton") is None  # nor used again in this process
+    monkeypatch.setattr(dropout, "_TRITON_FAILED", [])
+
+    def works(x):
+        if x < 0:
+            raise RuntimeError("a later error")
+        return x
+
+    assert dropout._launch(works, 2) == 2
+    with pytest.raises(RuntimeError, match="a later error"):  # once it ran, errors are raised
+        dropout._launch(works, -1)
+    assert dropout._triton("keep_mask_triton") is keep_mask_triton
 
 
 @pytest.mark.gpu
@@ -55,3 +113,22 @@ def test_keep_mask_on_a_gpu_is_the_kernels_and_the_torch_hashs(monkeypatch):
     monkeypatch.setenv("PLEXUS_TRITON", "0")
     torch_hash = keep_mask(0.5, seed=1, step=2, layer=3, rows=rows, cols=cols, device="cuda")
     assert torch.equal(got.cpu(), want) and torch.equal(torch_hash.cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_layer_dropout_on_a_gpu_hashes_in_the_kernel_with_the_masks_numbers(monkeypatch):
+    rows, cols = torch.randint(0, 2**33, (5000,)).cuda(), torch.arange(128).cuda()
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PLEXUS_TRITON", flag)
+        x = torch.randn(5000, 128, generator=torch.Generator().manual_seed(1)).cuda()
+        x.requires_grad_(True)
+        y = dropout.hashed_dropout(x * 1.0, 0.5, seed=3, step=7, layer=1, rows=rows, cols=cols)
+        if flag == "0":
+            assert y is None  # Triton off: the caller draws and applies the mask
+            keep = keep_mask(0.5, seed=3, step=7, layer=1, rows=rows, cols=cols, device="cuda")
+            y = apply_dropout(x * 1.0, keep, 0.5)
+        y.square().sum().backward()
+        outs.append((y.detach(), x.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
