@@ -263,6 +263,21 @@ def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float, *,
     return _Dropout.apply(x, keep, p, spent and can_spend(x), spent)
 
 
+def drop_block(x: torch.Tensor, p: float, *, seed: int, step: int, layer: int,
+               rows: torch.Tensor, cols: torch.Tensor, spent: bool = False) -> torch.Tensor:
+    """Dropout of the block ``x`` of ``rows`` x ``cols`` (global ids) of ``layer``'s input at
+    ``step``: :func:`hashed_dropout` where it runs (a GPU with Triton), else
+    :func:`keep_mask`'s mask drawn on ``x``'s device and :func:`apply_dropout`. The same
+    values either way. ``spent``: as :func:`apply_dropout`'s."""
+    fused = hashed_dropout(x, p, seed=seed, step=step, layer=layer, rows=rows, cols=cols,
+                           spent=spent)
+    if fused is not None:
+        return fused
+    keep = keep_mask(p, seed=seed, step=step, layer=layer, rows=rows, cols=cols,
+                     device=x.device)
+    return apply_dropout(x, keep, p, spent=spent)
+
+
 def can_spend(x: torch.Tensor) -> bool:
     """Whether autograd lets ``x`` be overwritten by a custom Function, and it serves as a new
     block would (:func:`common.dense.can_overwrite`: contiguous, and read in place by the weight

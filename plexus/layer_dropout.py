@@ -5,7 +5,7 @@ The mask of entry (node, column) is hashed from the node and column ids
 and any grid drops what one rank drops. :class:`LayerDropout` holds the ids of this rank's
 rows and columns of every layer's ``F_l``, made once per device. On a GPU with Triton the mask
 is hashed inside the kernel that applies it, forward and backward
-(:func:`plexus.dropout.hashed_dropout`); elsewhere it is drawn, applied and kept as bits.
+(:func:`plexus.dropout.drop_block`); elsewhere it is drawn, applied and kept as bits.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from common.grid import AxisGroup
 from plexus import layout
 from plexus.data import partition
 from plexus.data.shard import GraphShard
-from plexus.dropout import apply_dropout, dropped, hashed_dropout, keep_mask
+from plexus.dropout import drop_block, dropped, keep_mask
 from plexus.ops import BitMask
 from plexus.shards import node_chunk
 
@@ -46,11 +46,8 @@ class LayerDropout:
         # F_l is read by nothing after this, F' feeds the aggregation or H W alone: in place.
         # On a GPU one Triton kernel each way hashes the mask where it applies it
         rows, cols = self.ids(layer, f.device)
-        fused = hashed_dropout(f, self.p, seed=self.seed, step=step, layer=layer, rows=rows,
-                               cols=cols, spent=True)
-        if fused is not None:
-            return fused
-        return apply_dropout(f, self.mask(layer, step, f.device), self.p, spent=True)
+        return drop_block(f, self.p, seed=self.seed, step=step, layer=layer, rows=rows,
+                          cols=cols, spent=True)
 
     def mask(self, layer: int, step: int, device) -> torch.Tensor:
         """The keep-mask of ``layer``'s input at ``step``, bool [N/O, D_l/I], drawn on

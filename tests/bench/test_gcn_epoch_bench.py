@@ -138,3 +138,13 @@ def test_json_appends_a_run_of_the_printed_figures_with_its_provenance(bench, tm
     calls.clear()  # the fake workers' times again
     module.main(argv)  # a second run goes after the first
     assert len(read_runs(path)) == 2
+
+
+def test_the_target_on_a_gpu_tightens_from_a_million_nodes():
+    import torch
+
+    module = load_bench("gcn_epoch")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert module.target_of(cpu, 5_000_000) == 0.35
+    assert module.target_of(cuda, 100_000) == 1.0
+    assert module.target_of(cuda, 1_000_000) == module.target_of(cuda, 2_000_000) == 0.8

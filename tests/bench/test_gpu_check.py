@@ -1,7 +1,7 @@
 """bench/gpu_check.py (``make gpu-check``) without a GPU: the commands it runs, the key numbers
-read from the two benches' real output (run here on the CPU with ``--device cpu``), the rows
-read from a real pytest JUnit report, the table, the no-GPU message, and that ``pytest -m gpu``
-collects the GPU tests of both packages."""
+and targets read from the two benches' real output (run here on the CPU with ``--device
+cpu``), the rows read from a real pytest JUnit report, the table, the no-GPU message, and that
+``pytest -m gpu`` collects the GPU tests of both packages."""
 
 import re
 import subprocess
@@ -20,20 +20,28 @@ NUM_LLM_GPU_TESTS = 23
 gpu_check = load_bench("gpu_check")
 
 
-def test_the_commands_are_every_gpu_test_and_both_benches_on_cuda_within_the_budget(tmp_path):
+def test_the_commands_are_every_gpu_test_and_the_benches_on_cuda_within_the_budget(tmp_path):
     junit = tmp_path / "r.xml"
-    pytest_run, gcn, dropout, llm = gpu_check.checks(junit)
+    pytest_run, gcn_100k, gcn_1m, llm, llm_1b = gpu_check.checks(junit)
     assert pytest_run.kind == "pytest" and pytest_run.args[:4] == ["-m", "pytest", "-m", "gpu"]
     assert f"--junitxml={junit}" in pytest_run.args and pytest_run.args[-1] == "tests"
-    assert gcn.args[0] == dropout.args[0] == "bench/gcn_epoch.py"
-    assert llm.args[0] == "bench/llm_throughput.py"
-    assert dropout.args[dropout.args.index("--dropout") + 1] == "0.5"
-    for bench in (gcn, dropout, llm):
+    for gcn, nodes, target in ((gcn_100k, "100000", gpu_check.DROPOUT_TARGET),
+                               (gcn_1m, "1000000", gpu_check.DROPOUT_1M_TARGET)):
+        assert gcn.args[0] == "bench/gcn_epoch.py" and gcn.target is target
+        assert gcn.args[gcn.args.index("--nodes") + 1] == nodes
+        assert gcn.args[gcn.args.index("--dropout") + 1] == "0.5"  # OGB's recipe
+        assert gcn.args[gcn.args.index("--variants") + 1] == "fixed,learn"
+    assert llm.args[0] == llm_1b.args[0] == "bench/llm_throughput.py"
+    assert llm.target is gpu_check.LLM_TARGET and llm_1b.target is gpu_check.MFU_TARGET
+    one_b = llm_1b.args
+    assert one_b[one_b.index("--preset") + 1] == "gpt1b" and "--compile" in one_b
+    assert one_b[one_b.index("--precision") + 1] == "bf16"
+    for bench in (gcn_100k, gcn_1m, llm, llm_1b):
         assert bench.kind == "bench" and bench.key is not None
         assert bench.args[bench.args.index("--device") + 1] == "cuda"
         assert (ROOT / bench.args[0]).is_file()
     # each command's limit and the grace it gets when interrupted, together within 10 minutes
-    limits = [c.timeout_s + gpu_check.GRACE_S for c in (pytest_run, gcn, dropout, llm)]
+    limits = [c.timeout_s + gpu_check.GRACE_S for c in gpu_check.checks(junit)]
     assert sum(limits) <= gpu_check.BUDGET_S == 600
     assert "-n" not in pytest_run.args  # no workers asked: no pytest-xdist
     parallel = gpu_check.checks(junit, 3)[0].args
@@ -57,11 +65,14 @@ def test_key_numbers_are_read_from_the_benches_real_output():
         args[args.index("--device") + 1] = "cpu"
         return args
 
-    gcn = _bench(["bench/gcn_epoch.py", *on_cpu(gpu_check.GCN_ARGS), "--nodes", "2000", "--epochs",
-                  "2", "--threads", "1", "--variants", "fixed"])
-    assert "on cpu" in gcn
+    gcn = _bench(["bench/gcn_epoch.py", *on_cpu(gpu_check.GCN_ARGS), "--nodes", "2000",
+                  "--epochs", "2", "--threads", "1"])
+    assert "on cpu" in gcn and "dropout 0.5" in gcn
     key = gpu_check.gcn_key(gcn)
-    assert re.fullmatch(r"ours/PyG [\d.]+, ours [\d.]+ s/epoch", key), key
+    assert re.fullmatch(r"ours/PyG fixed [\d.]+ learn [\d.]+, ours [\d.]+ s/epoch, "
+                        r"dropout fixed [\d.]+% learn [\d.]+%", key), key
+    assert len(gpu_check._ratios(key)) == len(gpu_check._shares(key)) == 2
+    assert all(0 < f < 1 for f in gpu_check._shares(key))
     llm = _bench(["bench/llm_throughput.py", *on_cpu(gpu_check.LLM_ARGS), "--preset", "tiny",
                   "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1",
                   "--threads", "1"])
@@ -152,9 +163,22 @@ def test_a_bench_that_misses_its_target_is_missed_and_fails_the_check(tmp_path):
     assert ok.status == "passed" and ok.key.endswith("(target ours/plain >= 0.95: met)")
     assert miss.status == "missed" and "NOT met" in miss.key
     assert not gpu_check.failed([ok]) and gpu_check.failed([ok, miss])
-    assert gpu_check.DROPOUT_TARGET[1]("ours/PyG 0.84, ours 0.012 s/epoch")
-    assert not gpu_check.DROPOUT_TARGET[1]("ours/PyG 1.37, ours 0.012 s/epoch")
-    assert not gpu_check.DROPOUT_TARGET[1]("?")
+    met, met_1m = gpu_check.DROPOUT_TARGET[1], gpu_check.DROPOUT_1M_TARGET[1]
+    assert met("ours/PyG fixed 0.84 learn 0.97, ours 0.012 s/epoch, dropout fixed 12.0% "
+               "learn 11.0%")
+    assert not met("ours/PyG fixed 0.84 learn 1.37, ours 0.012 s/epoch")  # every workload
+    assert not met("?")
+    assert met_1m("ours/PyG fixed 0.70 learn 0.79, ours 0.09 s/epoch, dropout fixed 8.1% "
+                  "learn 9.9%")
+    assert not met_1m("ours/PyG fixed 0.70 learn 0.79, ours 0.09 s/epoch, dropout fixed "
+                      "8.1% learn 10.5%")  # the masks' share too
+    assert not met_1m("ours/PyG fixed 0.70 learn 0.82, ours 0.09 s/epoch, dropout fixed "
+                      "8.1% learn 9.5%")
+    assert not met_1m("ours/PyG fixed 0.70 learn 0.79, ours 0.09 s/epoch")  # share unread
+    mfu = gpu_check.MFU_TARGET[1]
+    assert mfu("ours 20,000 tok/s, MFU 41.20%, ours/plain 0.99")
+    assert not mfu("ours 20,000 tok/s, MFU 39.90%, ours/plain 0.99")
+    assert not mfu("ours 20,000 tok/s, ours/plain 0.99")  # no peak known: no MFU, not met
 
 
 def test_a_command_past_its_limit_is_interrupted_then_reported():
@@ -178,9 +202,10 @@ def test_without_a_gpu_it_says_so_and_exits_0(capsys, monkeypatch, tmp_path):
     assert not (tmp_path / "logs").exists()
     assert gpu_check.main(["--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert len(listed) == 4 and "-m pytest -m gpu" in listed[0]
-    assert "bench/gcn_epoch.py --device cuda" in listed[1]
-    assert "--dropout 0.5" in listed[2] and "bench/llm_throughput.py" in listed[3]
+    assert len(listed) == 5 and "-m pytest -m gpu" in listed[0]
+    assert all("bench/gcn_epoch.py --device cuda --dropout 0.5" in line
+               for line in listed[1:3])
+    assert "bench/llm_throughput.py" in listed[3] and "--preset gpt1b" in listed[4]
 
 
 def test_make_gpu_check_runs_the_driver():
