@@ -88,5 +88,8 @@ def make_optimizer(net: PlexusGCN, optim: OptimConfig) -> torch.optim.Optimizer:
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32
                 for ps in groups for p in ps)
     cls = torch.optim.Adam if optim.optimizer == "adam" else torch.optim.AdamW
+    # on a GPU capturable (a CUDA graph may capture the step, plexus.cuda_graph): the fused
+    # kernel counts its steps on the device either way, so the numbers do not change
+    cuda = all(p.device.type == "cuda" for ps in groups for p in ps)
     return cls([{"params": ps, "weight_decay": wd} for ps, wd in zip(groups, decays) if ps],
-               lr=optim.lr, fused=fused or None)
+               lr=optim.lr, fused=fused or None, capturable=cuda and fused)

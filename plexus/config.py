@@ -221,6 +221,10 @@ class RunConfig:
             (:func:`common.dense.pool_freed`): no fresh pages for most of them after the
             first step, for little or no more peak memory (its rules keep idle
             buffers out of a step's peak). None (the default): as ``retain_freed_memory``.
+        cuda_graphs: capture the training step in a CUDA graph and replay it
+            (plexus.cuda_graph: the same numbers, one launch an epoch). None (the default): on
+            where it can run (one rank on a GPU; with dropout, Triton's masks); True: required
+            (an error where it cannot run); False: off.
     """
 
     epochs: int = 100
@@ -230,6 +234,7 @@ class RunConfig:
     gemm: str = "auto"
     retain_freed_memory: bool = True
     pool_buffers: bool | None = None
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 0:

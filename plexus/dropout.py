@@ -30,7 +30,7 @@ def _mix32(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U32(16))
 
 
-def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
+def keep_mask(p: float, *, seed: int, step: int | torch.Tensor, layer: int, rows: torch.Tensor,
               cols: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """Keep-mask of dropout with rate ``p`` on the block of global ``rows`` (node ids) x
     ``cols`` (column ids) of layer ``layer``'s input at ``step``, on ``device`` (default: the
@@ -43,19 +43,21 @@ def keep_mask(p: float, *, seed: int, step: int, layer: int, rows: torch.Tensor,
     where ``triton`` is installed (plexus.dropout_triton; ``PLEXUS_TRITON=0`` turns it off),
     else, and on other devices, by torch's int64 operations there (:func:`_keep_mask_torch`),
     so that no mask of the block's size is made on the host and copied over: the same bits
-    every way. Shapes: rows [a], cols [b] ->
-    [a, b] bool.
+    every way. ``step`` may be an int64 [1] tensor on ``device`` (:func:`step_tensor`), which
+    the Triton kernel reads there (a CUDA graph replays it with the step written before each
+    replay). Shapes: rows [a], cols [b] -> [a, b] bool.
     """
-    k, threshold = _mask_key(p, seed, step, layer)
     # (ids already on the device move nowhere; ids on the host are copied, and wait for it)
     if device is not None and torch.device(device).type != "cpu":
         rows, cols = rows.to(device), cols.to(device)
         fused = _triton("keep_mask_triton") if torch.device(device).type == "cuda" else None
         if fused is not None:
-            out = _launch(fused, rows, cols, int(k), int(threshold))
+            out = _launch(fused, rows, cols, _device_key(p, seed, step, layer, rows.device))
             if out is not None:
                 return out
+        k, threshold = _mask_key(p, seed, _host_step(step), layer)
         return _keep_mask_torch(rows, cols, int(k), int(threshold))
+    k, threshold = _mask_key(p, seed, _host_step(step), layer)
     c = cols.numpy().astype(np.uint32)[None, :]
     out = np.empty((rows.numel(), c.shape[1]), dtype=bool)
     step_rows = max(1, (1 << 22) // max(c.shape[1], 1))
@@ -88,6 +90,12 @@ def _triton(name: str):
     return getattr(kernels, name)
 
 
+def uses_triton(device: torch.device | str) -> bool:
+    """Whether masks on ``device`` are hashed by the Triton kernels (a CUDA device, Triton
+    installed and working, ``PLEXUS_TRITON`` not ``0``)."""
+    return torch.device(device).type == "cuda" and _triton("keep_mask_triton") is not None
+
+
 def _launch(fn, *args):
     """``fn(*args)`` for a Triton function of :func:`_triton`; None, with a warning, where its
     kernel fails before it has ever run here (Triton compiles at the first launch: a node with
@@ -109,8 +117,8 @@ def _launch(fn, *args):
     return out
 
 
-def hashed_dropout(x: torch.Tensor, p: float, *, seed: int, step: int, layer: int,
-                   rows: torch.Tensor, cols: torch.Tensor, spent: bool = False
+def hashed_dropout(x: torch.Tensor, p: float, *, seed: int, step: int | torch.Tensor,
+                   layer: int, rows: torch.Tensor, cols: torch.Tensor, spent: bool = False
                    ) -> torch.Tensor | None:
     """:func:`apply_dropout` of ``x`` with :func:`keep_mask`'s mask of ``rows`` x ``cols``
     (on ``x``'s CUDA device), as one Triton kernel each way that hashes the mask where it
@@ -122,9 +130,30 @@ def hashed_dropout(x: torch.Tensor, p: float, *, seed: int, step: int, layer: in
     fn = _triton("HashedDropout")
     if fn is None:
         return None
-    k, threshold = _mask_key(p, seed, step, layer)
-    return _launch(fn.apply, x, rows, cols, int(k), int(threshold), p,
+    return _launch(fn.apply, x, rows, cols, _device_key(p, seed, step, layer, x.device), p,
                    spent and can_spend(x), spent)
+
+
+def step_tensor(step: int, device: torch.device | str) -> torch.Tensor:
+    """``step`` as the int64 [1] tensor on ``device`` that the Triton kernels read their
+    step from (made by a fill on the device: no copy from the host, no wait)."""
+    return torch.full((1,), step, dtype=torch.int64, device=device)
+
+
+def _host_step(step: int | torch.Tensor) -> int:
+    """The step as an int (a step tensor on a GPU is read back: the torch paths only)."""
+    return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+
+def _device_key(p: float, seed: int, step: int | torch.Tensor, layer: int,
+                device: torch.device):
+    """plexus.dropout_triton.MaskKey of (seed, step, layer) and rate ``p``, its step on
+    ``device``."""
+    from plexus.dropout_triton import MaskKey
+
+    if not isinstance(step, torch.Tensor):
+        step = step_tensor(step, device)
+    return MaskKey(int(_seed_key(seed)), step, layer, int(_mask_key(p, seed, 0, layer)[1]))
 
 
 def _cell_hash(rows: np.ndarray, cols: np.ndarray, k: np.uint32) -> np.ndarray:
@@ -134,12 +163,20 @@ def _cell_hash(rows: np.ndarray, cols: np.ndarray, k: np.uint32) -> np.ndarray:
 
 
 def _mask_key(p: float, seed: int, step: int, layer: int) -> tuple[np.uint32, np.uint32]:
-    """The hash's key of (seed, step, layer) and the threshold of rate ``p`` (uint32)."""
-    k = _U32(0x5BD1E995)
+    """The hash's key of (seed, step, layer) and the threshold of rate ``p`` (uint32): the
+    seed, the step and the layer mixed in, in that order, each mod 2^32."""
+    k = _seed_key(seed)
     with np.errstate(over="ignore"):
-        for part in np.array([seed, step, layer], dtype=np.int64).astype(np.uint32):
+        for part in np.array([step, layer], dtype=np.int64).astype(np.uint32):
             k = _mix32(np.array([k ^ part], dtype=np.uint32))[0]
     return k, _U32(min(int(p * 2.0**32), 2**32 - 1))
+
+
+def _seed_key(seed: int) -> np.uint32:
+    """The key with the seed mixed in, before the step and the layer (:func:`_mask_key`)."""
+    part = np.array([seed], dtype=np.int64).astype(np.uint32)[0]
+    with np.errstate(over="ignore"):
+        return _mix32(np.array([_U32(0x5BD1E995) ^ part], dtype=np.uint32))[0]
 
 
 _LOW32 = 0xFFFFFFFF
@@ -263,7 +300,7 @@ def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float, *,
     return _Dropout.apply(x, keep, p, spent and can_spend(x), spent)
 
 
-def drop_block(x: torch.Tensor, p: float, *, seed: int, step: int, layer: int,
+def drop_block(x: torch.Tensor, p: float, *, seed: int, step: int | torch.Tensor, layer: int,
                rows: torch.Tensor, cols: torch.Tensor, spent: bool = False) -> torch.Tensor:
     """Dropout of the block ``x`` of ``rows`` x ``cols`` (global ids) of ``layer``'s input at
     ``step``: :func:`hashed_dropout` where it runs (a GPU with Triton), else

@@ -10,16 +10,21 @@ again instead of keeping it (plexus.layer_dropout uses it on a GPU).
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors),
 which is how the tests compare their bits with the CPU hash's (tests/plexus/test_dropout_triton.py).
 
+The step of a mask's key is read from device memory (:class:`MaskKey`), so a CUDA graph that
+captured the kernels draws each replay's masks from the step written there before it.
+
 Shapes: rows [a], cols [b] (int64 node and column ids) -> [a, b] bool; x [a, b] float.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["HashedDropout", "fused_dropout", "keep_mask_triton"]
+__all__ = ["HashedDropout", "MaskKey", "fused_dropout", "keep_mask_triton"]
 
 BLOCK_ROWS, BLOCK_COLS = 32, 64  # a program's tile of cells
 
@@ -35,13 +40,16 @@ def _mix32(x):
 
 
 @triton.jit
-def _tile_keep(rows_ptr, cols_ptr, n_rows, n_cols, k, threshold,
+def _tile_keep(rows_ptr, cols_ptr, n_rows, n_cols, seed_key, step_ptr, layer, threshold,
                block_r: tl.constexpr, block_c: tl.constexpr):
-    """(the tile's keep bits, its row offsets, its column offsets, its in-bounds mask)."""
+    """(the tile's keep bits, its row offsets, its column offsets, its in-bounds mask). The
+    key is plexus.dropout._mask_key's, its step read from device memory: a CUDA graph
+    replays the kernel with the step written there before each replay."""
     offs_r = tl.program_id(0) * block_r + tl.arange(0, block_r)
     offs_c = tl.program_id(1) * block_c + tl.arange(0, block_c)
     in_r, in_c = offs_r < n_rows, offs_c < n_cols
-    key = k.to(tl.uint32)
+    step = tl.load(step_ptr).to(tl.uint32)  # (int64 mod 2^32, as the host's key)
+    key = _mix32(_mix32(seed_key.to(tl.uint32) ^ step) ^ layer.to(tl.uint32))
     r = tl.load(rows_ptr + offs_r, mask=in_r, other=0).to(tl.uint32)  # ids mod 2^32
     c = tl.load(cols_ptr + offs_c, mask=in_c, other=0).to(tl.uint32)
     h = _mix32(((_mix32(r ^ key)[:, None] ^ c[None, :]) * 0x9E3779B1) ^ key)
@@ -49,21 +57,21 @@ def _tile_keep(rows_ptr, cols_ptr, n_rows, n_cols, k, threshold,
     return keep, offs_r, offs_c, in_r[:, None] & in_c[None, :]
 
 
-@triton.jit(do_not_specialize=["k", "threshold"])
-def _keep_kernel(rows_ptr, cols_ptr, out_ptr, n_rows, n_cols, k, threshold,
-                 block_r: tl.constexpr, block_c: tl.constexpr):
-    keep, offs_r, offs_c, inside = _tile_keep(rows_ptr, cols_ptr, n_rows, n_cols, k, threshold,
-                                              block_r, block_c)
+@triton.jit(do_not_specialize=["seed_key", "layer", "threshold"])
+def _keep_kernel(rows_ptr, cols_ptr, out_ptr, n_rows, n_cols, seed_key, step_ptr, layer,
+                 threshold, block_r: tl.constexpr, block_c: tl.constexpr):
+    keep, offs_r, offs_c, inside = _tile_keep(rows_ptr, cols_ptr, n_rows, n_cols, seed_key,
+                                              step_ptr, layer, threshold, block_r, block_c)
     at = offs_r.to(tl.int64)[:, None] * n_cols + offs_c[None, :]
     tl.store(out_ptr + at, keep.to(tl.int8), mask=inside)
 
 
-@triton.jit(do_not_specialize=["k", "threshold"])
-def _dropout_kernel(x_ptr, rows_ptr, cols_ptr, y_ptr, keep_ptr, n_rows, n_cols, k, threshold,
-                    scale, block_r: tl.constexpr, block_c: tl.constexpr,
-                    store_keep: tl.constexpr):
-    keep, offs_r, offs_c, inside = _tile_keep(rows_ptr, cols_ptr, n_rows, n_cols, k, threshold,
-                                              block_r, block_c)
+@triton.jit(do_not_specialize=["seed_key", "layer", "threshold"])
+def _dropout_kernel(x_ptr, rows_ptr, cols_ptr, y_ptr, keep_ptr, n_rows, n_cols, seed_key,
+                    step_ptr, layer, threshold, scale, block_r: tl.constexpr,
+                    block_c: tl.constexpr, store_keep: tl.constexpr):
+    keep, offs_r, offs_c, inside = _tile_keep(rows_ptr, cols_ptr, n_rows, n_cols, seed_key,
+                                              step_ptr, layer, threshold, block_r, block_c)
     at = offs_r.to(tl.int64)[:, None] * n_cols + offs_c[None, :]
     x = tl.load(x_ptr + at, mask=inside, other=0.0)
     y = tl.where(keep, x * scale, 0.0)
@@ -76,22 +84,34 @@ def _grid(n_rows: int, n_cols: int) -> tuple[int, int]:
     return triton.cdiv(n_rows, BLOCK_ROWS), triton.cdiv(max(n_cols, 1), BLOCK_COLS)
 
 
-def keep_mask_triton(rows: torch.Tensor, cols: torch.Tensor, k: int,
-                     threshold: int) -> torch.Tensor:
-    """The keep-mask of :func:`plexus.dropout.keep_mask` under key ``k`` and ``threshold``
-    (:func:`plexus.dropout._mask_key`), on the device of ``rows`` and ``cols``.
-    Shapes: [a], [b] -> [a, b] bool"""
+class MaskKey(NamedTuple):
+    """What a mask is hashed from: ``seed_key`` (:func:`plexus.dropout._seed_key` of the
+    seed), ``step`` (int64 [1] on the device: read by the kernel), ``layer`` and
+    ``threshold`` (:func:`plexus.dropout._mask_key`'s)."""
+
+    seed_key: int
+    step: torch.Tensor
+    layer: int
+    threshold: int
+
+    def args(self) -> tuple:
+        return (int(self.seed_key), self.step, int(self.layer), int(self.threshold))
+
+
+def keep_mask_triton(rows: torch.Tensor, cols: torch.Tensor, key: MaskKey) -> torch.Tensor:
+    """The keep-mask of :func:`plexus.dropout.keep_mask` of ``key``, on the device of ``rows``
+    and ``cols``. Shapes: [a], [b] -> [a, b] bool"""
     rows, cols = rows.to(torch.int64).contiguous(), cols.to(torch.int64).contiguous()
     out = torch.empty((rows.numel(), cols.numel()), dtype=torch.bool, device=rows.device)
     if out.numel():
         _keep_kernel[_grid(*out.shape)](rows, cols, out.view(torch.int8), rows.numel(),
-                                        cols.numel(), int(k), int(threshold),
+                                        cols.numel(), *key.args(),
                                         block_r=BLOCK_ROWS, block_c=BLOCK_COLS)
     return out
 
 
-def fused_dropout(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, k: int,
-                  threshold: int, p: float, *, out: torch.Tensor | None = None,
+def fused_dropout(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, key: MaskKey,
+                  p: float, *, out: torch.Tensor | None = None,
                   with_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x * keep / (1 - p), keep)`` with :func:`keep_mask_triton`'s mask, in one pass over
     ``x`` (contiguous [a, b] on the ids' device, float32, bfloat16 or float16: the factor
@@ -113,7 +133,7 @@ def fused_dropout(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, k: in
     if x.numel():
         _dropout_kernel[_grid(*x.shape)](x, rows, cols, y, y if keep is None else
                                          keep.view(torch.int8), rows.numel(), cols.numel(),
-                                         int(k), int(threshold), factor,
+                                         *key.args(), factor,
                                          block_r=BLOCK_ROWS, block_c=BLOCK_COLS,
                                          store_keep=keep is not None)
     return y, keep
@@ -132,19 +152,21 @@ class HashedDropout(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, k: int,
-                threshold: int, p: float, over_x: bool, over_grad: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, key: MaskKey,
+                p: float, over_x: bool, over_grad: bool) -> torch.Tensor:
+        # (the step tensor is kept as it is, not saved: the step is rewritten in place each
+        # epoch, after this pass's backward)
         ctx.save_for_backward(rows, cols)
-        ctx.key, ctx.p, ctx.over_grad = (k, threshold), p, over_grad
+        ctx.key, ctx.p, ctx.over_grad = key, p, over_grad
         if over_x and x.is_contiguous():
             ctx.mark_dirty(x)
-            return fused_dropout(x, rows, cols, k, threshold, p, out=x, with_mask=False)[0]
-        return fused_dropout(x, rows, cols, k, threshold, p, with_mask=False)[0]
+            return fused_dropout(x, rows, cols, key, p, out=x, with_mask=False)[0]
+        return fused_dropout(x, rows, cols, key, p, with_mask=False)[0]
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         rows, cols = ctx.saved_tensors
         over = ctx.over_grad and dy.is_contiguous()
-        dx = fused_dropout(dy, rows, cols, *ctx.key, ctx.p, out=dy if over else None,
+        dx = fused_dropout(dy, rows, cols, ctx.key, ctx.p, out=dy if over else None,
                            with_mask=False)[0]
-        return dx, None, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None

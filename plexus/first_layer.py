@@ -170,6 +170,15 @@ class FirstLayer:
         t = t.detach()
         return t if self.keep_dtype is None else t.to(self.keep_dtype)
 
+    def cached_inputs(self) -> tuple | None:
+        """The cached ``(H_0, R_0)`` (None: none): what a captured training step may read
+        (plexus.cuda_graph holds it while the graph lives, whatever replaces it here)."""
+        return self._h0
+
+    def forget_cached_inputs(self) -> None:
+        """Drop the cached ``(H_0, R_0)``: the next pass computes it afresh."""
+        self._h0 = None
+
     def _apply(self, fn, recurse=True):  # .to(device) etc. must not keep a stale cache
         self._h0 = None
         return super()._apply(fn, recurse)  # type: ignore[misc]

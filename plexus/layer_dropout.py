@@ -16,7 +16,7 @@ from common.grid import AxisGroup
 from plexus import layout
 from plexus.data import partition
 from plexus.data.shard import GraphShard
-from plexus.dropout import drop_block, dropped, keep_mask
+from plexus.dropout import drop_block, dropped, keep_mask, step_tensor, uses_triton
 from plexus.ops import BitMask
 from plexus.shards import node_chunk
 
@@ -29,6 +29,30 @@ class LayerDropout:
                  groups: dict[str, AxisGroup]) -> None:
         self.p, self.seed, self.shard, self.groups = p, seed, shard, groups
         self._ids: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._steps: dict[torch.device, tuple[int, torch.Tensor]] = {}  # on CUDA devices
+
+    def step_of(self, step: int, device) -> int | torch.Tensor:
+        """``step`` as the masks of a pass on ``device`` take it: where the Triton kernels hash
+        them (:func:`plexus.dropout.uses_triton`) the int64 [1] tensor there that they read
+        (written when the step changes, and never while a CUDA graph is being captured: the
+        graph's replays read what :meth:`set_step` writes before each), elsewhere the int."""
+        device = torch.device(device)
+        if not uses_triton(device):  # (the torch hash takes the int: no read back)
+            return step
+        held = self._steps.get(device)
+        if held is None:
+            held = self._steps[device] = (step, step_tensor(step, device))
+        elif held[0] != step and not torch.cuda.is_current_stream_capturing():
+            held[1].fill_(step)
+            held = self._steps[device] = (step, held[1])
+        return held[1]
+
+    def set_step(self, step: int) -> None:
+        """Write ``step`` where the kernels on every CUDA device read it (before a CUDA
+        graph's replay)."""
+        for device, (_, t) in list(self._steps.items()):
+            t.fill_(step)
+            self._steps[device] = (step, t)
 
     def __call__(self, layer: int, f: torch.Tensor, step: int,
                  kept: BitMask | None = None) -> torch.Tensor:
@@ -46,15 +70,15 @@ class LayerDropout:
         # F_l is read by nothing after this, F' feeds the aggregation or H W alone: in place.
         # On a GPU one Triton kernel each way hashes the mask where it applies it
         rows, cols = self.ids(layer, f.device)
-        return drop_block(f, self.p, seed=self.seed, step=step, layer=layer, rows=rows,
-                          cols=cols, spent=True)
+        return drop_block(f, self.p, seed=self.seed, step=self.step_of(step, f.device),
+                          layer=layer, rows=rows, cols=cols, spent=True)
 
     def mask(self, layer: int, step: int, device) -> torch.Tensor:
         """The keep-mask of ``layer``'s input at ``step``, bool [N/O, D_l/I], drawn on
         ``device`` from the ids of this rank's rows and columns (:meth:`ids`)."""
         rows, cols = self.ids(layer, device)
-        return keep_mask(self.p, seed=self.seed, step=step, layer=layer, rows=rows, cols=cols,
-                         device=device)
+        return keep_mask(self.p, seed=self.seed, step=self.step_of(step, device), layer=layer,
+                         rows=rows, cols=cols, device=device)
 
     def ids(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The global ids of this rank's rows (nodes) and columns of ``layer``'s input, on

@@ -46,6 +46,7 @@ from plexus.config import (
     RunConfig,
     gcn_workload,
 )
+from plexus.cuda_graph import check_asked
 from plexus.data import DatasetCorruptError, ShardSource, available_datasets
 from plexus.data.cache import PREPARE_MODES, PrepareFailedError
 from plexus.data.job import job_token, open_dataset
@@ -177,6 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "pages are slow, as on VMs that hand freed memory back to their host), for "
                    "about 1%% more peak memory or less (common.dense). Default: on where freed "
                    "memory is retained (see --no-retain-freed-memory)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the training step in a CUDA graph and replay it every epoch "
+                   "(the same numbers, one launch an epoch; plexus.cuda_graph). Default: on "
+                   "where it can run (one rank on a GPU; with dropout, Triton's masks)")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write JSON lines (one per epoch, then a summary) from rank 0")
     p.add_argument("--log-every", type=int, default=10, help="print every N epochs")
@@ -287,7 +292,7 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
         "run": RunConfig(epochs=args.epochs, eval_every=args.eval_every, seed=args.seed,
                          spmm=args.spmm, gemm=args.gemm,
                          retain_freed_memory=args.retain_freed_memory,
-                         pool_buffers=args.pool_buffers),
+                         pool_buffers=args.pool_buffers, cuda_graphs=args.cuda_graphs),
     }
     configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth
     if args.runs < 1:
@@ -309,7 +314,9 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
                              constraints=[source.grid_problems])
     if note and ctx.is_main:
         print(note, flush=True)
-    return source, ParallelState.create(ctx, grid), configs
+    parallel = ParallelState.create(ctx, grid)
+    check_asked(args.cuda_graphs, parallel.device, parallel.world_size, configs["model"].dropout)
+    return source, parallel, configs
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from plexus import checkpoint as ckpt
 from plexus import layout
 from plexus.build import make_optimizer, shard_and_model, upload_adjacency
 from plexus.config import ModelConfig, OptimConfig, RunConfig, aggregation_of, split_config
+from plexus.cuda_graph import StepGraph, check_asked
 from plexus.data import SPLITS, GraphShard, ShardSource
 from plexus.loss import correct_counts, sharded_argmax, sharded_cross_entropy
 from plexus.model import PlexusGCN
@@ -115,6 +116,7 @@ class Trainer:
         self.masks = {s: m.to(device) for s, m in self.shard.masks.items()}
         # the loss's rows, found once (nonzero() waits for a GPU: once, not every epoch)
         self.train_rows = self.model.output_rows(self.masks["train"]).nonzero()[:, 0]
+        self.graph = self._step_graph()  # None: every step eager
         o_ax, _, p_ax = layout.roles(model.num_layers - 1)
         self.group_o, self.group_p = parallel.groups[o_ax], parallel.groups[p_ax]  # logits
         self.stats = CommStats()
@@ -160,20 +162,11 @@ class Trainer:
         self.stats.reset()
         start = time.perf_counter()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        logits = self.model(self.stats, step=self.epoch)  # the rows of model.output_rows
-        net = self.model
-        loss = sharded_cross_entropy(logits, net.output_rows(self.labels),
-                                     net.output_rows(self.masks["train"]),
-                                     rows=self.train_rows,
-                                     num_classes=self.shard.num_classes,
-                                     count=self.shard.split_counts["train"],
-                                     group_o=self.group_o, group_p=self.group_p,
-                                     stats=self.stats)
-        del logits  # the evaluation pass must not find this pass's logits still alive
-        dense.hand_back_pooled()  # every activation alive: the step's usual peak
-        loss.backward()
-        self.optimizer.step()
+        if self.graph is not None:  # eager first, then captured and replayed
+            loss = self.graph()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._step()
         loss_value = loss.item()
         del loss
         epoch_s = time.perf_counter() - start
@@ -191,6 +184,39 @@ class Trainer:
                 # of those, the padding of uneven messages (GraphSAGE's root rows)
                 "comm_padding_by_axis": {a: r.padding for a, r in self.stats.by_axis().items()
                                          if r.padding}}
+
+    def _step(self) -> torch.Tensor:
+        """Forward, loss, backward and the optimizer's step (gradients start as None); the
+        loss, not read back (a CUDA graph captures this)."""
+        logits = self.model(self.stats, step=self.epoch)  # the rows of model.output_rows
+        net = self.model
+        loss = sharded_cross_entropy(logits, net.output_rows(self.labels),
+                                     net.output_rows(self.masks["train"]),
+                                     rows=self.train_rows,
+                                     num_classes=self.shard.num_classes,
+                                     count=self.shard.split_counts["train"],
+                                     group_o=self.group_o, group_p=self.group_p,
+                                     stats=self.stats)
+        del logits  # the evaluation pass must not find this pass's logits still alive
+        dense.hand_back_pooled()  # every activation alive: the step's usual peak
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def _step_graph(self) -> StepGraph | None:
+        """The CUDA graph of :meth:`_step` where :attr:`RunConfig.cuda_graphs` asks for it and
+        it can run, else None.
+
+        Raises:
+            ValueError: ``cuda_graphs=True`` where it cannot run (the reason named).
+        """
+        if not check_asked(self.run_cfg.cuda_graphs, self.parallel.device,
+                           self.parallel.world_size, self.model_config.dropout):
+            return None
+        model = self.model
+        return StepGraph(self._step, zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
+                         before_replay=lambda: model.drop.set_step(self.epoch),
+                         keep=model.cached_inputs, on_failure=model.forget_cached_inputs)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

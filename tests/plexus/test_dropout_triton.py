@@ -18,7 +18,7 @@ if DEVICE == "cpu":
 triton = pytest.importorskip("triton")
 
 from plexus import dropout  # noqa: E402
-from plexus.dropout import _mask_key, apply_dropout, dropped, keep_mask  # noqa: E402
+from plexus.dropout import _device_key, apply_dropout, dropped, keep_mask  # noqa: E402
 from plexus.dropout_triton import HashedDropout, fused_dropout, keep_mask_triton  # noqa: E402
 
 
@@ -29,29 +29,35 @@ def test_the_kernels_bits_are_the_cpu_hashs(p, seed, step, layer):
     rows = torch.randint(0, 2**34, (45,), generator=gen)  # ids mod 2^32, as the CPU's
     cols = torch.randint(0, 3000, (70,), generator=gen)
     want = keep_mask(p, seed=seed, step=step, layer=layer, rows=rows, cols=cols)
-    k, threshold = _mask_key(p, seed, step, layer)
-    got = keep_mask_triton(rows.to(DEVICE), cols.to(DEVICE), int(k), int(threshold)).cpu()
+    key = _device_key(p, seed, step, layer, DEVICE)
+    got = keep_mask_triton(rows.to(DEVICE), cols.to(DEVICE), key).cpu()
     assert got.dtype == torch.bool and torch.equal(got, want)
     assert 0 < want.float().mean() < 1
+    # the step read from device memory: written there, the next mask is the next step's
+    key.step.fill_(step + 1)
+    got = keep_mask_triton(rows.to(DEVICE), cols.to(DEVICE), key).cpu()
+    assert torch.equal(got, keep_mask(p, seed=seed, step=step + 1, layer=layer, rows=rows,
+                                      cols=cols))
+    assert not torch.equal(got, want)
 
 
 def test_the_fused_dropout_is_the_cpus_values_and_mask():
     gen = torch.Generator().manual_seed(3)
     rows, cols = torch.arange(100, 133), torch.arange(5, 52)
     x = torch.randn(33, 47, generator=gen)
-    p, (k, threshold) = 0.3, _mask_key(0.3, 4, 9, 1)
+    p, key = 0.3, _device_key(0.3, 4, 9, 1, DEVICE)
     keep = keep_mask(p, seed=4, step=9, layer=1, rows=rows, cols=cols)
     y, got = (t.cpu() for t in fused_dropout(x.to(DEVICE), rows.to(DEVICE), cols.to(DEVICE),
-                                             int(k), int(threshold), p))
+                                             key, p))
     assert torch.equal(got, keep)
     assert torch.equal(y, dropped(x, ~keep, p))  # bit for bit
     with pytest.raises(ValueError, match="is not"):
-        fused_dropout(x[:, :5], rows, cols, int(k), int(threshold), p)
+        fused_dropout(x[:, :5], rows, cols, key, p)
     with pytest.raises(ValueError, match=r"float32, bfloat16 or float16 x, not torch\.float64"):
-        fused_dropout(x.double(), rows, cols, int(k), int(threshold), p)
+        fused_dropout(x.double(), rows, cols, key, p)
     if DEVICE == "cuda":  # (the interpreter computes in numpy, which has no bfloat16)
         y16, none = fused_dropout(x.bfloat16().to(DEVICE), rows.to(DEVICE), cols.to(DEVICE),
-                                  int(k), int(threshold), p, with_mask=False)
+                                  key, p, with_mask=False)
         assert none is None and torch.equal(y16.cpu(), dropped(x.bfloat16(), ~keep, p))
 
 
@@ -62,7 +68,7 @@ def test_hashed_dropout_gives_apply_dropouts_values_and_gradient(spent):
     gen = torch.Generator().manual_seed(5)
     rows, cols = torch.randint(0, 2**33, (29,), generator=gen), torch.arange(64, 101)
     w = torch.randn(37, 37, generator=gen)
-    p, (k, threshold) = 0.5, _mask_key(0.5, 1, 4, 2)
+    p, key = 0.5, _device_key(0.5, 1, 4, 2, DEVICE)
     keep = keep_mask(p, seed=1, step=4, layer=2, rows=rows, cols=cols)
     outs, grads = [], []
     for fused in (False, True):
@@ -70,8 +76,7 @@ def test_hashed_dropout_gives_apply_dropouts_values_and_gradient(spent):
         base.requires_grad_(True)
         x = base * 1.0  # a fresh non-leaf block, as a layer's input
         if fused:
-            y = HashedDropout.apply(x, rows.to(DEVICE), cols.to(DEVICE), int(k), int(threshold),
-                                    p, spent, spent)
+            y = HashedDropout.apply(x, rows.to(DEVICE), cols.to(DEVICE), key, p, spent, spent)
         else:
             y = apply_dropout(x, keep.to(DEVICE), p, spent=spent)
         (y @ w.to(DEVICE)).square().sum().backward()

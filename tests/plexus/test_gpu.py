@@ -7,7 +7,8 @@ residual connections, dropout, trained and normalised features, AdamW with per-l
 prepared (memory-mapped) dataset whose distinct blocks are uploaded once, a checkpoint saved on
 CUDA and resumed on CUDA and on the CPU, ``--runs 2`` (each run's state freed before the next
 sets up), and ``fit`` on a PyG ``Data`` that lives on the GPU. The CLI's summary reports the
-GPU's peak memory beside the resident one.
+GPU's peak memory beside the resident one. The training step captured in a CUDA graph and
+replayed gives the eager step's numbers, with and without dropout.
 
 Several ranks on the one GPU: NCCL refuses two ranks on one device ("Duplicate GPU detected"),
 but torch's gloo backend takes CUDA tensors for every collective we use. ProcessGroupGloo
@@ -143,6 +144,47 @@ def test_an_epoch_on_cuda_waits_for_the_gpu_once(options):
     not queue the next kernels while the GPU ran the last ones."""
     waits = _waits_of_an_epoch(**options)
     assert len(waits) == 1, waits
+
+
+def _graphed_run(cuda_graphs, epochs=6, **options):
+    """(losses, evaluated accuracies, the trainer) of a one-GPU run with ``cuda_graphs``."""
+    cfg = split_config(**{"num_layers": 3, "hidden": 16, "lr": 0.01, "epochs": epochs,
+                          "cuda_graphs": cuda_graphs, **options})
+    parallel = ParallelState.for_rank(ProcessGrid.plexus(1, 1, 1), 0, transport=None,
+                                      device=torch.device("cuda", 0))
+    trainer = Trainer(InMemorySource(planted_partition(num_nodes=301, seed=4)), parallel, **cfg)
+    history = run(trainer)
+    return ([r["loss"] for r in history], [r.get("val_acc") for r in history], trainer)
+
+
+@pytest.mark.parametrize("options", [{"dropout": 0.5}, {"dropout": 0.5, "learn_features": True},
+                                     {"dropout": 0.0}],
+                         ids=["fixed-dropout", "learned-dropout", "fixed-no-dropout"])
+def test_the_captured_step_gives_the_eager_steps_numbers(options):
+    """From the capture on, each epoch is one replay: the masks of each epoch's step (read
+    from device memory), the cached first aggregation (no dropout), evaluation between
+    replays: the numbers of the eager run."""
+    from plexus.cuda_graph import WARMUP
+
+    eager, eager_acc, off = _graphed_run(False, **options)
+    graphed, graphed_acc, on = _graphed_run(True, **options)
+    assert off.graph is None and on.graph.replaying and on.graph.failed is None
+    assert on.graph.eager_steps == WARMUP
+    assert len(graphed) == 6 and _close(eager, graphed, rel=1e-6), (eager, graphed)
+    assert eager_acc == graphed_acc
+    assert len(set(graphed[WARMUP:])) == len(graphed) - WARMUP  # it trains on
+
+
+def test_cuda_graphs_are_on_by_default_and_off_where_the_masks_cannot_follow(monkeypatch):
+    _, _, trainer = _graphed_run(None, epochs=3)
+    assert trainer.graph is not None and trainer.graph.replaying
+    monkeypatch.setenv("PLEXUS_TRITON", "0")  # the torch hash: its step is a host number
+    _, _, trainer = _graphed_run(None, epochs=1)
+    assert trainer.graph is None
+    with pytest.raises(ValueError, match="with Triton's kernels"):
+        _graphed_run(True, epochs=1)
+    _, _, trainer = _graphed_run(None, epochs=1, dropout=0.0)  # no masks: no need
+    assert trainer.graph is not None
 
 
 @pytest.mark.cross_shape
