@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from plexus.dropout import uses_triton
+from plexus.triton_switch import uses_triton
 
 __all__ = ["WARMUP", "StepGraph", "check_asked", "why_not"]
 

@@ -8,15 +8,13 @@ tensor or in bits); :func:`can_spend` says when a block may be written over.
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import numpy as np
 import torch
 
 from common import dense
 from plexus.csr import numba_kernels
 from plexus.ops import BitMask
+from plexus.triton_switch import launch, triton_function
 
 _U32 = np.uint32
 
@@ -50,9 +48,10 @@ def keep_mask(p: float, *, seed: int, step: int | torch.Tensor, layer: int, rows
     # (ids already on the device move nowhere; ids on the host are copied, and wait for it)
     if device is not None and torch.device(device).type != "cpu":
         rows, cols = rows.to(device), cols.to(device)
-        fused = _triton("keep_mask_triton") if torch.device(device).type == "cuda" else None
+        fused = (triton_function("dropout_triton", "keep_mask_triton")
+                 if torch.device(device).type == "cuda" else None)
         if fused is not None:
-            out = _launch(fused, rows, cols, _device_key(p, seed, step, layer, rows.device))
+            out = launch(fused, rows, cols, _device_key(p, seed, step, layer, rows.device))
             if out is not None:
                 return out
         k, threshold = _mask_key(p, seed, _host_step(step), layer)
@@ -73,50 +72,6 @@ def keep_mask(p: float, *, seed: int, step: int | torch.Tensor, layer: int, rows
     return torch.from_numpy(out)
 
 
-_TRITON_FAILED: list[str] = []  # why Triton's kernels failed in this process (then: not used)
-_TRITON_LAUNCHED: set[str] = set()  # the kernels that have run here
-
-
-def _triton(name: str):
-    """plexus.dropout_triton's function ``name`` where ``triton`` is installed,
-    ``PLEXUS_TRITON`` is not ``0`` and no Triton kernel has failed to launch in this process;
-    else None (the torch hash: the same bits)."""
-    if os.environ.get("PLEXUS_TRITON", "1") == "0" or _TRITON_FAILED:
-        return None
-    try:
-        import plexus.dropout_triton as kernels
-    except ImportError:
-        return None
-    return getattr(kernels, name)
-
-
-def uses_triton(device: torch.device | str) -> bool:
-    """Whether masks on ``device`` are hashed by the Triton kernels (a CUDA device, Triton
-    installed and working, ``PLEXUS_TRITON`` not ``0``)."""
-    return torch.device(device).type == "cuda" and _triton("keep_mask_triton") is not None
-
-
-def _launch(fn, *args):
-    """``fn(*args)`` for a Triton function of :func:`_triton`; None, with a warning, where its
-    kernel fails before it has ever run here (Triton compiles at the first launch: a node with
-    no C compiler for its launcher, a GPU its backend does not know): the caller then takes the
-    torch path, and so do all later calls. Once a kernel has run, its errors are raised."""
-    name = getattr(fn, "__name__", str(fn))
-    if name in _TRITON_LAUNCHED:
-        return fn(*args)
-    try:
-        out = fn(*args)
-    except Exception as exc:  # compilation and launch errors come in many types
-        _TRITON_FAILED.append(f"{name}: {type(exc).__name__}: {exc}")
-        warnings.warn(f"plexus: the Triton dropout kernel failed at its first launch "
-                      f"({type(exc).__name__}: {str(exc)[:200]}); dropout masks are hashed by "
-                      "torch operations instead (the same bits, slower). Set PLEXUS_TRITON=0 "
-                      "to skip Triton.", RuntimeWarning, stacklevel=3)
-        return None
-    _TRITON_LAUNCHED.add(name)
-    return out
-
-
 def hashed_dropout(x: torch.Tensor, p: float, *, seed: int, step: int | torch.Tensor,
                    layer: int, rows: torch.Tensor, cols: torch.Tensor, spent: bool = False
                    ) -> torch.Tensor | None:
@@ -127,10 +82,10 @@ def hashed_dropout(x: torch.Tensor, p: float, *, seed: int, step: int | torch.Te
     mask itself). ``spent``: as :func:`apply_dropout`'s."""
     if x.device.type != "cuda" or x.dtype != torch.float32:
         return None
-    fn = _triton("HashedDropout")
+    fn = triton_function("dropout_triton", "HashedDropout")
     if fn is None:
         return None
-    return _launch(fn.apply, x, rows, cols, _device_key(p, seed, step, layer, x.device), p,
+    return launch(fn.apply, x, rows, cols, _device_key(p, seed, step, layer, x.device), p,
                    spent and can_spend(x), spent)
 
 

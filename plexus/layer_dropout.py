@@ -16,9 +16,10 @@ from common.grid import AxisGroup
 from plexus import layout
 from plexus.data import partition
 from plexus.data.shard import GraphShard
-from plexus.dropout import drop_block, dropped, keep_mask, step_tensor, uses_triton
+from plexus.dropout import drop_block, dropped, keep_mask, step_tensor
 from plexus.ops import BitMask
 from plexus.shards import node_chunk
+from plexus.triton_switch import uses_triton
 
 
 class LayerDropout:
@@ -33,7 +34,7 @@ class LayerDropout:
 
     def step_of(self, step: int, device) -> int | torch.Tensor:
         """``step`` as the masks of a pass on ``device`` take it: where the Triton kernels hash
-        them (:func:`plexus.dropout.uses_triton`) the int64 [1] tensor there that they read
+        them (:func:`plexus.triton_switch.uses_triton`) the int64 [1] tensor there that they read
         (written when the step changes, and never while a CUDA graph is being captured: the
         graph's replays read what :meth:`set_step` writes before each), elsewhere the int."""
         device = torch.device(device)

@@ -22,8 +22,10 @@ X may be bfloat16 (``plexus.train --precision bf16``): the product is float32, s
 same order as for ``X.float()`` and bit-identical to it. The numba kernels read the bf16 rows
 directly and widen each element as they add it (plexus.kernels ``_widen``): no float32 copy of
 X, and half the bytes per gathered row (the slices, sized by X's element size, take twice the
-rows). torch's kernel (GPU, ``--spmm torch``) takes float32 operands: it converts the X rows of
-one column band at a time.
+rows). On a GPU with Triton, plexus.spmm_triton's kernel reads the bf16 rows there too
+(float32 values and sums; float32 rounding, not the CPU's bits). torch's kernel (a GPU without
+Triton, ``--spmm torch``) takes float32 operands: it converts the X rows of one column band at
+a time.
 
 The blocks themselves are :class:`plexus.csr.CSRBlock` (imported here as well).
 
@@ -44,6 +46,7 @@ import torch
 from common import dense
 from plexus import slicing
 from plexus.csr import CSRBlock, numba_kernels
+from plexus.triton_switch import launch, triton_function
 
 __all__ = ["SPMM_KERNELS", "BlockSparse", "CSRBlock", "product_out", "sum_dtype"]
 
@@ -346,10 +349,10 @@ class BlockSparse:
                                             b.values, x3, out3, not first,
                                             slicing.lookahead(row_bytes), s_lo, s_hi)
                 else:
-                    prod = torch.mm(self._torch_block(r, c, b, a - co[c], z - co[c],
-                                                      x.device).to(out.dtype),
-                                    x[a:z].to(out.dtype))
-                    out[rows].copy_(prod) if first else out[rows].add_(prod)
+                    block = self._torch_block(r, c, b, a - co[c], z - co[c], x.device)
+                    if not _bf16_spmm(block, x[a:z], out[rows], not first):
+                        prod = torch.mm(block.to(out.dtype), x[a:z].to(out.dtype))
+                        out[rows].copy_(prod) if first else out[rows].add_(prod)
                 first = False
             if first and not add:  # an empty block row
                 out[rows].zero_()
@@ -368,6 +371,16 @@ class BlockSparse:
         if sub is None:
             sub = self._torch_cols[r, c, a, z] = _torch_cols(t, a, z)
         return sub
+
+
+def _bf16_spmm(block: torch.Tensor, x: torch.Tensor, out: torch.Tensor, add: bool) -> bool:
+    """``out = block @ x`` (``add``: ``+=``) by plexus.spmm_triton's kernel where ``x`` is a
+    bf16 block on a GPU and Triton runs there: the bf16 rows are read as they are, the sums
+    are float32. False where it did not run (the caller's torch product widens ``x``)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cuda" or out.dtype != torch.float32:
+        return False
+    spmm = triton_function("spmm_triton", "csr_spmm")
+    return spmm is not None and launch(spmm, block, x, out, add) is not None
 
 
 def _torch_cols(t: torch.Tensor, a: int, z: int) -> torch.Tensor:

@@ -86,27 +86,31 @@ def test_hashed_dropout_gives_apply_dropouts_values_and_gradient(spent):
     assert (outs[1] == 0).float().mean().item() == pytest.approx(0.5, abs=0.1)
 
 
-def test_a_kernel_that_fails_at_its_first_launch_leaves_the_torch_hash(monkeypatch):
-    monkeypatch.setattr(dropout, "_TRITON_FAILED", [])
-    monkeypatch.setattr(dropout, "_TRITON_LAUNCHED", set())
+def test_a_kernel_that_fails_at_its_first_launch_leaves_the_torch_paths(monkeypatch):
+    from plexus import triton_switch
+
+    monkeypatch.setattr(triton_switch, "_FAILED", [])
+    monkeypatch.setattr(triton_switch, "_LAUNCHED", set())
 
     def broken(*args):
         raise RuntimeError("no C compiler")
 
-    with pytest.warns(RuntimeWarning, match="failed at its first launch .*no C compiler"):
-        assert dropout._launch(broken, 1) is None
-    assert dropout._triton("keep_mask_triton") is None  # nor used again in this process
-    monkeypatch.setattr(dropout, "_TRITON_FAILED", [])
+    with pytest.warns(RuntimeWarning, match=r"failed at its first launch .*no C compiler"):
+        assert triton_switch.launch(broken, 1) is None
+    # nor used again in this process
+    assert triton_switch.triton_function("dropout_triton", "keep_mask_triton") is None
+    monkeypatch.setattr(triton_switch, "_FAILED", [])
 
     def works(x):
         if x < 0:
             raise RuntimeError("a later error")
         return x
 
-    assert dropout._launch(works, 2) == 2
+    assert triton_switch.launch(works, 2) == 2
     with pytest.raises(RuntimeError, match="a later error"):  # once it ran, errors are raised
-        dropout._launch(works, -1)
-    assert dropout._triton("keep_mask_triton") is keep_mask_triton
+        triton_switch.launch(works, -1)
+    assert triton_switch.triton_function("dropout_triton",
+                                         "keep_mask_triton") is keep_mask_triton
 
 
 @pytest.mark.gpu

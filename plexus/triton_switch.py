@@ -1,0 +1,64 @@
+"""Which of plexus's Triton kernels run: the switch (``PLEXUS_TRITON``), the import, and the
+fallback when a kernel fails at its first launch.
+
+The kernels (:mod:`plexus.dropout_triton`, :mod:`plexus.spmm_triton`) are imported only where
+``triton`` is installed and ``PLEXUS_TRITON`` is not ``0``; every one has a torch path with the
+same results (the same bits for the dropout masks, float32 rounding for the SpMM) that runs
+otherwise. Triton compiles a kernel at its first launch, which can fail on a node (no C
+compiler for its launcher, a GPU its backend does not know): :func:`launch` then warns once
+and turns Triton off for the process, so the caller takes its torch path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["launch", "triton_function", "uses_triton"]
+
+_FAILED: list[str] = []  # why a Triton kernel failed in this process (then: none is used)
+_LAUNCHED: set[str] = set()  # the functions whose kernels have run here
+
+
+def triton_function(module: str, name: str) -> Any:
+    """``plexus.<module>.<name>`` where ``triton`` is installed, ``PLEXUS_TRITON`` is not
+    ``0`` and no Triton kernel has failed to launch in this process; else None (the caller's
+    torch path)."""
+    if os.environ.get("PLEXUS_TRITON", "1") == "0" or _FAILED:
+        return None
+    try:
+        kernels = importlib.import_module(f"plexus.{module}")
+    except ImportError:
+        return None
+    return getattr(kernels, name)
+
+
+def uses_triton(device: torch.device | str) -> bool:
+    """Whether plexus's Triton kernels run on ``device`` (a CUDA device, Triton installed and
+    working, ``PLEXUS_TRITON`` not ``0``)."""
+    return (torch.device(device).type == "cuda"
+            and triton_function("dropout_triton", "keep_mask_triton") is not None)
+
+
+def launch(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` for a function of :func:`triton_function`; None, with a warning, where
+    its kernel fails before it has ever run here: the caller then takes its torch path, and
+    so do all later calls. Once a kernel has run, its errors are raised."""
+    name = getattr(fn, "__qualname__", None) or str(fn)
+    if name in _LAUNCHED:
+        return fn(*args)
+    try:
+        out = fn(*args)
+    except Exception as exc:  # compilation and launch errors come in many types
+        _FAILED.append(f"{name}: {type(exc).__name__}: {exc}")
+        warnings.warn(f"plexus: a Triton kernel ({name}) failed at its first launch "
+                      f"({type(exc).__name__}: {str(exc)[:200]}); plexus's torch paths run "
+                      "instead (the same results, slower). Set PLEXUS_TRITON=0 to skip "
+                      "Triton.", RuntimeWarning, stacklevel=3)
+        return None
+    _LAUNCHED.add(name)
+    return out
