@@ -1,5 +1,6 @@
 """bench/llm_throughput.py on the CPU: both sides in bf16 with compiled blocks, the MFU column
-for the given peak, and the ratio against the target."""
+for the given peak, and the ratio against the target; with rounds, the lowest round's ratio
+and each round's."""
 
 import re
 
@@ -17,3 +18,13 @@ def test_bf16_compiled_run_prints_both_sides_mfu_and_the_ratio(capsys):
         assert row is not None, side
         assert 0 < float(row[2]) < 100, row[0]
     assert re.search(r"throughput ratio ours / plain = [\d.]+ \(target >= 0.95: ", out)
+
+
+def test_rounds_print_the_lowest_rounds_ratio_and_each(capsys):
+    assert llm_throughput.main(["--steps", "2", "--warmup", "1", "--batch-size", "2",
+                                "--seq-len", "32", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    line = re.search(r"ratio ours / plain = ([\d.]+) \(the lowest of 3 rounds: "
+                     r"([\d.]+), ([\d.]+), ([\d.]+)\) \(target >= 0.95 in every round: ", out)
+    assert line is not None, out
+    assert float(line[1]) == min(float(line[i]) for i in (2, 3, 4))
