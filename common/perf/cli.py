@@ -39,8 +39,10 @@ DATASETS = {"ogbn-products": perf_gcn.ogbn_products, "ogbn-papers100M": perf_gcn
 
 def gcn_workload(args: argparse.Namespace) -> perf_gcn.GCNWorkload:
     """The GCN workload of the ``gcn`` sub-command's flags."""
-    opts = {"model": args.model, "num_layers": args.layers, "hidden": args.hidden,
-            "heads": args.heads if args.model == "gat" else 1,
+    heads = args.heads if args.model == "gat" else 1
+    # --hidden is one head's width, as plexus.train's; the workload counts every head's
+    opts = {"model": args.model, "num_layers": args.layers, "hidden": args.hidden * heads,
+            "heads": heads,
             "attention_dropout": args.attention_dropout,
             "learn_features": args.learn_features, "cache_first_aggregation": not args.no_cache,
             "overlap": {"auto": None, "on": True, "off": False}[args.overlap],
@@ -130,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--model", choices=("gcn", "sage", "gat"), default="gcn",
                    help="sage: GraphSAGE, whose root term doubles the aggregation and weight "
                    "collectives; gat: graph attention (common.perf.gat; --hidden is then "
-                   "every head's width together, heads x a head's)")
+                   "each head's width, as plexus.train's: a hidden layer is heads x hidden)")
     g.add_argument("--heads", type=int, default=8, help="gat: attention heads per layer")
     g.add_argument("--attention-dropout", type=float, default=0.0,
                    help="gat: dropout rate on the attention coefficients")

@@ -68,9 +68,10 @@ def test_a_gat_workload_refuses_what_gat_does_not_run():
 
 
 def test_the_command_plans_a_gat(capsys):
-    assert main(["gcn", "--dataset", "ogbn-products", "--model", "gat", "--hidden", "64",
+    assert main(["gcn", "--dataset", "ogbn-products", "--model", "gat", "--hidden", "16",
                  "--heads", "4", "--ranks", "8"]) == 0
     out = capsys.readouterr().out
+    # --hidden is one head's width, as plexus.train's: 4 heads of 16 are 64 wide
     assert "GAT ogbn-products" in out and "hidden=64" in out
     table = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(table) == 10  # every factorization of 8 into 3, ranked
