@@ -19,7 +19,7 @@ from plexus.gat_reference import SerialGAT
 from tests.distributed import run_ranks
 from tests.plexus.data.shards import model_source, small_graph
 from tests.plexus.test_model import full_logits, rel
-from tests.plexus.test_recipe import assert_loss_and_grads, train_and_evaluate
+from tests.plexus.test_recipe import assert_loss_and_grads, one_pass, train_and_evaluate
 
 HEADS, HIDDEN, SEED, STEP, RATE = 4, 2, 6, 3, 0.3
 GRIDS = {1: ["1x1x1"], 8: ["2x2x2", "1x2x4", "4x1x2"]}
@@ -46,9 +46,7 @@ def _serial(graph, case):
 
 
 def _parallel(ctx, grids, cases=CASES, prepared=None):
-    from common.comm_stats import CommStats
     from plexus.data import PreparedGraph
-    from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
     graph = small_graph()
@@ -63,27 +61,9 @@ def _parallel(ctx, grids, cases=CASES, prepared=None):
             net = PlexusGCN(shard, groups, model="gat", heads=HEADS, seed=SEED, dropout=dropout,
                             attention_dropout=attention, bias=bias, norm=norm,
                             normalize_features=normalize, residual=residual)
-            net.train()
-            o_ax, _, p_ax = layout.roles(num_layers - 1)
-            stats = CommStats()  # the model's collectives only (the loss gets none)
-            logits = net(stats, step=STEP)
-            loss = sharded_cross_entropy(logits, shard.labels, shard.masks["train"],
-                                         num_classes=graph.num_classes,
-                                         count=shard.split_counts["train"],
-                                         group_o=groups[o_ax], group_p=groups[p_ax])
-            loss.backward()
-            net.eval()
-            with torch.no_grad():
-                eval_logits = net()
-            grads = {name: net.gather(kind, t.grad, layer)
-                     for name, t, kind, layer in net.sharded_state() if t.grad is not None}
-            out.append({"case": (grid_text, *case), "loss": loss.item(), "shape": grid.shape,
-                        # the messages' content (common.perf counts no padding)
-                        "bytes": {k: v["bytes"] - v["padding"]
-                                  for k, v in stats.as_dict().items()},
-                        "logits": logits.detach(), "eval": eval_logits,
-                        "rows": shard.out_rows, "grads": grads,
-                        "class_offset": groups[o_ax].rank * logits.shape[1]})
+            got = one_pass(net, shard, groups, graph.num_classes, num_layers)
+            out.append({**got, "case": (grid_text, *case), "shape": grid.shape,
+                        "rows": shard.out_rows})
     return out
 
 

@@ -63,9 +63,7 @@ def _parallel(ctx, grids, fused):
 
 
 def _cases(ctx, grids, fused_calls):
-    from common.comm_stats import CommStats
     from common.grid import ProcessGrid
-    from plexus.loss import sharded_cross_entropy
     from plexus.model import PlexusGCN
 
     out = []
@@ -82,30 +80,40 @@ def _cases(ctx, grids, fused_calls):
                               dropout=dropout, bias=bias, norm=norm,
                               normalize_features=normalize, residual=residual,
                               labelled_rows_only=True)
-            o_ax, _, p_ax = roles(num_layers - 1)
-            stats = CommStats()  # the model's collectives only (the loss gets none)
-            logits = model(stats, step=STEP)  # the labelled rows
-            loss = sharded_cross_entropy(logits, model.output_rows(shard.labels),
-                                         model.output_rows(shard.masks["train"]),
-                                         num_classes=graph.num_classes,
-                                         count=shard.split_counts["train"],
-                                         group_o=groups[o_ax], group_p=groups[p_ax])
-            loss.backward()
-            model.eval()
-            with torch.no_grad():
-                eval_logits = model(all_rows=True)
+            got = one_pass(model, shard, groups, graph.num_classes, num_layers)
             held = model.output_rows(torch.from_numpy(shard.out_rows)).numpy()
-            grads = {name: model.gather(kind, t.grad, layer)
-                     for name, t, kind, layer in model.sharded_state() if t.grad is not None}
-            out.append({"case": (grid_text, *case), "loss": loss.item(), "shape": grid.shape,
-                        # the messages' content (common.perf counts no padding)
-                        "bytes": {k: v["bytes"] - v["padding"]
-                                  for k, v in stats.as_dict().items()},
-                        "logits": logits.detach(), "eval": eval_logits, "rows": held,
-                        "all_rows": shard.out_rows, "rows_last": logits.shape[0],
-                        "class_offset": groups[o_ax].rank * logits.shape[1], "grads": grads,
+            out.append({**got, "case": (grid_text, *case), "shape": grid.shape, "rows": held,
+                        "all_rows": shard.out_rows, "rows_last": got["logits"].shape[0],
                         "fused_calls": fused_calls[0]})
     return out
+
+
+def one_pass(model, shard, groups, num_classes, num_layers):
+    """A training pass of ``model`` at :data:`STEP` (forward, the sharded loss of the training
+    split, backward), then an evaluation pass of every row; what the parallel-equals-serial
+    checks read: the loss, both passes' logits (the training pass's of the rows it computes),
+    every gathered gradient, the bytes of the model's collectives (their content: common.perf
+    counts no padding) and this rank's first class column."""
+    from common.comm_stats import CommStats
+    from plexus.loss import sharded_cross_entropy
+
+    o_ax, _, p_ax = roles(num_layers - 1)
+    stats = CommStats()  # the model's collectives only (the loss gets none)
+    model.train()
+    logits = model(stats, step=STEP)
+    loss = sharded_cross_entropy(logits, model.output_rows(shard.labels),
+                                 model.output_rows(shard.masks["train"]),
+                                 num_classes=num_classes, count=shard.split_counts["train"],
+                                 group_o=groups[o_ax], group_p=groups[p_ax])
+    loss.backward()
+    model.eval()
+    with torch.no_grad():
+        eval_logits = model(all_rows=True)
+    grads = {name: model.gather(kind, t.grad, layer)
+             for name, t, kind, layer in model.sharded_state() if t.grad is not None}
+    return {"loss": loss.item(), "logits": logits.detach(), "eval": eval_logits,
+            "grads": grads, "class_offset": groups[o_ax].rank * logits.shape[1],
+            "bytes": {k: v["bytes"] - v["padding"] for k, v in stats.as_dict().items()}}
 
 
 def assert_loss_and_grads(per_rank, ref, tag):
