@@ -73,20 +73,25 @@ def keep_mask(p: float, *, seed: int, step: int | torch.Tensor, layer: int, rows
 
 
 def hashed_dropout(x: torch.Tensor, p: float, *, seed: int, step: int | torch.Tensor,
-                   layer: int, rows: torch.Tensor, cols: torch.Tensor, spent: bool = False
-                   ) -> torch.Tensor | None:
+                   layer: int, rows: torch.Tensor, cols: torch.Tensor, spent: bool = False,
+                   grad: bool = True) -> torch.Tensor | None:
     """:func:`apply_dropout` of ``x`` with :func:`keep_mask`'s mask of ``rows`` x ``cols``
     (on ``x``'s CUDA device), as one Triton kernel each way that hashes the mask where it
     applies it, keeping no mask for backward (plexus.dropout_triton.HashedDropout): the same
     values and gradient. None where Triton is not there to run it (the caller applies the
-    mask itself). ``spent``: as :func:`apply_dropout`'s."""
+    mask itself). ``spent``: as :func:`apply_dropout`'s; ``grad=False``: :func:`dropped`'s
+    values, a new tensor and no graph (the kernel alone)."""
     if x.device.type != "cuda" or x.dtype != torch.float32:
         return None
+    key = _device_key(p, seed, step, layer, x.device)
+    if not grad:
+        fn = triton_function("dropout_triton", "fused_dropout")
+        out = None if fn is None else launch(fn, x.detach(), rows, cols, key, p, None, False)
+        return None if out is None else out[0]
     fn = triton_function("dropout_triton", "HashedDropout")
     if fn is None:
         return None
-    return launch(fn.apply, x, rows, cols, _device_key(p, seed, step, layer, x.device), p,
-                   spent and can_spend(x), spent)
+    return launch(fn.apply, x, rows, cols, key, p, spent and can_spend(x), spent)
 
 
 def step_tensor(step: int, device: torch.device | str) -> torch.Tensor:

@@ -111,7 +111,7 @@ def keep_mask_triton(rows: torch.Tensor, cols: torch.Tensor, key: MaskKey) -> to
 
 
 def fused_dropout(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, key: MaskKey,
-                  p: float, *, out: torch.Tensor | None = None,
+                  p: float, out: torch.Tensor | None = None,
                   with_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x * keep / (1 - p), keep)`` with :func:`keep_mask_triton`'s mask, in one pass over
     ``x`` (contiguous [a, b] on the ids' device, float32, bfloat16 or float16: the factor

@@ -10,16 +10,26 @@ is hashed inside the kernel that applies it, forward and backward
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from common.grid import AxisGroup
 from plexus import layout
 from plexus.data import partition
 from plexus.data.shard import GraphShard
-from plexus.dropout import drop_block, dropped, keep_mask, step_tensor
+from plexus.dropout import _host_step, drop_block, dropped, hashed_dropout, keep_mask, step_tensor
 from plexus.ops import BitMask
 from plexus.shards import node_chunk
 from plexus.triton_switch import uses_triton
+
+
+class HashedMask(NamedTuple):
+    """A mask kept as its key: ``layer`` and ``step`` (the step tensor the Triton kernels
+    read, :meth:`LayerDropout.step_of`)."""
+
+    layer: int
+    step: torch.Tensor
 
 
 class LayerDropout:
@@ -55,12 +65,29 @@ class LayerDropout:
             t.fill_(step)
             self._steps[device] = (step, t)
 
+    def kept(self, layer: int, step: int, device) -> BitMask | HashedMask:
+        """The mask of ``layer``'s input at ``step``, to apply again later (a pass remade or
+        recomputed in backward, :meth:`__call__`'s ``kept``): where the Triton kernels run,
+        its key (the kernel that applies it hashes it again: nothing of the block's size is
+        kept), else the mask drawn now, as bits."""
+        device = torch.device(device)
+        if uses_triton(device):
+            return HashedMask(layer, self.step_of(step, device))
+        return BitMask(self.mask(layer, step, device))
+
     def __call__(self, layer: int, f: torch.Tensor, step: int,
-                 kept: BitMask | None = None) -> torch.Tensor:
+                 kept: BitMask | HashedMask | None = None) -> torch.Tensor:
         """F' = dropout(F_l) with the mask of ``step``; ``kept``: the mask drawn already, as
         bits (then no graph is built: F' of fixed features, recomputed or remade)."""
         if self.p == 0:
             return f
+        if isinstance(kept, HashedMask):  # (no graph: F' of fixed features)
+            rows, cols = self.ids(kept.layer, f.device)
+            out = hashed_dropout(f, self.p, seed=self.seed, step=kept.step, layer=kept.layer,
+                                 rows=rows, cols=cols, grad=False)
+            if out is not None:
+                return out
+            kept = BitMask(self.mask(kept.layer, _host_step(kept.step), f.device))
         if f.dtype != torch.float32:  # bf16 F_0 (no gradient): scaled in float32, rounded once
             scaled = f.mul(1.0 / (1.0 - self.p))
             if kept is not None:

@@ -141,3 +141,10 @@ def test_layer_dropout_on_a_gpu_hashes_in_the_kernel_with_the_masks_numbers(monk
         y.square().sum().backward()
         outs.append((y.detach(), x.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # a mask kept as its key (layer 0's F' remade in backward): the kernel alone, no graph
+    monkeypatch.setenv("PLEXUS_TRITON", "1")
+    x = torch.randn(5000, 128, generator=torch.Generator().manual_seed(2)).cuda()
+    again = dropout.hashed_dropout(x, 0.5, seed=3, step=dropout.step_tensor(7, "cuda"),
+                                   layer=1, rows=rows, cols=cols, grad=False)
+    keep = keep_mask(0.5, seed=3, step=7, layer=1, rows=rows, cols=cols, device="cuda")
+    assert again.grad_fn is None and torch.equal(again, dropped(x, ~keep, 0.5))
