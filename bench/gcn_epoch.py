@@ -51,8 +51,10 @@ SpMM throughput of our kernel and of torch's CSR matmul against the machine's me
 measured here by a large copy (STREAM-copy style). ``--spmm torch`` runs ours on torch's CSR
 matmul. ``--device cuda`` runs both on one GPU (ours through torch's CSR matmul there, as
 PyG; every time is taken after the GPU has finished; the allocator variants do not apply).
-``--json PATH`` appends the run (a row per workload, with its provenance: bench/provenance.py)
-to PATH; bench/results/epoch_time.json is the one bench/plots.py draws.
+On a GPU each side's process runs every workload of ``--variants`` in turn (there are no
+allocator settings to keep apart), half the processes' start-up. ``--json PATH`` appends the
+run (a row per workload, with its provenance: bench/provenance.py) to PATH;
+bench/results/epoch_time.json is the one bench/plots.py draws.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ from common import dense
 from common.alloc import retain_freed_memory
 from common.dist import init_distributed
 from common.grid import ProcessGrid
+from common.memory import release
 from plexus.config import split_config
 from plexus.data import InMemorySource
 from plexus.data.generators import planted_partition
@@ -309,7 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append this run's rows, with their provenance, to PATH "
                         "(e.g. bench/results/epoch_time.json)")
     p.add_argument("--worker", choices=("ours", "pyg"), help=argparse.SUPPRESS)
-    p.add_argument("--variant", choices=VARIANTS, default="fixed", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="fixed", help=argparse.SUPPRESS)  # a worker's, a list
     p.add_argument("--pool-buffers", action=argparse.BooleanOptionalAction, default=None,
                    help=argparse.SUPPRESS)
     p.add_argument("--worker-retain", type=int, default=0, help=argparse.SUPPRESS)
@@ -333,44 +336,60 @@ def build_graph(args: argparse.Namespace):
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One side in this process: print ``{"times": [...], "threads": T}`` as JSON."""
+    """One side in this process, for each workload of ``--variant`` (a comma list): print
+    ``{"times": {variant: [...]}, "dropout_s": {variant: s}, "threads": T}`` as JSON."""
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
     ctx = init_distributed(device=args.device, launcher="single",
                            set_threads=args.threads is None)
     if args.threads:
         torch.set_num_threads(args.threads)
     graph, _, adj = build_graph(args)
-    extra = {}  # ours with dropout: the masks' seconds an epoch
-    if args.worker == "pyg":
-        if args.worker_retain:
-            retain_freed_memory()
-        times = pyg_epochs(graph, adj, args.hidden, args.layers, args.warmup + args.epochs,
-                           0.01, ctx.device, args.variant, args.dropout,
-                           args.norm)[args.warmup:]
-    else:
+    if args.worker == "pyg" and args.worker_retain:
+        retain_freed_memory()
+    times, dropout_s = {}, {}  # ours with dropout: the masks' seconds an epoch
+    for variant in args.variant.split(","):
+        if args.worker == "pyg":
+            times[variant] = pyg_epochs(graph, adj, args.hidden, args.layers,
+                                        args.warmup + args.epochs, 0.01, ctx.device, variant,
+                                        args.dropout, args.norm)[args.warmup:]
+            continue
         cfg = split_config(epochs=args.warmup + args.epochs, hidden=args.hidden,
                            num_layers=args.layers, lr=0.01, spmm=args.spmm, gemm=args.gemm,
                            retain_freed_memory=args.retain,
                            pool_buffers=args.pool_buffers,
                            bias=False, dropout=args.dropout, norm=args.norm,
                            optimizer="adamw",
-                           learn_features=args.variant == "learn")  # PyG's side's model
+                           learn_features=variant == "learn")  # PyG's side's model
         result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
                            device=ctx.device, **cfg)
-        times = [r["epoch_s"] for r in result.history[args.warmup:]]
+        times[variant] = [r["epoch_s"] for r in result.history[args.warmup:]]
+        del result
+        release(ctx.device)  # the first workload's model (and CUDA graph) before the next
         if args.dropout:
             widths = [graph.num_features] + [args.hidden] * (args.layers - 1)
-            extra = {"dropout_s": dropout_seconds(graph.num_nodes, widths, args.dropout,
-                                                  ctx.device)}
-    print(json.dumps({"times": times, "threads": torch.get_num_threads(), **extra}), flush=True)
+            dropout_s[variant] = dropout_seconds(graph.num_nodes, widths, args.dropout,
+                                                 ctx.device)
+    print(json.dumps({"times": times, "dropout_s": dropout_s,
+                      "threads": torch.get_num_threads()}), flush=True)
     ctx.close()
+
+
+# on a GPU one process a side runs every workload (no allocator settings to keep apart): the
+# other workloads' times, (side, THP, retained heap, pool) -> variant -> rounds not yet read
+_LATER: dict[tuple, dict[str, list[list[float]]]] = {}
 
 
 def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
                retain: bool, pool: bool | None = None) -> list[float]:
-    """Epoch times of one side in a fresh process with ``THP_MEM_ALLOC_ENABLE=thp``."""
+    """Epoch times of one side in a fresh process with ``THP_MEM_ALLOC_ENABLE=thp``; on a GPU
+    that process runs every workload of ``--variants`` at once, and this returns ``variant``'s
+    times, keeping the others' for their calls (round by round, in order)."""
+    later = _LATER.setdefault((side, thp, retain, pool), {})
+    if later.get(variant):
+        return later[variant].pop(0)
+    variants = args.variants if args.device == "cuda" else [variant]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--variant",
-           variant, "--worker-retain", str(int(retain)), "--nodes", str(args.nodes),
+           ",".join(variants), "--worker-retain", str(int(retain)), "--nodes", str(args.nodes),
            "--avg-degree", str(args.avg_degree), "--features", str(args.features),
            "--classes", str(args.classes), "--hidden", str(args.hidden), "--layers",
            str(args.layers), "--epochs", str(args.epochs), "--warmup", str(args.warmup),
@@ -386,12 +405,15 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
     env = {**os.environ, "THP_MEM_ALLOC_ENABLE": thp}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"the {side} worker ({variant}, THP={thp}) failed with exit code "
+        sys.exit(f"the {side} worker ({','.join(variants)}, THP={thp}) failed with exit code "
                  f"{done.returncode}:\n{done.stderr[-3000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    if "dropout_s" in got:
-        DROPOUT_S.setdefault(variant, []).append(got["dropout_s"])
-    return got["times"]
+    for v, seconds in got["dropout_s"].items():
+        DROPOUT_S.setdefault(v, []).append(seconds)
+    for v in variants:
+        if v != variant:
+            later.setdefault(v, []).append(got["times"][v])
+    return got["times"][variant]
 
 
 def run_round(args: argparse.Namespace, variant: str,

@@ -167,17 +167,17 @@ def checks(junit: Path, workers: int = 0) -> list[Check]:
     parallel = ["-n", str(workers)] if workers > 0 else []
     return [
         Check("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                *parallel, f"--junitxml={junit}", "tests"], 160.0, "pytest"),
+                                *parallel, f"--junitxml={junit}", "tests"], 175.0, "pytest"),
         # OGB's recipe: our masks hashed on the GPU, PyG's drawn by F.dropout (each of the
-        # bench's four processes builds the graph on the host: most of these limits)
+        # bench's processes, one a side and the main one, builds the graph on the host)
         Check("bench/gcn_epoch.py --device cuda --dropout 0.5 --nodes 100000",
-              ["bench/gcn_epoch.py", *GCN_ARGS, "--nodes", "100000"], 90.0, "bench", gcn_key,
+              ["bench/gcn_epoch.py", *GCN_ARGS, "--nodes", "100000"], 80.0, "bench", gcn_key,
               DROPOUT_TARGET),
         Check("bench/gcn_epoch.py --device cuda --dropout 0.5 --nodes 1000000",
-              ["bench/gcn_epoch.py", *GCN_ARGS, "--nodes", "1000000"], 110.0, "bench",
+              ["bench/gcn_epoch.py", *GCN_ARGS, "--nodes", "1000000"], 105.0, "bench",
               gcn_key, DROPOUT_1M_TARGET),
         Check("bench/llm_throughput.py --device cuda --preset small",
-              ["bench/llm_throughput.py", *LLM_ARGS], 55.0, "bench", llm_key, LLM_TARGET),
+              ["bench/llm_throughput.py", *LLM_ARGS], 50.0, "bench", llm_key, LLM_TARGET),
         Check("bench/llm_throughput.py --device cuda --preset gpt1b --precision bf16",
               ["bench/llm_throughput.py", *LLM_1B_ARGS], 110.0, "bench", llm_key, MFU_TARGET),
     ]

@@ -148,3 +148,35 @@ def test_the_target_on_a_gpu_tightens_from_a_million_nodes():
     assert module.target_of(cpu, 5_000_000) == 0.35
     assert module.target_of(cuda, 100_000) == 1.0
     assert module.target_of(cuda, 1_000_000) == module.target_of(cuda, 2_000_000) == 0.8
+
+
+def test_on_a_gpu_one_process_a_side_runs_every_workload(monkeypatch):
+    """Each launch runs fixed and learn; the learn calls read what the fixed calls' processes
+    measured, round by round, and launch nothing."""
+    import json
+    import subprocess
+    from types import SimpleNamespace
+
+    module = load_bench("gcn_epoch")
+    monkeypatch.setattr(module, "_LATER", {})
+    monkeypatch.setattr(module, "DROPOUT_S", {})
+    launched = []
+
+    def fake_run(cmd, **_):
+        variants = cmd[cmd.index("--variant") + 1].split(",")
+        n = len(launched)
+        launched.append(variants)
+        times = {v: [float(10 * n + i)] for i, v in enumerate(variants)}
+        return SimpleNamespace(returncode=0, stderr="", stdout=json.dumps(
+            {"times": times, "dropout_s": {v: 0.5 for v in variants}, "threads": 1}))
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    args = module.parse_args(["--device", "cuda", "--nodes", "500", "--dropout", "0.5"])
+    got = {v: [module.run_worker(args, "ours", v, "1", True) for _ in range(2)]
+           for v in ("fixed", "learn")}  # the main loop's order: a workload's rounds in turn
+    assert launched == [["fixed", "learn"]] * 2  # two rounds, two processes, not four
+    assert got == {"fixed": [[0.0], [10.0]], "learn": [[1.0], [11.0]]}
+    assert module.DROPOUT_S == {"fixed": [0.5, 0.5], "learn": [0.5, 0.5]}
+    cpu = module.parse_args(["--nodes", "500"])
+    module.run_worker(cpu, "ours", "learn", "1", True)
+    assert launched[-1] == ["learn"]  # on the CPU a process a workload
