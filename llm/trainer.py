@@ -186,12 +186,16 @@ class Trainer:
         num_dropped = sum(int(((y != IGNORE) & m).sum()) for (_, y), m in zip(micro, masks))
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(2, device=self.device)  # kept, dropped loss sums on this rank
-        for i, ((x, y), m) in enumerate(zip(micro, masks)):
+        # every micro-batch's tokens, targets and mask on the device before any compute: a
+        # copy from pageable host memory waits for the device's queue to drain, so one made
+        # between a forward and its loss would leave a GPU idle while the host queues the rest
+        local = [(self._local(x, 0), self._local(y, IGNORE), self._local(m, True))
+                 for (x, y), m in zip(micro, masks)]
+        for i, (x, y, m) in enumerate(local):
             # NEFTune's noise keyed by (seed, step, global row): the same on every grid
             self.model.set_noise(step=self.step, row_offset=i * self.data_cfg.batch_size,
                                  seed=self.seed)
-            out = goldfish_sums(self.model(self._local(x, 0)), self._local(y, IGNORE),
-                                self._local(m, True), num_kept=num_kept,
+            out = goldfish_sums(self.model(x), y, m, num_kept=num_kept,
                                 vocab_size=self.model_config.vocab_size, row=self.groups["row"],
                                 ignore_index=IGNORE, stats=self.stats)
             out.loss.backward()
