@@ -24,6 +24,7 @@ from common.grid import AxisGroup
 from plexus.bf16 import Rounded, StoredIn
 from plexus.csr import numba_kernels
 from plexus.sparse import sum_dtype
+from plexus.triton_switch import launch, triton_function
 
 __all__ = ["BitMask", "BlockedAggregation", "GatheredMatmul", "ReLU", "RecomputedMatmul",
            "RemadeInputMatmul", "Rounded", "SharedGradient", "SpMM", "StoredIn"]
@@ -239,12 +240,22 @@ def _relu_kernels(t: torch.Tensor):
     return numba_kernels()
 
 
+def _on_gpu(name: str, t: torch.Tensor, *args: Any):
+    """plexus.relu_triton's ``name`` of ``t`` and ``args`` where ``t`` is a contiguous
+    float32 block on a GPU and Triton runs there, else None (the caller's torch path)."""
+    if t.device.type != "cuda" or t.dtype != torch.float32 or not t.is_contiguous():
+        return None
+    fn = triton_function("relu_triton", name)
+    return None if fn is None else launch(fn, t, *args)
+
+
 class ReLU(torch.autograd.Function):
     """In-place ``relu`` of a fresh tensor that keeps only the mask ``out > 0``, one bit per
     entry (:class:`BitMask`; the output is the next layer's input, which is spent once its
     aggregation has run). Same values as ``torch.relu_`` both ways. On a large float32 CPU
     block each pass is one numba kernel (:func:`plexus.kernels.relu_pack`, ``masked_by_bits``)
-    instead of four and three torch/numpy passes. ``over_grad`` (the caller's promise that the
+    instead of four and three torch/numpy passes; on a GPU with Triton, one Triton kernel each
+    (plexus.relu_triton). ``over_grad`` (the caller's promise that the
     gradient reaching the output is read by nothing else, as :func:`plexus.dropout.
     apply_dropout`'s ``spent``): backward writes over it instead of a new block."""
 
@@ -254,6 +265,10 @@ class ReLU(torch.autograd.Function):
         ctx.over_grad = over_grad
         kernels = _relu_kernels(q)
         if kernels is None:
+            bits = _on_gpu("relu_pack", q)
+            if bits is not None:  # one Triton kernel: relu in place and the bits
+                ctx.keep = BitMask.of_bits(bits, q.shape, q.device)
+                return q
             out = torch.relu_(q)
             ctx.keep = BitMask(out > 0)
             return out
@@ -267,6 +282,10 @@ class ReLU(torch.autograd.Function):
         kernels = _relu_kernels(dy)
         over = ctx.over_grad and dense.can_overwrite(dy)  # (an expanded gradient is not)
         if kernels is None or tuple(dy.shape) != tuple(ctx.keep.shape):
+            if tuple(dy.shape) == tuple(ctx.keep.shape):  # one Triton kernel from the bits
+                out = _on_gpu("masked_by_bits", dy, ctx.keep.bits, dy if over else None)
+                if out is not None:
+                    return out, None
             fill = dy.masked_fill_ if over else dy.masked_fill
             return fill(ctx.keep.unpack(invert=True), 0.0), None
         # a buffer of common.dense.empty either way, read in place by the dW it feeds (tn)

@@ -1,12 +1,13 @@
 """Which of plexus's Triton kernels run: the switch (``PLEXUS_TRITON``), the import, and the
 fallback when a kernel fails at its first launch.
 
-The kernels (:mod:`plexus.dropout_triton`, :mod:`plexus.spmm_triton`) are imported only where
-``triton`` is installed and ``PLEXUS_TRITON`` is not ``0``; every one has a torch path with the
-same results (the same bits for the dropout masks, float32 rounding for the SpMM) that runs
-otherwise. Triton compiles a kernel at its first launch, which can fail on a node (no C
-compiler for its launcher, a GPU its backend does not know): :func:`launch` then warns once
-and turns Triton off for the process, so the caller takes its torch path.
+The kernels (:mod:`plexus.dropout_triton`, :mod:`plexus.relu_triton`,
+:mod:`plexus.spmm_triton`) are imported only where ``triton`` is installed and
+``PLEXUS_TRITON`` is not ``0``; every one has a torch path with the same results (the same
+bits for the dropout masks and the ReLU, float32 rounding for the SpMM) that runs otherwise.
+Triton compiles a kernel at its first launch, which can fail on a node (no C compiler for its
+launcher, a GPU its backend does not know): :func:`launch` then warns once and turns Triton
+off for the process, so the caller takes its torch path.
 """
 
 from __future__ import annotations
