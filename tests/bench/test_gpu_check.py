@@ -235,6 +235,21 @@ def test_pytest_collects_the_gpu_tests_of_both_packages():
         assert f"tests/llm/test_gpu.py::{name}" in ids, name
     assert {i.partition("::")[0] for i in ids} >= {"tests/llm/test_gpu.py",
                                                    "tests/plexus/test_gpu.py"}
+    # the GPU paths no CPU test runs compiled: the captured step, Triton's kernels, flash
+    for name in ("tests/plexus/test_gpu.py::test_the_captured_step_gives_the_eager_steps_"
+                 "numbers[fixed-dropout]",
+                 "tests/plexus/test_gpu.py::test_every_model_option_on_cuda_follows_the_cpu_"
+                 "run[bf16]",
+                 "tests/plexus/test_dropout_triton.py::test_layer_dropout_on_a_gpu_hashes_in_"
+                 "the_kernel_with_the_masks_numbers",
+                 "tests/plexus/test_relu_triton.py::test_ops_relu_on_a_gpu_takes_the_kernels_"
+                 "with_torchs_numbers",
+                 "tests/plexus/test_spmm_triton.py::test_a_bf16_x_on_a_gpu_gives_the_float32_"
+                 "product_and_blocksparse_takes_it",
+                 "tests/llm/test_gpu.py::test_bf16_attention_runs_the_flash_kernel_forward_and_"
+                 "backward",
+                 "tests/llm/test_gpu.py::test_compiled_blocks_on_cuda_follow_the_eager_run"):
+        assert name in ids, name
 
 
 def test_the_header_names_the_host_cpu_and_its_avx512():
