@@ -1,6 +1,10 @@
 """``--cuda-graphs`` without a GPU: asked for on the CPU it is refused with the reason (by the
-CLI before any work, exit 2), left to its default it is off. (The capture and
+CLI before any work, exit 2), left to its default it is off; StepGraph's order of warm-up,
+capture and replays, and its fallback when a capture fails, against stand-ins for torch.cuda's
+streams and graphs. (The capture and
 its numbers against the eager step: tests/plexus/test_gpu.py.)"""
+
+import contextlib
 
 import pytest
 import torch
@@ -36,3 +40,83 @@ def test_the_cli_parses_the_flag_and_refuses_it_on_the_cpu_before_any_work():
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--cuda-graphs: it needs a CUDA device; drop the flag" in r.stderr
     assert "Traceback" not in r.stderr and "epoch" not in r.stdout
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda's streams and graphs on a host without CUDA (the real capture
+    runs in tests/plexus/test_gpu.py): records what StepGraph asks of them, and a capture that
+    raises where ``fail`` says."""
+
+    def __init__(self, log, fail=False):
+        self.log, self.fail = log, fail
+        outer = self
+
+        class Graph:
+            def replay(self):
+                outer.log.append("replay")
+
+        class Capture:
+            def __init__(self, graph):
+                pass
+
+            def __enter__(self):
+                outer.log.append("capture")
+
+            def __exit__(self, *exc):
+                if outer.fail and exc[0] is None:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+                return False
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        class StreamContext:
+            def __init__(self, stream):
+                pass
+
+            def __enter__(self):
+                outer.log.append("side stream")
+
+            def __exit__(self, *exc):
+                return False
+
+        self.CUDAGraph, self.graph, self.Stream = Graph, Capture, Stream
+        self.stream, self.current_stream = StreamContext, Stream
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_step_graph_warms_up_captures_once_then_replays(monkeypatch, fail):
+    """Two eager steps on a side stream, then the capture (nothing computed: the first replay
+    computes that epoch), then a replay an epoch after writing what it reads; a capture that
+    fails warns, undoes what it filled and runs every later step eagerly."""
+    from plexus import cuda_graph
+
+    log, kept = [], object()
+    monkeypatch.setattr(cuda_graph.torch, "cuda", _FakeCuda(log, fail))
+    losses = iter(torch.tensor(float(i)) for i in range(10))
+
+    def body():
+        log.append("body")
+        return next(losses)
+
+    graph = cuda_graph.StepGraph(body, zero_grad=lambda: log.append("zero_grad"),
+                                 before_replay=lambda: log.append("write step"),
+                                 keep=lambda: kept, on_failure=lambda: log.append("forget"))
+    seen = []
+    warns = (pytest.warns(RuntimeWarning, match="could not be captured in a CUDA graph")
+             if fail else contextlib.nullcontext())
+    with warns:
+        for _ in range(4):
+            seen.append(float(graph()))
+    warm = ["side stream", "zero_grad", "body"] * cuda_graph.WARMUP
+    if not fail:
+        assert log == [*warm, "zero_grad", "capture", "body", "write step", "replay",
+                       "write step", "replay"]
+        assert seen == [0.0, 1.0, 2.0, 2.0]  # the captured loss, read after each replay
+        assert graph.replaying and graph.failed is None and graph._kept is kept
+    else:
+        assert log == [*warm, "zero_grad", "capture", "body", "forget", "zero_grad", "body",
+                       "zero_grad", "body"]
+        assert seen == [0.0, 1.0, 3.0, 4.0]  # the capture's body computed nothing used
+        assert not graph.replaying and "not permitted" in graph.failed
