@@ -35,9 +35,10 @@ __all__ = ["WARMUP", "StepGraph", "check_asked", "why_not"]
 WARMUP = 2  # eager steps on a side stream before the capture
 
 
-def why_not(device: torch.device, world_size: int, dropout: float) -> str | None:
+def why_not(device: torch.device, world_size: int, dropout: float,
+            capturable: bool = True) -> str | None:
     """Why a training step on ``device`` with ``world_size`` ranks and ``dropout`` cannot be
-    captured here (None: it can)."""
+    captured here (None: it can); ``capturable``: whether the optimizer can be."""
     if device.type != "cuda":
         return "it needs a CUDA device"
     if world_size > 1:
@@ -45,17 +46,20 @@ def why_not(device: torch.device, world_size: int, dropout: float) -> str | None
     if dropout > 0 and not uses_triton(device):
         return ("dropout on a GPU draws its masks in a CUDA graph only with Triton's kernels "
                 "(pip install triton; PLEXUS_TRITON not 0)")
+    if not capturable:
+        return ("the optimizer cannot be captured (torch's fused Adam takes float32 "
+                "parameters only: bf16 trainable features are not)")
     return None
 
 
 def check_asked(cuda_graphs: bool | None, device: torch.device, world_size: int,
-                dropout: float) -> bool:
+                dropout: float, capturable: bool = True) -> bool:
     """Whether the step is captured: ``cuda_graphs`` (None: where it can be).
 
     Raises:
         ValueError: ``cuda_graphs`` is True and the step cannot be captured (why named).
     """
-    why = why_not(device, world_size, dropout)
+    why = why_not(device, world_size, dropout, capturable)
     if why is not None and cuda_graphs:
         raise ValueError(f"--cuda-graphs: {why}; drop the flag or use --no-cuda-graphs")
     return why is None and cuda_graphs is not False
@@ -69,17 +73,22 @@ class StepGraph:
             step; returns the loss (a device scalar).
         zero_grad: sets every gradient to None (before each eager step and the capture).
         before_replay: writes what the next replay reads (the dropout step).
-        keep: the tensors the captured step reads that the caller might drop and reallocate
-            between replays (a cache of the model's); held for the graph's life.
-        on_failure: undoes what a failed capture may have left (caches holding tensors that
-            were recorded, not computed).
+        keep: the state the captured step reads that the caller might drop and reallocate
+            between replays (a cache of the model's): taken before the capture, held for the
+            graph's life.
+        restore: puts back what ``keep`` took, after a failed capture (which may have filled
+            caches with tensors that were recorded, not computed).
+        ready: why the step cannot be captured now (None: it can), asked again just before
+            the capture (a Triton kernel that failed during the warm-up turns its masks into
+            host numbers that a graph would freeze).
     """
 
     def __init__(self, body: Callable[[], torch.Tensor], *, zero_grad: Callable[[], None],
                  before_replay: Callable[[], None], keep: Callable[[], Any] = lambda: None,
-                 on_failure: Callable[[], None] = lambda: None) -> None:
+                 restore: Callable[[Any], None] = lambda kept: None,
+                 ready: Callable[[], str | None] = lambda: None) -> None:
         self.body, self.zero_grad, self.before_replay = body, zero_grad, before_replay
-        self.keep, self.on_failure = keep, on_failure
+        self.keep, self.restore, self.ready = keep, restore, ready
         self.graph: torch.cuda.CUDAGraph | None = None
         self.loss: torch.Tensor | None = None
         self.failed: str | None = None  # why the capture failed, once it has
@@ -123,18 +132,27 @@ class StepGraph:
     def _capture(self) -> bool:
         """Capture the step (nothing runs: the first replay computes it); False, with a
         warning, where it cannot be captured."""
+        why = self.ready()
+        if why is not None:
+            return self._fail(why)
         self.zero_grad()  # the backward of the capture assigns gradients in the graph's pool
+        kept = self.keep()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 loss = self.body()
         except Exception as exc:  # an operation that cannot be captured, of many types
-            self.failed = f"{type(exc).__name__}: {exc}"
-            self.on_failure()
-            warnings.warn(f"plexus: the training step could not be captured in a CUDA graph "
-                          f"({self.failed[:300]}); it runs eagerly (the same numbers, more "
-                          "host time). --no-cuda-graphs skips the attempt.", RuntimeWarning,
-                          stacklevel=3)
-            return False
-        self.graph, self.loss, self._kept = graph, loss, self.keep()
+            self.restore(kept)
+            cause = exc.__context__  # (CUDA's own error says only that capture was broken)
+            return self._fail(f"{type(exc).__name__}: {exc}" + (
+                "" if cause is None else f"; after {type(cause).__name__}: {cause}"))
+        self.graph, self.loss, self._kept = graph, loss, kept
         return True
+
+    def _fail(self, why: str) -> bool:
+        """Every later step eager, with a warning naming ``why``; False."""
+        self.failed = why
+        warnings.warn(f"plexus: the training step could not be captured in a CUDA graph "
+                      f"({why[:400]}); it runs eagerly (the same numbers, more host time). "
+                      "--no-cuda-graphs skips the attempt.", RuntimeWarning, stacklevel=4)
+        return False

@@ -170,14 +170,16 @@ class FirstLayer:
         t = t.detach()
         return t if self.keep_dtype is None else t.to(self.keep_dtype)
 
-    def cached_inputs(self) -> tuple | None:
-        """The cached ``(H_0, R_0)`` (None: none): what a captured training step may read
-        (plexus.cuda_graph holds it while the graph lives, whatever replaces it here)."""
-        return self._h0
+    def cached_inputs(self) -> tuple:
+        """The cache of ``(H_0, R_0)`` and the rows it is of: what a captured training step
+        may read (plexus.cuda_graph holds it while the graph lives, whatever replaces it
+        here), and what :meth:`restore_cached_inputs` puts back."""
+        return self._h0, self._h0_rows_only
 
-    def forget_cached_inputs(self) -> None:
-        """Drop the cached ``(H_0, R_0)``: the next pass computes it afresh."""
-        self._h0 = None
+    def restore_cached_inputs(self, cached: tuple) -> None:
+        """Put back a cache of :meth:`cached_inputs` (after a CUDA graph's capture that failed:
+        what it left there was recorded, not computed, and layer 0's blocks may be gone)."""
+        self._h0, self._h0_rows_only = cached
 
     def _apply(self, fn, recurse=True):  # .to(device) etc. must not keep a stale cache
         self._h0 = None

@@ -18,7 +18,7 @@ from common.grid import AxisGroup
 from plexus import layout
 from plexus.data import partition
 from plexus.data.shard import GraphShard
-from plexus.dropout import _host_step, drop_block, dropped, hashed_dropout, keep_mask, step_tensor
+from plexus.dropout import drop_block, dropped, hashed_dropout, keep_mask, step_tensor
 from plexus.ops import BitMask
 from plexus.shards import node_chunk
 from plexus.triton_switch import uses_triton
@@ -48,12 +48,18 @@ class LayerDropout:
         (written when the step changes, and never while a CUDA graph is being captured: the
         graph's replays read what :meth:`set_step` writes before each), elsewhere the int."""
         device = torch.device(device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not uses_triton(device):  # (the torch hash takes the int: no read back)
+            if capturing:  # a graph would replay this step's masks every epoch
+                raise RuntimeError("dropout masks in a CUDA graph need Triton's kernels, "
+                                   "which do not run here")
             return step
         held = self._steps.get(device)
         if held is None:
+            if capturing:  # (the tensor would be made, and its step written, by the graph)
+                raise RuntimeError("the dropout step's tensor must exist before a capture")
             held = self._steps[device] = (step, step_tensor(step, device))
-        elif held[0] != step and not torch.cuda.is_current_stream_capturing():
+        elif held[0] != step and not capturing:
             held[1].fill_(step)
             held = self._steps[device] = (step, held[1])
         return held[1]
@@ -87,7 +93,10 @@ class LayerDropout:
                                  rows=rows, cols=cols, grad=False)
             if out is not None:
                 return out
-            kept = BitMask(self.mask(kept.layer, _host_step(kept.step), f.device))
+            # (bf16 F_0, whose scaling is not the kernel's): the mask from the same key,
+            # the step read on the device by the keep kernel
+            kept = BitMask(keep_mask(self.p, seed=self.seed, step=kept.step, layer=kept.layer,
+                                     rows=rows, cols=cols, device=f.device))
         if f.dtype != torch.float32:  # bf16 F_0 (no gradient): scaled in float32, rounded once
             scaled = f.mul(1.0 / (1.0 - self.p))
             if kept is not None:

@@ -41,7 +41,7 @@ from plexus import checkpoint as ckpt
 from plexus import layout
 from plexus.build import make_optimizer, shard_and_model, upload_adjacency
 from plexus.config import ModelConfig, OptimConfig, RunConfig, aggregation_of, split_config
-from plexus.cuda_graph import StepGraph, check_asked
+from plexus.cuda_graph import StepGraph, check_asked, why_not
 from plexus.data import SPLITS, GraphShard, ShardSource
 from plexus.loss import correct_counts, sharded_argmax, sharded_cross_entropy
 from plexus.model import PlexusGCN
@@ -210,13 +210,16 @@ class Trainer:
         Raises:
             ValueError: ``cuda_graphs=True`` where it cannot run (the reason named).
         """
-        if not check_asked(self.run_cfg.cuda_graphs, self.parallel.device,
-                           self.parallel.world_size, self.model_config.dropout):
+        device, dropout = self.parallel.device, self.model_config.dropout
+        capturable = all(g.get("capturable", False) for g in self.optimizer.param_groups)
+        if not check_asked(self.run_cfg.cuda_graphs, device, self.parallel.world_size,
+                           dropout, capturable):
             return None
         model = self.model
         return StepGraph(self._step, zero_grad=lambda: self.optimizer.zero_grad(set_to_none=True),
                          before_replay=lambda: model.drop.set_step(self.epoch),
-                         keep=model.cached_inputs, on_failure=model.forget_cached_inputs)
+                         keep=model.cached_inputs, restore=model.restore_cached_inputs,
+                         ready=lambda: why_not(device, 1, dropout))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -49,7 +49,9 @@ def launch(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` for a function of :func:`triton_function`; None, with a warning, where
     its kernel fails before it has ever run here: the caller then takes its torch path, and
     so do all later calls. Once a kernel has run, its errors are raised."""
-    name = getattr(fn, "__qualname__", None) or str(fn)
+    owner = getattr(fn, "__self__", None)  # an autograd Function's apply: its class
+    name = (owner.__qualname__ if isinstance(owner, type) else
+            getattr(fn, "__qualname__", None) or str(fn))
     if name in _LAUNCHED:
         return fn(*args)
     try:

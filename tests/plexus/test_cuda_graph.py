@@ -85,24 +85,31 @@ class _FakeCuda:
         self.stream, self.current_stream = StreamContext, Stream
 
 
-@pytest.mark.parametrize("fail", [False, True])
+@pytest.mark.parametrize("fail", [None, "capture", "ready"])
 def test_the_step_graph_warms_up_captures_once_then_replays(monkeypatch, fail):
     """Two eager steps on a side stream, then the capture (nothing computed: the first replay
-    computes that epoch), then a replay an epoch after writing what it reads; a capture that
-    fails warns, undoes what it filled and runs every later step eagerly."""
+    computes that epoch), then a replay an epoch after writing what it reads. A capture that
+    fails, or a step that cannot be captured any more when its turn comes (``ready``), warns,
+    puts back the state taken before the capture and runs every later step eagerly."""
     from plexus import cuda_graph
 
-    log, kept = [], object()
-    monkeypatch.setattr(cuda_graph.torch, "cuda", _FakeCuda(log, fail))
+    log, state = [], {"cache": "H_0 of the warm-up"}
+    monkeypatch.setattr(cuda_graph.torch, "cuda", _FakeCuda(log, fail == "capture"))
     losses = iter(torch.tensor(float(i)) for i in range(10))
 
     def body():
         log.append("body")
+        state["cache"] = "recorded, not computed"  # what a capture may leave behind
         return next(losses)
+
+    def restore(kept):
+        log.append("restore")
+        state["cache"] = kept
 
     graph = cuda_graph.StepGraph(body, zero_grad=lambda: log.append("zero_grad"),
                                  before_replay=lambda: log.append("write step"),
-                                 keep=lambda: kept, on_failure=lambda: log.append("forget"))
+                                 keep=lambda: "H_0 of the warm-up", restore=restore,
+                                 ready=lambda: "Triton failed" if fail == "ready" else None)
     seen = []
     warns = (pytest.warns(RuntimeWarning, match="could not be captured in a CUDA graph")
              if fail else contextlib.nullcontext())
@@ -110,13 +117,16 @@ def test_the_step_graph_warms_up_captures_once_then_replays(monkeypatch, fail):
         for _ in range(4):
             seen.append(float(graph()))
     warm = ["side stream", "zero_grad", "body"] * cuda_graph.WARMUP
-    if not fail:
+    if fail is None:
         assert log == [*warm, "zero_grad", "capture", "body", "write step", "replay",
                        "write step", "replay"]
         assert seen == [0.0, 1.0, 2.0, 2.0]  # the captured loss, read after each replay
-        assert graph.replaying and graph.failed is None and graph._kept is kept
-    else:
-        assert log == [*warm, "zero_grad", "capture", "body", "forget", "zero_grad", "body",
-                       "zero_grad", "body"]
+        assert graph.replaying and graph.failed is None and graph._kept == "H_0 of the warm-up"
+    elif fail == "capture":
+        assert log[:len(warm) + 4] == [*warm, "zero_grad", "capture", "body", "restore"]
+        assert log[len(warm) + 4:] == ["zero_grad", "body"] * 2
         assert seen == [0.0, 1.0, 3.0, 4.0]  # the capture's body computed nothing used
         assert not graph.replaying and "not permitted" in graph.failed
+    else:
+        assert log == [*warm, "zero_grad", "body", "zero_grad", "body"]  # no capture tried
+        assert seen == [0.0, 1.0, 2.0, 3.0] and graph.failed == "Triton failed"

@@ -96,10 +96,12 @@ OPTIONS = {
                                       weight_decay=(5e-4, 0.0, 0.0)),
     # bf16 H and features: the GPU's SpMM reads them as bf16 (plexus.spmm_triton)
     "bf16": dict(precision="bf16", dropout=0.0),
+    # with dropout: layer 0's bf16 features masked from the kept key (no read back)
+    "bf16-dropout": dict(precision="bf16", dropout=0.5),
 }
 # bf16 keeps H rounded to bf16: a sum that lands on another side of a rounding boundary on
 # the GPU than on the CPU moves that entry by 2^-8 of itself, which the loss averages down
-RELATIVE = {"bf16": 1e-2}
+RELATIVE = {"bf16": 1e-2, "bf16-dropout": 1e-2}
 
 
 def _train(device, *, source=None, epochs=5, **options):
@@ -140,8 +142,10 @@ def _waits_of_an_epoch(**options):
 
 
 @pytest.mark.parametrize("options", [{}, {"learn_features": True},
-                                     {"dropout": 0.0, "learn_features": False}],
-                         ids=["fixed-dropout", "learned-dropout", "fixed-no-dropout"])
+                                     {"dropout": 0.0, "learn_features": False},
+                                     {"precision": "bf16"}],
+                         ids=["fixed-dropout", "learned-dropout", "fixed-no-dropout",
+                              "bf16-fixed-dropout"])
 def test_an_epoch_on_cuda_waits_for_the_gpu_once(options):
     """Only the loss's ``.item()`` waits for the GPU: a copy from host memory in the middle
     of an epoch (the ReLU's bit shifts, a dropout mask drawn on the host) made the host wait
