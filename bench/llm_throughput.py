@@ -60,8 +60,7 @@ class Baseline:
         self.model = GPT(get_preset(preset), seed=seed, device=device,
                          compute_dtype=compute_dtype(precision.precision))
         if precision.compile:
-            for block in self.model.blocks:
-                block.compile()
+            self.model.compile_blocks()
         self.device = device
         decay = [p for p in self.model.parameters() if p.dim() > 1]
         rest = [p for p in self.model.parameters() if p.dim() <= 1]

@@ -301,6 +301,14 @@ class GPT(nn.Module):
             else:
                 fill_normal_(p.view(-1), seed=seed, name=name, shape=p.shape, std=std)
 
+    def compile_blocks(self) -> None:
+        """``torch.compile`` each transformer block in place (``nn.Module.compile``), as
+        torchtitan compiles: every block has the same code, so one compilation serves them
+        all, and the embedding, head and loss stay eager; parameter names, checkpoints and an
+        optimizer's view of the parameters do not change."""
+        for block in self.blocks:
+            block.compile()
+
     def set_noise(self, *, step: int, row_offset: int = 0, seed: int = 0) -> None:
         """Key the NEFTune noise of the next training forwards (:meth:`NEFTune.set_noise`):
         call before each micro-batch's forward when ``neftune_alpha > 0``."""

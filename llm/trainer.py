@@ -298,12 +298,8 @@ class Trainer:
 
 
 def compile_blocks(model: ParallelGPT) -> None:
-    """``torch.compile`` each transformer block of ``model`` in place (``--compile``).
-
-    Per block, as torchtitan compiles: every block has the same code, so one compilation
-    serves them all, and the embedding, head and loss stay eager. In place
-    (``nn.Module.compile``), so parameter names, checkpoints and the optimizer's view of the
-    parameters do not change.
+    """``torch.compile`` each transformer block of ``model`` in place (``--compile``,
+    :meth:`llm.model.GPT.compile_blocks`), where the blocks are plain modules.
 
     Raises:
         ValueError: the grid is tensor parallel (its layers' collectives are custom autograd
@@ -314,8 +310,7 @@ def compile_blocks(model: ParallelGPT) -> None:
         raise ValueError(f"--compile runs on grids without tensor parallelism (depth = row = "
                          f"col = 1), not on {grid}: drop --compile, or put the ranks on the "
                          "data axis")
-    for block in model.model.blocks:
-        block.compile()
+    model.model.compile_blocks()
 
 
 def run(trainer: Trainer, *, checkpoint: CheckpointConfig | None = None,
