@@ -113,7 +113,7 @@ def _device_key(p: float, seed: int, step: int | torch.Tensor, layer: int,
 
     if not isinstance(step, torch.Tensor):
         step = step_tensor(step, device)
-    return MaskKey(int(_seed_key(seed)), step, layer, int(_mask_key(p, seed, 0, layer)[1]))
+    return MaskKey(int(_seed_key(seed)), step, layer, int(_threshold(p)))
 
 
 def _cell_hash(rows: np.ndarray, cols: np.ndarray, k: np.uint32) -> np.ndarray:
@@ -129,7 +129,12 @@ def _mask_key(p: float, seed: int, step: int, layer: int) -> tuple[np.uint32, np
     with np.errstate(over="ignore"):
         for part in np.array([step, layer], dtype=np.int64).astype(np.uint32):
             k = _mix32(np.array([k ^ part], dtype=np.uint32))[0]
-    return k, _U32(min(int(p * 2.0**32), 2**32 - 1))
+    return k, _threshold(p)
+
+
+def _threshold(p: float) -> np.uint32:
+    """The hash value below which an entry is dropped at rate ``p``."""
+    return _U32(min(int(p * 2.0**32), 2**32 - 1))
 
 
 def _seed_key(seed: int) -> np.uint32:

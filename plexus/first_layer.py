@@ -27,7 +27,7 @@ from common import collectives as coll
 from common.comm_stats import CommStats
 from common.perf.gcn_memory import RECOMPUTE_BLOCKS
 from plexus import layout, ops
-from plexus.layer_dropout import LayerDropout
+from plexus.layer_dropout import HashedMask, LayerDropout
 from plexus.layer_plan import LayerPlan
 
 
@@ -101,13 +101,14 @@ class FirstLayer:
         q = self._spmm_o(self.shard.adj, 0, g[0], stats)
         return q + self._spmm_o(self.shard.root, 0, g[1], stats) if sage else q
 
-    def _first_mask(self, step: int):
-        """Layer 0's dropout mask at ``step`` as bits, kept for backward (None: evaluation)."""
+    def _first_mask(self, step: int) -> ops.BitMask | HashedMask | None:
+        """Layer 0's dropout mask at ``step``, kept for backward (None: evaluation): as bits,
+        or as its key where the Triton kernels hash it (:meth:`LayerDropout.kept`)."""
         if not self.training:
             return None
         return self.drop.kept(0, step, self.features.device)
 
-    def _h0_blocks(self, bits, stats: CommStats | None):
+    def _h0_blocks(self, bits: ops.BitMask | HashedMask | None, stats: CommStats | None):
         """Yield ``(term, lo, hi, rows lo..hi of H_0 (term 0) or R_0 (term 1))``: F_0
         gathered over P (1), ``dropout(F_0)`` with the mask ``bits`` (None: F_0 as it is),
         aggregated in row blocks (whole on a GPU, where a row block's matrix would be a

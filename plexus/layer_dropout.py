@@ -67,9 +67,8 @@ class LayerDropout:
     def set_step(self, step: int) -> None:
         """Write ``step`` where the kernels on every CUDA device read it (before a CUDA
         graph's replay)."""
-        for device, (_, t) in list(self._steps.items()):
-            t.fill_(step)
-            self._steps[device] = (step, t)
+        for device in list(self._steps):
+            self.step_of(step, device)
 
     def kept(self, layer: int, step: int, device) -> BitMask | HashedMask:
         """The mask of ``layer``'s input at ``step``, to apply again later (a pass remade or
