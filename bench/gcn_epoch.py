@@ -270,6 +270,8 @@ def target_of(device: torch.device, nodes: int) -> float:
     if device.type == "cuda" and nodes >= CUDA_LARGE[0]:
         return CUDA_LARGE[1]
     return TARGETS[device.type]
+
+
 VARIANTS = ("fixed", "learn")
 # PyG's allocator settings: (label, THP_MEM_ALLOC_ENABLE, retained heap)
 PYG_SETTINGS = (("default allocator", "0", False), ("huge pages", "1", False),

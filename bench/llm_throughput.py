@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     config = get_preset(args.preset)
     print(f"GPT {args.preset} ({config.num_params():,} parameters), {args.batch_size} x "
           f"{args.seq_len} tokens per step, on {device}, {precision}, torch threads "
-          f"{torch.get_num_threads()}, {args.steps} alternating steps per side")
+          f"{torch.get_num_threads()}, {args.steps} alternating steps per side"
+          + (f" in each of {args.rounds} rounds" if args.rounds > 1 else ""))
     # MFU where the device's peak is known (--peak-tflops, or llm.mfu's table for the GPU)
     peak = peak_tflops(device, args.precision, args.peak_tflops)
     per_token = config.flops_per_token(args.seq_len)

@@ -55,34 +55,28 @@ class _FakeCuda:
             def replay(self):
                 outer.log.append("replay")
 
-        class Capture:
-            def __init__(self, graph):
-                pass
-
-            def __enter__(self):
-                outer.log.append("capture")
-
-            def __exit__(self, *exc):
-                if outer.fail and exc[0] is None:
-                    raise RuntimeError("operation not permitted when stream is capturing")
-                return False
-
         class Stream:
             def wait_stream(self, other):
                 pass
 
-        class StreamContext:
-            def __init__(self, stream):
-                pass
+        class Entered:
+            """A context that logs ``name`` on entry; a capture (``fails``) raises as it
+            ends, as CUDA does when an operation broke it."""
+
+            def __init__(self, name, fails=False):
+                self.name, self.fails = name, fails
 
             def __enter__(self):
-                outer.log.append("side stream")
+                outer.log.append(self.name)
 
             def __exit__(self, *exc):
+                if self.fails and exc[0] is None:
+                    raise RuntimeError("operation not permitted when stream is capturing")
                 return False
 
-        self.CUDAGraph, self.graph, self.Stream = Graph, Capture, Stream
-        self.stream, self.current_stream = StreamContext, Stream
+        self.CUDAGraph, self.Stream, self.current_stream = Graph, Stream, Stream
+        self.graph = lambda graph: Entered("capture", fails=outer.fail)
+        self.stream = lambda stream: Entered("side stream")
 
 
 @pytest.mark.parametrize("fail", [None, "capture", "ready"])
