@@ -5,6 +5,7 @@
     python bench/gcn_epoch.py --device cuda --nodes 100000   # both on one GPU
     python bench/gcn_epoch.py --dropout 0.5         # OGB's recipe: dropout on both sides
     python bench/gcn_epoch.py --norm batch          # batch norm after every hidden layer
+    python bench/gcn_epoch.py --device cuda --nodes 1000000 --dropout 0.5 --precision fp32,bf16
 
 Both train the same 3-layer GCN (hidden 128, no bias, AdamW, cross-entropy on the training
 split) on the same graph with the same number of torch threads, and both step torch's fused
@@ -25,6 +26,12 @@ with fixed features both sides aggregate every layer every epoch. ``--norm batch
 batch norm between every hidden layer and its ReLU on both sides: ours its sharded batch norm
 (plexus.norms), PyG ``torch.nn.BatchNorm1d``.
 
+``--precision fp32,bf16`` also runs ours with ``--precision bf16`` (the features and the
+activations kept for backward in bf16; fixed features only, as plexus.train takes it) after the
+float32 workloads, judged against PyG in float32 (the model whose accuracy bench/accuracy.py
+compares it with); PyG in bf16 (its layers, features and adjacency in bf16) is printed beside
+where torch's CSR matmul takes bf16 (a GPU; not the CPU).
+
 Allocator: PyTorch's CPU allocator faults in every 4 KiB page of a fresh large tensor;
 ``THP_MEM_ALLOC_ENABLE=1`` (huge pages, which importing ``common`` sets) and our trainer's
 retained heap (common.alloc) avoid that. Each side runs in its own process (the settings are
@@ -41,12 +48,11 @@ pages. The processes run in ``--rounds`` rounds, each round every side once, the
 reversed every other round, so that a machine whose speed drifts over minutes slows both sides
 alike and one slow process moves no median by much; each side's median is over all its timed
 epochs.
-Printed:
-the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35 on the
-CPU; on a GPU, where both sides run the same vendor kernels, <= 1.0, and <= 0.8 from a million
-nodes: :func:`target_of`) with the ratio of each round's medians beside it; with dropout, our
-dropout's share of our epoch (measured apart on the epoch's blocks, :func:`dropout_seconds`;
-target on a GPU <= 10%); and the
+Printed: the median epoch time of each, ``ours/PyG`` per workload against the target (<= 0.35
+on the CPU; on a GPU, where both sides run the same vendor kernels, <= 1.0, and from a million
+nodes <= 0.8 in float32, <= 0.5 in bf16: :func:`target_of`; bf16 on the CPU has none) with the
+ratio of each round's medians beside it; with dropout, our dropout's share of our epoch
+(measured apart on the epoch's blocks, :func:`dropout_seconds`; target on a GPU <= 10%); and the
 SpMM throughput of our kernel and of torch's CSR matmul against the machine's memory bandwidth
 measured here by a large copy (STREAM-copy style). ``--spmm torch`` runs ours on torch's CSR
 matmul. ``--device cuda`` runs both on one GPU (ours through torch's CSR matmul there, as
@@ -189,21 +195,24 @@ def weight_grad_throughput(rows: int, width: int, backend: str, reps: int = 5,
 
 def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
                device: torch.device = CPU, variant: str = "fixed",
-               dropout: float = 0.0, norm: str = "none") -> list[float]:
+               dropout: float = 0.0, norm: str = "none",
+               dtype: torch.dtype = torch.float32) -> list[float]:
     """PyG's epoch times; ``variant`` ``fixed`` (``A X`` precomputed once, untimed, the first
     layer a linear map of it; with ``dropout`` every layer aggregates, as ours then must) or
     ``learn`` (the features a trainable parameter). ``dropout``: ``F.dropout`` on every layer's
     input, the features' included, where ours drops too. ``norm="batch"``: BatchNorm1d
-    between every hidden layer and its ReLU."""
+    between every hidden layer and its ReLU. ``dtype``: of the model, the features and the
+    adjacency's values (bf16: PyG's layers and torch's CSR matmul in bf16, where they accept
+    it: :func:`pyg_takes_bf16`)."""
     from torch_geometric.nn import GCNConv
 
     torch.manual_seed(0)
     dims = [graph.num_features] + [hidden] * (layers - 1) + [graph.num_classes]
     convs = torch.nn.ModuleList([GCNConv(a, b, normalize=False, bias=False)
-                                 for a, b in itertools.pairwise(dims)]).to(device)
+                                 for a, b in itertools.pairwise(dims)]).to(device, dtype)
     norms = torch.nn.ModuleList([torch.nn.BatchNorm1d(b) for b in dims[1:-1]
-                                 if norm == "batch"]).to(device)
-    x, adj = graph.x.to(device), adj.to(device)
+                                 if norm == "batch"]).to(device, dtype)
+    x, adj = graph.x.to(device, dtype), adj.to(device, dtype)
     params = list(convs.parameters()) + list(norms.parameters())
     first_linear = variant == "fixed" and dropout == 0  # the cached A X ours has, once
     if variant == "learn":
@@ -235,6 +244,19 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
     return times
 
 
+def pyg_takes_bf16(device: torch.device) -> str | None:
+    """Why PyG's GCN cannot train in bf16 on ``device`` (None: it can): a small bf16 CSR
+    matmul and its backward, as :func:`pyg_epochs` runs them (torch's CSR matmul has no bf16
+    on the CPU)."""
+    adj = torch.eye(4).to_sparse_csr().to(device, torch.bfloat16)
+    x = torch.ones(4, 2, device=device, dtype=torch.bfloat16, requires_grad=True)
+    try:
+        (adj @ x).sum().backward()
+    except (NotImplementedError, RuntimeError) as exc:
+        return f"torch's CSR matmul in bf16 on {device.type}: {str(exc).splitlines()[0][:80]}"
+    return None
+
+
 def dropout_seconds(nodes: int, widths: list[int], p: float, device: torch.device,
                     reps: int = 5) -> float:
     """Median seconds of one epoch's dropout as our layers run it (plexus.dropout.drop_block:
@@ -256,23 +278,46 @@ def dropout_seconds(nodes: int, widths: list[int], p: float, device: torch.devic
     return timed(epoch, reps, device)
 
 
-# ours / PyG (the best of its allocator settings), per workload: on the CPU ours runs its own
-# kernels (issue 28's target); on a GPU both sides run cuSPARSE's SpMM and cuBLAS's products,
-# so ours must only not be slower where the epoch is short (its own cost there is launching,
-# and waiting for the GPU), and 0.8 from a million nodes (float32)
+# ours / PyG (the best of its allocator settings, in float32), per workload: on the CPU ours
+# runs its own kernels (issue 28's target); on a GPU both sides run cuSPARSE's SpMM and
+# cuBLAS's products, so ours must only not be slower where the epoch is short (its own cost
+# there is launching, and waiting for the GPU); from a million nodes 0.8 in float32 and 0.5
+# in bf16 (whose accuracy bench/accuracy.py checks)
 TARGETS = {"cpu": 0.35, "cuda": 1.0}
-CUDA_LARGE = (1_000_000, 0.8)  # (from this many nodes, this target) on a GPU
+CUDA_LARGE = (1_000_000, {"fp32": 0.8, "bf16": 0.5})  # (from this many nodes, targets), GPU
 DROPOUT_SHARE = 0.10  # on a GPU: our dropout at most this share of our epoch
 
 
-def target_of(device: torch.device, nodes: int) -> float:
-    """The printed target of ours / PyG on ``device`` for a graph of ``nodes``."""
+def target_of(device: torch.device, nodes: int, precision: str = "fp32") -> float | None:
+    """The printed target of ours (in ``precision``) / PyG (float32) on ``device`` for a
+    graph of ``nodes``; None for bf16 on the CPU, where it halves the bytes kept and sent
+    (the wire's, on a cluster), not the epoch: the widening and rounding passes cost time."""
     if device.type == "cuda" and nodes >= CUDA_LARGE[0]:
-        return CUDA_LARGE[1]
-    return TARGETS[device.type]
+        return CUDA_LARGE[1][precision]
+    return None if device.type == "cpu" and precision != "fp32" else TARGETS[device.type]
 
 
 VARIANTS = ("fixed", "learn")
+PRECISIONS = ("fp32", "bf16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def case_name(variant: str, precision: str) -> str:
+    """A workload in a precision: ``fixed``, ``learn`` (float32), ``fixed-bf16``."""
+    return variant if precision == "fp32" else f"{variant}-{precision}"
+
+
+def case_of(name: str) -> tuple[str, str]:
+    """(variant, precision) of a :func:`case_name`."""
+    variant, _, precision = name.partition("-")
+    return variant, precision or "fp32"
+
+
+def cases(args: argparse.Namespace) -> list[str]:
+    """The workloads run, in order: each of ``--variants`` in each of ``--precision``, but
+    trainable features in bf16 (ours keeps bf16 features fixed: plexus.config)."""
+    return [case_name(v, p) for p in args.precision for v in args.variants
+            if not (p == "bf16" and v == "learn")]
 # PyG's allocator settings: (label, THP_MEM_ALLOC_ENABLE, retained heap)
 PYG_SETTINGS = (("default allocator", "0", False), ("huge pages", "1", False),
                 ("huge pages + retained heap", "1", True))
@@ -310,6 +355,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where both sides train (default: %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma list from {VARIANTS} (default: both)")
+    p.add_argument("--precision", default="fp32",
+                   help=f"comma list from {PRECISIONS} (default: %(default)s): ours in bf16 "
+                        "(--precision bf16 of plexus.train, fixed features only) is judged "
+                        "against PyG in float32, so fp32 runs too; PyG runs bf16 as well "
+                        "where torch's CSR matmul takes it")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="append this run's rows, with their provenance, to PATH "
                         "(e.g. bench/results/epoch_time.json)")
@@ -326,6 +376,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if bad := [v for v in args.variants if v not in VARIANTS]:
         p.error(f"unknown variant(s) {bad}; choose from {VARIANTS}")
+    precision = {v.strip() for v in args.precision.split(",") if v.strip()}
+    if bad := sorted(precision - set(PRECISIONS)):
+        p.error(f"unknown precision(s) {bad}; choose from {PRECISIONS}")
+    args.precision = ["fp32"] + (["bf16"] if "bf16" in precision else [])
     return args
 
 
@@ -338,8 +392,9 @@ def build_graph(args: argparse.Namespace):
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One side in this process, for each workload of ``--variant`` (a comma list): print
-    ``{"times": {variant: [...]}, "dropout_s": {variant: s}, "threads": T}`` as JSON."""
+    """One side in this process, for each workload of ``--variant`` (a comma list of
+    :func:`case_name`): print ``{"times": {case: [...]}, "dropout_s": {case: s}, "threads":
+    T}`` as JSON (the dropout's seconds of the float32 workloads)."""
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
     ctx = init_distributed(device=args.device, launcher="single",
                            set_threads=args.threads is None)
@@ -349,28 +404,29 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "pyg" and args.worker_retain:
         retain_freed_memory()
     times, dropout_s = {}, {}  # ours with dropout: the masks' seconds an epoch
-    for variant in args.variant.split(","):
+    for case in args.variant.split(","):
+        variant, precision = case_of(case)
         if args.worker == "pyg":
-            times[variant] = pyg_epochs(graph, adj, args.hidden, args.layers,
-                                        args.warmup + args.epochs, 0.01, ctx.device, variant,
-                                        args.dropout, args.norm)[args.warmup:]
+            times[case] = pyg_epochs(graph, adj, args.hidden, args.layers,
+                                     args.warmup + args.epochs, 0.01, ctx.device, variant,
+                                     args.dropout, args.norm, DTYPES[precision])[args.warmup:]
             continue
         cfg = split_config(epochs=args.warmup + args.epochs, hidden=args.hidden,
                            num_layers=args.layers, lr=0.01, spmm=args.spmm, gemm=args.gemm,
                            retain_freed_memory=args.retain,
                            pool_buffers=args.pool_buffers,
                            bias=False, dropout=args.dropout, norm=args.norm,
-                           optimizer="adamw",
+                           optimizer="adamw", precision=precision,
                            learn_features=variant == "learn")  # PyG's side's model
         result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
                            device=ctx.device, **cfg)
-        times[variant] = [r["epoch_s"] for r in result.history[args.warmup:]]
+        times[case] = [r["epoch_s"] for r in result.history[args.warmup:]]
         del result
         release(ctx.device)  # the first workload's model (and CUDA graph) before the next
-        if args.dropout:
+        if args.dropout and precision == "fp32":
             widths = [graph.num_features] + [args.hidden] * (args.layers - 1)
-            dropout_s[variant] = dropout_seconds(graph.num_nodes, widths, args.dropout,
-                                                 ctx.device)
+            dropout_s[case] = dropout_seconds(graph.num_nodes, widths, args.dropout,
+                                              ctx.device)
     print(json.dumps({"times": times, "dropout_s": dropout_s,
                       "threads": torch.get_num_threads()}), flush=True)
     ctx.close()
@@ -389,7 +445,7 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
     later = _LATER.setdefault((side, thp, retain, pool), {})
     if later.get(variant):
         return later[variant].pop(0)
-    variants = args.variants if args.device == "cuda" else [variant]
+    variants = cases(args) if args.device == "cuda" else [variant]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--variant",
            ",".join(variants), "--worker-retain", str(int(retain)), "--nodes", str(args.nodes),
            "--avg-degree", str(args.avg_degree), "--features", str(args.features),
@@ -425,6 +481,13 @@ def run_round(args: argparse.Namespace, variant: str,
             for name, side, thp, retain, pool in sides}
 
 
+def verdict(ratio: float, target: float | None) -> str:
+    """``target <= 0.35: met`` (or ``MISSED``), or why there is no target."""
+    if target is None:
+        return "no target: bf16 on the CPU halves bytes, not time"
+    return f"target <= {target}: {'met' if ratio <= target else 'MISSED'}"
+
+
 def _round_ratio(got: dict[str, list[float]], ours: str, pyg: list[str]) -> float:
     """One round's ours/PyG: our median over the fastest PyG median of that round."""
     return statistics.median(got[ours]) / min(statistics.median(got[n]) for n in pyg)
@@ -451,62 +514,83 @@ def main(argv: list[str] | None = None) -> None:
           f"{threads} threads; on {device}; built in {time.perf_counter() - t:.1f} s",
           flush=True)
     settings = PYG_SETTINGS if device.type == "cpu" else PYG_SETTINGS[:1]
-    target = target_of(device, graph.num_nodes)
     ours_label = "huge pages + retained heap" if args.retain else "huge pages"
+    no_bf16 = pyg_takes_bf16(device) if "bf16" in args.precision else None
+    if "bf16" in args.precision and "learn" in args.variants:
+        print("learn-bf16: not run (ours keeps bf16 input features fixed: trainable features "
+              "train in float32)")
     ratios, rows = {}, []
-    for variant in args.variants:
+    float32: dict[str, tuple] = {}  # variant -> (its rounds, PyG's sides): bf16's baseline
+    for case in cases(args):
+        variant, precision = case_of(case)
+        target = target_of(device, graph.num_nodes, precision)
         what = ("trainable features (every SpMM every epoch)" if variant == "learn"
                 else f"fixed features, dropout {args.dropout} on every layer's input (every "
                 "SpMM every epoch)" if args.dropout
                 else "fixed features (A X computed once on both sides)")
-        print(f"\n{variant}: {what}", flush=True)
+        if precision == "bf16":
+            what += ("; ours in bf16 (--precision bf16), judged against PyG in float32" +
+                     ("" if no_bf16 is None else f"; PyG in bf16 not run: {no_bf16}"))
+        print(f"\n{case}: {what}", flush=True)
         # (name, side, THP_MEM_ALLOC_ENABLE, retained heap, pool): ours first, PyG's after
         sides = [(f"ours (Plexus 1x1x1), {ours_label}", "ours", "1", args.retain, None)]
         if device.type == "cpu":  # without the pool of tall buffers, printed beside
             sides.append(("ours, --no-pool-buffers", "ours", "1", args.retain, False))
-        sides += [(f"PyG GCNConv (CSR), {label}", "pyg", thp, retain, None)
-                  for label, thp, retain in settings]
-        rounds = [run_round(args, variant, sides[::-1] if r % 2 else sides)
+        if precision == "fp32" or no_bf16 is None:
+            kind = "CSR" if precision == "fp32" else "CSR, bf16"
+            sides += [(f"PyG GCNConv ({kind}), {label}", "pyg", thp, retain, None)
+                      for label, thp, retain in settings]
+        rounds = [run_round(args, case, sides[::-1] if r % 2 else sides)
                   for r in range(args.rounds)]
         times = {name: [t for got in rounds for t in got[name]] for name, *_ in sides}
         pyg = [name for name, side, *_ in sides if side == "pyg"]
-        best_name = min(pyg, key=lambda n: statistics.median(times[n]))
-        best = statistics.median(times[best_name])
+        if precision == "fp32":
+            float32[variant] = (rounds, pyg)
+        base_rounds, base = float32[variant]  # (cases() runs every fp32 workload first)
+        base_times = {n: [t for got in base_rounds for t in got[n]] for n in base}
+        best_name = min(base, key=lambda n: statistics.median(base_times[n]))
+        best = statistics.median(base_times[best_name])
         print(f"{'':48}{'median s/epoch':>16}{'min':>10}{'max':>10}")
         for name, *_ in sides:
             print(f"{name:48}{statistics.median(times[name]):>16.3f}{min(times[name]):>10.3f}"
                   f"{max(times[name]):>10.3f}", flush=True)
         ours = statistics.median(times[sides[0][0]])
-        ratios[variant] = ours / best
-        per_round = [_round_ratio(got, sides[0][0], pyg) for got in rounds]
+        ratios[case] = ours / best
+        per_round = [_round_ratio({**b, **got}, sides[0][0], base)
+                     for got, b in zip(rounds, base_rounds)]
         each = ", ".join(f"{r:.3f}" for r in per_round)
-        print(f"{variant}: ours/PyG {ours / best:.3f} against {best_name.split(', ')[1]} "
-              f"(the fastest PyG)  (target <= {target}: "
-              f"{'met' if ours / best <= target else 'MISSED'}); round by round {each}")
-        row = {"variant": variant, "nodes": graph.num_nodes, "edges": graph.num_edges,
-               "nonzeros": adj.values().numel(), "features": args.features,
-               "classes": args.classes, "layers": args.layers, "hidden": args.hidden,
-               "dropout": args.dropout, "norm": args.norm, "ours_s": ours, "pyg_s": best,
-               "pyg_setting": best_name.split(", ")[1], "ratio": ours / best,
-               "round_ratios": per_round, "target": target}
+        print(f"{case}: ours/PyG {ours / best:.3f} against {best_name.split(', ')[1]} "
+              f"(the fastest PyG){' in float32' if precision != 'fp32' else ''}  "
+              f"({verdict(ours / best, target)}); round by round {each}")
+        row = {"variant": variant, "precision": precision, "nodes": graph.num_nodes,
+               "edges": graph.num_edges, "nonzeros": adj.values().numel(),
+               "features": args.features, "classes": args.classes, "layers": args.layers,
+               "hidden": args.hidden, "dropout": args.dropout, "norm": args.norm,
+               "ours_s": ours, "pyg_s": best, "pyg_setting": best_name.split(", ")[1],
+               "ratio": ours / best, "round_ratios": per_round, "target": target}
+        if precision != "fp32" and pyg:  # PyG in the same precision, printed beside
+            same = min(statistics.median(times[n]) for n in pyg)
+            row["pyg_same_precision_s"] = same
+            print(f"{case}: against PyG in {precision} too: ours/PyG {ours / same:.3f}")
         if device.type == "cpu":
             no_pool = statistics.median(times[sides[1][0]])
             row.update(no_pool_s=no_pool, no_pool_ratio=no_pool / best)
-            print(f"{variant}: with --no-pool-buffers ours/PyG {no_pool / best:.3f} (every tall "
+            print(f"{case}: with --no-pool-buffers ours/PyG {no_pool / best:.3f} (every tall "
                   "buffer a fresh mmap: on a VM that hands freed pages to its host, some stall)")
-        if variant in DROPOUT_S:  # the masks measured apart, against our median epoch
-            share = statistics.median(DROPOUT_S[variant]) / ours
+        if case in DROPOUT_S:  # the masks measured apart, against our median epoch
+            share = statistics.median(DROPOUT_S[case]) / ours
             row["dropout_share"] = share
-            verdict = (f" (target <= {DROPOUT_SHARE:.0%}: "
+            judged = (f" (target <= {DROPOUT_SHARE:.0%}: "
                        f"{'met' if share <= DROPOUT_SHARE else 'MISSED'})"
                        if device.type == "cuda" else "")
-            print(f"{variant}: our dropout (masks hashed and applied, forward and backward) "
-                  f"{1000 * statistics.median(DROPOUT_S[variant]):.1f} ms of our "
-                  f"{1000 * ours:.1f} ms epoch: share {100 * share:.1f}%{verdict}")
+            print(f"{case}: our dropout (masks hashed and applied, forward and backward) "
+                  f"{1000 * statistics.median(DROPOUT_S[case]):.1f} ms of our "
+                  f"{1000 * ours:.1f} ms epoch: share {100 * share:.1f}%{judged}")
         rows.append(row)
     if ratios:  # the line bench/gpu_check.py reads, and ours' time of the first workload
-        first = args.variants[0]
-        print(f"\nratio ours/PyG: {ratios[first]:.3f}  ({first}; target <= {target})")
+        first = cases(args)[0]
+        print(f"\nratio ours/PyG: {ratios[first]:.3f}  ({first}; "
+              f"target <= {target_of(device, graph.num_nodes)})")
 
     bw = memory_bandwidth(device=device)
     print(f"\nSpMM [{a_hat.shape[0]:,} x {a_hat.shape[1]:,}, {a_hat.nnz:,} nnz] @ "

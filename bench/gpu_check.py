@@ -9,8 +9,9 @@ In this order, each in its own process with its own time limit, all within ten m
 * ``bench/gcn_epoch.py --device cuda --dropout 0.5`` (OGB's recipe: dropout on both sides),
   fixed and trainable features, our 1x1x1 GCN against PyG's GCNConv on the same GPU, at 100K
   nodes (target: ours/PyG <= 1.0 for both, where the epoch is short and the host's launches
-  count) and at 1M nodes (float32: <= 0.8 for both, and our dropout at most 10% of our epoch);
-  key: each workload's ratio of median epoch times;
+  count) and at 1M nodes (float32: <= 0.8 for both, and our dropout at most 10% of our epoch;
+  ours in bf16, fixed features: <= 0.5 against PyG in float32); key: each workload's ratio of
+  median epoch times;
 * ``bench/llm_throughput.py --device cuda``: our GPT trainer against a plain PyTorch loop,
   the small preset in float32 (target: ours/plain >= 0.95 in each of three rounds) and the
   1.1B preset in bf16 with compiled blocks (target: MFU >= 40%); key: our tokens/s, MFU and
@@ -43,13 +44,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 600.0  # the whole check; each command also has its own limit
-GRACE_S = 15.0  # after a command's limit, before it is killed (pytest writes its report)
+GRACE_S = 10.0  # after a command's limit, before it is killed (pytest writes its report)
 NO_GPU = "no CUDA device: nothing to check"
 JUNIT = "pytest-gpu.xml"  # pytest's report, in the log directory
 # GPU settings: OGB's dropout on both sides, both workloads; the small GPT on 8 x 256 tokens,
 # the 1.1B one in bf16 on 4 x 1024
 GCN_ARGS = ["--device", "cuda", "--dropout", "0.5", "--variants", "fixed,learn", "--epochs",
             "5", "--rounds", "1"]
+GCN_1M_ARGS = [*GCN_ARGS, "--nodes", "1000000", "--precision", "fp32,bf16"]
 LLM_ARGS = ["--device", "cuda", "--preset", "small", "--batch-size", "8", "--seq-len", "256",
             "--steps", "20", "--warmup", "3", "--rounds", "3", "--threads", "0"]
 LLM_1B_ARGS = ["--device", "cuda", "--preset", "gpt1b", "--precision", "bf16", "--compile",
@@ -88,10 +90,11 @@ def _number(pattern: str, key: str) -> float:
     return float(m[1]) if m else float("nan")
 
 
-def _ratios(key: str) -> list[float]:
-    """Every workload's ours/PyG in a :func:`gcn_key` ([] when unread)."""
-    return [float(v) for v in re.findall(r"(?:fixed|learn) ([\d.]+)",
-                                         key.partition(", ours ")[0])]
+def _ratios(key: str) -> dict[str, float]:
+    """Every workload's ours/PyG in a :func:`gcn_key`, by its name (``fixed``, ``learn``,
+    ``fixed-bf16``; {} when unread)."""
+    return {case: float(v) for case, v in re.findall(r"((?:fixed|learn)(?:-bf16)?) ([\d.]+)",
+                                                     key.partition(", ours ")[0])}
 
 
 def _shares(key: str) -> list[float]:
@@ -99,28 +102,34 @@ def _shares(key: str) -> list[float]:
     return [float(v) / 100 for v in re.findall(r"(?:fixed|learn) ([\d.]+)%", key)]
 
 
-def _gcn_target(what: str, at_most: float, share: float | None = None):
-    """(what, test): every workload's ours/PyG at most ``at_most`` (and, with ``share``, our
-    dropout at most that share of our epoch in every workload)."""
+def _gcn_target(what: str, at_most: float, share: float | None = None,
+                bf16: float | None = None):
+    """(what, test): every float32 workload's ours/PyG at most ``at_most`` (and, with
+    ``share``, our dropout at most that share of our epoch in every workload; with ``bf16``,
+    ours in bf16 read and at most that against PyG in float32)."""
     def met(key: str) -> bool:
         ratios, shares = _ratios(key), _shares(key)
-        return (bool(ratios) and all(r <= at_most for r in ratios)
-                and (share is None or (bool(shares) and all(f <= share for f in shares))))
+        fp32 = [r for case, r in ratios.items() if not case.endswith("-bf16")]
+        low = [r for case, r in ratios.items() if case.endswith("-bf16")]
+        return (bool(fp32) and all(r <= at_most for r in fp32)
+                and (share is None or (bool(shares) and all(f <= share for f in shares)))
+                and (bf16 is None or (bool(low) and all(r <= bf16 for r in low))))
     return what, met
 
 
 # the issue's targets for the rows they apply to
 DROPOUT_TARGET = _gcn_target("ours/PyG <= 1.0 at 100K nodes", 1.0)
-DROPOUT_1M_TARGET = _gcn_target("ours/PyG <= 0.8, dropout <= 10% of the epoch", 0.8, 0.10)
+DROPOUT_1M_TARGET = _gcn_target("ours/PyG <= 0.8 (bf16: 0.5), dropout <= 10% of the epoch",
+                                0.8, 0.10, bf16=0.5)
 LLM_TARGET = ("ours/plain >= 0.95", lambda key: _number("ours/plain", key) >= 0.95)
 MFU_TARGET = ("MFU >= 40%", lambda key: _number("MFU", key.replace("%", "")) >= 40.0)
 
 
 def gcn_key(out: str) -> str:
-    """``ours/PyG fixed 0.84 learn 0.91, ours 0.012 s/epoch`` (with ``, dropout fixed 6.1%
-    learn 5.0%`` where the bench measured our dropout's share) from bench/gcn_epoch.py's
-    output, else ``?``."""
-    ratios = re.findall(r"^(fixed|learn): ours/PyG ([\d.]+) against", out, re.M)
+    """``ours/PyG fixed 0.84 learn 0.91 fixed-bf16 0.45, ours 0.012 s/epoch`` (with
+    ``, dropout fixed 6.1% learn 5.0%`` where the bench measured our dropout's share) from
+    bench/gcn_epoch.py's output, else ``?``."""
+    ratios = re.findall(r"^((?:fixed|learn)(?:-bf16)?): ours/PyG ([\d.]+) against", out, re.M)
     ours = re.search(r"^ours \(Plexus 1x1x1\)[^\n]*?\s{2,}([\d.]+)", out, re.M)
     if not ratios or ours is None:
         return "?"
@@ -173,9 +182,9 @@ def checks(junit: Path, workers: int = 0) -> list[Check]:
         Check("bench/gcn_epoch.py --device cuda --dropout 0.5 --nodes 100000",
               ["bench/gcn_epoch.py", *GCN_ARGS, "--nodes", "100000"], 80.0, "bench", gcn_key,
               DROPOUT_TARGET),
-        Check("bench/gcn_epoch.py --device cuda --dropout 0.5 --nodes 1000000",
-              ["bench/gcn_epoch.py", *GCN_ARGS, "--nodes", "1000000"], 105.0, "bench",
-              gcn_key, DROPOUT_1M_TARGET),
+        Check("bench/gcn_epoch.py --device cuda --dropout 0.5 --nodes 1000000 (fp32, bf16)",
+              ["bench/gcn_epoch.py", *GCN_1M_ARGS], 125.0, "bench", gcn_key,
+              DROPOUT_1M_TARGET),
         Check("bench/llm_throughput.py --device cuda --preset small",
               ["bench/llm_throughput.py", *LLM_ARGS], 50.0, "bench", llm_key, LLM_TARGET),
         Check("bench/llm_throughput.py --device cuda --preset gpt1b --precision bf16",

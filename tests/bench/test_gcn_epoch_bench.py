@@ -148,6 +148,12 @@ def test_the_target_on_a_gpu_tightens_from_a_million_nodes():
     assert module.target_of(cpu, 5_000_000) == 0.35
     assert module.target_of(cuda, 100_000) == 1.0
     assert module.target_of(cuda, 1_000_000) == module.target_of(cuda, 2_000_000) == 0.8
+    assert module.target_of(cuda, 1_000_000, "bf16") == 0.5
+    assert module.target_of(cuda, 100_000, "bf16") == 1.0
+    assert module.target_of(cpu, 100_000, "bf16") is None  # halves bytes there, not time
+    assert module.verdict(0.5, None).startswith("no target")
+    assert module.verdict(0.3, 0.35).endswith("met") and module.verdict(0.4, 0.35).endswith(
+        "MISSED")
 
 
 def test_on_a_gpu_one_process_a_side_runs_every_workload(monkeypatch):
@@ -180,3 +186,45 @@ def test_on_a_gpu_one_process_a_side_runs_every_workload(monkeypatch):
     cpu = module.parse_args(["--nodes", "500"])
     module.run_worker(cpu, "ours", "learn", "1", True)
     assert launched[-1] == ["learn"]  # on the CPU a process a workload
+
+
+@pytest.mark.parametrize("pyg_bf16", [True, False])
+def test_ours_in_bf16_is_judged_against_pyg_in_float32(pyg_bf16, monkeypatch, capsys):
+    """--precision bf16 runs the float32 workloads first, then ours in bf16 with fixed
+    features only; its ratio (and each round's) is over PyG's fastest float32 median, with
+    PyG in bf16 printed beside where torch takes it, and not run where it does not."""
+    module = load_bench("gcn_epoch")
+    calls = []
+    times = {("ours", "fixed"): 0.4, ("ours", "learn"): 0.5, ("ours", "fixed-bf16"): 0.3,
+             ("pyg", "fixed"): 1.0, ("pyg", "learn"): 1.1, ("pyg", "fixed-bf16"): 0.8}
+
+    def run_worker(args, side, case, thp, retain, pool=None):
+        calls.append((side, case))
+        bump = 0.1 if thp == "0" else 0.0  # PyG's default allocator the slower
+        return [times[side, case] + bump] * 2
+
+    monkeypatch.setattr(module, "run_worker", run_worker)
+    monkeypatch.setattr(module, "pyg_takes_bf16", lambda device: None if pyg_bf16 else "no")
+    monkeypatch.setattr(module, "memory_bandwidth", lambda **_: 1.0)
+    monkeypatch.setattr(module, "spmm_throughput", lambda *a, **k: {})
+    for name in ("gemm_throughput", "weight_grad_throughput"):
+        monkeypatch.setattr(module, name, lambda *a, **k: {"relative difference": 0})
+    module.main(["--nodes", "500", "--rounds", "2", "--precision", "bf16", "--threads", "1"])
+    out = capsys.readouterr().out
+    order = [case for _, case in calls]
+    assert order.index("fixed-bf16") > max(i for i, c in enumerate(order) if c == "learn")
+    assert "learn-bf16" not in order and "learn-bf16: not run" in out
+    assert (("pyg", "fixed-bf16") in calls) == pyg_bf16
+    got = re.search(r"^fixed-bf16: ours/PyG ([\d.]+) against huge pages \(the fastest PyG\) "
+                    r"in float32 .*round by round ([\d.]+), ([\d.]+)$", out, re.M)
+    assert got, out
+    assert float(got[1]) == float(got[2]) == float(got[3]) == pytest.approx(0.3 / 1.0,
+                                                                             abs=5e-4)
+    same = re.search(r"^fixed-bf16: against PyG in bf16 too: ours/PyG ([\d.]+)$", out, re.M)
+    assert (same is not None) == pyg_bf16
+    if pyg_bf16:
+        assert float(same[1]) == pytest.approx(0.3 / 0.8, abs=5e-4)
+    else:
+        assert "PyG in bf16 not run: no" in out
+    # the final line is the first workload's, in float32
+    assert re.search(r"^ratio ours/PyG: ([\d.]+)  \(fixed;", out, re.M)[1] == "0.400"

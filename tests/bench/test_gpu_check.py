@@ -31,6 +31,9 @@ def test_the_commands_are_every_gpu_test_and_the_benches_on_cuda_within_the_budg
         assert gcn.args[gcn.args.index("--nodes") + 1] == nodes
         assert gcn.args[gcn.args.index("--dropout") + 1] == "0.5"  # OGB's recipe
         assert gcn.args[gcn.args.index("--variants") + 1] == "fixed,learn"
+    # at 1M nodes ours in bf16 too, judged against PyG in float32
+    assert gcn_1m.args[gcn_1m.args.index("--precision") + 1] == "fp32,bf16"
+    assert "--precision" not in gcn_100k.args
     assert llm.args[0] == llm_1b.args[0] == "bench/llm_throughput.py"
     assert llm.target is gpu_check.LLM_TARGET and llm_1b.target is gpu_check.MFU_TARGET
     one_b = llm_1b.args
@@ -65,13 +68,15 @@ def test_key_numbers_are_read_from_the_benches_real_output():
         args[args.index("--device") + 1] = "cpu"
         return args
 
-    gcn = _bench(["bench/gcn_epoch.py", *on_cpu(gpu_check.GCN_ARGS), "--nodes", "2000",
-                  "--epochs", "2", "--threads", "1"])
+    one_m = on_cpu(gpu_check.GCN_1M_ARGS)
+    one_m[one_m.index("--nodes") + 1] = "2000"
+    gcn = _bench(["bench/gcn_epoch.py", *one_m, "--epochs", "2", "--threads", "1"])
     assert "on cpu" in gcn and "dropout 0.5" in gcn
     key = gpu_check.gcn_key(gcn)
-    assert re.fullmatch(r"ours/PyG fixed [\d.]+ learn [\d.]+, ours [\d.]+ s/epoch, "
-                        r"dropout fixed [\d.]+% learn [\d.]+%", key), key
-    assert len(gpu_check._ratios(key)) == len(gpu_check._shares(key)) == 2
+    assert re.fullmatch(r"ours/PyG fixed [\d.]+ learn [\d.]+ fixed-bf16 [\d.]+, ours [\d.]+ "
+                        r"s/epoch, dropout fixed [\d.]+% learn [\d.]+%", key), key
+    assert list(gpu_check._ratios(key)) == ["fixed", "learn", "fixed-bf16"]
+    assert len(gpu_check._shares(key)) == 2
     assert all(0 < f < 1 for f in gpu_check._shares(key))
     llm = _bench(["bench/llm_throughput.py", *on_cpu(gpu_check.LLM_ARGS), "--preset", "tiny",
                   "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1",
@@ -168,13 +173,18 @@ def test_a_bench_that_misses_its_target_is_missed_and_fails_the_check(tmp_path):
                "learn 11.0%")
     assert not met("ours/PyG fixed 0.84 learn 1.37, ours 0.012 s/epoch")  # every workload
     assert not met("?")
-    assert met_1m("ours/PyG fixed 0.70 learn 0.79, ours 0.09 s/epoch, dropout fixed 8.1% "
-                  "learn 9.9%")
-    assert not met_1m("ours/PyG fixed 0.70 learn 0.79, ours 0.09 s/epoch, dropout fixed "
-                      "8.1% learn 10.5%")  # the masks' share too
-    assert not met_1m("ours/PyG fixed 0.70 learn 0.82, ours 0.09 s/epoch, dropout fixed "
-                      "8.1% learn 9.5%")
-    assert not met_1m("ours/PyG fixed 0.70 learn 0.79, ours 0.09 s/epoch")  # share unread
+    assert met_1m("ours/PyG fixed 0.70 learn 0.79 fixed-bf16 0.48, ours 0.09 s/epoch, "
+                  "dropout fixed 8.1% learn 9.9%")
+    assert not met_1m("ours/PyG fixed 0.70 learn 0.79 fixed-bf16 0.48, ours 0.09 s/epoch, "
+                      "dropout fixed 8.1% learn 10.5%")  # the masks' share too
+    assert not met_1m("ours/PyG fixed 0.70 learn 0.82 fixed-bf16 0.48, ours 0.09 s/epoch, "
+                      "dropout fixed 8.1% learn 9.5%")
+    assert not met_1m("ours/PyG fixed 0.70 learn 0.79 fixed-bf16 0.48, ours 0.09 s/epoch")
+    # bf16 against its own target (0.5, not float32's 0.8), and read
+    assert not met_1m("ours/PyG fixed 0.70 learn 0.79 fixed-bf16 0.62, ours 0.09 s/epoch, "
+                      "dropout fixed 8.1% learn 9.9%")
+    assert not met_1m("ours/PyG fixed 0.70 learn 0.79, ours 0.09 s/epoch, dropout fixed 8.1% "
+                      "learn 9.9%")
     mfu = gpu_check.MFU_TARGET[1]
     assert mfu("ours 20,000 tok/s, MFU 41.20%, ours/plain 0.99")
     assert not mfu("ours 20,000 tok/s, MFU 39.90%, ours/plain 0.99")
