@@ -17,7 +17,10 @@ are ``autograd.Function`` passes). The precision is the same, float32 products s
 float32 (the primitive does not follow ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``:
 its error against float64 stays float32's); the summation order is oneDNN's, so results
 equal torch's to float rounding, not bit for bit. ``torch`` keeps every product on
-``torch.mm``.
+``torch.mm``. ``tf32`` is ``auto`` on the CPU; on a CUDA device its float32 products run on
+the tensor cores in TF32 (each operand rounded to 10 mantissa bits, the sums float32:
+``torch.backends.cuda.matmul.fp32_precision = "tf32"`` for the call, put back after), where
+``torch.mm``'s default keeps them on the slower float32 units; a bf16 value is exact in TF32.
 
 :func:`tn` is the weight gradient ``a^T b`` (``dW = H^T dQ``: both operands tall, the sum
 over their rows). oneDNN's linear primitive would first copy the transposed ``a``, but its
@@ -49,15 +52,17 @@ Shapes: a [m, k] @ b [k, n] -> [m, n]; tn: a [m, k], b [m, n] -> [k, n]
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-BACKENDS = ("auto", "onednn", "torch")
+BACKENDS = ("auto", "onednn", "torch", "tf32")
 # below this many multiply-adds (m k n) oneDNN's fixed per-call overhead costs more than its
 # faster kernel saves: a [3000, 16] @ [16, 16] product is faster through torch, a
 # [3000, 64] @ [64, 64] one through oneDNN
@@ -83,6 +88,24 @@ def onednn_available() -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return tuple(got.shape) == (2, 4) and bool((got == 3).all())
+
+
+@contextlib.contextmanager
+def tensor_cores(backend: str, t: torch.Tensor) -> Iterator[None]:
+    """Within: float32 products on ``t``'s CUDA device in TF32 where ``backend`` is ``tf32``
+    (the module docstring); the setting before put back after. Elsewhere nothing."""
+    if backend != "tf32" or t.device.type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    new = hasattr(matmul, "fp32_precision")  # torch >= 2.9; mixing it with allow_tf32 raises
+    name, value = ("fp32_precision", "tf32") if new else ("allow_tf32", True)
+    before = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, before)
 
 
 def check_backend(backend: str) -> str:
@@ -142,9 +165,10 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
     onednn = uses_onednn(a, b, backend, widen=widen)
     if not onednn and not narrow:
         a = a.to(b.dtype) if widen else a
-        if accumulate and out is not None:
-            return out.addmm_(a, b)
-        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+        with tensor_cores(backend, a):
+            if accumulate and out is not None:
+                return out.addmm_(a, b)
+            return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if out is None:
         out = empty(m, n, dtype=b.dtype, device=a.device)
@@ -160,8 +184,11 @@ def mm(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto",
     for lo in range(0, m, rows):
         hi = min(m, lo + rows)
         x = a[lo:hi] if wide is None else wide[:hi - lo].copy_(a[lo:hi])
-        block = (torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "") if onednn
-                 else torch.mm(x, b))  # (torch's: a bf16 out, rounded block by block)
+        if onednn:
+            block = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        else:  # (torch's: a bf16 out, rounded block by block)
+            with tensor_cores(backend, x):
+                block = torch.mm(x, b)
         if accumulate:
             out[lo:hi].add_(block)
         else:
@@ -421,7 +448,8 @@ def tn(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tens
     if a.dtype == torch.bfloat16 and b.dtype == torch.float32:
         return _tn_widened(a, b, backend)
     if not uses_onednn_tn(a, b, backend):
-        return a.t() @ b
+        with tensor_cores(backend, a):
+            return a.t() @ b
     owner_a, owner_b = _onednn_of(a), _onednn_of(b)
     assert owner_a is not None and owner_b is not None
     return _onednn_tn(owner_a, owner_b)
@@ -435,7 +463,8 @@ def _tn_widened(a: torch.Tensor, b: torch.Tensor, backend: str) -> torch.Tensor:
         return tn(empty(m, k, dtype=b.dtype, device=a.device).copy_(a), b, backend=backend)
     out = torch.zeros(k, b.shape[1], dtype=b.dtype, device=a.device)
     wide = torch.empty(rows, k, dtype=b.dtype, device=a.device)
-    for lo in range(0, m, rows):
-        hi = min(m, lo + rows)
-        out.addmm_(wide[:hi - lo].copy_(a[lo:hi]).t(), b[lo:hi])
+    with tensor_cores(backend, a):
+        for lo in range(0, m, rows):
+            hi = min(m, lo + rows)
+            out.addmm_(wide[:hi - lo].copy_(a[lo:hi]).t(), b[lo:hi])
     return out

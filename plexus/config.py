@@ -214,7 +214,8 @@ class RunConfig:
             cache-blocked kernel, plexus.slicing), ``numba-rows`` (the row kernel) or
             ``torch``.
         gemm: the backend of the dense products (:func:`common.dense.mm`): ``auto`` (oneDNN
-            for float32 products on the CPU), ``onednn`` or ``torch`` (torch's BLAS).
+            for float32 products on the CPU; in bf16 on a GPU ``tf32``), ``onednn``,
+            ``torch`` (torch's BLAS) or ``tf32`` (on a GPU the tensor cores in TF32).
         retain_freed_memory: keep large freed buffers in the heap on CPU (common.alloc), so
             every epoch reuses its activation pages.
         pool_buffers: keep the freed tall ``[N, D]`` buffers on CPU for reuse

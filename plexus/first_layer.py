@@ -47,7 +47,7 @@ class FirstLayer:
     weights: Any
     root_weights: Any
     block_shapes: list
-    gemm: str
+    products: str  # the dense products' backend (plexus.model.PlexusGCN.products)
     keep_dtype: torch.dtype | None
     drop: LayerDropout
     _input: Any
@@ -80,7 +80,8 @@ class FirstLayer:
         return ops.RecomputedMatmul.apply(
             lambda: self._h0_blocks(bits, stats), self.shard.adj[0].a.shape[0],
             self.wire[layout.roles(0)[2]], self.block_shapes[0], stats, gathered,
-            self.weights[0], self.root_weights[0] if self.kind == "sage" else None, self.gemm)
+            self.weights[0], self.root_weights[0] if self.kind == "sage" else None,
+            self.products)
 
     def _q0_remade(self, step: int, stats: CommStats | None, gathered) -> torch.Tensor:
         """``A_0 (F' W_0)`` (GraphSAGE: ``+ S_0 (F' R_0)``), O and I of one rank: ``F' =
@@ -97,7 +98,8 @@ class FirstLayer:
         sage = self.kind == "sage"
         g = ops.RemadeInputMatmul.apply(make, self.wire[layout.roles(0)[2]],
                                         self.block_shapes[0], stats, gathered, self.weights[0],
-                                        self.root_weights[0] if sage else None, self.gemm)
+                                        self.root_weights[0] if sage else None,
+                                        self.products)
         q = self._spmm_o(self.shard.adj, 0, g[0], stats)
         return q + self._spmm_o(self.shard.root, 0, g[1], stats) if sage else q
 

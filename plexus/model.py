@@ -73,7 +73,8 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
             defaults are the paper's bare model). bf16 stores F_0, the kept ``H`` and the
             norm's saved inputs in bf16 and sends every message of (1)-(8) as bf16
             (:attr:`wire`); sums, weights and gradients stay float32.
-        gemm: the backend of ``H W`` and ``dQ W^T`` (:func:`common.dense.mm`).
+        gemm: the backend of ``H W``, ``dQ W^T`` and ``dW`` (:func:`common.dense.mm`;
+            :attr:`products`).
         heads, attention_dropout: GAT's (``model="gat"``; ``shard.widths``' hidden widths are
             then ``heads`` times a head's).
         plan: how each layer runs (:func:`plexus.layer_plan.plan_layers`, as the trainer
@@ -246,23 +247,26 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
 
     def _spmm_o(self, blocks, layer: int, x: torch.Tensor, stats: CommStats | None,
                 shared: ops.SharedGradient | None = None, spend_grad: bool = False,
-                narrow: bool = False):
+                narrow: bool = False, stored: bool = True):
         """``B_l F_l`` for ``B`` = the adjacency (H_l) or the root blocks (R_l = S_l F_l),
         all-reduced over O in both passes (collectives 2 and 7): in row blocks, overlapped
         with the SpMM, when :attr:`LayerPlan.aggregation_blocks` > 1. ``shared``: the
         gradient of ``F_l`` summed there with the other term's; ``spend_grad``: the product
         feeds one operator, so its gradient may be reduced in place; ``narrow``: returned in
-        the messages' bf16 (ops.BlockedAggregation)."""
+        the messages' bf16 (ops.BlockedAggregation); ``stored``: the SpMM reads ``F_l`` in
+        the stored precision (bf16: half the bytes it gathers; sums in float32), else as it
+        is (the residual's rows, copied, not summed)."""
         self._check_not_released(blocks, layer)
         blk, group = blocks[layout.layout_of(layer)], self.wire[layout.roles(layer)[0]]
+        read_as = self.keep_dtype if stored else None
         if (self.plan.aggregation_blocks > 1 or narrow) and group.size > 1:
             # narrowed: in row blocks even where they do not overlap, so that the float32
             # scratch is one block's (the blocks change no bits)
             num = self.plan.aggregation_blocks
             return ops.BlockedAggregation.apply(
                 blk.a, blk.a_t, x, group, stats, max(num, AGGREGATION_BLOCKS) if narrow else num,
-                self.plan.overlap and num > 1, shared, spend_grad, narrow)
-        h = ops.SpMM.apply(blk.a, blk.a_t, x, shared)  # a fresh tensor: reduced in place
+                self.plan.overlap and num > 1, shared, spend_grad, narrow, read_as)
+        h = ops.SpMM.apply(blk.a, blk.a_t, x, shared, read_as)  # fresh: reduced in place
         return autograd.all_reduce_all_reduce(h, group, stats, inplace=True)
 
     def _root_rows(self, layer: int, f: torch.Tensor, stats: CommStats | None,
@@ -308,7 +312,17 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
         p_group = self.wire[layout.roles(layer)[2]]
         keep = self.keep_dtype if torch.is_grad_enabled() else None  # no copy for no backward
         return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
-                                        stats, gathered, keep, self.gemm, into)
+                                        stats, gathered, keep, self.products, into)
+
+    @property
+    def products(self) -> str:
+        """The dense products' backend (:mod:`common.dense`): ``gemm``, but for ``auto`` in
+        bf16 on a GPU ``tf32``, the tensor cores with float32 sums (the kept bf16 ``H`` is
+        exact in TF32; ``W`` is rounded to 10 mantissa bits there, as a grid with P > 1
+        rounds it to bf16's 8 in its messages)."""
+        if self.gemm == "auto" and self.keep_dtype is not None and self.features.is_cuda:
+            return "tf32"
+        return self.gemm
 
     def _weight_first(self, layer: int, f: torch.Tensor, stats: CommStats | None,
                       gathered: tuple) -> torch.Tensor:
@@ -353,6 +367,6 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
             return None
         if self.kind == "gat":  # S^T dR is partial over P, where GAT's input is not summed
             f = autograd.identity_all_reduce(f, self.wire[layout.roles(layer)[2]], stats)
-        rows = self._spmm_o(self.shard.root, layer, f, stats)  # S_l F_l [N/P, D_l/I]
+        rows = self._spmm_o(self.shard.root, layer, f, stats, stored=False)  # S_l F_l
         return in_output_columns(rows, layer, self.out_cols[layer],
                                  self.shard.widths[layer], self.groups, self.wire, stats)

@@ -55,25 +55,37 @@ class SharedGradient:
         return out
 
 
+def read_in(f: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``f`` as an SpMM reads it: in ``dtype`` (bf16: half the bytes of the rows it gathers),
+    or as it is where ``dtype`` is None or ``f``'s own."""
+    return f if dtype is None or f.dtype == dtype else f.to(dtype)
+
+
 class SpMM(torch.autograd.Function):
     """``A @ F`` for a :class:`~plexus.sparse.BlockSparse` ``A``; backward ``A^T @ dH`` with
-    the precomputed transpose (into ``shared``'s buffer where given: :class:`SharedGradient`)."""
+    the precomputed transpose (into ``shared``'s buffer where given: :class:`SharedGradient`).
+
+    ``read_as``: the dtype the product reads ``F`` in (:func:`read_in`; bf16, summed in
+    float32); ``F`` and its gradient stay float32 tensors in the autograd graph (a bf16 input
+    there would have its gradient rounded to bf16).
+    """
 
     @staticmethod
-    def forward(ctx: Any, a, a_t, f, shared: SharedGradient | None = None):
+    def forward(ctx: Any, a, a_t, f, shared: SharedGradient | None = None,
+                read_as: torch.dtype | None = None):
         ctx.a_t, ctx.shared = a_t, shared
-        return a.matmul(f)
+        return a.matmul(read_in(f, read_as))
 
     @staticmethod
     def backward(ctx: Any, dh):
         if not ctx.needs_input_grad[2]:
-            return None, None, None, None
+            return None, None, None, None, None
         a_t, shared = ctx.a_t, ctx.shared
         if shared is None:
-            return None, None, a_t.matmul(dh), None
+            return None, None, a_t.matmul(dh), None, None
         whole = (0, dh.shape[0], (0, dh.shape[0]))  # every column of A^T, added into out
         return None, None, shared.add(lambda: a_t.matmul(dh),
-                                      lambda out: a_t.matmul(dh, out=out, cols=whole)), None
+                                      lambda out: a_t.matmul(dh, out=out, cols=whole)), None, None
 
 
 class BlockedAggregation(torch.autograd.Function):
@@ -104,7 +116,7 @@ class BlockedAggregation(torch.autograd.Function):
     bf16 values anyway, so H is the same numbers without a float32 copy of it, or the pass
     that widens it. Its gradient arrives in bf16 too (autograd rounds ``dH`` to H's dtype,
     as the wire would), is summed in place likewise, and ``A^T`` reads it as bf16. Where the
-    messages are float32, ``narrow`` changes nothing.
+    messages are float32, ``narrow`` changes nothing. ``read_as``: as :class:`SpMM`'s.
 
     Shapes: f [m, d] -> [n, d]; backward dh [n, d] -> df [m, d]
     """
@@ -112,9 +124,9 @@ class BlockedAggregation(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a, a_t, f, group: AxisGroup, stats, num_blocks: int,
                 overlap: bool, shared: SharedGradient | None = None, spend_grad: bool = False,
-                narrow: bool = False):
+                narrow: bool = False, read_as: torch.dtype | None = None):
         bounds, parts = a.row_blocks(num_blocks)
-        f = f.detach()
+        f = read_in(f.detach(), read_as)
         wide = sum_dtype(f.dtype)
         narrow = narrow and group.wire is not None and group.wire != wide
         out = (torch.empty(a.shape[0], f.shape[1], dtype=group.wire, device=f.device) if narrow
@@ -166,7 +178,7 @@ class BlockedAggregation(torch.autograd.Function):
         elif overlap:
             for h in handles:
                 h.wait()
-        return None, None, df, None, None, None, None, None, None, None
+        return None, None, df, None, None, None, None, None, None, None, None
 
 
 class BitMask:
@@ -382,6 +394,7 @@ class RecomputedMatmul(torch.autograd.Function):
     def forward(ctx: Any, blocks, rows: int, group: AxisGroup, shape, stats, gathered, w,
                 w_r=None, gemm: str = "auto"):
         ctx.blocks, ctx.group, ctx.shape, ctx.stats = blocks, group, shape, stats
+        ctx.gemm = gemm
         ctx.save_for_backward(w, w_r)
         full = _gathered_weights((w, w_r), gathered, group, shape, stats)
         q = dense.empty(rows, shape[1], dtype=full[0].dtype, device=full[0].device)
@@ -399,7 +412,8 @@ class RecomputedMatmul(torch.autograd.Function):
         w, w_r = ctx.saved_tensors
         dw: list[torch.Tensor | None] = [None, None]
         for term, lo, hi, x in ctx.blocks():
-            part = x.t() @ dq[lo:hi]
+            with dense.tensor_cores(ctx.gemm, x):  # (the CPU's torch.mm, as it always was)
+                part = x.t() @ dq[lo:hi]
             dw[term] = part if dw[term] is None else dw[term].add_(part)
         grads = [None if shard is None else flat.reduce_scatter(
             dw[t] if dw[t] is not None else dq.new_zeros(ctx.shape), ctx.group,

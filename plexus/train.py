@@ -167,7 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gemm", choices=dense.BACKENDS, default=r.gemm,
                    help="backend of the dense products H W, dQ W^T and dW: auto (oneDNN for "
                    "float32 on the CPU: it uses AVX-512 where torch's MKL does not, on AMD "
-                   "CPUs), onednn or torch (torch's BLAS)")
+                   "CPUs; tf32 in bf16 on a GPU), onednn, torch (torch's BLAS) or tf32 (on a "
+                   "GPU the tensor cores in TF32, float32 sums)")
     p.add_argument("--no-retain-freed-memory", dest="retain_freed_memory",
                    action="store_false",
                    help="give large freed buffers back to the OS (default: keep them, so "

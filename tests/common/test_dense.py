@@ -347,3 +347,26 @@ def test_tn_widens_a_bf16_operand_a_row_block_at_a_time(backend, monkeypatch):
     blocked = dense.tn(a, b, backend=backend)
     assert blocked.dtype == torch.float32 and blocked.shape == (48, 20)
     assert_product_orders_agree(blocked.t(), b.t(), a.float(), what="not a^T b")
+
+
+def test_tf32_is_auto_on_the_cpu_and_tensor_cores_on_a_gpu_for_the_call_only():
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(3000, 64, generator=g), torch.randn(64, 64, generator=g)
+    assert torch.equal(dense.mm(a, b, backend="tf32"), dense.mm(a, b))  # the CPU: auto's
+    matmul = torch.backends.cuda.matmul
+    name, on = (("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision")
+                else ("allow_tf32", True))
+    before = getattr(matmul, name)
+    assert before != on
+    gpu = SimpleNamespace(device=torch.device("cuda"))  # the setting is a flag: no GPU needed
+    with dense.tensor_cores("tf32", gpu):
+        assert getattr(matmul, name) == on
+    assert getattr(matmul, name) == before
+    with pytest.raises(RuntimeError, match="inside"), dense.tensor_cores("tf32", gpu):
+        raise RuntimeError("inside")
+    assert getattr(matmul, name) == before  # put back on an error too
+    for backend, t in (("auto", gpu), ("torch", gpu), ("tf32", a)):  # (a: a CPU tensor)
+        with dense.tensor_cores(backend, t):
+            assert getattr(matmul, name) == before

@@ -6,7 +6,8 @@ to floating-point tolerance with every option: GCN and GraphSAGE, batch and laye
 residual connections, dropout, trained and normalised features, AdamW with per-layer decay, a
 prepared (memory-mapped) dataset whose distinct blocks are uploaded once, a checkpoint saved on
 CUDA and resumed on CUDA and on the CPU, ``--runs 2`` (each run's state freed before the next
-sets up), and ``fit`` on a PyG ``Data`` that lives on the GPU. The CLI's summary reports the
+sets up), and ``fit`` on a PyG ``Data`` that lives on the GPU. In bf16 the dense products run
+on the tensor cores (TF32). The CLI's summary reports the
 GPU's peak memory beside the resident one. The training step captured in a CUDA graph and
 replayed gives the eager step's numbers, with and without dropout.
 
@@ -194,6 +195,28 @@ def test_cuda_graphs_are_on_by_default_and_off_where_the_masks_cannot_follow(mon
         _graphed_run(True, epochs=1)
     _, _, trainer = _graphed_run(None, epochs=1, dropout=0.0)  # no masks: no need
     assert trainer.graph is not None
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_bf16_on_cuda_runs_the_dense_products_on_tensor_cores(dropout, monkeypatch):
+    """In bf16 on a GPU every dense product of the step (``H W``, ``dQ W^T``, ``dW``, layer
+    0's remade ones with dropout) runs in TF32 (common.dense's ``tf32``: a bf16 ``H`` is exact
+    there), the setting put back after each; float32 keeps torch's default."""
+    from common import dense
+
+    seen = []
+    real = dense.tensor_cores
+    monkeypatch.setattr(dense, "tensor_cores",
+                        lambda backend, t: seen.append((backend, t.device.type))
+                        or real(backend, t))
+    matmul = torch.backends.cuda.matmul
+    before = getattr(matmul, "fp32_precision", None)
+    _train("cuda", epochs=2, precision="bf16", dropout=dropout)
+    assert seen and set(seen) == {("tf32", "cuda")}, set(seen)
+    assert getattr(matmul, "fp32_precision", None) == before
+    seen.clear()
+    _train("cuda", epochs=2, dropout=dropout)
+    assert seen and {backend for backend, _ in seen} == {"auto"}
 
 
 @pytest.mark.cross_shape

@@ -6,6 +6,9 @@ docs/design/plexus-3d.md section 11).
   a block row, with int32 and int64 indices, and range by range (the overlapped backward).
 - :class:`plexus.ops.StoredIn` keeps a saved float32 activation in bf16, once, and leaves
   parameters, columns and constants alone.
+- In bf16 every SpMM of the forward pass gathers bf16 rows (the features, and each later
+  layer's ``F'`` or ``F' W`` rounded as it is read), and backward's ``A^T dH`` reads float32
+  gradients.
 - One rank, bf16 against fp32 (GCN with the cached ``H_0``; GraphSAGE with batch norm,
   residual and dropout; GCN with layer norm): the loss within 2e-3 relative (8e-4 seen), the
   logits within 1e-2 norm-wise (2.6e-3 seen), every weight gradient within 0.05 (2.4e-2 seen:
@@ -44,6 +47,7 @@ from plexus.layout import layer_widths, roles
 from plexus.loss import sharded_cross_entropy
 from plexus.model import PlexusGCN
 from plexus.sparse import BlockSparse, CSRBlock
+from plexus.transpose import TransposedSparse
 from tests.distributed import run_module, run_ranks
 from tests.plexus.data.shards import model_source, small_graph
 from tests.plexus.test_model import full_logits, rel
@@ -195,6 +199,43 @@ def test_bf16_tracks_fp32_and_stores_bf16_on_one_rank(case, threads):
         assert [d for d, _, _ in b16["h0"]] == [BF16]
         assert [d for d, _, _ in f32["h0"]] == [torch.float32]
         assert 2 * b16["h0"][0][1] == f32["h0"][0][1]
+
+
+@pytest.mark.parametrize("case", [("gcn", 3, 0.5, "none", False, False, False, False),
+                                  ("sage", 3, 0.5, "batch", False, True, False, True)],
+                         ids=["gcn-dropout", "sage-overlap"])
+def test_every_aggregation_reads_its_input_in_bf16_and_backward_stays_float32(case,
+                                                                            monkeypatch):
+    """In bf16 every SpMM of the forward pass gathers bf16 rows (half the bytes: the
+    features, and each later layer's ``F'`` or ``F' W``), and every SpMM of backward reads a
+    float32 gradient (``dF`` is not rounded to bf16 on its way)."""
+    graph = small_graph()
+    shard = _shard(graph, case, {"x": 1, "y": 1, "z": 1}, {"x": 0, "y": 0, "z": 0})
+    kind, _, dropout, norm, residual, bias, rows_only, overlap = case
+    groups = _one_rank_groups()
+    model = PlexusGCN(shard, groups, model=kind, seed=5, dropout=dropout, norm=norm,
+                      residual=residual, bias=bias, labelled_rows_only=rows_only,
+                      overlap=overlap, precision="bf16")
+    read = []
+    for cls, which in ((BlockSparse, "A"), (TransposedSparse, "A^T")):
+        monkeypatch.setattr(cls, "matmul", lambda self, x, real=cls.matmul, which=which, **kw:
+                            read.append((which, x.dtype)) or real(self, x, **kw))
+    for step in (1, 2):  # the second reads the cached or remade first layer
+        model.zero_grad(set_to_none=True)
+        read.clear()
+        logits = model(step=step)
+        forward = list(read)
+        read.clear()
+        sharded_cross_entropy(logits, model.output_rows(shard.labels),
+                              model.output_rows(shard.masks["train"]),
+                              num_classes=shard.num_classes,
+                              count=shard.split_counts["train"], group_o=groups["x"],
+                              group_p=groups["x"]).backward()
+        assert forward and set(forward) == {("A", BF16)}, (step, forward)
+        # backward: A^T dH on float32 gradients (and layer 0's aggregation remade, in bf16)
+        assert ("A^T", torch.float32) in read, (step, read)
+        assert set(read) <= {("A^T", torch.float32), ("A", BF16)}, (step, read)
+    assert {t.grad.dtype for t in model.parameters() if t.grad is not None} == {torch.float32}
 
 
 def _parallel(ctx, grids):
