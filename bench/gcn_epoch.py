@@ -58,9 +58,11 @@ measured here by a large copy (STREAM-copy style). ``--spmm torch`` runs ours on
 matmul. ``--device cuda`` runs both on one GPU (ours through torch's CSR matmul there, as
 PyG; every time is taken after the GPU has finished; the allocator variants do not apply).
 On a GPU each side's process runs every workload of ``--variants`` in turn (there are no
-allocator settings to keep apart), half the processes' start-up. ``--json PATH`` appends the
-run (a row per workload, with its provenance: bench/provenance.py) to PATH;
-bench/results/epoch_time.json is the one bench/plots.py draws.
+allocator settings to keep apart), half the processes' start-up. ``--profile`` runs one more
+epoch of each side under torch.profiler, after the timed ones, and prints its costliest GPU
+kernels (CPU operators on the CPU): where a target is missed, where the time went.
+``--json PATH`` appends the run (a row per workload, with its provenance:
+bench/provenance.py) to PATH; bench/results/epoch_time.json is the one bench/plots.py draws.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ from plexus.trainer import train_gcn
 
 CPU = torch.device("cpu")
 DROPOUT_S: dict[str, list[float]] = {}  # per workload, our workers' dropout seconds an epoch
+PROFILES: dict[str, dict[str, list]] = {}  # per workload, each side's top_ops (--profile)
 
 
 def to_torch_csr(m: sp.csr_matrix) -> torch.Tensor:
@@ -196,14 +199,15 @@ def weight_grad_throughput(rows: int, width: int, backend: str, reps: int = 5,
 def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
                device: torch.device = CPU, variant: str = "fixed",
                dropout: float = 0.0, norm: str = "none",
-               dtype: torch.dtype = torch.float32) -> list[float]:
+               dtype: torch.dtype = torch.float32,
+               on_epoch: Callable[[int], None] | None = None) -> list[float]:
     """PyG's epoch times; ``variant`` ``fixed`` (``A X`` precomputed once, untimed, the first
     layer a linear map of it; with ``dropout`` every layer aggregates, as ours then must) or
     ``learn`` (the features a trainable parameter). ``dropout``: ``F.dropout`` on every layer's
     input, the features' included, where ours drops too. ``norm="batch"``: BatchNorm1d
     between every hidden layer and its ReLU. ``dtype``: of the model, the features and the
     adjacency's values (bf16: PyG's layers and torch's CSR matmul in bf16, where they accept
-    it: :func:`pyg_takes_bf16`)."""
+    it: :func:`pyg_takes_bf16`). ``on_epoch(e)``: called after epoch ``e`` (from 1) is timed."""
     from torch_geometric.nn import GCNConv
 
     torch.manual_seed(0)
@@ -241,7 +245,49 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
         opt.step()
         sync()
         times.append(time.perf_counter() - t)
+        if on_epoch is not None:
+            on_epoch(len(times))
     return times
+
+
+class EpochProfile:
+    """``--profile``: torch.profiler over the one epoch after the timed ones (so it slows
+    none of them), called after each epoch with its number; :attr:`top` is then its
+    :func:`top_ops`."""
+
+    def __init__(self, after: int, device: torch.device) -> None:
+        self.after, self.device = after, device
+        self.prof: torch.profiler.profile | None = None
+        self.top: list[tuple[str, float, int]] = []
+
+    def __call__(self, epoch: int) -> None:
+        if epoch == self.after:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.start()
+        elif epoch == self.after + 1 and self.prof is not None:
+            self.prof.stop()
+            self.top = top_ops(self.prof, self.device)
+            self.prof = None
+
+
+def top_ops(prof: torch.profiler.profile, device: torch.device,
+            num: int = 12) -> list[tuple[str, float, int]]:
+    """The ``num`` costliest entries of a profile, (name, self ms, calls): the GPU's kernels
+    by device time on a GPU, the operators by CPU time on the CPU."""
+    rows = []
+    for e in prof.key_averages():
+        if device.type == "cuda":
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+        else:
+            us = e.self_cpu_time_total
+        rows.append((e.key, us / 1000, e.count))
+    return sorted(rows, key=lambda r: -r[1])[:num]
 
 
 def pyg_takes_bf16(device: torch.device) -> str | None:
@@ -360,6 +406,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(--precision bf16 of plexus.train, fixed features only) is judged "
                         "against PyG in float32, so fp32 runs too; PyG runs bf16 as well "
                         "where torch's CSR matmul takes it")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed epochs, one more epoch of each side under "
+                        "torch.profiler: its costliest GPU kernels (CPU operators on the CPU)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="append this run's rows, with their provenance, to PATH "
                         "(e.g. bench/results/epoch_time.json)")
@@ -393,8 +442,9 @@ def build_graph(args: argparse.Namespace):
 
 def worker(args: argparse.Namespace) -> None:
     """One side in this process, for each workload of ``--variant`` (a comma list of
-    :func:`case_name`): print ``{"times": {case: [...]}, "dropout_s": {case: s}, "threads":
-    T}`` as JSON (the dropout's seconds of the float32 workloads)."""
+    :func:`case_name`): print ``{"times": {case: [...]}, "dropout_s": {case: s}, "profile":
+    {case: top_ops}, "threads": T}`` as JSON (the dropout's seconds of the float32
+    workloads; with ``--profile``, one more epoch profiled: :class:`EpochProfile`)."""
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
     ctx = init_distributed(device=args.device, launcher="single",
                            set_threads=args.threads is None)
@@ -403,15 +453,20 @@ def worker(args: argparse.Namespace) -> None:
     graph, _, adj = build_graph(args)
     if args.worker == "pyg" and args.worker_retain:
         retain_freed_memory()
-    times, dropout_s = {}, {}  # ours with dropout: the masks' seconds an epoch
+    times, dropout_s, profiles = {}, {}, {}  # ours with dropout: the masks' seconds an epoch
+    timed_epochs = args.warmup + args.epochs
+    total = timed_epochs + int(args.profile)  # and one more under the profiler
     for case in args.variant.split(","):
         variant, precision = case_of(case)
+        hook = EpochProfile(timed_epochs, ctx.device) if args.profile else None
         if args.worker == "pyg":
-            times[case] = pyg_epochs(graph, adj, args.hidden, args.layers,
-                                     args.warmup + args.epochs, 0.01, ctx.device, variant,
-                                     args.dropout, args.norm, DTYPES[precision])[args.warmup:]
+            times[case] = pyg_epochs(graph, adj, args.hidden, args.layers, total, 0.01,
+                                     ctx.device, variant, args.dropout, args.norm,
+                                     DTYPES[precision], hook)[args.warmup:timed_epochs]
+            if hook is not None:
+                profiles[case] = hook.top
             continue
-        cfg = split_config(epochs=args.warmup + args.epochs, hidden=args.hidden,
+        cfg = split_config(epochs=total, hidden=args.hidden,
                            num_layers=args.layers, lr=0.01, spmm=args.spmm, gemm=args.gemm,
                            retain_freed_memory=args.retain,
                            pool_buffers=args.pool_buffers,
@@ -419,15 +474,19 @@ def worker(args: argparse.Namespace) -> None:
                            optimizer="adamw", precision=precision,
                            learn_features=variant == "learn")  # PyG's side's model
         result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
-                           device=ctx.device, **cfg)
-        times[case] = [r["epoch_s"] for r in result.history[args.warmup:]]
+                           device=ctx.device,
+                           on_epoch=None if hook is None else lambda row, h=hook: h(row["epoch"]),
+                           **cfg)
+        times[case] = [r["epoch_s"] for r in result.history[args.warmup:timed_epochs]]
+        if hook is not None:
+            profiles[case] = hook.top
         del result
         release(ctx.device)  # the first workload's model (and CUDA graph) before the next
         if args.dropout and precision == "fp32":
             widths = [graph.num_features] + [args.hidden] * (args.layers - 1)
             dropout_s[case] = dropout_seconds(graph.num_nodes, widths, args.dropout,
                                               ctx.device)
-    print(json.dumps({"times": times, "dropout_s": dropout_s,
+    print(json.dumps({"times": times, "dropout_s": dropout_s, "profile": profiles,
                       "threads": torch.get_num_threads()}), flush=True)
     ctx.close()
 
@@ -454,6 +513,8 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
            "--dropout", str(args.dropout), "--norm", args.norm, "--spmm", args.spmm,
            "--gemm", args.gemm,
            "--device", args.device]
+    if args.profile:
+        cmd.append("--profile")
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if not args.retain:
@@ -468,6 +529,8 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for v, seconds in got["dropout_s"].items():
         DROPOUT_S.setdefault(v, []).append(seconds)
+    for v, top in got.get("profile", {}).items():  # each side's first profile
+        PROFILES.setdefault(v, {}).setdefault(side, top)
     for v in variants:
         if v != variant:
             later.setdefault(v, []).append(got["times"][v])
@@ -479,6 +542,17 @@ def run_round(args: argparse.Namespace, variant: str,
     """One round: each side's timed epochs, the sides run one after another in this order."""
     return {name: run_worker(args, side, variant, thp, retain, pool)
             for name, side, thp, retain, pool in sides}
+
+
+def print_profile(case: str, side: str, top: list, device: torch.device) -> None:
+    """One side's :func:`top_ops` of a workload, a line each."""
+    what = "GPU kernels, device" if device.type == "cuda" else "operators, CPU"
+    total = sum(ms for _, ms, _ in top)
+    whose, note = ("our", "; its evaluation included") if side == "ours" else ("PyG's", "")
+    print(f"{case}: {whose} costliest {what} ms in one profiled epoch (these {total:.1f} ms"
+          f"{note}):")
+    for name, ms, calls in top:
+        print(f"    {ms:9.2f} ms  {calls:5d} calls  {name[:90]}")
 
 
 def verdict(ratio: float, target: float | None) -> str:
@@ -586,6 +660,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{case}: our dropout (masks hashed and applied, forward and backward) "
                   f"{1000 * statistics.median(DROPOUT_S[case]):.1f} ms of our "
                   f"{1000 * ours:.1f} ms epoch: share {100 * share:.1f}%{judged}")
+        for side, top in PROFILES.get(case, {}).items():
+            print_profile(case, side, top, device)
         rows.append(row)
     if ratios:  # the line bench/gpu_check.py reads, and ours' time of the first workload
         first = cases(args)[0]

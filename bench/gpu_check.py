@@ -10,8 +10,9 @@ In this order, each in its own process with its own time limit, all within ten m
   fixed and trainable features, our 1x1x1 GCN against PyG's GCNConv on the same GPU, at 100K
   nodes (target: ours/PyG <= 1.0 for both, where the epoch is short and the host's launches
   count) and at 1M nodes (float32: <= 0.8 for both, and our dropout at most 10% of our epoch;
-  ours in bf16, fixed features: <= 0.5 against PyG in float32); key: each workload's ratio of
-  median epoch times;
+  ours in bf16, fixed features: <= 0.5 against PyG in float32; each side's costliest kernels
+  of one more epoch, ``--profile``, in its log); key: each workload's ratio of median epoch
+  times;
 * ``bench/llm_throughput.py --device cuda``: our GPT trainer against a plain PyTorch loop,
   the small preset in float32 (target: ours/plain >= 0.95 in each of three rounds) and the
   1.1B preset in bf16 with compiled blocks (target: MFU >= 40%); key: our tokens/s, MFU and
@@ -51,7 +52,7 @@ JUNIT = "pytest-gpu.xml"  # pytest's report, in the log directory
 # the 1.1B one in bf16 on 4 x 1024
 GCN_ARGS = ["--device", "cuda", "--dropout", "0.5", "--variants", "fixed,learn", "--epochs",
             "5", "--rounds", "1"]
-GCN_1M_ARGS = [*GCN_ARGS, "--nodes", "1000000", "--precision", "fp32,bf16"]
+GCN_1M_ARGS = [*GCN_ARGS, "--nodes", "1000000", "--precision", "fp32,bf16", "--profile"]
 LLM_ARGS = ["--device", "cuda", "--preset", "small", "--batch-size", "8", "--seq-len", "256",
             "--steps", "20", "--warmup", "3", "--rounds", "3", "--threads", "0"]
 LLM_1B_ARGS = ["--device", "cuda", "--preset", "gpt1b", "--precision", "bf16", "--compile",

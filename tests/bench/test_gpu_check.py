@@ -72,6 +72,9 @@ def test_key_numbers_are_read_from_the_benches_real_output():
     one_m[one_m.index("--nodes") + 1] = "2000"
     gcn = _bench(["bench/gcn_epoch.py", *one_m, "--epochs", "2", "--threads", "1"])
     assert "on cpu" in gcn and "dropout 0.5" in gcn
+    for case in ("fixed", "learn", "fixed-bf16"):  # --profile: each side's costliest ops
+        assert f"{case}: our costliest operators" in gcn
+    assert "fixed: PyG's costliest operators" in gcn
     key = gpu_check.gcn_key(gcn)
     assert re.fullmatch(r"ours/PyG fixed [\d.]+ learn [\d.]+ fixed-bf16 [\d.]+, ours [\d.]+ "
                         r"s/epoch, dropout fixed [\d.]+% learn [\d.]+%", key), key
