@@ -351,8 +351,11 @@ class BlockSparse:
                 else:
                     block = self._torch_block(r, c, b, a - co[c], z - co[c], x.device)
                     if not _bf16_spmm(block, x[a:z], out[rows], not first):
-                        prod = torch.mm(block.to(out.dtype), x[a:z].to(out.dtype))
-                        out[rows].copy_(prod) if first else out[rows].add_(prod)
+                        block, xs = block.to(out.dtype), x[a:z].to(out.dtype)
+                        if first:  # written straight into out's rows: no product to copy
+                            torch.mm(block, xs, out=out[rows])
+                        else:
+                            out[rows].add_(torch.mm(block, xs))
                 first = False
             if first and not add:  # an empty block row
                 out[rows].zero_()
