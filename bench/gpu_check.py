@@ -3,7 +3,7 @@
     make gpu-check                      # = python bench/gpu_check.py
     python bench/gpu_check.py --list    # the commands it would run (works without a GPU)
 
-In this order, each in its own process with its own time limit, all within ten minutes:
+In this order, each in its own process with its own time limit, all within nine minutes:
 
 * ``pytest -m gpu`` over tests/ (llm and plexus): one row per test, read from its JUnit XML;
 * ``bench/gcn_epoch.py --device cuda --dropout 0.5`` (OGB's recipe: dropout on both sides),
@@ -44,7 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET_S = 600.0  # the whole check; each command also has its own limit
+# the whole check, a minute under the ten a lent machine's command may take, so that its
+# table comes back; each command also has its own limit
+BUDGET_S = 540.0
 GRACE_S = 10.0  # after a command's limit, before it is killed (pytest writes its report)
 NO_GPU = "no CUDA device: nothing to check"
 JUNIT = "pytest-gpu.xml"  # pytest's report, in the log directory
@@ -177,19 +179,19 @@ def checks(junit: Path, workers: int = 0) -> list[Check]:
     parallel = ["-n", str(workers)] if workers > 0 else []
     return [
         Check("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                *parallel, f"--junitxml={junit}", "tests"], 175.0, "pytest"),
+                                *parallel, f"--junitxml={junit}", "tests"], 160.0, "pytest"),
         # OGB's recipe: our masks hashed on the GPU, PyG's drawn by F.dropout (each of the
         # bench's processes, one a side and the main one, builds the graph on the host)
         Check("bench/gcn_epoch.py --device cuda --dropout 0.5 --nodes 100000",
-              ["bench/gcn_epoch.py", *GCN_ARGS, "--nodes", "100000"], 80.0, "bench", gcn_key,
+              ["bench/gcn_epoch.py", *GCN_ARGS, "--nodes", "100000"], 75.0, "bench", gcn_key,
               DROPOUT_TARGET),
         Check("bench/gcn_epoch.py --device cuda --dropout 0.5 --nodes 1000000 (fp32, bf16)",
-              ["bench/gcn_epoch.py", *GCN_1M_ARGS], 125.0, "bench", gcn_key,
+              ["bench/gcn_epoch.py", *GCN_1M_ARGS], 115.0, "bench", gcn_key,
               DROPOUT_1M_TARGET),
         Check("bench/llm_throughput.py --device cuda --preset small",
-              ["bench/llm_throughput.py", *LLM_ARGS], 50.0, "bench", llm_key, LLM_TARGET),
+              ["bench/llm_throughput.py", *LLM_ARGS], 45.0, "bench", llm_key, LLM_TARGET),
         Check("bench/llm_throughput.py --device cuda --preset gpt1b --precision bf16",
-              ["bench/llm_throughput.py", *LLM_1B_ARGS], 110.0, "bench", llm_key, MFU_TARGET),
+              ["bench/llm_throughput.py", *LLM_1B_ARGS], 95.0, "bench", llm_key, MFU_TARGET),
     ]
 
 
@@ -228,6 +230,19 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: Sequence[Row]) -> str:
+    """One command's rows in a line: a bench's status and key; the tests' counts and the
+    names of those that did not pass."""
+    if len(rows) == 1:
+        return f"{rows[0].status} {rows[0].key}".strip()
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    bad = [r.name for r in rows if r.status not in ("passed", "skipped")]
+    return (", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+            + (f"; not passed: {', '.join(bad)}" if bad else ""))
+
+
 def failed(rows: Sequence[Row]) -> bool:
     """Whether anything did not pass (a skip is not a failure; a missed target is)."""
     return any(r.status not in ("passed", "skipped") for r in rows)
@@ -239,7 +254,7 @@ def run_check(check: Check, seconds_left: float, log_dir: Path, junit: Path,
     interrupted command gets); its rows and its output."""
     limit = min(check.timeout_s, seconds_left - GRACE_S)
     if limit < 10:
-        return [Row(check.name, "not run", "the 10-minute budget is spent", 0.0)], ""
+        return [Row(check.name, "not run", "the 9-minute budget is spent", 0.0)], ""
     log = log_dir / (re.sub(r"[^\w.-]+", "_", check.name)[:60] + ".log")
     if check.kind == "pytest":
         junit.unlink(missing_ok=True)  # never read an earlier run's report
@@ -319,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     for check in checks(junit, workers):
         print(f"running: {check.name}", flush=True)
         got, out = run_check(check, BUDGET_S - (time.perf_counter() - start), log_dir, junit)
+        print(f"done: {check.name}: {summary(got)}", flush=True)  # (if the rest is cut off)
         rows += got
         if failed(got):
             tails.append(f"--- {check.name} (last lines) ---\n" +

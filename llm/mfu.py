@@ -16,12 +16,14 @@ import torch
 __all__ = ["PEAK_TFLOPS", "mfu", "peak_tflops"]
 
 # dense (no structured sparsity) peak TFLOP/s by a part of torch.cuda.get_device_name(), the
-# first match winning (so the PCIe and NVL H100 before the SXM one), from the vendors' data
-# sheets: bf16 on the tensor cores, fp32 on the CUDA cores
+# first match winning (so the PCIe and NVL parts before the SXM ones), from the vendors' data
+# sheets (half the bf16 figure they give with structured sparsity): bf16 on the tensor cores,
+# fp32 on the CUDA cores
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 PCIe": {"bf16": 756.0, "fp32": 51.2},
-    "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
+    "H100 NVL": {"bf16": 835.5, "fp32": 60.0},
     "H100": {"bf16": 989.4, "fp32": 66.9},
+    "H200 NVL": {"bf16": 835.5, "fp32": 60.0},
     "H200": {"bf16": 989.4, "fp32": 66.9},
     "A100": {"bf16": 312.0, "fp32": 19.5},
     "L40S": {"bf16": 362.1, "fp32": 91.6},

@@ -124,6 +124,10 @@ def fused_dropout(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, key: 
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"fused_dropout takes float32, bfloat16 or float16 x, not {x.dtype} "
                          "(its factor travels as a float32)")
+    if out is not None and (tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"fused_dropout writes a contiguous {tuple(x.shape)} {x.dtype} out, "
+                         f"not a {tuple(out.shape)} {out.dtype} one")
     rows, cols = rows.to(torch.int64).contiguous(), cols.to(torch.int64).contiguous()
     x = x.contiguous()
     # the factor plexus.dropout.dropped multiplies by, in x's dtype: the same products

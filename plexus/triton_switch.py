@@ -48,7 +48,8 @@ def uses_triton(device: torch.device | str) -> bool:
 def launch(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` for a function of :func:`triton_function`; None, with a warning, where
     its kernel fails before it has ever run here: the caller then takes its torch path, and
-    so do all later calls. Once a kernel has run, its errors are raised."""
+    so do all later calls. Once a kernel has run, its errors are raised; so are, always, an
+    exhausted GPU memory and a ValueError (the arguments' checks)."""
     owner = getattr(fn, "__self__", None)  # an autograd Function's apply: its class
     name = (owner.__qualname__ if isinstance(owner, type) else
             getattr(fn, "__qualname__", None) or str(fn))
@@ -56,6 +57,8 @@ def launch(fn: Any, *args: Any) -> Any:
         return fn(*args)
     try:
         out = fn(*args)
+    except (torch.OutOfMemoryError, ValueError):  # the GPU's memory, our own checks: not
+        raise  # Triton's failing (the torch path would need the same)
     except Exception as exc:  # compilation and launch errors come in many types
         _FAILED.append(f"{name}: {type(exc).__name__}: {exc}")
         warnings.warn(f"plexus: a Triton kernel ({name}) failed at its first launch "

@@ -21,6 +21,7 @@ def test_the_peak_is_the_flag_else_the_tables_for_the_gpu_it_names(monkeypatch):
     for name, precision, want in [("NVIDIA H100 80GB HBM3", "bf16", 989.4),
                                   ("NVIDIA H100 PCIe", "bf16", 756.0),
                                   ("NVIDIA H200", "fp32", 66.9),
+                                  ("NVIDIA H200 NVL", "bf16", 835.5),
                                   ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
                                   ("Tesla T4", "bf16", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None, n=name: n)

@@ -55,6 +55,9 @@ def test_the_fused_dropout_is_the_cpus_values_and_mask():
         fused_dropout(x[:, :5], rows, cols, key, p)
     with pytest.raises(ValueError, match=r"float32, bfloat16 or float16 x, not torch\.float64"):
         fused_dropout(x.double(), rows, cols, key, p)
+    for out in (torch.empty(47, 33).t(), torch.empty(33, 46), torch.empty(33, 47).double()):
+        with pytest.raises(ValueError, match="writes a contiguous"):  # nothing written
+            fused_dropout(x, rows, cols, key, p, out=out.to(DEVICE))
     if DEVICE == "cuda":  # (the interpreter computes in numpy, which has no bfloat16)
         y16, none = fused_dropout(x.bfloat16().to(DEVICE), rows.to(DEVICE), cols.to(DEVICE),
                                   key, p, with_mask=False)
@@ -106,6 +109,13 @@ def test_a_kernel_that_fails_at_its_first_launch_leaves_the_torch_paths(monkeypa
             raise RuntimeError("a later error")
         return x
 
+    def short_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    for exc, fn in ((torch.OutOfMemoryError, short_of_memory), (ValueError, fused_dropout)):
+        with pytest.raises(exc):  # not Triton's failing: raised, and Triton stays on
+            triton_switch.launch(fn, torch.ones(2, 2), torch.ones(1), torch.ones(1), None, 0.5)
+    assert not triton_switch._FAILED
     assert triton_switch.launch(works, 2) == 2
     with pytest.raises(RuntimeError, match="a later error"):  # once it ran, errors are raised
         triton_switch.launch(works, -1)
