@@ -253,12 +253,14 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
         with the SpMM, when :attr:`LayerPlan.aggregation_blocks` > 1. ``shared``: the
         gradient of ``F_l`` summed there with the other term's; ``spend_grad``: the product
         feeds one operator, so its gradient may be reduced in place; ``narrow``: returned in
-        the messages' bf16 (ops.BlockedAggregation); ``stored``: the SpMM reads ``F_l`` in
-        the stored precision (bf16: half the bytes it gathers; sums in float32), else as it
-        is (the residual's rows, copied, not summed)."""
+        the messages' bf16 (ops.BlockedAggregation); ``stored``: on a GPU the SpMM reads
+        ``F_l`` in the stored precision (bf16: half the bytes it gathers, the bulk of a GPU
+        epoch's traffic; sums in float32), else as it is (the residual's rows, copied, not
+        summed; on the CPU a bf16 copy beside a float32 ``F_l`` would add to the step's
+        peak memory more than its gathers save in time)."""
         self._check_not_released(blocks, layer)
         blk, group = blocks[layout.layout_of(layer)], self.wire[layout.roles(layer)[0]]
-        read_as = self.keep_dtype if stored else None
+        read_as = self.keep_dtype if stored and x.is_cuda else None
         if (self.plan.aggregation_blocks > 1 or narrow) and group.size > 1:
             # narrowed: in row blocks even where they do not overlap, so that the float32
             # scratch is one block's (the blocks change no bits)

@@ -52,11 +52,12 @@ Memory per rank: :mod:`common.perf.gcn_memory` (persistent shards, what each lay
 backward, and the largest set of short-lived tensors of the step, phase by phase).
 
 ``precision="bf16"`` (plexus.train --precision bf16, docs/design/plexus-3d.md section 11): the
-feature shard, its all-gather (1), every SpMM's gathered rows (a later layer's float32 ``F'``
-rounded for it in one pass), the kept ``H_l``, the norm's kept input and the cached ``H_0``
-take 2 bytes an element, and so does every message of (2)-(8) (sums add in float32:
-common.collectives); the weights, gradients and AdamW state, the logits, the norm's and the
-loss's collectives and the backward SpMMs' gradients stay float32. Pure Python.
+feature shard, its all-gather (1), the layer-0 SpMM's gathered rows (on a GPU every forward
+SpMM's: a later layer's float32 ``F'`` rounded for it in one pass), the kept ``H_l``, the
+norm's kept input and the cached ``H_0`` take 2 bytes an element, and so does every message
+of (2)-(8) (sums add in float32: common.collectives); the weights, gradients and AdamW state,
+the logits, the norm's and the loss's collectives and the other SpMM operands stay float32.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -239,11 +240,12 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         root = kept * work.num_nodes / (P * O)  # GraphSAGE's S block
         k = work.terms
         forward, backward = work._runs(layer, first_epoch)
-        # every SpMM gathers its X in the precision: F_0 is stored so, a later F' (or any
-        # F' W) is rounded to it as the SpMM reads it (one pass, float32 in, bf16 out)
-        x_bytes = work.stored_bytes
+        # F_0 is stored in the precision; on a GPU every later F' (or any F' W) is rounded
+        # to it as the SpMM reads it (one pass, float32 in, bf16 out), on the CPU not
+        gpu = machine.device_memory is not None
         first = work.weight_first_layer(layer, shape)  # A (F' W): the SpMMs b wide, O = I = 1
-        rounds_x = work.stored_bytes < F32 and (layer > 0 or first)
+        rounds_x = gpu and work.stored_bytes < F32 and (layer > 0 or first)
+        x_bytes = work.stored_bytes if (layer == 0 and not first) or rounds_x else F32
         # H_0 recomputed in backward; where layer 0 multiplies first, F' is remade instead
         again = 2 if layer == 0 and work.recomputes_first and not first else 1
         # dG = A^T dQ for dW: a layer that multiplies first needs it without dF too

@@ -276,9 +276,9 @@ def test_the_header_names_the_host_cpu_and_its_avx512():
 
 
 def test_each_command_is_summed_up_in_a_line_as_it_ends():
-    Row = gpu_check.Row
-    assert gpu_check.summary([Row("bench", "missed", "ours/PyG fixed 0.9", 3.0)]) == \
+    row = gpu_check.Row
+    assert gpu_check.summary([row("bench", "missed", "ours/PyG fixed 0.9", 3.0)]) == \
         "missed ours/PyG fixed 0.9"
-    tests = [Row("a.py::t1", "passed", "", 1.0), Row("a.py::t2", "skipped", "two GPUs", 0.0),
-             Row("b.py::t3", "failed", "assert", 2.0), Row("b.py::t4", "passed", "", 1.0)]
+    tests = [row("a.py::t1", "passed", "", 1.0), row("a.py::t2", "skipped", "two GPUs", 0.0),
+             row("b.py::t3", "failed", "assert", 2.0), row("b.py::t4", "passed", "", 1.0)]
     assert gpu_check.summary(tests) == "1 failed, 2 passed, 1 skipped; not passed: b.py::t3"

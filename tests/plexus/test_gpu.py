@@ -219,6 +219,22 @@ def test_bf16_on_cuda_runs_the_dense_products_on_tensor_cores(dropout, monkeypat
     assert seen and {backend for backend, _ in seen} == {"auto"}
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_bf16_on_cuda_gathers_bf16_rows_in_every_layer(dropout, monkeypatch):
+    """In bf16 on a GPU every forward SpMM reads bf16 rows (the features, and each later
+    layer's ``F'`` or ``F' W`` rounded as the SpMM reads it), every backward one a float32
+    gradient."""
+    from plexus.sparse import BlockSparse
+    from plexus.transpose import TransposedSparse
+
+    read = set()
+    for cls, which in ((BlockSparse, "A"), (TransposedSparse, "A^T")):
+        monkeypatch.setattr(cls, "matmul", lambda self, x, real=cls.matmul, which=which, **kw:
+                            read.add((which, x.dtype)) or real(self, x, **kw))
+    _train("cuda", epochs=3, precision="bf16", dropout=dropout, cuda_graphs=False)
+    assert read == {("A", torch.bfloat16), ("A^T", torch.float32)}, read
+
+
 @pytest.mark.cross_shape
 def test_a_prepared_dataset_uploads_each_block_once_and_follows_the_cpu_run(tmp_path):
     """Three layers on 1x1x1 use the blocks of two matrices (one, transposed, for a symmetric
