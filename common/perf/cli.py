@@ -221,7 +221,7 @@ def memory_line(work: Any, best: Any, machine: Any) -> str:
     (:func:`common.perf.gcn_memory.gcn_memory_parts`), so that the top is what to cut."""
     gpu = machine.device_memory is not None
     parts = perf_gcn.gcn_memory_parts(work, best.shape, stored_transposes=gpu,
-                                      fused_norm=not gpu)
+                                      fused_norm=not gpu, rounds_x=gpu)
     names = {"adjacency": "adjacency", "transient": "transients", "kept_h": "kept H",
              "kept_other": "other kept", "features": "features", "weights": "weights",
              "nodes": "node vectors"}

@@ -81,18 +81,20 @@ PARTS = ("adjacency", "features", "nodes", "weights", "kept_h", "kept_other", "t
 def gcn_memory(work: GCNWorkload, shape: Mapping[str, int], *,
                stored_transposes: bool = False, fused_norm: bool = True,
                cut_bytes: int | None = CUT_BYTES, compact_root: bool = True,
-               widen_bytes: int | None = WIDEN_BYTES) -> float:
+               widen_bytes: int | None = WIDEN_BYTES, rounds_x: bool = False) -> float:
     """Peak bytes per rank of a training step on grid ``{"x": X, "y": Y, "z": Z}``: the sum of
     :func:`gcn_memory_parts`."""
     return sum(gcn_memory_parts(work, shape, stored_transposes=stored_transposes,
                                 cut_bytes=cut_bytes, fused_norm=fused_norm,
-                                compact_root=compact_root, widen_bytes=widen_bytes).values())
+                                compact_root=compact_root, widen_bytes=widen_bytes,
+                                rounds_x=rounds_x).values())
 
 
 def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
                      stored_transposes: bool = False, cut_bytes: int | None = CUT_BYTES,
                      fused_norm: bool = True, compact_root: bool = True,
-                     widen_bytes: int | None = WIDEN_BYTES) -> dict[str, float]:
+                     widen_bytes: int | None = WIDEN_BYTES,
+                     rounds_x: bool = False) -> dict[str, float]:
     """:func:`gcn_memory` by part, bytes per rank: ``adjacency`` (CSR blocks, transposes, the
     last layer's labelled rows), ``features`` (the flat shard of ``F_0``, with its gradient
     and AdamW moments when trained), ``nodes`` (the rank's per-node vectors: labels, node ids,
@@ -108,7 +110,9 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
     planner counts before that saving when False): GraphSAGE's root blocks keep the CSR of
     ``S`` only where an SpMM reads it (plexus.data.shard.RootBlock), not for every layout.
     ``widen_bytes``: the float32 copy of a bf16 ``H`` for ``dW`` is made a row block of at
-    most this size at a time (common.dense.tn), or whole (None)."""
+    most this size at a time (common.dense.tn), or whole (None). ``rounds_x``: in bf16 a later
+    layer's SpMM reads a bf16 copy of its float32 operand (a GPU: plexus.ops.read_in), held
+    beside it."""
     layers = _layers(work, shape)
     parts = dict.fromkeys(PARTS, 0.0)
     adjacency, released = _adjacency(work, shape, stored_transposes, cut_bytes, compact_root)
@@ -124,7 +128,8 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
         parts["kept_h"] += lay["kept_h"]
         parts["kept_other"] += lay["kept_other"] + lay["dropout"]
     kept = parts["kept_h"] + parts["kept_other"]
-    phases = gcn_memory_phases(work, shape, fused_norm=fused_norm, widen_bytes=widen_bytes)
+    phases = gcn_memory_phases(work, shape, fused_norm=fused_norm, widen_bytes=widen_bytes,
+                               rounds_x=rounds_x)
     if released:  # layer 0's blocks, alive until H_0 is cached
         phases["forward 0 aggregate"] += released
     parts["transient"] = max(0.0, max(phases.values()) - kept)
@@ -133,10 +138,11 @@ def gcn_memory_parts(work: GCNWorkload, shape: Mapping[str, int], *,
 
 def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
                       fused_norm: bool = True,
-                      widen_bytes: int | None = WIDEN_BYTES) -> dict[str, float]:
+                      widen_bytes: int | None = WIDEN_BYTES,
+                      rounds_x: bool = False) -> dict[str, float]:
     """Bytes per rank alive beyond the persistent ones (adjacency, features, weights) at each
     phase of a training step (module docstring), keyed ``"forward 0 aggregate"``,
-    ``"backward 2 dF"`` and so on. ``fused_norm``, ``widen_bytes``: as
+    ``"backward 2 dF"`` and so on. ``fused_norm``, ``widen_bytes``, ``rounds_x``: as
     :func:`gcn_memory_parts`."""
     fused = fused_norm and work.norm == "batch"
     layers = _layers(work, shape)
@@ -153,13 +159,17 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
             f_in = lay["in_rows"] * a * F32
         base = before + lay["dropout"]
         q32 = rows * b * F32
+        # the bf16 copy of a float32 SpMM operand, rows of it a width (rounds_x)
+        narrow_x = lay["in_rows"] * work.stored_bytes if rounds_x and work.stored_bytes < F32 \
+            else 0
         if lay["remade"]:  # F' made (beside its mask), F' W per term, then A G; nothing kept
             g32, f0 = lay["in_rows"] * b * F32, lay["in_rows"] * a
             wide_f = f0 * F32 if work.stored_bytes != F32 else 0  # bf16 F' widened for W
             phases["forward 0 make"] = base + _remade(work, lay)
             phases["forward 0 matmul"] = base + f0 * work.stored_bytes + wide_f + k * g32 + \
                 weights
-            phases["forward 0 aggregate"] = base + k * g32 + (3 if k == 2 else 1) * q32
+            phases["forward 0 aggregate"] = base + k * g32 + (3 if k == 2 else 1) * q32 + \
+                narrow_x * b
         elif lay["first"]:  # per term F' W, then A G; SAGE: Q + S G_r; O = I = 1
             g32 = lay["in_rows"] * b * F32
             wide_f = f_in if work.stored_bytes != F32 else 0  # bf16: F' rounded, a copy kept
@@ -168,14 +178,15 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
             # one term's G at a time (freed after its SpMM); SAGE adds the second Q into
             # the first
             phases[f"forward {lay['index']} aggregate"] = base + lay["kept_h"] + (
-                2 * q32 + g32 if k == 2 else g32 + q32)
+                2 * q32 + g32 if k == 2 else g32 + q32) + narrow_x * b
         elif lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
             phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
         else:  # narrowed: H (R) summed in bf16 beside one float32 row block of scratch
             held = (k * rows * a * work.stored_bytes + -(-rows // AGGREGATION_BLOCKS) * a * F32
                     if lay["narrow"] else k * h32)
             phases[f"forward {lay['index']} aggregate"] = base + f_in + held + max(
-                _reduce_buffer(h32, lay["o_size"], work), weights)
+                _reduce_buffer(h32, lay["o_size"], work), weights) + (
+                narrow_x * a if lay["index"] > 0 else 0)  # (F_0 is stored so)
             # bf16: the float32 H until H W (a narrowed H is widened a row block at a time)
             wide_h = h32 if work.stored_bytes != F32 and not lay["narrow"] else 0
             phases[f"forward {lay['index']} matmul"] = base + lay["kept_h"] + wide_h + (

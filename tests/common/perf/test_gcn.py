@@ -284,3 +284,33 @@ def test_a_mapped_last_layer_on_labelled_rows_counts_its_full_block_out():
                         (dataclasses.replace(work, num_layers=7), shape)):
         assert _parked_key(kept, where) is None
     assert _adjacency(work, shape, True) == _adjacency(resident, shape, True)
+
+
+def test_a_gpu_in_bf16_holds_and_rounds_a_copy_of_each_later_spmm_operand():
+    """On a GPU in bf16 a later layer's float32 F' is rounded into a bf16 copy the SpMM reads
+    (plexus.ops.read_in): the forward aggregation holds it beside F' (rows x width x 2 bytes),
+    the SpMM gathers half the bytes, and the rounding pass is charged; float32 and the CPU
+    are as before."""
+    from common.perf.gcn_memory import gcn_memory_phases
+
+    shape = {"x": 1, "y": 1, "z": 1}
+    for precision in ("fp32", "bf16"):
+        work = gcn.GCNWorkload(num_nodes=20000, nnz=200000, num_features=64, num_classes=8,
+                               hidden=128, precision=precision)
+        cpu, gpu = (gcn_memory_phases(work, shape, rounds_x=r) for r in (False, True))
+        grown = {k: gpu[k] - cpu[k] for k in cpu if gpu[k] != cpu[k]}
+        if precision == "fp32":
+            assert not grown
+        else:  # layer 1: F_1 [20000, 128] copied to bf16; layer 2 multiplies first: its
+            # G = F_2 W [20000, 8]; layer 0 reads F_0, stored in bf16
+            assert grown == {"forward 1 aggregate": 20000 * 128 * 2,
+                             "forward 2 aggregate": 20000 * 8 * 2}, grown
+    # the SpMMs' time: bf16 saves more of it on a GPU (every layer's gathers halved) than on
+    # the CPU (layer 0's)
+    saved = {}
+    for machine in (load_profile("local-cpu"), tiny_gpu(80e9)):
+        spmm = [gcn.gcn_compute(gcn.GCNWorkload(num_nodes=20000, nnz=200000, num_features=64,
+                                                num_classes=8, hidden=128, precision=p),
+                                shape, machine, node_ranks=1)["spmm"] for p in ("fp32", "bf16")]
+        saved[machine.device_memory is not None] = spmm[1] / spmm[0]
+    assert saved[True] < saved[False] <= 1.0, saved  # (the CPU: H_0 cached, no layer-0 SpMM)
