@@ -188,11 +188,12 @@ def test_on_a_gpu_one_process_a_side_runs_every_workload(monkeypatch):
     assert launched[-1] == ["learn"]  # on the CPU a process a workload
 
 
-@pytest.mark.parametrize("pyg_bf16", [True, False])
+@pytest.mark.parametrize("pyg_bf16", [True, False, "fails"])
 def test_ours_in_bf16_is_judged_against_pyg_in_float32(pyg_bf16, monkeypatch, capsys):
     """--precision bf16 runs the float32 workloads first, then ours in bf16 with fixed
     features only; its ratio (and each round's) is over PyG's fastest float32 median, with
-    PyG in bf16 printed beside where torch takes it, and not run where it does not."""
+    PyG in bf16 printed beside where torch takes it, not run where it does not, and left out
+    with its error where its run fails after all."""
     module = load_bench("gcn_epoch")
     calls = []
     times = {("ours", "fixed"): 0.4, ("ours", "learn"): 0.5, ("ours", "fixed-bf16"): 0.3,
@@ -200,9 +201,13 @@ def test_ours_in_bf16_is_judged_against_pyg_in_float32(pyg_bf16, monkeypatch, ca
 
     def run_worker(args, side, case, thp, retain, pool=None):
         calls.append((side, case))
+        if pyg_bf16 == "fails" and (side, case) == ("pyg", "fixed-bf16"):
+            module.ERRORS[case] = "RuntimeError: no bf16 kernel"
+            return None
         bump = 0.1 if thp == "0" else 0.0  # PyG's default allocator the slower
         return [times[side, case] + bump] * 2
 
+    monkeypatch.setattr(module, "ERRORS", {})
     monkeypatch.setattr(module, "run_worker", run_worker)
     monkeypatch.setattr(module, "pyg_takes_bf16", lambda device: None if pyg_bf16 else "no")
     monkeypatch.setattr(module, "memory_bandwidth", lambda **_: 1.0)
@@ -214,16 +219,19 @@ def test_ours_in_bf16_is_judged_against_pyg_in_float32(pyg_bf16, monkeypatch, ca
     order = [case for _, case in calls]
     assert order.index("fixed-bf16") > max(i for i, c in enumerate(order) if c == "learn")
     assert "learn-bf16" not in order and "learn-bf16: not run" in out
-    assert (("pyg", "fixed-bf16") in calls) == pyg_bf16
+    assert (("pyg", "fixed-bf16") in calls) == bool(pyg_bf16)
     got = re.search(r"^fixed-bf16: ours/PyG ([\d.]+) against huge pages \(the fastest PyG\) "
                     r"in float32 .*round by round ([\d.]+), ([\d.]+)$", out, re.M)
     assert got, out
     assert float(got[1]) == float(got[2]) == float(got[3]) == pytest.approx(0.3 / 1.0,
                                                                              abs=5e-4)
     same = re.search(r"^fixed-bf16: against PyG in bf16 too: ours/PyG ([\d.]+)$", out, re.M)
-    assert (same is not None) == pyg_bf16
-    if pyg_bf16:
+    assert (same is not None) == (pyg_bf16 is True)
+    if pyg_bf16 is True:
         assert float(same[1]) == pytest.approx(0.3 / 0.8, abs=5e-4)
+    elif pyg_bf16 == "fails":
+        assert "fixed-bf16: PyG in bf16 failed, not counted: RuntimeError: no bf16" in out
+        assert "PyG GCNConv (CSR, bf16)" not in out  # no row of its times
     else:
         assert "PyG in bf16 not run: no" in out
     # the final line is the first workload's, in float32
