@@ -37,6 +37,7 @@ Shapes:
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -352,8 +353,10 @@ class BlockSparse:
                     block = self._torch_block(r, c, b, a - co[c], z - co[c], x.device)
                     if not _bf16_spmm(block, x[a:z], out[rows], not first):
                         block, xs = block.to(out.dtype), x[a:z].to(out.dtype)
-                        if first:  # written straight into out's rows: no product to copy
+                        if first and _mm_writes_out(out.device):  # no product to copy
                             torch.mm(block, xs, out=out[rows])
+                        elif first:
+                            out[rows].copy_(torch.mm(block, xs))
                         else:
                             out[rows].add_(torch.mm(block, xs))
                 first = False
@@ -384,6 +387,19 @@ def _bf16_spmm(block: torch.Tensor, x: torch.Tensor, out: torch.Tensor, add: boo
         return False
     spmm = triton_function("spmm_triton", "csr_spmm")
     return spmm is not None and launch(spmm, block, x, out, add) is not None
+
+
+@functools.cache
+def _mm_writes_out(device: torch.device) -> bool:
+    """Whether torch's CSR product writes into a given ``out`` on ``device`` (tried once on a
+    2 x 2 matrix: a torch build without it takes a new tensor and a copy)."""
+    a = torch.eye(2, device=device).to_sparse_csr()
+    out = torch.zeros(3, 2, device=device)
+    try:
+        torch.mm(a, torch.ones(2, 2, device=device), out=out[1:])
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((out[1:] == 1).all()) and not bool(out[0].any())
 
 
 def _torch_cols(t: torch.Tensor, a: int, z: int) -> torch.Tensor:

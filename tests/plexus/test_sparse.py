@@ -412,3 +412,25 @@ def test_csr_check_finds_each_damage_on_both_paths(damage, code):
     assert kernels.csr_check(indptr, indices, values, 30) == code
     problem = CSRBlock(indptr, indices, values, (40, 30)).problem()
     assert (problem is None) == (code == 0)
+
+
+@pytest.mark.parametrize("writes_out", [True, False])
+def test_torchs_product_is_written_into_the_output_rows(writes_out, monkeypatch):
+    """torch's kernel (a GPU's, or --spmm torch) writes each block row's product into the
+    output's rows where torch's CSR mm takes an ``out`` (probed once per device), else through
+    a new tensor: the same values either way, the other rows untouched."""
+    from plexus import sparse
+
+    assert sparse._mm_writes_out(torch.device("cpu"))
+    monkeypatch.setattr(sparse, "_mm_writes_out", lambda device: writes_out)
+    rng = np.random.default_rng(2)
+    parts = [[sp.random(r, c, density=0.2, format="csr", dtype=np.float32, random_state=rng)
+              for c in (7, 5)] for r in (6, 4)]
+    a = BlockSparse([[CSRBlock.from_scipy(m) for m in row] for row in parts], [6, 4],
+                    [7, 5]).to("cpu", kernel="torch")
+    x = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+    out = torch.full((10, 3), float("nan"))
+    got = a.matmul(x, out=out)
+    want = torch.from_numpy(sp.bmat(parts).toarray()) @ x
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
