@@ -30,13 +30,17 @@ def bench(monkeypatch):
         return list(TIMES[key][sum(c == key for c in calls) - 1])
 
     monkeypatch.setattr(module, "run_worker", run_worker)
-    # the throughput lines after the ratios are not under test here
+    _without_throughputs(module, monkeypatch)
+    return module, calls
+
+
+def _without_throughputs(module, monkeypatch):
+    """The throughput lines after the ratios are not under test here: skipped."""
     monkeypatch.setattr(module, "memory_bandwidth", lambda **_: 1.0)
     monkeypatch.setattr(module, "spmm_throughput", lambda *a, **k: {})
     monkeypatch.setattr(module, "gemm_throughput", lambda *a, **k: {"relative difference": 0})
     monkeypatch.setattr(module, "weight_grad_throughput",
                         lambda *a, **k: {"relative difference": 0})
-    return module, calls
 
 
 def test_rounds_reverse_the_order_and_pool_every_round(bench, capsys):
@@ -210,10 +214,7 @@ def test_ours_in_bf16_is_judged_against_pyg_in_float32(pyg_bf16, monkeypatch, ca
     monkeypatch.setattr(module, "ERRORS", {})
     monkeypatch.setattr(module, "run_worker", run_worker)
     monkeypatch.setattr(module, "pyg_takes_bf16", lambda device: None if pyg_bf16 else "no")
-    monkeypatch.setattr(module, "memory_bandwidth", lambda **_: 1.0)
-    monkeypatch.setattr(module, "spmm_throughput", lambda *a, **k: {})
-    for name in ("gemm_throughput", "weight_grad_throughput"):
-        monkeypatch.setattr(module, name, lambda *a, **k: {"relative difference": 0})
+    _without_throughputs(module, monkeypatch)
     module.main(["--nodes", "500", "--rounds", "2", "--precision", "bf16", "--threads", "1"])
     out = capsys.readouterr().out
     order = [case for _, case in calls]
