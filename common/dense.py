@@ -351,25 +351,52 @@ def hand_back_pooled() -> None:
 
 
 def _paired(rows: int, cols: int) -> torch.Tensor:
+    t, owner = _pooled(rows, cols)
+    _OWNERS[t.data_ptr()] = owner
+    return t
+
+
+def _paired_half(rows: int, cols: int) -> torch.Tensor:
+    """A bf16 [rows, cols] tensor over the first bytes of a pooled float32 buffer of
+    ``ceil(rows * cols / 2)`` elements (not in ``_OWNERS``: :func:`tn` reads float32 only)."""
+    t, _ = _pooled(1, (rows * cols + 1) // 2)
+    return t.view(-1).view(torch.bfloat16)[:rows * cols].view(rows, cols)
+
+
+def _pooled(rows: int, cols: int) -> tuple[torch.Tensor, _Owner]:
+    """A float32 [rows, cols] tensor over a pooled (or new) oneDNN buffer, and its owner,
+    which the tensor keeps alive and whose end hands the buffer back to the pool."""
     onednn = _POOL.take(rows, cols)
     owner = _Owner(onednn)
     array = np.asarray(owner)
     if array.shape != (rows, cols):  # a larger pooled buffer: its start, as numpy's view,
         array = array.reshape(-1)[:rows * cols].reshape(rows, cols)  # so no torch view
     t = torch.from_numpy(array)
-    _OWNERS[t.data_ptr()] = owner
     weakref.finalize(owner, _POOL.give, onednn).atexit = False
-    return t
+    return t, owner
 
 
 def empty(rows: int, cols: int, *, dtype: torch.dtype = torch.float32,
           device: torch.device | str = "cpu") -> torch.Tensor:
     """``torch.empty(rows, cols, dtype=, device=)``; for a float32 CPU tensor of at least
     :data:`PAIR_MIN` elements where oneDNN runs, over the memory of a oneDNN tensor, so that
-    :func:`tn` can read it in place (the module docstring)."""
-    if not _pairs(rows * cols, dtype, device):
-        return torch.empty(rows, cols, dtype=dtype, device=device)
-    return _paired(rows, cols)
+    :func:`tn` can read it in place (the module docstring). A bf16 CPU tensor of that size
+    lies over a float32 oneDNN buffer of half its elements: a tall bf16 block (a bf16 ``H``
+    kept for ``dW``) is made and freed every step as the float32 ones are, and the pool
+    serves it as it serves them (no page faults and zeroing each step)."""
+    if _pairs(rows * cols, dtype, device):
+        return _paired(rows, cols)
+    if _pairs(rows * cols, torch.float32, device) and dtype == torch.bfloat16:
+        return _paired_half(rows, cols)
+    return torch.empty(rows, cols, dtype=dtype, device=device)
+
+
+def converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` (``t`` itself where it has that dtype), into a buffer of :func:`empty`
+    for a 2-D CPU ``t``: the same bits."""
+    if t.dtype == dtype or t.dim() != 2 or t.device.type != "cpu":
+        return t.to(dtype)
+    return empty(*t.shape, dtype=dtype).copy_(t)
 
 
 def _pairs(numel: int, dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -462,7 +489,7 @@ def _tn_widened(a: torch.Tensor, b: torch.Tensor, backend: str) -> torch.Tensor:
     if m <= rows:
         return tn(empty(m, k, dtype=b.dtype, device=a.device).copy_(a), b, backend=backend)
     out = torch.zeros(k, b.shape[1], dtype=b.dtype, device=a.device)
-    wide = torch.empty(rows, k, dtype=b.dtype, device=a.device)
+    wide = empty(rows, k, dtype=b.dtype, device=a.device)  # (pooled: above glibc's cap)
     with tensor_cores(backend, a):
         for lo in range(0, m, rows):
             hi = min(m, lo + rows)

@@ -14,7 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["Rounded", "StoredIn"]
+from common import dense
+
+__all__ = ["Rounded", "StoredIn", "round_"]
 
 
 class Rounded(torch.autograd.Function):
@@ -26,17 +28,45 @@ class Rounded(torch.autograd.Function):
     pass gives the same bits whether its H is fresh or cached (and a resumed run those of an
     unbroken one). ``x`` must be fresh (saved by no other operator).
 
+    ``copy``: round into a new tensor (:func:`common.dense.empty_like`) and leave ``x`` as
+    it is, for an ``x`` that is not fresh: one pass, where a clone rounded in place is two.
+
     Shapes: x [n, d] -> [n, d]
     """
 
     @staticmethod
-    def forward(ctx: Any, x, dtype: torch.dtype):
+    def forward(ctx: Any, x, dtype: torch.dtype, copy: bool = False):
+        if copy:
+            return round_(x, dtype, out=dense.empty_like(x))
         ctx.mark_dirty(x)
-        return x.copy_(x.to(dtype))
+        return round_(x, dtype)
 
     @staticmethod
     def backward(ctx: Any, dy):
-        return dy, None
+        return dy, None, None
+
+
+# elements of one block of :func:`round_` (1 MiB of float32: the block's bf16 copy is read
+# back while it is in the cache, and the allocator reuses it)
+ROUND_BLOCK = 1 << 18
+
+
+def round_(x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
+    """``x`` rounded to the values of ``dtype`` (``x.to(dtype)``'s rounding), written into
+    ``out`` (``x`` itself by default) and returned: on the CPU a block at a time, so that no
+    whole-size ``dtype`` copy is made (a fresh tall allocation each call); the bits of
+    ``x.copy_(x.to(dtype))`` either way.
+
+    Shapes: x [...] -> out, of x's shape and dtype
+    """
+    out = x if out is None else out
+    if x.device.type != "cpu" or not (x.is_contiguous() and out.is_contiguous()):
+        return out.copy_(x.to(dtype))
+    src, dst = x.view(-1), out.view(-1)
+    for lo in range(0, src.numel(), ROUND_BLOCK):
+        hi = min(src.numel(), lo + ROUND_BLOCK)
+        dst[lo:hi].copy_(src[lo:hi].to(dtype))
+    return out
 
 
 class StoredIn(torch.autograd.graph.saved_tensors_hooks):
@@ -61,7 +91,7 @@ class StoredIn(torch.autograd.graph.saved_tensors_hooks):
                 return t
             hit = packed.get(id(t))
             if hit is None or hit[0]() is not t:
-                hit = packed[id(t)] = (weakref.ref(t), t.detach().to(dtype))
+                hit = packed[id(t)] = (weakref.ref(t), dense.converted(t.detach(), dtype))
             return _Packed(hit[1])
 
         def unpack(p: Any) -> torch.Tensor:

@@ -24,9 +24,11 @@ from typing import Any
 import torch
 
 from common import collectives as coll
+from common import dense
 from common.comm_stats import CommStats
 from common.perf.gcn_memory import RECOMPUTE_BLOCKS
 from plexus import layout, ops
+from plexus.bf16 import round_
 from plexus.layer_dropout import HashedMask, LayerDropout
 from plexus.layer_plan import LayerPlan
 
@@ -131,7 +133,7 @@ class FirstLayer:
                     x = part.matmul(f)
                     x = coll.all_reduce(x, o_group, stats=stats, inplace=True)  # (2)
                     if self.keep_dtype is not None:
-                        x.copy_(x.to(self.keep_dtype))
+                        round_(x, self.keep_dtype)
                     yield term, lo, hi, x
                     x = None
 
@@ -171,7 +173,7 @@ class FirstLayer:
     def _kept(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` detached, in :attr:`keep_dtype` (bf16) or as it is."""
         t = t.detach()
-        return t if self.keep_dtype is None else t.to(self.keep_dtype)
+        return t if self.keep_dtype is None else dense.converted(t, self.keep_dtype)
 
     def cached_inputs(self) -> tuple:
         """The cache of ``(H_0, R_0)`` and the rows it is of: what a captured training step

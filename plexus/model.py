@@ -332,9 +332,9 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
         rank: ``F' W`` is a whole [N/O, D_l+1] block, so the SpMM reads the rows it needs
         from it directly; backward ``A^T dQ`` is partial over P, and (6) and (8) sum it
         there. In bf16 ``F'`` is rounded first, so the product reads the ``F'`` kept."""
-        if self.keep_dtype is not None:  # Rounded writes in place: only into a fresh F'
+        if self.keep_dtype is not None:  # in place into a fresh F', else into a copy
             fresh = (self.training and self.dropout > 0) or not torch.is_grad_enabled()
-            f = ops.Rounded.apply(f if fresh else f.clone(), self.keep_dtype)
+            f = ops.Rounded.apply(f, self.keep_dtype, not fresh)
         q = self._spmm_o(self.shard.adj, layer,
                          self._matmul(layer, f, self.weights, stats, gathered[0]), stats)
         if self.kind == "sage":  # added into the first term's Q (fresh: nothing saved it)

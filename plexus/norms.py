@@ -116,7 +116,8 @@ class _RowSplitBatchNorm(torch.autograd.Function):
                           for lo, hi in _row_chunks(q.shape[0]))
         var = coll.all_reduce(squares, group, stats=stats) / num_rows
         inv = torch.rsqrt(var + eps)
-        ctx.save_for_backward(centred if keep is None else centred.to(keep), weight, mask, inv)
+        ctx.save_for_backward(centred if keep is None else dense.converted(centred, keep),
+                              weight, mask, inv)
         ctx.num_rows, ctx.group, ctx.stats, ctx.over_grad = num_rows, group, stats, over_grad
         ctx.mark_non_differentiable(mean, var)
         y = torch.addcmul(bias, centred, weight * inv, out=q if spend else None)
@@ -182,9 +183,8 @@ class _FusedBatchNorm(torch.autograd.Function):
         kernels.column_sums(x, m, mean.numpy(), True, parts)
         var = coll.all_reduce(_sums(parts), group, stats=stats) / num_rows
         inv = torch.rsqrt(var + eps)
-        # float32: a buffer of common.dense.empty, which the trainer's pool hands back
-        kept = dense.empty(rows, width) if keep in (None, torch.float32) else torch.empty(
-            rows, width, dtype=keep)
+        # a buffer of common.dense.empty (bf16 too), which the trainer's pool hands back
+        kept = dense.empty(rows, width, dtype=keep or torch.float32)
         if spend:
             ctx.mark_dirty(q)
         out = q if spend else dense.empty_like(q)

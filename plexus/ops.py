@@ -58,7 +58,7 @@ class SharedGradient:
 def read_in(f: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``f`` as an SpMM reads it: in ``dtype`` (bf16: half the bytes of the rows it gathers),
     or as it is where ``dtype`` is None or ``f``'s own."""
-    return f if dtype is None or f.dtype == dtype else f.to(dtype)
+    return f if dtype is None else dense.converted(f, dtype)
 
 
 class SpMM(torch.autograd.Function):
@@ -129,8 +129,8 @@ class BlockedAggregation(torch.autograd.Function):
         f = read_in(f.detach(), read_as)
         wide = sum_dtype(f.dtype)
         narrow = narrow and group.wire is not None and group.wire != wide
-        out = (torch.empty(a.shape[0], f.shape[1], dtype=group.wire, device=f.device) if narrow
-               else dense.empty(a.shape[0], f.shape[1], dtype=wide, device=f.device))
+        out = dense.empty(a.shape[0], f.shape[1], dtype=group.wire if narrow else wide,
+                          device=f.device)
         ranges = list(itertools.pairwise(bounds))
         scratch = (torch.empty(max(hi - lo for lo, hi in ranges), f.shape[1], dtype=wide,
                                device=f.device) if narrow and ranges else None)
@@ -339,7 +339,7 @@ class GatheredMatmul(torch.autograd.Function):
         travels during the aggregation), or None to gather now."""
         ctx.group, ctx.shape, ctx.stats, ctx.gemm = group, shape, stats, gemm
         ctx.h_dtype = h.dtype  # a bf16 H takes a bf16 dH (rounded here, not by autograd)
-        ctx.save_for_backward(h if keep is None else h.to(keep), w_shard)
+        ctx.save_for_backward(h if keep is None else dense.converted(h, keep), w_shard)
         w = (flat.gather(w_shard, group, shape, stats=stats) if gathered is None
              else gathered.wait())
         if into is None:
@@ -357,7 +357,7 @@ class GatheredMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w = flat.gather(w_shard, group, shape, stats=stats).t()
             out = (None if ctx.h_dtype == w.dtype else
-                   torch.empty(dq.shape[0], w.shape[1], dtype=ctx.h_dtype, device=dq.device))
+                   dense.empty(dq.shape[0], w.shape[1], dtype=ctx.h_dtype, device=dq.device))
             dh = dense.mm(dq, w, backend=ctx.gemm, out=out)
         return (dh, flat.reduce_scatter(dw, group, stats=stats), None, None, None, None,
                 None, None, dq if ctx.needs_input_grad[8] else None)

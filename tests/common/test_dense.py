@@ -370,3 +370,35 @@ def test_tf32_is_auto_on_the_cpu_and_tensor_cores_on_a_gpu_for_the_call_only():
     for backend, t in (("auto", gpu), ("torch", gpu), ("tf32", a)):  # (a: a CPU tensor)
         with dense.tensor_cores(backend, t):
             assert getattr(matmul, name) == before
+
+
+@ONEDNN_TN
+@pytest.mark.parametrize("shape", [(1024, 96), (1023, 97)])  # an even and an odd count
+def test_a_tall_bf16_block_lies_in_a_pooled_buffer_and_comes_back_to_it(pooling, shape):
+    """A bf16 block from ``empty`` is an ordinary contiguous tensor over a float32 buffer of
+    the pool (not one ``tn`` reads), and its memory serves the next request once freed."""
+    import gc
+
+    t = dense.empty(*shape, dtype=torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and tuple(t.shape) == shape and t.is_contiguous()
+    assert t.data_ptr() not in dense._OWNERS
+    t.fill_(1.5)
+    assert float(t.float().sum()) == 1.5 * shape[0] * shape[1]
+    addr = t.data_ptr()
+    del t
+    gc.collect()
+    assert pooling.pooled == 4 * ((shape[0] * shape[1] + 1) // 2)
+    assert dense.empty(*shape, dtype=torch.bfloat16).data_ptr() == addr  # no fresh pages
+
+
+def test_converted_is_to_with_the_same_bits():
+    x = torch.randn(1000, 70)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38])
+    got = dense.converted(x, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.is_contiguous()
+    assert torch.equal(got.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    assert dense.converted(got, torch.bfloat16) is got  # already that dtype: itself
+    wide = dense.converted(got, torch.float32)
+    assert torch.equal(wide.view(torch.int32), got.float().view(torch.int32))
+    v = torch.randn(5000)  # not 2-D: torch's own
+    assert torch.equal(dense.converted(v, torch.bfloat16), v.to(torch.bfloat16))

@@ -115,6 +115,28 @@ def test_stored_in_keeps_float32_activations_in_bf16_once():
     assert torch.allclose(x.grad, 8 * x.detach(), rtol=1e-2)  # 2 * (2x) * 2, from bf16 y
 
 
+
+@pytest.mark.parametrize("numel", [7, (1 << 18) * 3 + 5])  # one block, and several
+def test_rounded_in_blocks_has_the_bits_of_a_whole_rounding(numel):
+    from plexus import bf16
+
+    x = torch.randn(numel) * 1e3
+    x[:4] = torch.tensor([float("nan"), float("inf"), 3.3895e38, -1.0e-40])  # to inf, subnormal
+    x = x.reshape(-1, 1)
+    want = x.clone().copy_(x.to(BF16))
+    got = bf16.round_(x.clone(), BF16)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    leaf = x.clone().requires_grad_()
+    src = leaf * 1.0  # not fresh for the in-place form: the copy leaves it as it is
+    before = src.detach().clone()
+    copied = ops.Rounded.apply(src, BF16, True)
+    assert torch.equal(copied.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(src.detach().view(torch.int32), before.view(torch.int32))
+    assert copied.data_ptr() != src.data_ptr()
+    copied.sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(x))  # the straight-through gradient
+
+
 # ------------------------------------------------------------------ the model
 def _one_rank_groups() -> dict[str, AxisGroup]:
     return {a: AxisGroup(a, None, 1, 0) for a in "xyz"}
