@@ -269,14 +269,15 @@ class _Pool:
         # buffers freed while the lock was held, not yet counted: see give
         self.returned: collections.deque[torch.Tensor] = collections.deque()
 
-    def take(self, rows: int, cols: int) -> torch.Tensor:
-        """A oneDNN float32 tensor of shape [rows, cols] (pooled or new), or a pooled one of
-        at least rows * cols elements."""
+    def take(self, rows: int, cols: int, whole: bool = False) -> torch.Tensor:
+        """A oneDNN float32 tensor of shape [rows, cols] (pooled or new), or, unless
+        ``whole``, a pooled one of at least rows * cols elements."""
         need = rows * cols
         with self.lock:
             self._settle()
             fits = [i for i, t in enumerate(self.free) if need <= t.numel() <= FIT * need]
             exact = [i for i in fits if tuple(self.free[i].shape) == (rows, cols)]
+            fits = [] if whole else fits
             if exact or fits:  # the same shape, the last freed (the warmest); else the smallest
                 i = exact[-1] if exact else min(fits, key=lambda i: self.free[i].numel())
                 got = self._drop(i)
@@ -350,8 +351,8 @@ def hand_back_pooled() -> None:
         _POOL.release()
 
 
-def _paired(rows: int, cols: int) -> torch.Tensor:
-    t, owner = _pooled(rows, cols)
+def _paired(rows: int, cols: int, whole: bool = False) -> torch.Tensor:
+    t, owner = _pooled(rows, cols, whole)
     _OWNERS[t.data_ptr()] = owner
     return t
 
@@ -363,10 +364,11 @@ def _paired_half(rows: int, cols: int) -> torch.Tensor:
     return t.view(-1).view(torch.bfloat16)[:rows * cols].view(rows, cols)
 
 
-def _pooled(rows: int, cols: int) -> tuple[torch.Tensor, _Owner]:
-    """A float32 [rows, cols] tensor over a pooled (or new) oneDNN buffer, and its owner,
-    which the tensor keeps alive and whose end hands the buffer back to the pool."""
-    onednn = _POOL.take(rows, cols)
+def _pooled(rows: int, cols: int, whole: bool = False) -> tuple[torch.Tensor, _Owner]:
+    """A float32 [rows, cols] tensor over a pooled (or new) oneDNN buffer (``whole``: all of
+    one, so that :func:`tn` reads it through oneDNN), and its owner, which the tensor keeps
+    alive and whose end hands the buffer back to the pool."""
+    onednn = _POOL.take(rows, cols, whole)
     owner = _Owner(onednn)
     array = np.asarray(owner)
     if array.shape != (rows, cols):  # a larger pooled buffer: its start, as numpy's view,
@@ -467,8 +469,11 @@ def tn(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tens
     ``a`` may be bfloat16 where ``b`` is float32 (a bf16 ``H`` kept for ``dW``): it is widened
     exactly, whole where that copy is at most :data:`WIDEN_BYTES` (into a buffer of
     :func:`empty`, so that oneDNN reads it as it lies: the bits of ``tn(a.float(), b)``), else
-    one row block of that size at a time into one reused float32 block, whose products
-    ``torch.addmm`` sums in float32 (the same precision, another order of the sum).
+    a row block at a time: where oneDNN runs, each block of ``a`` widened and the same rows
+    of ``b`` copied into buffers of :func:`empty` (the two within :data:`WIDEN_BYTES`), their
+    products added in row order; elsewhere each block of ``a`` widened into one reused float32
+    block, whose products ``torch.addmm`` sums. Float32 sums either way (the same precision,
+    another order of the sum).
 
     Shapes: a [m, k], b [m, n] -> [k, n]
     """
@@ -482,13 +487,34 @@ def tn(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tens
     return _onednn_tn(owner_a, owner_b)
 
 
+def _whole(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """:func:`empty`'s float32 [rows, cols], all of one pooled buffer where it pairs (a
+    larger buffer's start would leave :func:`tn` to torch)."""
+    if not _pairs(rows * cols, torch.float32, device):
+        return torch.empty(rows, cols, device=device)
+    return _paired(rows, cols, whole=True)
+
+
 def _tn_widened(a: torch.Tensor, b: torch.Tensor, backend: str) -> torch.Tensor:
     """:func:`tn` of a bf16 ``a`` and a float32 ``b`` (its docstring)."""
     m, k = a.shape
+    n = b.shape[1]
     rows = max(1, WIDEN_BYTES // (4 * max(k, 1)))
     if m <= rows:
-        return tn(empty(m, k, dtype=b.dtype, device=a.device).copy_(a), b, backend=backend)
-    out = torch.zeros(k, b.shape[1], dtype=b.dtype, device=a.device)
+        return tn(_whole(m, k, a.device).copy_(a), b, backend=backend)
+    if backend != "torch" and _pairs(m * k, torch.float32, a.device) and b.is_contiguous():
+        # both blocks copied into whole buffers, so that oneDNN reads them (a row slice of b
+        # is not a whole buffer); the two copies together within WIDEN_BYTES
+        rows = max(1, WIDEN_BYTES // (4 * (k + n)))
+        total = None
+        for lo in range(0, m, rows):
+            hi = min(m, lo + rows)
+            part = tn(_whole(hi - lo, k, a.device).copy_(a[lo:hi]),
+                      _whole(hi - lo, n, a.device).copy_(b[lo:hi]), backend=backend)
+            total = part if total is None else total.add_(part)
+        assert total is not None
+        return total
+    out = torch.zeros(k, n, dtype=b.dtype, device=a.device)
     wide = empty(rows, k, dtype=b.dtype, device=a.device)  # (pooled: above glibc's cap)
     with tensor_cores(backend, a):
         for lo in range(0, m, rows):

@@ -349,6 +349,29 @@ def test_tn_widens_a_bf16_operand_a_row_block_at_a_time(backend, monkeypatch):
     assert_product_orders_agree(blocked.t(), b.t(), a.float(), what="not a^T b")
 
 
+
+@ONEDNN_TN
+def test_tn_of_a_large_bf16_operand_runs_its_row_blocks_through_onednn(monkeypatch):
+    """Above ``WIDEN_BYTES`` each row block of ``a`` (widened) and of ``b`` is copied into
+    buffers of ``empty`` and the blocks' products go through oneDNN (all but a last block
+    below ``PAIR_MIN``), added in row order: ``a.float()^T b`` to float rounding."""
+    calls = []
+    real = dense._onednn_tn
+    monkeypatch.setattr(dense, "_onednn_tn", lambda x, y: calls.append(1) or real(x, y))
+    monkeypatch.setattr(dense, "WIDEN_BYTES", 4 * (64 + 48) * 2000)  # 2000 rows a block
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(9003, 64, generator=g).to(torch.bfloat16)
+    b = dense.empty(9003, 48).copy_(torch.randn(9003, 48, generator=g))
+    got = dense.tn(a, b)
+    assert len(calls) == 4  # 4 blocks of 2000 rows; the last 1003 rows too few to pair
+    assert got.dtype == torch.float32 and got.shape == (64, 48)
+    assert_product_orders_agree(got.t(), b.t(), a.float(), what="not a^T b")
+    calls.clear()
+    assert_product_orders_agree(dense.tn(a, b, backend="torch").t(), b.t(), a.float(),
+                                what="not a^T b")
+    assert calls == []  # torch's backend: torch's products
+
+
 def test_tf32_is_auto_on_the_cpu_and_tensor_cores_on_a_gpu_for_the_call_only():
     from types import SimpleNamespace
 
