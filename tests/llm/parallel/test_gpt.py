@@ -208,3 +208,19 @@ def test_grid_errors_show_the_arithmetic():
     ParallelGPT(meta(tied), fake_groups(data=2), seed=0)  # data parallel: fine
     ParallelGPT(meta(BASE), fake_groups(data=2, depth=3), seed=0)  # any batch pads to data x depth
     ParallelGPT(GPT(BASE), fake_groups(depth=2))  # a full model is sliced
+
+
+def test_shards_are_the_parameters_by_name_named_once(monkeypatch):
+    """``shards()`` is the model's parameters by name; it walks the module tree once (each
+    step's gradient sync and clipping read it), and its dict is the caller's own."""
+    model = ParallelGPT(GPT(BASE, device="meta"), fake_groups(), seed=0)
+    want = dict(model.model.named_parameters())
+    first = model.shards()
+    assert list(first) == list(want) and all(first[n] is want[n] for n in want)
+    walks = []
+    real = type(model.model).named_parameters
+    monkeypatch.setattr(type(model.model), "named_parameters",
+                        lambda self, *a, **k: walks.append(1) or real(self, *a, **k))
+    first.clear()  # the caller's own dict
+    again = model.shards()
+    assert walks == [] and list(again) == list(want) and all(again[n] is want[n] for n in want)
