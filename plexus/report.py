@@ -114,11 +114,14 @@ def run_summary(result: TrainResult, source: ShardSource, grid: ProcessGrid, ctx
                      "eval_every": cfg["run"]["eval_every"]},
     }
     if source.name.startswith("ogbn-") and hist:
-        from plexus.data.ogb import ogb_accuracy
+        # both forward passes before the Evaluator is imported: ogb's import (pandas and the
+        # rest, a few hundred MiB resident) would add to the second pass's peak
+        passes = {key: split_predictions(result, best=at_best)  # collective
+                  for key, at_best in (("ogb_evaluator", False), ("ogb_evaluator_best_val", True))}
+        if ctx.is_main:
+            from plexus.data.ogb import ogb_accuracy
 
-        for key, at_best in (("ogb_evaluator", False), ("ogb_evaluator_best_val", True)):
-            splits = split_predictions(result, best=at_best)  # collective
-            if ctx.is_main:
+            for key, splits in passes.items():
                 out[key] = {s: ogb_accuracy(source.name, y, p)
                             for s, (y, p) in splits.items() if y.numel()}
     return out
