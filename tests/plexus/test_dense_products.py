@@ -82,9 +82,9 @@ def test_pooled_buffers_train_alike(monkeypatch):
     served = []
     real = dense._Pool.take
 
-    def take(self, rows, cols):
+    def take(self, rows, cols, whole=False):
         before = len(self.free)
-        got = real(self, rows, cols)
+        got = real(self, rows, cols, whole)
         served.append(len(self.free) < before)
         return got
 
