@@ -250,7 +250,9 @@ class _Pool:
 
     A request takes a pooled buffer of its shape, else the smallest pooled one that holds it
     and is at most :data:`FIT` times its size (the request then gets its first elements, as a
-    tensor of its own, which :func:`tn` leaves to torch), else a new one.
+    tensor of its own, which :func:`tn` leaves to torch), else a new one. A ``whole`` request
+    (:func:`tn`'s copies, a bf16 block: shape ``[1, half its elements]``) takes only a buffer
+    of its own shape, so that bf16 blocks and float32 ones do not take each other's.
 
     Bound: the buffers held, in use and pooled, never exceed the most that were in use at one
     time before (``mark``): a request the pool cannot serve first hands back, oldest first,
@@ -360,7 +362,7 @@ def _paired(rows: int, cols: int, whole: bool = False) -> torch.Tensor:
 def _paired_half(rows: int, cols: int) -> torch.Tensor:
     """A bf16 [rows, cols] tensor over the first bytes of a pooled float32 buffer of
     ``ceil(rows * cols / 2)`` elements (not in ``_OWNERS``: :func:`tn` reads float32 only)."""
-    t, _ = _pooled(1, (rows * cols + 1) // 2)
+    t, _ = _pooled(1, (rows * cols + 1) // 2, whole=True)  # (never a float32 block's buffer)
     return t.view(-1).view(torch.bfloat16)[:rows * cols].view(rows, cols)
 
 
@@ -395,8 +397,8 @@ def empty(rows: int, cols: int, *, dtype: torch.dtype = torch.float32,
 
 def converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)`` (``t`` itself where it has that dtype), into a buffer of :func:`empty`
-    for a 2-D CPU ``t``: the same bits."""
-    if t.dtype == dtype or t.dim() != 2 or t.device.type != "cpu":
+    for a contiguous 2-D CPU ``t``: the same bits."""
+    if t.dtype == dtype or t.dim() != 2 or t.device.type != "cpu" or not t.is_contiguous():
         return t.to(dtype)
     return empty(*t.shape, dtype=dtype).copy_(t)
 
@@ -470,10 +472,11 @@ def tn(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tens
     exactly, whole where that copy is at most :data:`WIDEN_BYTES` (into a buffer of
     :func:`empty`, so that oneDNN reads it as it lies: the bits of ``tn(a.float(), b)``), else
     a row block at a time: where oneDNN runs, each block of ``a`` widened and the same rows
-    of ``b`` copied into buffers of :func:`empty` (the two within :data:`WIDEN_BYTES`), their
-    products added in row order; elsewhere each block of ``a`` widened into one reused float32
-    block, whose products ``torch.addmm`` sums. Float32 sums either way (the same precision,
-    another order of the sum).
+    of ``b`` copied into whole pooled buffers (the two within :data:`WIDEN_BYTES`; a block
+    under :data:`PAIR_MIN` elements goes to torch), their products added in row order;
+    elsewhere each block of ``a`` widened into one reused float32 block, whose products
+    ``torch.addmm`` sums. Float32 sums either way (the same precision, another order of the
+    sum).
 
     Shapes: a [m, k], b [m, n] -> [k, n]
     """
@@ -491,7 +494,7 @@ def _whole(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     """:func:`empty`'s float32 [rows, cols], all of one pooled buffer where it pairs (a
     larger buffer's start would leave :func:`tn` to torch)."""
     if not _pairs(rows * cols, torch.float32, device):
-        return torch.empty(rows, cols, device=device)
+        return torch.empty(rows, cols, dtype=torch.float32, device=device)
     return _paired(rows, cols, whole=True)
 
 

@@ -228,6 +228,10 @@ class ParallelGPT(nn.Module):
             self._named = tuple(self.model.named_parameters())
         return dict(self._named)
 
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), to_empty(): named again
+        self._named = None
+        return super()._apply(fn, recurse)
+
     def finish_backward(self) -> None:
         """Wait for the deferred depth reduce-scatters (ORS) and drop any weights gathered for
         the backward; call after each backward."""

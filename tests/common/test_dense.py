@@ -425,3 +425,24 @@ def test_converted_is_to_with_the_same_bits():
     assert torch.equal(wide.view(torch.int32), got.float().view(torch.int32))
     v = torch.randn(5000)  # not 2-D: torch's own
     assert torch.equal(dense.converted(v, torch.bfloat16), v.to(torch.bfloat16))
+
+
+@ONEDNN_TN
+def test_bf16_blocks_and_float32_blocks_do_not_take_each_others_buffers(pooling):
+    """A bf16 block (and ``tn``'s whole copies) takes only a pooled buffer of its own shape:
+    a freed float32 block's buffer waits for the next float32 block, which then needs no
+    fresh pages, and a larger pooled buffer is not cut down for a whole request."""
+    import gc
+
+    t = dense.empty(4096, 128)
+    addr = t.data_ptr()
+    del t
+    gc.collect()
+    half = dense.converted(torch.randn(4096, 128), torch.bfloat16)
+    assert half.data_ptr() != addr  # not the float32 block's buffer
+    again = dense.empty(4096, 128)
+    assert again.data_ptr() == addr and dense.uses_onednn_tn(again, dense.empty(4096, 64))
+    del again
+    gc.collect()
+    whole = dense._whole(3000, 128, torch.device("cpu"))  # smaller than the pooled one
+    assert whole.data_ptr() != addr and dense._onednn_of(whole) is not None

@@ -224,3 +224,19 @@ def test_shards_are_the_parameters_by_name_named_once(monkeypatch):
     first.clear()  # the caller's own dict
     again = model.shards()
     assert walks == [] and list(again) == list(want) and all(again[n] is want[n] for n in want)
+
+
+def test_shards_follow_parameters_a_conversion_replaces():
+    """A conversion that makes new parameter objects (torch's overwrite-on-conversion
+    setting) names them again: ``shards()`` is never a stale list."""
+    model = ParallelGPT(GPT(BASE, device="meta"), fake_groups(), seed=0)
+    before = model.shards()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    now = dict(model.model.named_parameters())
+    assert any(now[n] is not before[n] for n in now)  # new objects
+    got = model.shards()
+    assert list(got) == list(now) and all(got[n] is now[n] for n in now)
