@@ -434,15 +434,20 @@ def test_bf16_blocks_and_float32_blocks_do_not_take_each_others_buffers(pooling)
     fresh pages, and a larger pooled buffer is not cut down for a whole request."""
     import gc
 
-    t = dense.empty(4096, 128)
+    big = dense.empty(16384, 256)  # the most in use at once (the pool's bound) 16 MiB
+    del big
+    gc.collect()
+    t = dense.empty(4096, 128)  # (the 16 MiB buffer, over 4x its size, is handed back)
     addr = t.data_ptr()
     del t
     gc.collect()
+    assert pooling.pooled == 4 * 4096 * 128
     half = dense.converted(torch.randn(4096, 128), torch.bfloat16)
-    assert half.data_ptr() != addr  # not the float32 block's buffer
+    assert half.data_ptr() != addr and pooling.pooled == 4 * 4096 * 128  # not taken
     again = dense.empty(4096, 128)
     assert again.data_ptr() == addr and dense.uses_onednn_tn(again, dense.empty(4096, 64))
     del again
     gc.collect()
     whole = dense._whole(3000, 128, torch.device("cpu"))  # smaller than the pooled one
     assert whole.data_ptr() != addr and dense._onednn_of(whole) is not None
+    assert [4096, 128] in [list(b.shape) for b in pooling.free]  # left in the pool
