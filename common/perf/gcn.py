@@ -229,6 +229,7 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
     red = WIRE_SUM_BYTES if work.stored_bytes < F32 else 2 * F32  # per element all-reduced
     params = 0
     last_rows = work.output_rows(shape)
+    gpu = machine.device_memory is not None
     for layer in range(work.num_layers):
         o, i, p = roles(layer)
         O, I, P = shape[o], shape[i], shape[p]  # noqa: N806
@@ -240,10 +241,9 @@ def gcn_compute(work: GCNWorkload, shape: Mapping[str, int], machine: MachinePro
         root = kept * work.num_nodes / (P * O)  # GraphSAGE's S block
         k = work.terms
         forward, backward = work._runs(layer, first_epoch)
+        first = work.weight_first_layer(layer, shape)  # A (F' W): the SpMMs b wide, O = I = 1
         # F_0 is stored in the precision; on a GPU every later F' (or any F' W) is rounded
         # to it as the SpMM reads it (one pass, float32 in, bf16 out), on the CPU not
-        gpu = machine.device_memory is not None
-        first = work.weight_first_layer(layer, shape)  # A (F' W): the SpMMs b wide, O = I = 1
         rounds_x = gpu and work.stored_bytes < F32 and (layer > 0 or first)
         x_bytes = work.stored_bytes if (layer == 0 and not first) or rounds_x else F32
         # H_0 recomputed in backward; where layer 0 multiplies first, F' is remade instead
