@@ -277,21 +277,41 @@ def _gpu_cell(row: dict[str, Any], step: str, prefix: str = "") -> str:
 
 
 def _train_cli(ranks: int, cli: list[str], metrics: Path) -> tuple[dict[str, Any], float]:
-    """``plexus.train`` on ``ranks`` ranks: (its summary, the peak RSS of the largest child
-    process so far, which for one rank is that rank's own, preparation included)."""
-    import resource
+    """``plexus.train`` on ``ranks`` ranks: (its summary, the peak RSS of that child process
+    and the processes it waited for, which for one rank is that rank's own, preparation
+    included). Read with ``wait4`` for this child alone (``RUSAGE_CHILDREN`` is the largest
+    of every child so far); a child started from this process inherits its peak, so this
+    process holds no large data (ogb_case writes the files in a child)."""
+    import tempfile
 
     from common.spawn import ranks_command
 
     cmd = ranks_command(ranks, [sys.executable, "-m", "plexus.train", *cli, "--metrics",
                                 str(metrics)])
     print("$ " + " ".join(cmd), flush=True)
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                       stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"training failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            out.seek(0)
+            err.seek(0)
+            sys.exit(f"training failed (exit {proc.returncode}):\n{out.read()[-2000:]}\n"
+                     f"{err.read()[-3000:]}")
     summary = [json.loads(x) for x in metrics.read_text().splitlines()][-1]["summary"]
-    return summary, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return summary, usage.ru_maxrss * 1024
+
+
+# the test suite's writer of OGB-format files, run as a child process (ogb_case)
+WRITE_PAPERS = """
+import json, sys
+from tests.plexus.data.ogb_format import write_papers100m_like
+p = json.loads(sys.argv[2])
+write_papers100m_like(sys.argv[1], num_nodes=p["nodes"], num_features=p["features"],
+                      avg_degree=2 * p["edges"] / p["nodes"], num_classes=p["classes"],
+                      labeled_fraction=p["labelled"])
+"""
 
 
 def ogb_case(args) -> bool:
@@ -304,17 +324,14 @@ def ogb_case(args) -> bool:
               "labelled": args.ogb_labelled}
     written = root / "ogbn_papers100M" / "bench-params.json"
     if not raw.is_file() or not written.is_file() or json.loads(written.read_text()) != params:
-        sys.path.insert(0, str(ROOT))  # the test suite's writer of OGB-format files
-        from tests.plexus.data.ogb_format import write_papers100m_like
-
         print(f"writing OGB-format files of a {args.ogb_nodes:,}-node graph under {root} "
               f"({args.ogb_classes} classes, {100 * args.ogb_labelled:g}% of nodes labelled)",
               flush=True)
         shutil.rmtree(root / "ogbn_papers100M", ignore_errors=True)
-        write_papers100m_like(root, num_nodes=args.ogb_nodes, num_features=args.ogb_features,
-                              avg_degree=2 * args.ogb_edges / args.ogb_nodes,
-                              num_classes=args.ogb_classes,
-                              labeled_fraction=args.ogb_labelled)
+        # in a process of its own: the first run's peak is read as the largest child's, and
+        # a child forked from this process would report this process's peak as its own
+        subprocess.run([sys.executable, "-c", WRITE_PAPERS, str(root), json.dumps(params)],
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
         written.write_text(json.dumps(params))
     shutil.rmtree(root / "prepared", ignore_errors=True)  # the first run must prepare
     from common.memory import GPU_PEAK_KEYS

@@ -35,6 +35,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from common.alloc import retain_freed_memory
 from plexus.data.errors import DatasetCorruptError, DatasetNotFoundError
 from plexus.data.lock import preparing_lock
 from plexus.data.ogb import OGB_DATASETS, missing_files, not_found_message
@@ -163,6 +164,11 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
             source = _source(name, root, edge_file, seed, symmetrize, tmp_dir=out.parent)
             from plexus.data.writer import prepare
 
+            # preparing's buffers go back to the OS as they are freed: glibc's thresholds
+            # left alone rise to each freed buffer's size (up to 32 MiB), and its heap then
+            # keeps hundreds of MiB, which training touches again (common.alloc). The
+            # trainer sets its own policy after
+            retain_freed_memory(False)
             prepare(source, out, blocks=blocks, permutation=permutation, seed=seed,
                     quiet=quiet)
     except BaseException as e:

@@ -236,13 +236,22 @@ def ogb_sizes(raw: str | os.PathLike) -> tuple[int, int, int]:
 
 
 def _ogb_num_classes(name: str) -> int:
-    """"num classes" of ``name`` in ogb's own master.csv (what NodePropPredDataset reports)."""
-    import pandas as pd
+    """"num classes" of ``name`` in ogb's own master.csv (what NodePropPredDataset reports).
+    The file is found without importing ``ogb.nodeproppred``, which pulls in torch_geometric,
+    scikit-learn and pandas: seconds of start-up, and resident memory that the preparing
+    rank would keep through training."""
+    import csv
+    import importlib.util
 
-    from plexus.data.ogb import import_ogb_nodeproppred
-
-    master = Path(import_ogb_nodeproppred().__file__).parent / "master.csv"
-    return int(pd.read_csv(master, index_col=0, keep_default_na=False)[name]["num classes"])
+    os.environ["OUTDATED_IGNORE"] = "1"  # (ogb's version check, as import_ogb_nodeproppred)
+    spec = importlib.util.find_spec("ogb.nodeproppred")  # imports ogb, not the subpackage
+    if spec is None or spec.origin is None:
+        raise ImportError("ogb.nodeproppred was not found; pip install ogb")
+    with open(Path(spec.origin).parent / "master.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    column = rows[0].index(name)
+    (classes,) = [row[column] for row in rows if row[0] == "num classes"]
+    return int(classes)
 
 
 def _npz_header(zf: zipfile.ZipFile, key: str):

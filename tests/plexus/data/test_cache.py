@@ -179,3 +179,42 @@ def test_default_blocks_fit_the_grid():
     assert blocks("16x1x1", 16) == 16
     assert blocks("auto", 6) == blocks("auto:local-cpu", 6) == 8
     assert blocks(None, 3) == 9 and blocks(None, 1) == 8
+
+
+def test_preparing_reads_ogbs_class_counts_without_importing_its_loaders(tmp_path):
+    """The writer rank prepares in the training process: it reads "num classes" from ogb's
+    master.csv without importing ogb.nodeproppred (torch_geometric, scikit-learn: seconds, and
+    memory kept through training), and fixes glibc's thresholds first (common.alloc), so that
+    the heap does not keep what preparing freed."""
+    import subprocess
+    import sys
+
+    from tests.distributed import ROOT
+
+    write_papers100m_like(tmp_path, num_nodes=300)
+    code = (
+        "import sys\n"
+        "import common.alloc, plexus.data.cache as c\n"
+        "calls = []\n"
+        "c.retain_freed_memory = lambda on: calls.append(on)\n"
+        "out = c.prepared_cache('ogbn-papers100M', sys.argv[1], blocks=2, permutation='double',"
+        " seed=0, symmetrize=False, is_writer=True)\n"
+        "import json; meta = json.loads((out / 'manifest.json').read_text())\n"
+        "print(calls, meta['num_classes'], sorted(m for m in ('ogb.nodeproppred', "
+        "'torch_geometric', 'sklearn') if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[-2] == "[False] 172 []"
+
+
+def test_the_class_counts_are_ogbs_own():
+    from plexus.data.ogb import OGB_DATASETS, import_ogb_nodeproppred
+    from plexus.data.sources import _ogb_num_classes
+
+    master = import_ogb_nodeproppred().__file__.replace("__init__.py", "master.csv")
+    import pandas as pd
+
+    table = pd.read_csv(master, index_col=0, keep_default_na=False)
+    for name in OGB_DATASETS:
+        assert _ogb_num_classes(name) == int(table[name]["num classes"])
