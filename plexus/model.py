@@ -307,14 +307,23 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
                      if len(ws) else None for ws in (self.weights, self.root_weights))
 
     def _matmul(self, layer: int, h: torch.Tensor, weights: nn.ParameterList,
-                stats: CommStats | None, gathered=None, into=None) -> torch.Tensor:
+                stats: CommStats | None, gathered=None, into=None,
+                kept: torch.Tensor | None = None) -> torch.Tensor:
         """``H W`` [N/P, D_l+1/O], partial over I, with ``W`` gathered over P (3, 5, 6);
         ``gathered``: the handle of that all-gather, issued by :meth:`_prefetch`; ``into``:
-        a fresh product it is added into."""
+        a fresh product it is added into; ``kept``: ``H``'s copy for backward, shared with
+        another product of the same ``H`` (:meth:`_kept_copy`)."""
         p_group = self.wire[layout.roles(layer)[2]]
         keep = self.keep_dtype if torch.is_grad_enabled() else None  # no copy for no backward
         return ops.GatheredMatmul.apply(h, weights[layer], p_group, self.block_shapes[layer],
-                                        stats, gathered, keep, self.products, into)
+                                        stats, gathered, keep, self.products, into, kept)
+
+    def _kept_copy(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The copy of ``h`` that :meth:`_matmul` keeps for backward, made once for every
+        product of ``h`` (None where it keeps ``h`` itself or keeps nothing)."""
+        if self.keep_dtype is None or not torch.is_grad_enabled():
+            return None
+        return dense.converted(h, self.keep_dtype)
 
     @property
     def products(self) -> str:
@@ -335,11 +344,13 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
         if self.keep_dtype is not None:  # in place into a fresh F', else into a copy
             fresh = (self.training and self.dropout > 0) or not torch.is_grad_enabled()
             f = ops.Rounded.apply(f, self.keep_dtype, not fresh)
+        kept = self._kept_copy(f) if self.kind == "sage" else None  # one for both terms
         q = self._spmm_o(self.shard.adj, layer,
-                         self._matmul(layer, f, self.weights, stats, gathered[0]), stats)
+                         self._matmul(layer, f, self.weights, stats, gathered[0], kept=kept),
+                         stats)
         if self.kind == "sage":  # added into the first term's Q (fresh: nothing saved it)
             q = q.add_(self._spmm_o(self.shard.root, layer, self._matmul(
-                layer, f, self.root_weights, stats, gathered[1]), stats))
+                layer, f, self.root_weights, stats, gathered[1], kept=kept), stats))
         return q
 
     def _sum_inner(self, layer: int, q: torch.Tensor, stats: CommStats | None):

@@ -328,18 +328,24 @@ class GatheredMatmul(torch.autograd.Function):
     ``into``: a fresh [N/P, D_l+1/O] product that ``H W`` is added into (GraphSAGE's ``R W_r``
     into ``H W``: one block, not two); its gradient is ``dQ``.
 
+    ``kept``: the copy of ``H`` in ``keep`` to keep, made by the caller once for several
+    products of the same ``H`` (GraphSAGE's weight-first layer: ``F' W`` and ``F' W_r`` keep
+    one bf16 ``F'``, not one each); None: made here.
+
     Shapes: h [N/P, D_l/I], w_shard [ceil(D_l/I * D_l+1/O / P)], shape (D_l/I, D_l+1/O)
     -> [N/P, D_l+1/O]
     """
 
     @staticmethod
     def forward(ctx: Any, h, w_shard, group: AxisGroup, shape, stats, gathered=None,
-                keep: torch.dtype | None = None, gemm: str = "auto", into=None):
+                keep: torch.dtype | None = None, gemm: str = "auto", into=None, kept=None):
         """``gathered``: the handle of this W's all-gather issued earlier (async, so that it
         travels during the aggregation), or None to gather now."""
         ctx.group, ctx.shape, ctx.stats, ctx.gemm = group, shape, stats, gemm
         ctx.h_dtype = h.dtype  # a bf16 H takes a bf16 dH (rounded here, not by autograd)
-        ctx.save_for_backward(h if keep is None else dense.converted(h, keep), w_shard)
+        if kept is None:
+            kept = h if keep is None else dense.converted(h, keep)
+        ctx.save_for_backward(kept, w_shard)
         w = (flat.gather(w_shard, group, shape, stats=stats) if gathered is None
              else gathered.wait())
         if into is None:
@@ -360,7 +366,7 @@ class GatheredMatmul(torch.autograd.Function):
                    dense.empty(dq.shape[0], w.shape[1], dtype=ctx.h_dtype, device=dq.device))
             dh = dense.mm(dq, w, backend=ctx.gemm, out=out)
         return (dh, flat.reduce_scatter(dw, group, stats=stats), None, None, None, None,
-                None, None, dq if ctx.needs_input_grad[8] else None)
+                None, None, dq if ctx.needs_input_grad[8] else None, None)
 
 
 def _gathered_weights(shards, gathered, group: AxisGroup, shape, stats) -> list[torch.Tensor]:

@@ -172,12 +172,17 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
                 narrow_x * b
         elif lay["first"]:  # per term F' W, then A G; SAGE: Q + S G_r; O = I = 1
             g32 = lay["in_rows"] * b * F32
-            wide_f = f_in if work.stored_bytes != F32 else 0  # bf16: F' rounded, a copy kept
-            phases[f"forward {lay['index']} matmul"] = base + f_in + wide_f + g32 + weights + (
+            # bf16: F' rounded (into a float32 copy where no dropout made a fresh F'), read
+            # by both terms' products until the second is made, and one bf16 copy kept for
+            # both terms' dW (lay["kept_h"]); float32 keeps F' itself
+            wide = work.stored_bytes != F32
+            f_held = (2 if work.dropout == 0 else 1) * f_in if wide else 0
+            phases[f"forward {lay['index']} matmul"] = base + (f_held + lay["kept_h"] if wide
+                                                               else f_in) + g32 + weights + (
                 q32 if k == 2 else 0)  # the root term's G beside the adjacency term's Q
             # one term's G at a time (freed after its SpMM); SAGE adds the second Q into
             # the first
-            phases[f"forward {lay['index']} aggregate"] = base + lay["kept_h"] + (
+            phases[f"forward {lay['index']} aggregate"] = base + lay["kept_h"] + f_held + (
                 2 * q32 + g32 if k == 2 else g32 + q32) + narrow_x * b
         elif lay["recomputed"]:  # Q filled row block by row block: nothing of H is kept
             phases[f"forward {lay['index']} recompute"] = base + _recompute(work, lay)
@@ -222,11 +227,13 @@ def gcn_memory_phases(work: GCNWorkload, shape: Mapping[str, int], *,
             continue
         if lay["first"]:  # per term dG = A^T dQ -> dF' = dG W^T, dW; summed -> dF over P
             g32, df = lay["in_rows"] * b * F32, lay["in_rows"] * a * F32
-            # one term's dG at a time; the first term's dF' waits for the second's
+            # one term's dG at a time; the first term's dF' waits for the second's, whose
+            # dG is made after dQ's last use (autograd runs the root term's SpMM and
+            # product backward first)
             phases[f"backward {lay['index']} dG"] = base + lay["kept_h"] + q32 + g32 + (
                 k - 1) * df
-            phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + q32 + g32 + (
-                k * df) + 2 * a * b * F32
+            phases[f"backward {lay['index']} matmul"] = base + lay["kept_h"] + g32 + max(
+                q32 + df, k * df) + 2 * a * b * F32
             phases[f"backward {lay['index']} dF"] = base + df + _reduce_buffer(
                 df, lay["p_size"], work)
             continue
@@ -347,8 +354,8 @@ def _layers(work: GCNWorkload, shape: Mapping[str, int]) -> list[dict]:
         remade = layer == 0 and work.recomputes_first and first
         if recomputed or remade:  # kept for dW: nothing,
             kept_h = 0
-        elif first:  # F' [N/O, a] (in float32 one tensor for both terms, in bf16 one copy each)
-            kept_h = (1 if kept == F32 else k) * (n // shape[o]) * a * kept
+        elif first:  # F' [N/O, a]: one tensor for both terms (bf16: one copy, shared)
+            kept_h = (n // shape[o]) * a * kept
         else:  # or H [rows, a] per term
             kept_h = k * rows * a * kept
         out.append({"index": layer, "rows": rows, "in_rows": n // shape[o], "a": a, "b": b,

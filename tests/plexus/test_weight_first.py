@@ -24,7 +24,7 @@ HIDDEN, SEED, STEP = 12, 5, 2  # hidden 12 -> 5 classes: the last layer narrows
 # (model, layers, precision, learn_features, residual, norm)
 CASES = [("gcn", 3, "fp32", False, False, "none"), ("gcn", 3, "fp32", True, False, "none"),
          ("sage", 2, "fp32", True, False, "none"), ("gcn", 4, "fp32", False, True, "batch"),
-         ("gcn", 3, "bf16", False, False, "none")]
+         ("gcn", 3, "bf16", False, False, "none"), ("sage", 3, "bf16", False, False, "none")]
 
 # which layers multiply first with weight_first=True, per grid (layer 0 with fixed features
 # too: with dropout F' = dropout(F_0) is remade in backward, plexus.ops.RemadeInputMatmul)
@@ -73,8 +73,10 @@ def _assert_weight_first_equals_aggregate_first(results):
             assert off["layers"] == [False] * num_layers, tag
             # every case has dropout, so layer 0 of fixed features (remade) may multiply first
             assert per[True]["layers"] == FORCED[grid_text][:num_layers], tag
-            if None in per:  # one rank: the narrowing last layer (hidden 12 -> 5 classes)
-                assert per[None]["layers"] == [False] * (num_layers - 1) + [True], tag
+            if None in per:  # one rank: the narrowing last layer (hidden 12 -> 5 classes);
+                # GraphSAGE also the hidden layers that do not widen (12 -> 12)
+                hidden = [r["case"][1] == "sage"] * (num_layers - 2)
+                assert per[None]["layers"] == [False, *hidden, True][-num_layers:], tag
             # bf16 rounds F' (weight first) instead of H: a few bf16 steps apart
             tol = 3e-2 if precision == "bf16" else 1e-5
             for option, on in per.items():
@@ -86,9 +88,10 @@ def _assert_weight_first_equals_aggregate_first(results):
                 assert on["bytes"] == off["bytes"], f"{tag} {option}: bytes moved differ"
             for option, on in per.items():  # S's CSR made only where an SpMM reads it
                 made, kind, residual = on["made"], r["case"][1], r["case"][5]
+                fixed = not r["case"][4]  # layer 0 of fixed features: S F_0 (H_0's R) an SpMM
                 for k, (blk, was) in made.items():
                     readers = [m for m, (other, _) in made.items() if other == blk]
-                    want = any((kind == "sage" and on["layers"][m])
+                    want = any((kind == "sage" and (on["layers"][m] or (m == 0 and fixed)))
                                or (residual and 1 <= m < num_layers - 1) for m in readers)
                     assert was == want, f"{tag} {option}: root block {k} made {was}"
                 assert sorted(on["grads"]) == sorted(off["grads"]), tag
@@ -107,6 +110,48 @@ def _assert_weight_first_equals_aggregate_first(results):
 ])
 def test_weight_first_equals_aggregating_first(world, grids):
     _assert_weight_first_equals_aggregate_first(run_ranks(_runs, world, grids))
+
+
+def _saved_bf16(ctx):
+    """A one-rank 3-layer GraphSAGE in bf16 multiplying first in every layer: its layers,
+    widths, and the bf16 blocks of all N rows that autograd saved (shape, address)."""
+    import torch
+
+    from common.grid import ProcessGrid
+    from plexus.model import PlexusGCN
+
+    graph = small_graph()
+    grid = ProcessGrid.parse("1x1x1")
+    groups = ctx.create_groups(grid)
+    widths = layer_widths(graph.num_features, HIDDEN, 3, graph.num_classes)
+    shard = model_source(graph, "sage").shard(grid.shape, grid.coords(ctx.rank), widths)
+    model = PlexusGCN(shard, groups, model="sage", seed=SEED, dropout=0.5, bias=True,
+                      labelled_rows_only=False, precision="bf16",
+                      weight_first=True)
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[0] >= graph.num_nodes:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(step=STEP)
+    return {"layers": list(model.weight_first), "widths": widths,
+            "saved": [(tuple(t.shape), t.data_ptr()) for t in saved]}
+
+
+def test_graphsages_two_products_keep_one_bf16_copy_of_f():
+    """``F' W`` and ``F' W_r`` read the same F': in bf16 they keep one rounded copy of it for
+    their dW, not one each (plexus.model PlexusGCN._kept_copy). Layer 0 of fixed features
+    remakes F' in backward and keeps none; layers 1 and 2 keep one [N, 12] copy each."""
+    import collections
+
+    (got,) = run_ranks(_saved_bf16, 1)
+    assert got["layers"] == [True, True, True]
+    assert got["widths"][1] == got["widths"][2] == HIDDEN
+    times = collections.Counter(ptr for shape, ptr in got["saved"] if shape[1] == HIDDEN)
+    assert sorted(times.values()) == [2, 2], got["saved"]
 
 
 def test_the_planner_runs_a_weight_first_layer_at_its_output_width():
@@ -162,3 +207,28 @@ def test_the_planner_runs_a_weight_first_layer_at_its_output_width():
     assert spmm_auto < 0.8 * spmm_off  # the last layer's two SpMMs 47 wide instead of 256
     # one rank: F' [N, 256] kept instead of H [N, 256]: the same bytes
     assert gcn_memory_parts(auto, one)["kept_h"] == gcn_memory_parts(off, one)["kept_h"]
+
+
+def test_the_planner_keeps_one_f_for_graphsages_two_products():
+    """A weight-first GraphSAGE layer keeps one F' for both products' dW (bf16: one rounded
+    copy, test_graphsages_two_products_keep_one_bf16_copy_of_f), and autograd frees dQ after
+    both terms' SpMM backward, before the second product's: its backward holds the two
+    dF' but not dQ beside them. In bf16 the float32 F' is held beside the copy until both
+    products are made."""
+    from common.perf.gcn_memory import F32, _layers, gcn_memory_phases
+    from common.perf.gcn_workload import GCNWorkload
+
+    one = {"x": 1, "y": 1, "z": 1}
+    block = (1 << 20) * 64 * F32  # F', dQ, dG and each dF' alike here: 64 -> 64
+    phases = {}
+    for precision in ("fp32", "bf16"):
+        work = GCNWorkload(num_nodes=1 << 20, nnz=16 << 20, num_features=64, num_classes=16,
+                           num_layers=3, hidden=64, model="sage", precision=precision,
+                           dropout=0.5, labelled_rows_only=False)
+        lay = _layers(work, one)[1]
+        assert lay["first"] and lay["kept_h"] == (1 << 20) * 64 * work.stored_bytes
+        phases[precision] = p = gcn_memory_phases(work, one)
+        assert p["backward 1 matmul"] == p["backward 1 dG"] + 2 * 64 * 64 * F32
+    fp32, bf16 = phases["fp32"], phases["bf16"]
+    assert bf16["forward 1 matmul"] - fp32["forward 1 matmul"] == block // 2
+    assert bf16["forward 1 aggregate"] - fp32["forward 1 aggregate"] == block // 2
