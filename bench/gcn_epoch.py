@@ -97,11 +97,14 @@ from plexus.data.generators import planted_partition
 from plexus.data.partition import normalized_adjacency
 from plexus.sparse import SPMM_KERNELS, BlockSparse, CSRBlock
 from plexus.trainer import train_gcn
+from plexus.triton_switch import failures as triton_failures
 
 CPU = torch.device("cpu")
 DROPOUT_S: dict[str, list[float]] = {}  # per workload, our workers' dropout seconds an epoch
 PROFILES: dict[str, dict[str, list]] = {}  # per workload, each side's top_ops (--profile)
 ERRORS: dict[str, str] = {}  # per workload, why PyG's bf16 run failed (where it did)
+FALLBACKS: dict[str, str] = {}  # per workload, what of ours fell back (a failed CUDA graph
+# capture, a Triton kernel that failed): then ours ran eagerly or on torch's paths
 
 
 def to_torch_csr(m: sp.csr_matrix) -> torch.Tensor:
@@ -455,6 +458,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "pyg" and args.worker_retain:
         retain_freed_memory()
     times, dropout_s, profiles, errors = {}, {}, {}, {}  # (dropout_s: ours', an epoch)
+    fallbacks: dict[str, str] = {}
     timed_epochs = args.warmup + args.epochs
     total = timed_epochs + int(args.profile)  # and one more under the profiler
     for case in args.variant.split(","):
@@ -481,10 +485,16 @@ def worker(args: argparse.Namespace) -> None:
                            bias=False, dropout=args.dropout, norm=args.norm,
                            optimizer="adamw", precision=precision,
                            learn_features=variant == "learn")  # PyG's side's model
-        result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
-                           device=ctx.device,
-                           on_epoch=None if hook is None else lambda row, h=hook: h(row["epoch"]),
-                           **cfg)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
+                               device=ctx.device, on_epoch=None if hook is None else
+                               lambda row, h=hook: h(row["epoch"]), **cfg)
+        fell = [str(w.message) for w in caught if str(w.message).startswith("plexus:")
+                and ("could not be captured" in str(w.message) or "Triton" in str(w.message))]
+        fell += [f"Triton off in this process: {why}" for why in triton_failures()]
+        if fell:
+            fallbacks[case] = "; ".join(dict.fromkeys(fell))[:600]
         times[case] = [r["epoch_s"] for r in result.history[args.warmup:timed_epochs]]
         if hook is not None:
             profiles[case] = hook.top
@@ -496,7 +506,8 @@ def worker(args: argparse.Namespace) -> None:
                 masks_s = dropout_seconds(graph.num_nodes, widths, args.dropout, ctx.device)
             dropout_s[case] = masks_s
     print(json.dumps({"times": times, "dropout_s": dropout_s, "profile": profiles,
-                      "errors": errors, "threads": torch.get_num_threads()}), flush=True)
+                      "errors": errors, "fallbacks": fallbacks,
+                      "threads": torch.get_num_threads()}), flush=True)
     ctx.close()
 
 
@@ -542,6 +553,8 @@ def run_worker(args: argparse.Namespace, side: str, variant: str, thp: str,
         PROFILES.setdefault(v, {}).setdefault(side, top)
     for v, why in got.get("errors", {}).items():
         ERRORS.setdefault(v, why)
+    for v, why in got.get("fallbacks", {}).items():
+        FALLBACKS.setdefault(v, why)
     for v in variants:
         if v != variant:
             later.setdefault(v, []).append(got["times"][v])
@@ -629,6 +642,8 @@ def main(argv: list[str] | None = None) -> None:
                   for r in range(args.rounds)]
         if case in ERRORS:  # PyG in bf16 failed where the probe let it start
             print(f"{case}: PyG in bf16 failed, not counted: {ERRORS[case]}")
+        if case in FALLBACKS:  # (make gpu-check counts the workload as missed)
+            print(f"{case}: FALLBACK: ours did not run as planned: {FALLBACKS[case]}")
         sides = [side for side in sides if all(got[side[0]] is not None for got in rounds)]
         times = {name: [t for got in rounds for t in got[name]] for name, *_ in sides}
         pyg = [name for name, side, *_ in sides if side == "pyg"]

@@ -111,6 +111,8 @@ def _gcn_target(what: str, at_most: float, share: float | None = None,
     ``share``, our dropout at most that share of our epoch in every workload; with ``bf16``,
     ours in bf16 read and at most that against PyG in float32)."""
     def met(key: str) -> bool:
+        if "FALLBACK" in key:  # ours ran eagerly or on torch's paths: not what is judged
+            return False
         ratios, shares = _ratios(key), _shares(key)
         fp32 = [r for case, r in ratios.items() if not case.endswith("-bf16")]
         low = [r for case, r in ratios.items() if case.endswith("-bf16")]
@@ -130,15 +132,18 @@ MFU_TARGET = ("MFU >= 40%", lambda key: _number("MFU", key.replace("%", "")) >= 
 
 def gcn_key(out: str) -> str:
     """``ours/PyG fixed 0.84 learn 0.91 fixed-bf16 0.45, ours 0.012 s/epoch`` (with
-    ``, dropout fixed 6.1% learn 5.0%`` where the bench measured our dropout's share) from
-    bench/gcn_epoch.py's output, else ``?``."""
+    ``, dropout fixed 6.1% learn 5.0%`` where the bench measured our dropout's share, and
+    ``, FALLBACK in fixed`` where ours fell back to eager steps or torch's kernels, which no
+    target then meets) from bench/gcn_epoch.py's output, else ``?``."""
     ratios = re.findall(r"^((?:fixed|learn)(?:-bf16)?): ours/PyG ([\d.]+) against", out, re.M)
     ours = re.search(r"^ours \(Plexus 1x1x1\)[^\n]*?\s{2,}([\d.]+)", out, re.M)
     if not ratios or ours is None:
         return "?"
     key = "ours/PyG " + " ".join(f"{v} {r}" for v, r in ratios) + f", ours {ours[1]} s/epoch"
     shares = re.findall(r"^(fixed|learn): our dropout .* share ([\d.]+)%", out, re.M)
-    return key + (", dropout " + " ".join(f"{v} {f}%" for v, f in shares) if shares else "")
+    fell = re.findall(r"^(\S+): FALLBACK:", out, re.M)
+    return key + (", dropout " + " ".join(f"{v} {f}%" for v, f in shares) if shares else "") + (
+        f", FALLBACK in {' '.join(fell)}" if fell else "")
 
 
 def llm_key(out: str) -> str:

@@ -292,7 +292,12 @@ def _train_cli(ranks: int, cli: list[str], metrics: Path) -> tuple[dict[str, Any
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # interrupted: no training left running
+            proc.kill()
+            proc.wait()
+            raise
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode:
             out.seek(0)
@@ -328,8 +333,8 @@ def ogb_case(args) -> bool:
               f"({args.ogb_classes} classes, {100 * args.ogb_labelled:g}% of nodes labelled)",
               flush=True)
         shutil.rmtree(root / "ogbn_papers100M", ignore_errors=True)
-        # in a process of its own: the first run's peak is read as the largest child's, and
-        # a child forked from this process would report this process's peak as its own
+        # in a process of its own: a child started from this process takes this process's
+        # peak as its own, and the first run's peak is read from its child (_train_cli)
         subprocess.run([sys.executable, "-c", WRITE_PAPERS, str(root), json.dumps(params)],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
         written.write_text(json.dumps(params))
@@ -348,7 +353,7 @@ def ogb_case(args) -> bool:
         summary, child_peak = _train_cli(ranks, [*cli, *extra], root / "metrics.jsonl")
         mem = summary["memory_per_rank_max"]
         rows.append({"run": label, "ranks": ranks, "wall_s": time.perf_counter() - t,
-                     # the first run's child peak includes the preparation's processes
+                     # the first run's child peak includes the preparation
                      "peak_bytes": child_peak if not rows else mem["peak_bytes"],
                      "start_bytes": mem["resident_bytes_at_start"],
                      "features_weights_bytes": mem["features_weights_bytes"],

@@ -138,10 +138,14 @@ class StepGraph:
         self.zero_grad()  # the backward of the capture assigns gradients in the graph's pool
         kept = self.keep()
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph):
                 loss = self.body()
         except Exception as exc:  # an operation that cannot be captured, of many types
+            # (torch.cuda.graph's exit ends the capture before it restores the stream, and
+            # does not restore it when ending the capture raises)
+            torch.cuda.set_stream(stream)
             self.restore(kept)
             cause = exc.__context__  # (CUDA's own error says only that capture was broken)
             return self._fail(f"{type(exc).__name__}: {exc}" + (

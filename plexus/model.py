@@ -323,7 +323,7 @@ class PlexusGCN(ShardedState, FirstLayer, LastLayer, GATLayers, nn.Module):
         product of ``h`` (None where it keeps ``h`` itself or keeps nothing)."""
         if self.keep_dtype is None or not torch.is_grad_enabled():
             return None
-        return dense.converted(h, self.keep_dtype)
+        return dense.converted(h.detach(), self.keep_dtype)  # (no graph: as made in forward)
 
     @property
     def products(self) -> str:

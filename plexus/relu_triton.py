@@ -27,7 +27,7 @@ BLOCK_BYTES = 128  # a program's bytes of bits (1024 entries)
 @triton.jit
 def _entries(n, block_bytes: tl.constexpr):
     """(this program's bytes [B], their entries [B, 8], which entries exist)."""
-    byte = tl.program_id(0) * block_bytes + tl.arange(0, block_bytes)
+    byte = tl.program_id(0).to(tl.int64) * block_bytes + tl.arange(0, block_bytes)
     idx = byte.to(tl.int64)[:, None] * 8 + tl.arange(0, 8)[None, :]
     return byte, idx, idx < n
 

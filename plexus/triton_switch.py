@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["launch", "triton_function", "uses_triton"]
+__all__ = ["failures", "launch", "triton_function", "uses_triton"]
 
+_ACCELERATOR_ERROR = tuple(e for e in (getattr(torch, "AcceleratorError", None),) if e)
 _FAILED: list[str] = []  # why a Triton kernel failed in this process (then: none is used)
 _LAUNCHED: set[str] = set()  # the functions whose kernels have run here
 
@@ -36,6 +37,12 @@ def triton_function(module: str, name: str) -> Any:
     except ImportError:
         return None
     return getattr(kernels, name)
+
+
+def failures() -> list[str]:
+    """Why a Triton kernel failed at its first launch in this process (empty: none did; one
+    failure turns them all off)."""
+    return list(_FAILED)
 
 
 def uses_triton(device: torch.device | str) -> bool:
@@ -57,8 +64,9 @@ def launch(fn: Any, *args: Any) -> Any:
         return fn(*args)
     try:
         out = fn(*args)
-    except (torch.OutOfMemoryError, ValueError):  # the GPU's memory, our own checks: not
-        raise  # Triton's failing (the torch path would need the same)
+    except (torch.OutOfMemoryError, ValueError,  # the GPU's memory, our own checks, a CUDA
+            *_ACCELERATOR_ERROR):  # error of torch's (an earlier kernel's, surfacing here):
+        raise  # not Triton's failing (the torch path would meet the same)
     except Exception as exc:  # compilation and launch errors come in many types
         _FAILED.append(f"{name}: {type(exc).__name__}: {exc}")
         warnings.warn(f"plexus: a Triton kernel ({name}) failed at its first launch "

@@ -166,8 +166,9 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
 
             # preparing's buffers go back to the OS as they are freed: glibc's thresholds
             # left alone rise to each freed buffer's size (up to 32 MiB), and its heap then
-            # keeps hundreds of MiB, which training touches again (common.alloc). The
-            # trainer sets its own policy after
+            # keeps hundreds of MiB, which training touches again (common.alloc). On the CPU
+            # the trainer sets its own policy after; elsewhere (a GPU job's host) this rank
+            # keeps these fixed thresholds, glibc's defaults less their growth
             retain_freed_memory(False)
             prepare(source, out, blocks=blocks, permutation=permutation, seed=seed,
                     quiet=quiet)

@@ -96,6 +96,21 @@ def test_key_numbers_are_read_from_the_benches_real_output():
     assert gpu_check.gcn_key("crashed") == gpu_check.llm_key("") == "?"
 
 
+def test_a_workload_whose_step_fell_back_meets_no_target():
+    """bench/gcn_epoch.py prints ``CASE: FALLBACK: ...`` where ours ran eagerly (a failed CUDA
+    graph capture) or on torch's kernels (a failed Triton kernel): its numbers are not of what
+    the targets judge."""
+    out = ("fixed: ours/PyG 0.400 against PyG GCNConv\n"
+           "ours (Plexus 1x1x1), THP  0.010\n")
+    key = gpu_check.gcn_key(out)
+    assert key == "ours/PyG fixed 0.400, ours 0.010 s/epoch"
+    assert gpu_check.DROPOUT_TARGET[1](key)
+    fell = gpu_check.gcn_key(out + "fixed: FALLBACK: ours did not run as planned: plexus: the "
+                             "training step could not be captured\n")
+    assert fell == key + ", FALLBACK in fixed"
+    assert not gpu_check.DROPOUT_TARGET[1](fell)
+
+
 def test_rows_are_read_from_pytests_junit_report(tmp_path):
     (tmp_path / "test_sample.py").write_text(textwrap.dedent("""\
         import pytest

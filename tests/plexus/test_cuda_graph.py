@@ -77,6 +77,8 @@ class _FakeCuda:
         self.CUDAGraph, self.Stream, self.current_stream = Graph, Stream, Stream
         self.graph = lambda graph: Entered("capture", fails=outer.fail)
         self.stream = lambda stream: Entered("side stream")
+        # (a failed capture leaves its stream current: StepGraph puts the caller's back)
+        self.set_stream = lambda stream: outer.log.append("stream put back")
 
 
 @pytest.mark.parametrize("fail", [None, "capture", "ready"])
@@ -117,8 +119,9 @@ def test_the_step_graph_warms_up_captures_once_then_replays(monkeypatch, fail):
         assert seen == [0.0, 1.0, 2.0, 2.0]  # the captured loss, read after each replay
         assert graph.replaying and graph.failed is None and graph._kept == "H_0 of the warm-up"
     elif fail == "capture":
-        assert log[:len(warm) + 4] == [*warm, "zero_grad", "capture", "body", "restore"]
-        assert log[len(warm) + 4:] == ["zero_grad", "body"] * 2
+        assert log[:len(warm) + 5] == [*warm, "zero_grad", "capture", "body",
+                                       "stream put back", "restore"]
+        assert log[len(warm) + 5:] == ["zero_grad", "body"] * 2
         assert seen == [0.0, 1.0, 3.0, 4.0]  # the capture's body computed nothing used
         assert not graph.replaying and "not permitted" in graph.failed
     else:

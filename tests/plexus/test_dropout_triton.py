@@ -112,7 +112,11 @@ def test_a_kernel_that_fails_at_its_first_launch_leaves_the_torch_paths(monkeypa
     def short_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    for exc, fn in ((torch.OutOfMemoryError, short_of_memory), (ValueError, fused_dropout)):
+    def broken_device(*args):  # an earlier kernel's error, surfacing at this launch
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    for exc, fn in ((torch.OutOfMemoryError, short_of_memory), (ValueError, fused_dropout),
+                    (torch.AcceleratorError, broken_device)):
         with pytest.raises(exc):  # not Triton's failing: raised, and Triton stays on
             triton_switch.launch(fn, torch.ones(2, 2), torch.ones(1), torch.ones(1), None, 0.5)
     assert not triton_switch._FAILED

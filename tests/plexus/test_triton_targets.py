@@ -35,7 +35,12 @@ def _compile(target: str, cache: Path) -> list[dict]:
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_every_launch_compiles_for_the_target(target, tmp_path):
+    from triton.backends import backends
+
     binary, shared_limit = TARGETS[target]
+    backend = {"cuda": "nvidia", "hip": "amd"}[target.split(":")[0]]
+    if backend not in backends:
+        pytest.skip(f"this Triton has no {backend} backend")
     records = _compile(target, tmp_path / "cache")
     # 2 sizes x (1 mask + 9 dropouts + 1 ReLU + 2 masked + 8 SpMMs)
     assert len(records) == 42

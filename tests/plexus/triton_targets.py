@@ -8,8 +8,9 @@ lowers it to a GPU's code. Here each public function of the kernel modules runs 
 with its kernel objects swapped for recorders; every launch it makes (the grid, the arguments,
 the constexprs) is then handed to the kernel's own ``warmup``, with Triton's driver reporting
 the target, so that the runtime's own argument specialization decides what is compiled, down
-to the target's binary (a cubin, an hsaco), exactly as it would at the first launch on such a
-GPU. Nothing is launched.
+to the target's binary (a cubin, an hsaco), as at the first launch on such a GPU. Nothing is
+launched, so what only a launch checks (the grid's limits, registers against the device's) is
+not.
 
 Run in a process without ``TRITON_INTERPRET`` (the interpreter replaces the kernels' JIT).
 """
