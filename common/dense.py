@@ -381,15 +381,17 @@ def _pooled(rows: int, cols: int, whole: bool = False) -> tuple[torch.Tensor, _O
 
 
 def empty(rows: int, cols: int, *, dtype: torch.dtype = torch.float32,
-          device: torch.device | str = "cpu") -> torch.Tensor:
+          device: torch.device | str = "cpu", whole: bool = False) -> torch.Tensor:
     """``torch.empty(rows, cols, dtype=, device=)``; for a float32 CPU tensor of at least
     :data:`PAIR_MIN` elements where oneDNN runs, over the memory of a oneDNN tensor, so that
     :func:`tn` can read it in place (the module docstring). A bf16 CPU tensor of that size
     lies over a float32 oneDNN buffer of half its elements: a tall bf16 block (a bf16 ``H``
     kept for ``dW``) is made and freed every step as the float32 ones are, and the pool
-    serves it as it serves them (no page faults and zeroing each step)."""
+    serves it as it serves them (no page faults and zeroing each step). ``whole``: a float32
+    block is all of one pooled buffer, never a larger one's start (which :func:`tn` would
+    leave to torch)."""
     if _pairs(rows * cols, dtype, device):
-        return _paired(rows, cols)
+        return _paired(rows, cols, whole)
     if _pairs(rows * cols, torch.float32, device) and dtype == torch.bfloat16:
         return _paired_half(rows, cols)
     return torch.empty(rows, cols, dtype=dtype, device=device)
@@ -490,21 +492,13 @@ def tn(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tens
     return _onednn_tn(owner_a, owner_b)
 
 
-def _whole(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """:func:`empty`'s float32 [rows, cols], all of one pooled buffer where it pairs (a
-    larger buffer's start would leave :func:`tn` to torch)."""
-    if not _pairs(rows * cols, torch.float32, device):
-        return torch.empty(rows, cols, dtype=torch.float32, device=device)
-    return _paired(rows, cols, whole=True)
-
-
 def _tn_widened(a: torch.Tensor, b: torch.Tensor, backend: str) -> torch.Tensor:
     """:func:`tn` of a bf16 ``a`` and a float32 ``b`` (its docstring)."""
     m, k = a.shape
     n = b.shape[1]
     rows = max(1, WIDEN_BYTES // (4 * max(k, 1)))
     if m <= rows:
-        return tn(_whole(m, k, a.device).copy_(a), b, backend=backend)
+        return tn(empty(m, k, device=a.device, whole=True).copy_(a), b, backend=backend)
     if backend != "torch" and _pairs(m * k, torch.float32, a.device) and b.is_contiguous():
         # both blocks copied into whole buffers, so that oneDNN reads them (a row slice of b
         # is not a whole buffer); the two copies together within WIDEN_BYTES
@@ -512,8 +506,9 @@ def _tn_widened(a: torch.Tensor, b: torch.Tensor, backend: str) -> torch.Tensor:
         total = None
         for lo in range(0, m, rows):
             hi = min(m, lo + rows)
-            part = tn(_whole(hi - lo, k, a.device).copy_(a[lo:hi]),
-                      _whole(hi - lo, n, a.device).copy_(b[lo:hi]), backend=backend)
+            part = tn(empty(hi - lo, k, device=a.device, whole=True).copy_(a[lo:hi]),
+                      empty(hi - lo, n, device=a.device, whole=True).copy_(b[lo:hi]),
+                      backend=backend)
             total = part if total is None else total.add_(part)
         assert total is not None
         return total

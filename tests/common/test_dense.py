@@ -448,6 +448,6 @@ def test_bf16_blocks_and_float32_blocks_do_not_take_each_others_buffers(pooling)
     assert again.data_ptr() == addr and dense.uses_onednn_tn(again, dense.empty(4096, 64))
     del again
     gc.collect()
-    whole = dense._whole(3000, 128, torch.device("cpu"))  # smaller than the pooled one
+    whole = dense.empty(3000, 128, whole=True)  # smaller than the pooled one
     assert whole.data_ptr() != addr and dense._onednn_of(whole) is not None
     assert [4096, 128] in [list(b.shape) for b in pooling.free]  # left in the pool
