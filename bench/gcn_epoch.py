@@ -97,7 +97,6 @@ from plexus.data.generators import planted_partition
 from plexus.data.partition import normalized_adjacency
 from plexus.sparse import SPMM_KERNELS, BlockSparse, CSRBlock
 from plexus.trainer import train_gcn
-from plexus.triton_switch import failures as triton_failures
 
 CPU = torch.device("cpu")
 DROPOUT_S: dict[str, list[float]] = {}  # per workload, our workers' dropout seconds an epoch
@@ -485,16 +484,12 @@ def worker(args: argparse.Namespace) -> None:
                            bias=False, dropout=args.dropout, norm=args.norm,
                            optimizer="adamw", precision=precision,
                            learn_features=variant == "learn")  # PyG's side's model
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", RuntimeWarning)
-            result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
-                               device=ctx.device, on_epoch=None if hook is None else
-                               lambda row, h=hook: h(row["epoch"]), **cfg)
-        fell = [str(w.message) for w in caught if str(w.message).startswith("plexus:")
-                and ("could not be captured" in str(w.message) or "Triton" in str(w.message))]
-        fell += [f"Triton off in this process: {why}" for why in triton_failures()]
-        if fell:
-            fallbacks[case] = "; ".join(dict.fromkeys(fell))[:600]
+        result = train_gcn(InMemorySource(graph), ProcessGrid.parse("1x1x1"), 0,
+                           device=ctx.device,
+                           on_epoch=None if hook is None else lambda row, h=hook: h(row["epoch"]),
+                           **cfg)
+        if result.info["fallbacks"]:
+            fallbacks[case] = "; ".join(result.info["fallbacks"])[:600]
         times[case] = [r["epoch_s"] for r in result.history[args.warmup:timed_epochs]]
         if hook is not None:
             profiles[case] = hook.top

@@ -45,6 +45,7 @@ from plexus.cuda_graph import StepGraph, check_asked, why_not
 from plexus.data import SPLITS, GraphShard, ShardSource
 from plexus.loss import correct_counts, sharded_argmax, sharded_cross_entropy
 from plexus.model import PlexusGCN
+from plexus.triton_switch import failures as triton_failures
 
 BEST_KEYS = ("epoch", "train_acc", "val_acc", "test_acc")
 
@@ -255,9 +256,14 @@ class Trainer:
 
     def result(self) -> TrainResult:
         """The history, the model and its shard, and ``info``: setup time, config, grid,
-        ``resumed_from``, ``preempted``, ``best`` and ``best_state``."""
+        ``resumed_from``, ``preempted``, ``best``, ``best_state`` and ``fallbacks`` (what did
+        not run as planned, and ran eagerly or on torch's kernels instead: a CUDA graph
+        capture that failed, Triton kernels that failed in this process; empty: none)."""
+        failed = None if self.graph is None else self.graph.failed
+        fallbacks = ([] if failed is None else [f"CUDA graph: {failed}"]) + [
+            f"Triton: {why}" for why in triton_failures()]
         info = {**self.info, "preempted": self.preempted, "best": self.best,
-                "best_state": self.best_state}
+                "best_state": self.best_state, "fallbacks": fallbacks}
         return TrainResult(self.history, self.model, self.shard, dict(self.parallel.groups),
                            info)
 

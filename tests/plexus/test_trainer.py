@@ -56,6 +56,20 @@ def test_train_gcn_is_the_trainer_and_its_loop():
     assert [[r[k] for k in keys] for r in res.history] == \
         [[r[k] for k in keys] for r in trainer.history]
     assert res.info["best"] == trainer.best and res.info["preempted"] is False
+    assert res.info["fallbacks"] == []  # (the CPU: no CUDA graph, no Triton kernel)
+
+
+def test_the_result_names_what_fell_back(monkeypatch):
+    from types import SimpleNamespace
+
+    from plexus import triton_switch
+
+    trainer = one_process_trainer(1)
+    monkeypatch.setattr(triton_switch, "_FAILED", ["relu_pack: CompilationError: no backend"])
+    trainer.graph = SimpleNamespace(failed="RuntimeError: operation not permitted")
+    assert trainer.result().info["fallbacks"] == [
+        "CUDA graph: RuntimeError: operation not permitted",
+        "Triton: relu_pack: CompilationError: no backend"]
 
 
 def test_resume_lives_in_the_trainer_and_continues_exactly(tmp_path):
