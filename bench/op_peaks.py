@@ -30,19 +30,11 @@ FUNCTIONS = ("SpMM", "BlockedAggregation", "ReLU", "GatheredMatmul", "Recomputed
              "RemadeInputMatmul")
 
 
-def _resident() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def record(calls: list, epoch: list, trainers: list) -> None:
     """Wrap plexus.ops' autograd functions and Trainer.train_step: ``calls`` gets (epoch,
     function, before, peak, after) bytes for each forward and backward; ``trainers`` each
     trainer that trains."""
-    from common.memory import peak_bytes, reset_peak
+    from common.memory import peak_bytes, reset_peak, resident_bytes
     from plexus import ops
     from plexus.trainer import Trainer
 
@@ -51,10 +43,10 @@ def record(calls: list, epoch: list, trainers: list) -> None:
 
         def timed(ctx, *args, **kwargs):
             reset_peak()
-            before = _resident()
+            before = resident_bytes()
             out = inner(ctx, *args, **kwargs)
             calls.append((epoch[0], f"{cls.__name__}.{name}", before, peak_bytes(),
-                          _resident()))
+                          resident_bytes()))
             return out
         setattr(cls, name, staticmethod(timed))
 
@@ -94,8 +86,8 @@ def planner_lines(trainer) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ours, _, train = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) \
-        if "--" in argv else (argv, None, [])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ours, train = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epoch", type=int, default=1, help="the training epoch to print")
