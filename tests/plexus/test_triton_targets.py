@@ -23,12 +23,16 @@ TARGETS = {"cuda:80": ("cubin", 163 * 1024), "cuda:90": ("cubin", 227 * 1024),
            "hip:gfx90a": ("hsaco", 64 * 1024), "hip:gfx942": ("hsaco", 64 * 1024)}
 
 
-def _compile(target: str, cache: Path) -> list[dict]:
+def _compiling_env(cache: Path, **more: str) -> dict[str, str]:
+    """This environment without Triton's interpreter, with its own kernel cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(cache), TRITON_DEFAULT_FP_FUSION="1")
+    return {**env, "TRITON_CACHE_DIR": str(cache), "TRITON_DEFAULT_FP_FUSION": "1", **more}
+
+
+def _compile(target: str, cache: Path) -> list[dict]:
     run = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.plexus.triton_targets",
-                          target], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+                          target], cwd=ROOT, env=_compiling_env(cache), capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, f"compiling for {target} failed:\n{run.stderr[-4000:]}"
     return [json.loads(line) for line in run.stdout.splitlines()]
 
@@ -67,9 +71,8 @@ def test_a_kernel_the_compiler_refuses_fails_the_compile(tmp_path):
         (package / name).write_text((ROOT / "plexus" / name).read_text())
     (package / "spmm_triton.py").write_text(
         source.replace("acc += tl.sum(vals[:, None] * xs, axis=0)", wrong))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    env = _compiling_env(tmp_path / "cache",
+                         PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
     run = subprocess.run([sys.executable, "-W", "ignore", "-c",
                           "import sys; sys.path.insert(0, sys.argv[1]); "
                           "from tests.plexus.triton_targets import compile_all, parse_target; "
