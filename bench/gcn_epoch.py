@@ -85,6 +85,7 @@ from collections.abc import Callable
 import scipy.sparse as sp
 import torch
 
+from bench.profiling import ProfileAfter, print_top
 from bench.provenance import append_run, provenance
 from common import dense
 from common.alloc import retain_freed_memory
@@ -253,46 +254,6 @@ def pyg_epochs(graph, adj, hidden: int, layers: int, epochs: int, lr: float,
     return times
 
 
-class EpochProfile:
-    """``--profile``: torch.profiler over the one epoch after the timed ones (so it slows
-    none of them), called after each epoch with its number; :attr:`top` is then its
-    :func:`top_ops`."""
-
-    def __init__(self, after: int, device: torch.device) -> None:
-        self.after, self.device = after, device
-        self.prof: torch.profiler.profile | None = None
-        self.top: list[tuple[str, float, int]] = []
-
-    def __call__(self, epoch: int) -> None:
-        if epoch == self.after:
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts)
-            self.prof.start()
-        elif epoch == self.after + 1 and self.prof is not None:
-            self.prof.stop()
-            self.top = top_ops(self.prof, self.device)
-            self.prof = None
-
-
-def top_ops(prof: torch.profiler.profile, device: torch.device,
-            num: int = 12) -> list[tuple[str, float, int]]:
-    """The ``num`` costliest entries of a profile, (name, self ms, calls): the GPU's kernels
-    by device time on a GPU, the operators by CPU time on the CPU."""
-    rows = []
-    for e in prof.key_averages():
-        if device.type == "cuda":
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = getattr(e, "self_device_time_total", None)
-            us = getattr(e, "self_cuda_time_total", 0) if us is None else us
-        else:
-            us = e.self_cpu_time_total
-        rows.append((e.key, us / 1000, e.count))
-    return sorted(rows, key=lambda r: -r[1])[:num]
-
-
 def pyg_takes_bf16(device: torch.device) -> str | None:
     """Why PyG's GCN cannot train in bf16 on ``device`` (None: it can): a small bf16 CSR
     matmul and its backward, as :func:`pyg_epochs` runs them (torch's CSR matmul has no bf16
@@ -447,7 +408,8 @@ def worker(args: argparse.Namespace) -> None:
     """One side in this process, for each workload of ``--variant`` (a comma list of
     :func:`case_name`): print ``{"times": {case: [...]}, "dropout_s": {case: s}, "profile":
     {case: top_ops}, "threads": T}`` as JSON (the dropout's seconds of the float32
-    workloads; with ``--profile``, one more epoch profiled: :class:`EpochProfile`)."""
+    workloads; with ``--profile``, one more epoch profiled:
+    :class:`bench.profiling.ProfileAfter`)."""
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
     ctx = init_distributed(device=args.device, launcher="single",
                            set_threads=args.threads is None)
@@ -462,7 +424,7 @@ def worker(args: argparse.Namespace) -> None:
     total = timed_epochs + int(args.profile)  # and one more under the profiler
     for case in args.variant.split(","):
         variant, precision = case_of(case)
-        hook = EpochProfile(timed_epochs, ctx.device) if args.profile else None
+        hook = ProfileAfter(timed_epochs, ctx.device) if args.profile else None
         if args.worker == "pyg":
             try:
                 times[case] = pyg_epochs(graph, adj, args.hidden, args.layers, total, 0.01,
@@ -564,14 +526,12 @@ def run_round(args: argparse.Namespace, variant: str,
 
 
 def print_profile(case: str, side: str, top: list, device: torch.device) -> None:
-    """One side's :func:`top_ops` of a workload, a line each."""
+    """One side's :func:`bench.profiling.top_ops` of a workload, a line each."""
     what = "GPU kernels, device" if device.type == "cuda" else "operators, CPU"
     total = sum(ms for _, ms, _ in top)
     whose, note = ("our", "; its evaluation included") if side == "ours" else ("PyG's", "")
-    print(f"{case}: {whose} costliest {what} ms in one profiled epoch (these {total:.1f} ms"
-          f"{note}):")
-    for name, ms, calls in top:
-        print(f"    {ms:9.2f} ms  {calls:5d} calls  {name[:90]}")
+    print_top(f"{case}: {whose} costliest {what} ms in one profiled epoch (these {total:.1f} "
+              f"ms{note}):", top)
 
 
 def verdict(ratio: float, target: float | None) -> str:

@@ -15,17 +15,19 @@ In this order, each in its own process with its own time limit, all within nine 
   times;
 * ``bench/llm_throughput.py --device cuda``: our GPT trainer against a plain PyTorch loop,
   the small preset in float32 (target: ours/plain >= 0.95 in each of three rounds) and the
-  1.1B preset in bf16 with compiled blocks (target: MFU >= 40%); key: our tokens/s, MFU and
-  the ratio.
+  1.1B preset in bf16 with compiled blocks (target: MFU >= 40%); each side's costliest
+  kernels of one more step, ``--profile``, in its log; key: our tokens/s, MFU, the ratio and
+  the GPU's busy share of each side's profiled step.
 
 The benches run settings sized so the whole check fits the budget (:data:`GCN_ARGS`,
 :data:`LLM_ARGS`, :data:`LLM_1B_ARGS`); ``bench/gcn_epoch.py --device cuda --nodes 2000000
 --dropout 0.5`` is the larger run by hand. Printed: one table (check, status, key number,
 seconds), then the output tail of anything that did not pass and the directory holding every
 log. A bench row prints its target beside its number, and is ``missed`` where it ran but
-missed it. Exit status 0 when everything passed or was skipped, 1 otherwise. Without a CUDA
-device it prints ``no CUDA device: nothing to check`` and exits 0, so it is harmless on a CPU
-machine or in CI.
+missed it; one cut off after printing its result keeps that result, as a ``timeout``. Exit
+status 0 when everything passed or was skipped, 1 otherwise. Without a CUDA device it prints
+``no CUDA device: nothing to check`` and exits 0, so it is harmless on a CPU machine or in
+CI.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ JUNIT = "pytest-gpu.xml"  # pytest's report, in the log directory
 GCN_ARGS = ["--device", "cuda", "--dropout", "0.5", "--variants", "fixed,learn", "--epochs",
             "5", "--rounds", "1"]
 GCN_1M_ARGS = [*GCN_ARGS, "--nodes", "1000000", "--precision", "fp32,bf16", "--profile"]
+# (both GPT runs end with one profiled step a side: its costliest kernels in the log, the
+# GPU's busy share in the key)
 LLM_ARGS = ["--device", "cuda", "--preset", "small", "--batch-size", "8", "--seq-len", "256",
-            "--steps", "20", "--warmup", "3", "--rounds", "3", "--threads", "0"]
+            "--steps", "20", "--warmup", "3", "--rounds", "3", "--threads", "0", "--profile"]
 LLM_1B_ARGS = ["--device", "cuda", "--preset", "gpt1b", "--precision", "bf16", "--compile",
                "--batch-size", "4", "--seq-len", "1024", "--steps", "8", "--warmup", "2",
-               "--threads", "0"]
+               "--threads", "0", "--profile"]
 
 
 @dataclass(frozen=True)
@@ -148,13 +152,17 @@ def gcn_key(out: str) -> str:
 
 def llm_key(out: str) -> str:
     """``ours 123,456 tok/s, ours/plain 0.97`` (with ``, MFU 41.20%`` after the tokens/s where
-    the bench knew the device's peak) from bench/llm_throughput.py's output, else ``?``."""
+    the bench knew the device's peak, and ``, GPU busy ours 91% plain 94%`` where it profiled
+    a step of each side on a GPU) from bench/llm_throughput.py's output, else ``?``."""
     ours = re.search(r"^ours, grid 1x1x1x1\s.*?\s([\d,]+)(?:\s+([\d.]+)%)?\s*$", out, re.M)
     ratio = re.search(r"throughput ratio ours / plain = ([\d.]+)", out)
     if ratio is None or ours is None:
         return "?"
     share = f", MFU {ours[2]}%" if ours[2] else ""
-    return f"ours {ours[1]} tok/s{share}, ours/plain {ratio[1]}"
+    busy = re.findall(r"^(ours|plain): one profiled step [\d.]+ ms, GPU busy [\d.]+ ms: "
+                      r"(\d+)% of it", out, re.M)
+    busy_text = ", GPU busy " + " ".join(f"{side} {pct}%" for side, pct in busy) if busy else ""
+    return f"ours {ours[1]} tok/s{share}, ours/plain {ratio[1]}{busy_text}"
 
 
 def host_cpu() -> str:
@@ -275,8 +283,12 @@ def run_check(check: Check, seconds_left: float, log_dir: Path, junit: Path,
             rows.append(Row(check.name, "error" if status == "passed" else status, why,
                             seconds))
         return rows, out
-    key = check.key(out) if check.key is not None and status == "passed" else ""
-    if key and key != "?" and check.target is not None:  # ("?": unread, no verdict)
+    # a bench cut off after printing its result (in its profiled step, say) still shows it,
+    # though it stays a timeout and gets no verdict
+    key = check.key(out) if check.key is not None and status in ("passed", "timeout") else ""
+    if status == "timeout":
+        key = f"{key}, then cut off" if key and key != "?" else ""
+    elif key and key != "?" and check.target is not None:  # ("?": unread, no verdict)
         met = check.target[1](key)
         status = "passed" if met else "missed"
         key += f" (target {check.target[0]}: {'met' if met else 'NOT met'})"

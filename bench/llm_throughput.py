@@ -24,7 +24,10 @@ same ``GPT(compute_dtype=bfloat16)``), ``--compile`` compiles each transformer b
 (:func:`llm.trainer.compile_blocks`; the first warm-up step of each compiles, so give
 ``--warmup`` at least 2). On a GPU both step torch's fused AdamW. The MFU column (on a GPU
 ``llm.mfu`` knows, or with ``--peak-tflops``) is the model's FLOPs a second over the peak of
-the precision run.
+the precision run. ``--profile``: after the timed steps, one more step of each side under
+torch.profiler (:mod:`bench.profiling`): its costliest GPU kernels by device time and the
+share of the step's wall time the GPU spent in kernels (on the CPU, its costliest
+operators), so that a missed target names where the time went.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch.nn.functional import cross_entropy
 
+from bench.profiling import print_top, profile_step
 from common.grid import ProcessGrid
 from common.parallel import ParallelState
 from llm.config import DataConfig, GoldfishConfig, OptimConfig, PrecisionConfig, RunConfig
@@ -122,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                    help="the device's dense peak in the precision run, for an MFU column "
                    "(default: llm.mfu's table for a GPU it knows; none on a CPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, one more step of each side under "
+                   "torch.profiler: its costliest GPU kernels and the GPU's busy share of "
+                   "the step (CPU operators on the CPU)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda was asked for, but torch sees no CUDA device")
@@ -173,7 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"throughput ratio ours / plain = {ratio:.3f}{each} (target >= 0.95"
           f"{' in every round' if len(ratios) > 1 else ''}: "
           f"{'met' if ratio >= 0.95 else 'NOT met'})")
+    if args.profile:
+        for name, side in (("ours", ours), ("plain", base)):
+            print_profiled(name, profile_step(side.train_step, device), device)
     return 0
+
+
+def print_profiled(name: str, got, device: torch.device) -> None:
+    """One side's profiled step (a :class:`bench.profiling.StepProfile`): its wall time, the
+    GPU's busy share of it, and its costliest entries."""
+    share = got.busy_share()
+    busy = ("" if share is None else
+            f", GPU busy {got.busy_ms:.1f} ms: {100 * share:.0f}% of it")
+    what = "GPU kernels, device" if device.type == "cuda" else "operators, CPU"
+    print_top(f"{name}: one profiled step {got.wall_ms:.1f} ms{busy}; its costliest {what} "
+              "ms:", got.top)
 
 
 if __name__ == "__main__":

@@ -237,28 +237,3 @@ def test_ours_in_bf16_is_judged_against_pyg_in_float32(pyg_bf16, monkeypatch, ca
         assert "PyG in bf16 not run: no" in out
     # the final line is the first workload's, in float32
     assert re.search(r"^ratio ours/PyG: ([\d.]+)  \(fixed;", out, re.M)[1] == "0.400"
-
-
-def test_profile_names_the_costliest_operators_of_an_epoch_after_the_timed_ones():
-    """--profile: the profiler starts after the last timed epoch and stops after the next, so
-    it slows none of the timed ones; its table is the costliest operators (kernels on a GPU)
-    by self time, costliest first."""
-    import torch
-
-    module = load_bench("gcn_epoch")
-    hook = module.EpochProfile(2, torch.device("cpu"))
-    a = torch.randn(300, 300)
-    for epoch in (1, 2, 3):
-        if epoch == 3:
-            assert hook.prof is not None  # on for the third epoch only
-            for _ in range(5):
-                a @ a
-        else:
-            assert hook.prof is None
-        hook(epoch)
-    assert hook.prof is None and hook.top
-    names = [name for name, _, _ in hook.top]
-    assert "aten::mm" in names and "aten::randn" not in names  # (made before it started)
-    ms = [t for _, t, _ in hook.top]
-    assert ms == sorted(ms, reverse=True) and all(t >= 0 for t in ms)
-    assert dict((n, c) for n, _, c in hook.top)["aten::mm"] == 5

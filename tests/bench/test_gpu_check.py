@@ -85,6 +85,9 @@ def test_key_numbers_are_read_from_the_benches_real_output():
                   "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1",
                   "--threads", "1"])
     assert "on cpu" in llm
+    for side in ("ours", "plain"):  # --profile: a step of each (no busy share on the CPU)
+        assert re.search(rf"^{side}: one profiled step [\d.]+ ms; its costliest operators",
+                         llm, re.M), llm
     assert re.fullmatch(r"ours [\d,]+ tok/s, ours/plain [\d.]+", gpu_check.llm_key(llm)), \
         gpu_check.llm_key(llm)
     # with the device's peak (a GPU the table knows, or the flag): MFU beside tokens/s
@@ -172,6 +175,36 @@ def test_run_check_reads_a_bench_and_keeps_its_log(tmp_path):
     left = gpu_check.GRACE_S + 5  # 5 s of the budget left
     late = gpu_check.run_check(ok, left, tmp_path, tmp_path / "r.xml")[0][0]
     assert (late.status, late.seconds) == ("not run", 0.0)
+
+
+def test_a_bench_cut_off_after_its_result_keeps_it_as_a_timeout(tmp_path, monkeypatch):
+    """A bench interrupted in its profiled step, after its result lines: the table shows the
+    numbers, but the row stays a timeout with no verdict, and the check fails (``_run``'s
+    interruption itself: the test above)."""
+    out = ("ours, grid 1x1x1x1  1.0 ms  1.0-1.0 ms  1,000\n"
+           "throughput ratio ours / plain = 0.97\n")
+    check = gpu_check.Check("llm", ["-c", "pass"], 60, "bench", gpu_check.llm_key,
+                            gpu_check.LLM_TARGET)
+    monkeypatch.setattr(gpu_check, "_run", lambda argv, limit: (out, None))  # past its limit
+    (row,), _ = gpu_check.run_check(check, 600, tmp_path, tmp_path / "r.xml")
+    assert (row.status, row.key) == ("timeout", "ours 1,000 tok/s, ours/plain 0.97, then cut off")
+    assert gpu_check.failed([row])
+    monkeypatch.setattr(gpu_check, "_run", lambda argv, limit: ("started\n", None))
+    (row,), _ = gpu_check.run_check(check, 600, tmp_path, tmp_path / "r.xml")
+    assert (row.status, row.key) == ("timeout", "")  # nothing printed: nothing to show
+
+
+def test_the_llm_key_carries_each_sides_gpu_busy_share_where_profiled():
+    out = ("ours, grid 1x1x1x1  1.0 ms  1.0-1.0 ms  1,000  41.20%\n"
+           "throughput ratio ours / plain = 0.97 (target >= 0.95: met)\n"
+           "ours: one profiled step 80.1 ms, GPU busy 72.9 ms: 91% of it; its costliest GPU "
+           "kernels, device ms:\n"
+           "    40.00 ms     12 calls  sm90_xmma_gemm_bf16\n"
+           "plain: one profiled step 79.0 ms, GPU busy 74.3 ms: 94% of it; its costliest GPU "
+           "kernels, device ms:\n")
+    key = gpu_check.llm_key(out)
+    assert key == "ours 1,000 tok/s, MFU 41.20%, ours/plain 0.97, GPU busy ours 91% plain 94%"
+    assert gpu_check.MFU_TARGET[1](key) and gpu_check.LLM_TARGET[1](key)
 
 
 def test_a_bench_that_misses_its_target_is_missed_and_fails_the_check(tmp_path):
