@@ -89,7 +89,12 @@ def save(root: str | os.PathLike, step: int, files: Mapping[str, bytes],
 
 def commit(tmp: Path, final: Path, *, keep: int) -> None:
     """Rename the complete, fsync'ed checkpoint ``tmp`` to ``final`` (atomically replacing
-    a checkpoint of the same step), then keep only the newest ``keep`` under its parent."""
+    a checkpoint of the same step), then prune its parent: ``final`` and the ``keep - 1``
+    newest checkpoints of earlier steps stay.
+
+    Checkpoints of later steps than ``final`` are left alone and do not count: a run
+    resumed past a damaged newest checkpoint, or one writing where a longer run wrote,
+    must never delete what it has just written (nor, through it, every intact one)."""
     root = final.parent
     if final.exists():  # re-saving the same step: move the old one aside first
         old = root / f".old-{final.name}-{os.getpid()}"
@@ -99,7 +104,9 @@ def commit(tmp: Path, final: Path, *, keep: int) -> None:
     else:
         os.rename(tmp, final)
     fsync_dir(root)
-    for stale in list_steps(root)[:-keep] if keep > 0 else []:
+    step = int(_STEP_RE.match(final.name).group(1))  # type: ignore[union-attr]
+    earlier = [s for s in list_steps(root) if s < step]
+    for stale in earlier[:max(0, len(earlier) - (keep - 1))] if keep > 0 else []:
         shutil.rmtree(root / f"step-{stale:08d}", ignore_errors=True)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
+from common.checkpoint import list_steps
 from common.device import DEVICES
 from common.dist import COMMS, ENV_DEVICE, DistContext, init_distributed
 from common.failure import classify_failure, exit_on_failure, fail_all_ranks
@@ -164,6 +165,30 @@ def check_writable(path: str, *, flag: str, create_dir: bool = False) -> None:
         raise ValueError(f"{flag} {path}: directory {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"{flag} {path}: directory {folder} is not writable")
+
+
+def check_checkpoint_dir(path: str, *, resume: bool, flag: str = "--checkpoint-dir") -> None:
+    """Fail before training when checkpoints written under ``path`` would destroy or hide
+    others: ``path`` must be a directory of checkpoints (created if missing, writable), not
+    one checkpoint; without ``resume`` it must hold none yet, since a new run's saves would
+    replace an earlier run's steps and a later ``--resume`` would take whichever is newest.
+    Every rank calls it, so every rank fails alike.
+
+    Raises:
+        ValueError: naming ``flag``, ``path`` and what to do.
+    """
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        parent = os.path.dirname(os.path.abspath(path))
+        raise ValueError(f"{flag} {path} is one checkpoint (it holds manifest.json), not a "
+                         f"directory of checkpoints: give its parent {parent} (--resume takes "
+                         "the newest intact step there), or another directory")
+    check_writable(path, flag=flag, create_dir=True)
+    steps = list_steps(path)
+    if steps and not resume:
+        held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        raise ValueError(f"{flag} {path} already holds checkpoints ({held}) of an earlier "
+                         "run: pass --resume to continue it, or give an empty directory; "
+                         "nothing was written")
 
 
 class MetricsWriter:

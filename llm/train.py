@@ -42,6 +42,7 @@ from common.run import (
     MetricsWriter,
     add_checkpoint_args,
     add_launch_args,
+    check_checkpoint_dir,
     check_writable,
     checkpoint_config,
     run_or_exit,
@@ -254,7 +255,7 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
     if args.metrics:
         check_writable(args.metrics, flag="--metrics")
     if ck.dir:
-        check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
+        check_checkpoint_dir(ck.dir, resume=ck.resume)
     trainer, note = build(args, ctx, ck)
     resumed = trainer.resume()  # if --resume and there is a checkpoint
     if ctx.is_main:

@@ -31,6 +31,7 @@ from common.run import (
     MetricsWriter,
     add_checkpoint_args,
     add_launch_args,
+    check_checkpoint_dir,
     check_writable,
     checkpoint_config,
     run_or_exit,
@@ -305,7 +306,7 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
     if args.metrics:  # every rank checks, so every rank fails alike
         check_writable(args.metrics, flag="--metrics")
     if ck.dir:
-        check_writable(ck.dir, flag="--checkpoint-dir", create_dir=True)
+        check_checkpoint_dir(ck.dir, resume=ck.resume)
     spec = parse_grid(args.grid, ctx.world_size)
     source = open_dataset(args.dataset, ctx, grid=spec, blocks=args.blocks, model=args.model,
                           token=token, root=args.root, permutation=args.permutation,

@@ -21,6 +21,22 @@ def test_save_load_and_keep_last_k(tmp_path):
     assert files == _files(5) and path.name == "step-00000005"
 
 
+def test_pruning_keeps_what_was_just_written_and_ignores_later_steps(tmp_path):
+    """A save whose step is below the newest under the root (a run resumed past a damaged
+    newest checkpoint, or a shorter run where a longer one wrote) keeps itself and the
+    ``keep - 1`` newest earlier ones; the later ones neither go nor count."""
+    for step in (2, 4, 6):
+        ckpt.save(tmp_path, step, _files(step), {}, keep=5)
+    ckpt.save(tmp_path, 3, _files(3), {}, keep=2)
+    assert ckpt.list_steps(tmp_path) == [2, 3, 4, 6]
+    ckpt.save(tmp_path, 5, _files(5), {}, keep=1)
+    assert ckpt.list_steps(tmp_path) == [5, 6]
+    ckpt.save(tmp_path, 1, _files(1), {}, keep=1)
+    assert ckpt.list_steps(tmp_path) == [1, 5, 6]
+    ckpt.save(tmp_path, 7, _files(7), {}, keep=10)  # more kept than there are: none go
+    assert ckpt.list_steps(tmp_path) == [1, 5, 6, 7]
+
+
 def test_crash_between_files_never_damages_the_newest(tmp_path, monkeypatch):
     ckpt.save(tmp_path, 1, _files(1), {}, keep=3)
     real_open = open

@@ -14,6 +14,7 @@ from common.run import (
     MetricsWriter,
     add_checkpoint_args,
     add_launch_args,
+    check_checkpoint_dir,
     check_writable,
     checkpoint_config,
     run_or_exit,
@@ -61,6 +62,32 @@ def test_help_names_the_unit_and_the_layout():
 def test_bad_configs_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
         checkpoint_config(parser().parse_args(argv))
+
+
+def test_check_checkpoint_dir_refuses_to_hide_or_replace_checkpoints(tmp_path):
+    """A new run into a directory that holds an earlier run's checkpoints (its saves would
+    replace those steps, and a later --resume would take whichever is newest), and a step
+    directory given for the root (its saves would nest inside a checksummed checkpoint)."""
+    from common import checkpoint as ckpt
+
+    root = tmp_path / "ck"
+    check_checkpoint_dir(str(root), resume=False)  # created, empty: fine
+    assert root.is_dir()
+    for step in (2, 3):
+        ckpt.save(root, step, {"a.bin": b"x"}, {}, keep=3)
+    with pytest.raises(ValueError, match=r"^--checkpoint-dir .*ck already holds checkpoints "
+                       r"\(steps 2-3\) of an earlier run: pass --resume"):
+        check_checkpoint_dir(str(root), resume=False)
+    assert ckpt.list_steps(root) == [2, 3]  # nothing touched
+    check_checkpoint_dir(str(root), resume=True)
+    with pytest.raises(ValueError, match=r"step-00000003 is one checkpoint \(it holds "
+                       r"manifest.json\), not a directory of checkpoints: give its parent "
+                       rf"{root}"):
+        check_checkpoint_dir(str(root / "step-00000003"), resume=True)
+    with pytest.raises(ValueError, match=r"\(step 1\)"):
+        one = tmp_path / "one"
+        ckpt.save(one, 1, {"a.bin": b"x"}, {}, keep=3)
+        check_checkpoint_dir(str(one), resume=False, flag="--checkpoint-dir")
 
 
 def test_check_writable(tmp_path):

@@ -74,6 +74,14 @@ def test_cli_single_process_train_checkpoint_memorize_sample(tmp_path, capsys):
     assert "val_loss" in rows[-2] and rows[-2]["num_dropped"] > 0
     assert not (tmp_path / "m.jsonl.tmp").exists()
     assert sorted(os.listdir(out)) == ["step-00000002", "step-00000003"]  # keep 2 of 3
+    # a new run where this one saved, or one step of it given as the root: refused, untouched
+    assert "already holds checkpoints (steps 2-3) of an earlier run: pass --resume" in \
+        _errors([*common, "--epochs", "4"], capsys)
+    step_dir = str(out / "step-00000003")
+    assert "is one checkpoint (it holds manifest.json)" in _errors(
+        [*common[:common.index("--out")], "--out", step_dir, "--epochs", "4", "--resume"],
+        capsys)
+    assert sorted(os.listdir(out)) == ["step-00000002", "step-00000003"]
     assert memorization_main(["--checkpoint", str(out), "--suffix-len", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_docs"] == 4 and result["suffix_len"] == 8 and result["seq_len"] == 40
