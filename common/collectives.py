@@ -2,7 +2,9 @@
 
 Each function takes the one :class:`~common.grid.AxisGroup` it communicates over and an
 optional :class:`~common.comm_stats.CommStats` owned by the caller. A group of size 1 returns
-at once without communicating (the fast path). With ``async_op=True`` the call returns a
+at once without communicating (the fast path): its result is ``x`` itself, not a copy, even
+where the call is out of place over a larger group, so a caller that will modify the result in
+place while still needing ``x`` clones it first. With ``async_op=True`` the call returns a
 :class:`CommHandle`; ``handle.wait()`` returns the result, so communication can overlap with
 compute issued in between. Buffers are allocated on the input's device.
 
@@ -178,7 +180,8 @@ def all_reduce(
     async_op: bool = False,
     inplace: bool = False,
 ) -> torch.Tensor | CommHandle:
-    """All-reduce ``x`` over ``group`` (sum by default). Out of place unless ``inplace``."""
+    """All-reduce ``x`` over ``group`` (sum by default). Out of place unless ``inplace``
+    (over a group of one rank ``x`` itself: the module docstring)."""
     g = group.size
     if g == 1:
         return CommHandle.done(x) if async_op else x
@@ -264,6 +267,10 @@ def reduce_scatter(
     if g == 1:
         return CommHandle.done(x) if async_op else x
     shape = tuple(x.shape)
+    if not shape:
+        raise ValueError(f"reduce_scatter over axis {group.name!r}: x is a 0-dimensional "
+                         "tensor, which has no dimension to scatter; reshape it to [1] and "
+                         "pad it to the group size, or use all_reduce")
     dim = dim % len(shape)
     if shape[dim] % g:
         raise ValueError(

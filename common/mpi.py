@@ -273,7 +273,10 @@ class MPIGroup:
 
         def call() -> None:
             wide = src.dtype in _UPCAST
-            s, o = (src.float(), torch.empty(out.shape)) if wide else (src, out)
+            # (float32 named: torch.empty would take the default dtype, which a user may
+            # have set to float64, and MPI would refuse the mismatched buffers)
+            s, o = ((src.float(), torch.empty(out.shape, dtype=torch.float32)) if wide
+                    else (src, out))
             if self.two_level:
                 self._reduce_scatter_2l(s, o, mpi_op, nb)
             else:

@@ -85,6 +85,17 @@ def gpt_workload(args: argparse.Namespace) -> perf_gpt.GPTWorkload:
                                 tie_embeddings=args.tie_embeddings, **gpt_sizes(args))
 
 
+def _at_least(low: int) -> Any:
+    """An argparse type: an int of at least ``low`` (argparse names the flag on a refusal)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = "int"  # argparse's message: "invalid int value"
+    return parse
+
+
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """``--ranks --machine --ranks-per-node --top --collectives``: the flags every sub-command
     shares."""
@@ -92,9 +103,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--machine", default=None,
                         help="profile name or JSON path (default $HPC_MACHINE_PROFILE or "
                         "local-cpu)")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
+    parser.add_argument("--ranks-per-node", type=_at_least(1), default=None,
                         help="default: the profile's (all ranks on one node for CPU profiles)")
-    parser.add_argument("--top", type=int, default=None, help="print only the best N grids")
+    parser.add_argument("--top", type=_at_least(1), default=None,
+                        help="print only the best N grids")
     parser.add_argument("--collectives", choices=[*ALGORITHMS, "both"], default=None,
                         help="collective algorithm: ring, two-level (intra-node then "
                         "inter-node, PCCL), auto (the cheaper per call), or both (print the "

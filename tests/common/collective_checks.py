@@ -147,6 +147,23 @@ def _check_plain_and_async(grp, seed, tag) -> list[str]:
     sync = coll.all_reduce(mine, grp, stats=stats)
     if not torch.allclose(sync, want["all_reduce"], **TOL) or not torch.equal(mine, xs[grp.rank]):
         failures.append(f"{tag} sync all_reduce differs or modified its input")
+    if g > 1:  # bf16 summed in float32 buffers, whatever the default dtype
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            half = coll.reduce_scatter(mine.to(torch.bfloat16), grp)
+        finally:
+            torch.set_default_dtype(default)
+        # within bf16's rounding of the inputs and of the sum (|sum| < 40 here)
+        if half.dtype != torch.bfloat16 or not torch.allclose(
+                half.double(), want["reduce_scatter"], rtol=2e-2, atol=2e-2):
+            failures.append(f"{tag} bf16 reduce_scatter under a float64 default dtype differs")
+        try:
+            coll.reduce_scatter(mine.sum(), grp)
+            failures.append(f"{tag} reduce_scatter of a 0-dim tensor raised nothing")
+        except ValueError as e:
+            if "0-dimensional" not in str(e):
+                failures.append(f"{tag} reduce_scatter of a 0-dim tensor: {e}")
     full = mine.numel() * mine.element_size()
     expect = {
         "all_reduce": 2 * ring_bytes("all_reduce", full, g) if g > 1 else 0,

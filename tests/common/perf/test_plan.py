@@ -120,6 +120,13 @@ def test_plan_cli_prints_a_ranked_table(capsys):
     assert main(["gpt", "--vocab", "256", "--batch", "16", "--seq-len", "64",
                  "--ranks", "8"]) == 2
     assert "missing --layers --heads --d-model --d-ff" in capsys.readouterr().err
+    # counts below one are refused by name, not read as the profile's default or a slice
+    for flag, value in (("--ranks-per-node", "-1"), ("--ranks-per-node", "0"), ("--top", "-1")):
+        with pytest.raises(SystemExit) as exc:
+            main(["gcn", "--nodes", "1000", "--nnz", "20000", "--features", "16", "--classes",
+                  "4", "--ranks", "8", flag, value])
+        assert exc.value.code == 2
+        assert f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err
 
 
 def test_plan_cli_takes_dropout_and_the_recompute_of_h0():
