@@ -168,6 +168,9 @@ class DataConfig:
                              f"{self.seq_len}, {self.batch_size}, {self.eval_batches}")
         if self.docs is not None and self.docs < 1:
             raise ValueError(f"--docs must be >= 1, got {self.docs}")
+        if self.token_cache and self.docs is not None:
+            raise ValueError("--token-cache streams the text as one token sequence, and --docs "
+                             "trains on whole documents: give one of them")
         if self.source == "tokens" and (len(self.paths) != 1 or self.docs is not None):
             raise ValueError("a token file is one stream: give exactly one file, and no --docs "
                              "(it has no documents)")
@@ -196,8 +199,10 @@ class OptimConfig:
                              f"{self.lr}, {self.min_lr_ratio}, {self.warmup_steps}")
         if self.neftune_alpha < 0:
             raise ValueError(f"--neftune-alpha must be >= 0, got {self.neftune_alpha}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"weight_decay and grad_clip must be >= 0, got "
+        # (written so that NaN, which every comparison refuses, fails too)
+        if not (self.weight_decay >= 0 and self.grad_clip >= 0 and math.isfinite(
+                self.weight_decay + self.grad_clip)):
+            raise ValueError(f"--weight-decay and --grad-clip must be finite and >= 0, got "
                              f"{self.weight_decay}, {self.grad_clip}")
 
 
@@ -225,7 +230,8 @@ class RunConfig:
         steps: optimizer steps; or ``epochs`` passes over the training samples (not both;
             neither: ``DEFAULT_STEPS``).
         grad_accum: micro-batches per optimizer step.
-        eval_every, log_every: in steps (eval 0: only at the end; log 0: never).
+        eval_every, log_every: in steps (eval 0: only at the end; log 0: only the first,
+            evaluated and checkpointed steps are printed).
         overlap: communication overlap, ``all``, ``none`` or a list of ``oar,ors,oag``.
         peak_tflops: one device's dense peak TFLOP/s for the MFU logged every step (None: from
             :data:`llm.mfu.PEAK_TFLOPS` on a GPU it names, else no MFU).

@@ -4,7 +4,8 @@
     mpiexec -n 8 python -m llm.train --grid data=2,depth=1,row=2,col=2 --steps 500
     python -m llm.train --docs 32 --epochs 300 --batch-size 32 --goldfish-k 4 \\
         --checkpoint-dir runs/gf
-    python -m llm.train --checkpoint-dir runs/gf --resume --epochs 400   # continue exactly
+    python -m llm.train --docs 32 --epochs 400 --batch-size 32 --goldfish-k 4 \\
+        --checkpoint-dir runs/gf --resume   # the same run, to 400 epochs
     mpiexec -n 4 python -m llm.train --preset small --grid data=1,depth=2,row=2,col=1 \
         --precision bf16 --activation-checkpointing       # bf16, blocks recomputed in backward
     python -m llm.memorization --checkpoint runs/gf --docs 32 --suffix-len 32

@@ -24,8 +24,10 @@ from __future__ import annotations
 import math
 import random
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -108,6 +110,15 @@ def make_data(cfg: DataConfig, vocab_size: int | None = None
     return train, [next(val) for _ in range(cfg.eval_batches)]
 
 
+# the settings a resumed run must share with its checkpoint, (config, its fields; None: all):
+# its numbers would otherwise silently be another run's (a goldfish loss dropped, other
+# batches, another rounding); the data's paths and caches may move, and how many batches are
+# evaluated may change
+SAME_ON_RESUME = (("goldfish", None), ("seed", None), ("precision", ("precision",)),
+                  ("data", ("source", "tokenizer", "docs", "seq_len", "batch_size",
+                            "val_fraction", "seed")))
+
+
 class Trainer:
     """This rank's share of a run: model shards, AdamW, data and the step counter.
 
@@ -132,6 +143,13 @@ class Trainer:
         if data.seq_len > model_config.max_seq_len:
             raise ValueError(f"--seq-len {data.seq_len} exceeds the model's max_seq_len="
                              f"{model_config.max_seq_len}")
+        if goldfish.k and goldfish.strategy != "static" and goldfish.h > data.seq_len:
+            raise ValueError(f"--goldfish-h {goldfish.h} exceeds --seq-len {data.seq_len}: no "
+                             "window of h tokens fits in a sequence, so the goldfish loss "
+                             "would drop nothing; lower --goldfish-h or raise --seq-len")
+        if goldfish.k and goldfish.strategy == "static" and goldfish.start >= data.seq_len:
+            raise ValueError(f"the static goldfish start {goldfish.start} is not below "
+                             f"--seq-len {data.seq_len}: it would drop nothing")
         names = ["+".join((axes,) if isinstance(axes, str) else axes) for axes in AXIS_SETS]
         missing = [name for name in names if name not in parallel.groups]
         if missing:
@@ -171,6 +189,8 @@ class Trainer:
         self.total_steps = (run.steps if run.steps is not None else
                             math.ceil(run.epochs * per_epoch) if run.epochs else DEFAULT_STEPS)
         self.step = 0
+        # the Hugging Face model the run began from (init_from), recorded in its checkpoints
+        self.source: dict[str, Any] | None = None
 
     def _local(self, batch: Tensor, pad: int | bool) -> Tensor:
         return batch_shard(batch, self.groups, pad).to(self.device)
@@ -255,13 +275,18 @@ class Trainer:
                              f"this run's {self.model_config}")
         for name, p in self.model.shards().items():
             p.copy_(source.read(name, self.model.slab(name)).to(p.dtype))
+        hf_config = getattr(source, "hf_config", None)
+        if hf_config is not None:
+            self.source = {"hf_dir": str(Path(source.path).resolve()), "hf_config": hf_config}
 
     def meta(self) -> dict[str, Any]:
         """What a checkpoint records about the run besides tensors (JSON)."""
         return {"model_config": asdict(self.model_config),
                 "configs": {"data": asdict(self.data_cfg), "optim": asdict(self.optim_cfg),
                             "goldfish": asdict(self.goldfish),
-                            "precision": asdict(self.precision), "seed": self.seed}}
+                            "precision": asdict(self.precision), "seed": self.seed},
+                # the Hugging Face model it began from (llm.convert export takes its token ids)
+                **({"source": self.source} if self.source else {})}
 
     def resume(self, directory: str | None = None) -> int | None:
         """Continue from the newest intact checkpoint under ``directory`` (default: the
@@ -276,13 +301,52 @@ class Trainer:
             directory = self.checkpoint.dir
         if not directory or not ckpt.has_checkpoint(directory):
             return None
-        state = ckpt.load_into(ckpt.open_checkpoint(directory, group=self.transport), self.model,
-                              self.optimizer)
+        saved = ckpt.open_checkpoint(directory, group=self.transport)
+        changed = self._changed_settings(saved.meta.get("configs", {}))
+        if changed["refused"]:
+            raise ValueError(f"cannot resume from {saved.path}: it was trained with other "
+                             f"settings ({'; '.join(changed['refused'])}); give the saved "
+                             "settings again (its manifest.json holds them under "
+                             "meta.configs), or start a new run in another --checkpoint-dir")
+        if changed["optimizer"] and self.parallel.is_main:
+            warnings.warn(f"resuming from {saved.path} with other optimizer settings than "
+                          f"it was trained with: {'; '.join(changed['optimizer'])}",
+                          stacklevel=2)
+        if self.source is None:  # the pretrained model the run began from, kept on
+            self.source = saved.meta.get("source")
+        state = ckpt.load_into(saved, self.model, self.optimizer)
         self.train_iter.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.step = int(state["step"])
         return self.step
+
+    def _changed_settings(self, saved: dict[str, Any]) -> dict[str, list[str]]:
+        """How this run's configs differ from a checkpoint's ``meta["configs"]``: under
+        ``refused`` the settings it must share (:data:`SAME_ON_RESUME`), under ``optimizer`` the
+        optimizer's (which a user may change on purpose: warned); each ``name saved -> now``.
+        A checkpoint without configs (written by other tools) is not compared."""
+        now = self.meta()["configs"]
+        out: dict[str, list[str]] = {"refused": [], "optimizer": []}
+
+        def compare(section: str, fields: tuple[str, ...] | None, into: str) -> None:
+            if section not in saved:
+                return
+            old, new = saved[section], now[section]
+            if not isinstance(new, dict):  # a plain value (the seed)
+                if old != new:
+                    out[into].append(f"{section} {old} -> {new}")
+                return
+            for field in fields or tuple(new):
+                # (JSON keeps tuples as lists)
+                before, after = old.get(field), new[field]
+                if (list(after) if isinstance(after, tuple) else after) != before:
+                    out[into].append(f"{section}.{field} {before} -> {after}")
+
+        for section, fields in SAME_ON_RESUME:
+            compare(section, fields, "refused")
+        compare("optim", None, "optimizer")
+        return out
 
     def save(self, directory: str, *, keep: int = 3, is_main: bool | None = None
              ) -> str | None:

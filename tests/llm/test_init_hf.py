@@ -78,6 +78,26 @@ def test_init_trains_with_the_models_tokenizer(hf_dir, tmp_path, capsys):
     assert "vocabulary of 320" in _errors(["--tokenizer", str(hf_dir), *ARGS], capsys)
 
 
+def test_a_fine_tuned_model_exports_with_its_sources_token_ids(hf_dir, tmp_path, capsys):
+    """The checkpoints of a run begun with --init record the model it began from (and a
+    resumed run's too), so that llm.convert export writes its bos/eos ids: without them
+    transformers' generate() would not stop at the end-of-text token."""
+    from llm.convert import main as convert_main
+
+    want = json.loads((hf_dir / "config.json").read_text())
+    assert want["bos_token_id"] is not None and want["eos_token_id"] is not None
+    ck = tmp_path / "ck"
+    assert train_main(["--init", str(hf_dir), *ARGS, "--checkpoint-dir", str(ck)]) == 0
+    resumed = [a if a != "1" else "2" for a in ARGS]  # --steps 2
+    assert train_main(["--init", str(hf_dir), *resumed, "--checkpoint-dir", str(ck),
+                       "--resume"]) == 0
+    assert "resumed at step 1" in capsys.readouterr().out
+    assert convert_main(["export", str(ck), str(tmp_path / "out")]) == 0
+    got = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert got.get(key) == want.get(key), key
+
+
 @pytest.mark.slow
 @pytest.mark.cross_shape  # a grid's sums against one rank's, through training: measured 1e-5
 def test_init_on_8_ranks_equals_1_rank(hf_dir, tmp_path):

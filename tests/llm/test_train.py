@@ -101,6 +101,26 @@ def test_cli_resume_without_a_checkpoint_starts_fresh(tmp_path, capsys):
     assert checkpoint.open_checkpoint(tmp_path / "new").step == 1
 
 
+def test_cli_resume_refuses_other_settings_and_warns_of_another_optimizer(tmp_path, capsys):
+    """A resumed run with another loss, data or precision would silently be another run (a
+    goldfish run continued without goldfish, then evaluated as one): refused, naming each
+    setting; other optimizer settings may be meant (a lower learning rate after a spike):
+    warned, naming each."""
+    base = ["--docs", "4", "--batch-size", "4", "--seq-len", "16", "--eval-batches", "0",
+            "--checkpoint-dir", str(tmp_path / "ck")]
+    assert train_main([*base, "--epochs", "1", "--goldfish-k", "4"]) == 0
+    err = _errors([*base, "--epochs", "2", "--resume"], capsys)
+    assert "cannot resume from" in err and "goldfish.k 4 -> 0" in err
+    err = _errors([*base, "--epochs", "2", "--resume", "--goldfish-k", "4", "--seq-len", "14",
+                   "--seed", "3"], capsys)
+    assert "data.seq_len 16 -> 14" in err and "seed 0 -> 3" in err
+    assert checkpoint.open_checkpoint(tmp_path / "ck").step == 1  # nothing written
+    with pytest.warns(UserWarning, match=r"other optimizer settings .*: optim.lr 0.003 -> 0.001"):
+        assert train_main([*base, "--epochs", "2", "--resume", "--goldfish-k", "4",
+                           "--lr", "1e-3"]) == 0
+    assert "resumed at step 1" in capsys.readouterr().out
+
+
 def test_cli_errors(tmp_path, capsys):
     assert "--resume needs --checkpoint-dir" in _errors(["--resume"], capsys)
     assert "--keep-checkpoints must be >= 1" in _errors(["--keep-checkpoints", "0"], capsys)
@@ -111,6 +131,15 @@ def test_cli_errors(tmp_path, capsys):
     assert "does not exist" in _errors(["--metrics", str(tmp_path / "x" / "m.jsonl")], capsys)
     assert "text file" in _errors(["--text", str(tmp_path / "missing.txt")], capsys)
     assert "not both" in _errors(["--steps", "2", "--epochs", "1"], capsys)
+    assert "give one of them" in _errors(["--docs", "4", "--token-cache",
+                                          str(tmp_path / "cache")], capsys)
+    # a goldfish loss that could drop nothing, and NaN settings, are refused by name
+    assert "--goldfish-h 13 exceeds --seq-len 8: no window" in _errors(
+        ["--goldfish-k", "4", "--seq-len", "8"], capsys)
+    assert "--weight-decay and --grad-clip must be finite" in _errors(
+        ["--grad-clip", "nan"], capsys)
+    assert "--weight-decay and --grad-clip must be finite" in _errors(
+        ["--weight-decay", "nan"], capsys)
     assert "1 processes were launched" in _errors(["--grid", "data=1,row=2"], capsys)
     assert "no checkpoint" in _errors(["--checkpoint", str(tmp_path)], capsys,
                                       memorization_main)
