@@ -44,7 +44,9 @@ def choose_device(request: str, *, local_rank: int, local_world_size: int, num_g
         raise ValueError(f"unknown device {request!r}; use auto, cpu or cuda")
     if not 0 <= local_rank < local_world_size:
         raise ValueError(f"local rank {local_rank} is not among the {local_world_size} ranks of "
-                         "this node: the launcher's LOCAL_RANK and LOCAL_WORLD_SIZE disagree")
+                         "this node: the launcher's local rank and ranks per node disagree "
+                         "(LOCAL_RANK vs LOCAL_WORLD_SIZE under torchrun; SLURM_LOCALID vs this "
+                         "node's entry of SLURM_STEP_TASKS_PER_NODE under srun)")
     assert num_gpus >= 0, num_gpus
     cpu = torch.device("cpu")
     if request == "cpu":

@@ -18,12 +18,17 @@ job's MPI transport when there is one). What ranks do together when something fa
 Launchers, detected in this order (override with ``launcher=``):
 
 * ``torchrun``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment.
-* ``srun`` (Slurm): ``SLURM_PROCID``/``SLURM_NTASKS`` inside a job step; the address is the
-  first host of ``SLURM_STEP_NODELIST`` (or ``MASTER_ADDR``), the port ``MASTER_PORT`` or one
-  derived from the job id.
+* ``srun`` (Slurm): ``SLURM_PROCID``/``SLURM_NTASKS`` inside a job step, unless the MPI
+  variables show that mpiexec started the processes inside the step; the address is the first
+  host of ``SLURM_STEP_NODELIST`` (or ``MASTER_ADDR``), the port ``MASTER_PORT`` or one derived
+  from the job and step ids (:func:`_slurm_port`); the ranks on a node from
+  ``SLURM_STEP_TASKS_PER_NODE`` (:func:`_slurm_local_world`).
 * ``mpiexec``: MPI environment variables (MPICH/Hydra ``PMI_*``, Open MPI ``OMPI_*``, PMIx);
   mpi4py gives rank and size, rank 0 picks a free port and broadcasts its address.
 * ``single``: one process, no launcher.
+
+Under mpiexec and srun rank 0's process hosts the rendezvous store: its watchdog keeps the store
+up until the other ranks have finished too (:class:`~common.watchdog.Watchdog`).
 """
 
 from __future__ import annotations
@@ -60,6 +65,14 @@ ENV_MPI_POLITE = "HPC_MPI_POLITE"  # none / async / all: mpi_polite when the cal
 ENV_DEVICE = "HPC_DEVICE"  # the default of the CLIs' --device (common.run.add_launch_args)
 COMMS = ("auto", "mpi", "torch")
 _MPI_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+_MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+# set by an MPI launcher's process manager (Hydra of MPICH and Intel MPI, Open MPI's mpirun) and
+# never by srun, whose tasks get PMI_RANK or PMIX_RANK alone: rank 0 of an mpiexec inside a Slurm
+# step has the same rank and size as the step's task 0, and only these tell it apart
+_MPIEXEC_ONLY_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_RANK")
+# the largest timeout datetime.timedelta (which torch.distributed takes) can hold
+_MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()
 
 
 @dataclass(frozen=True)
@@ -122,11 +135,22 @@ class DistContext:
         every group, in the same order; each group gets an MPI communicator when the job has
         the MPI transport (mpiexec), so CPU tensors take MPI, not gloo. ``axis_sets`` and
         ``pg_kwargs`` as in :meth:`common.grid.ProcessGrid.create_groups`.
+
+        Raises:
+            ValueError: the grid does not have ``world_size`` ranks (``grid x=1 * y=2 * z=1 = 2
+                ranks, but 3 processes were launched``), on every rank before any group is
+                created: a rank outside a smaller grid would fail alone and leave the ranks
+                inside waiting for it in the group creation.
         """
+        grid.check(self.world_size)
         return grid.create_groups(self.rank, axis_sets, transport=self.transport, **pg_kwargs)
 
     def close(self) -> None:
-        """Stop the watchdog and destroy the process group (:func:`shutdown`; idempotent)."""
+        """Stop the watchdog and destroy the process group (:func:`shutdown`; idempotent).
+
+        On the rank whose process hosts the rendezvous store (rank 0 under mpiexec and srun)
+        this first waits for the other ranks to close too, at most the heartbeat timeout and two
+        heartbeats, so that a rank finishing later does not lose the store and exit 1."""
         atexit.unregister(self._at_exit)
         shutdown(self)
 
@@ -164,38 +188,63 @@ def _env_seconds(name: str, default: float) -> float:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a number of seconds") from None
-    if not seconds > 0:
-        raise ValueError(f"{name}={value!r}: the timeout must be > 0 seconds")
+    if not 0 < seconds <= _MAX_TIMEOUT_S:
+        raise ValueError(f"{name}={value!r}: the timeout must be > 0 seconds and finite (at "
+                         f"most {_MAX_TIMEOUT_S:.3g})")
     return seconds
 
 
 def resolve_timeouts(timeout_s: float | None = None, heartbeat_timeout_s: float | None = None
                      ) -> tuple[float, float]:
     """(collective timeout, heartbeat timeout) in seconds: an argument wins, then
-    ``$HPC_DIST_TIMEOUT`` / ``$HPC_HEARTBEAT_TIMEOUT`` (read now), then 300 / 30."""
+    ``$HPC_DIST_TIMEOUT`` / ``$HPC_HEARTBEAT_TIMEOUT`` (read now), then 300 / 30.
+
+    Raises:
+        ValueError: a timeout that is not > 0, or not finite: ``inf`` (``--dist-timeout inf``)
+            would pass a plain ``> 0`` and end in an OverflowError of timedelta on every rank.
+    """
     out = []
     for value, env, default, flag in (
-            (timeout_s, ENV_TIMEOUT, DEFAULT_TIMEOUT_S, "timeout_s"),
+            (timeout_s, ENV_TIMEOUT, DEFAULT_TIMEOUT_S, "timeout_s (--dist-timeout)"),
             (heartbeat_timeout_s, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT_S,
-             "heartbeat_timeout_s")):
+             "heartbeat_timeout_s (--heartbeat-timeout)")):
         if value is None:
             value = _env_seconds(env, default)
-        elif not value > 0:
-            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+        elif not 0 < value <= _MAX_TIMEOUT_S:
+            raise ValueError(f"{flag} must be > 0 seconds and finite (at most "
+                             f"{_MAX_TIMEOUT_S:.3g}), got {value}")
         out.append(float(value))
     return out[0], out[1]
 
 
 def detect_launcher(env: Mapping[str, str] | None = None) -> str:
-    """``"torchrun"``, ``"srun"``, ``"mpiexec"`` or ``"single"`` from the environment."""
+    """``"torchrun"``, ``"srun"``, ``"mpiexec"`` or ``"single"`` from the environment.
+
+    Processes that mpiexec starts inside a Slurm step (an ``srun --pty bash`` shell, or
+    mpiexec's proxies started by srun) inherit the step's ``SLURM_PROCID``, ``SLURM_STEP_ID``
+    and ``SLURM_NTASKS``: read as srun, every rank of a proxy would take the same rank. They are
+    mpiexec's when a variable only an MPI launcher sets is there (Hydra's ``MPI_LOCALRANKID``,
+    Open MPI's ``OMPI_COMM_WORLD_RANK``), or when the MPI rank or size disagrees with Slurm's;
+    the first test is the one rank 0 needs, whose rank and size agree with the step's task 0.
+    """
     env = os.environ if env is None else env
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return "torchrun"
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", 1)) > 1:
-        return "srun"
+        return "mpiexec" if _mpiexec_in_slurm_step(env) else "srun"
     if any(k in env for k in _MPI_VARS):
         return "mpiexec"
     return "single"
+
+
+def _mpiexec_in_slurm_step(env: Mapping[str, str]) -> bool:
+    """Whether mpiexec, not srun, started this process of a Slurm step (see detect_launcher)."""
+    if any(k in env for k in _MPIEXEC_ONLY_VARS):
+        return True
+    ranks = [env[k] for k in _MPI_RANK_VARS if k in env]
+    sizes = [env[k] for k in _MPI_SIZE_VARS if k in env]
+    return (any(r != env["SLURM_PROCID"] for r in ranks)
+            or any(n != env.get("SLURM_NTASKS") for n in sizes))
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -207,6 +256,57 @@ def first_slurm_host(nodelist: str) -> str:
     if ranges is None:
         return prefix
     return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _slurm_tasks_per_node(spec: str, name: str = "SLURM_STEP_TASKS_PER_NODE") -> list[int]:
+    """Slurm's tasks per node (the variable ``name``), one count per node of the step:
+    ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"cannot parse {name}={spec!r}: Slurm writes the tasks per node as "
+                             "counts such as '2(x3),1'; unset it or give it in that form")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts
+
+
+def _slurm_local_world(env: Mapping[str, str]) -> int:
+    """How many tasks of this srun step run on this node.
+
+    ``-n3 -N2`` puts 2 tasks on one node and 1 on the other, so the count is this node's
+    (``SLURM_NODEID``) entry of ``SLURM_STEP_TASKS_PER_NODE`` (else of the job's
+    ``SLURM_TASKS_PER_NODE``). Without them, the tasks are taken to spread as evenly as they
+    can: ``ceil(SLURM_NTASKS / nodes)``, and at least ``SLURM_LOCALID + 1`` (a count too high
+    costs threads per rank; one too low would put two ranks on a GPU).
+    """
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(name):
+            counts = _slurm_tasks_per_node(env[name], name)
+            node = env.get("SLURM_NODEID", "")
+            if len(counts) == 1:
+                return counts[0]
+            if node.isdigit() and int(node) < len(counts):
+                return counts[int(node)]
+            break
+    world = int(env["SLURM_NTASKS"])
+    nodes = max(1, int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1))))
+    return max(-(-world // nodes), int(env.get("SLURM_LOCALID", 0)) + 1)
+
+
+def _slurm_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of an srun step: ``MASTER_PORT`` if set, else
+    ``15000 + (job_id * 16 + step_id % 16) % 20000``.
+
+    The step id keeps concurrent steps of one allocation (``srun ... &`` twice) off each other's
+    store: with the job id alone they took the same port, and the second step failed to bind it
+    or joined the first one's store. Steps 0-15 of a job, and jobs fewer than 1250 apart, never
+    share a port.
+    """
+    if env.get("MASTER_PORT"):
+        return int(env["MASTER_PORT"])
+    job, step = int(env.get("SLURM_JOB_ID", 0)), int(env.get("SLURM_STEP_ID", 0))
+    return 15000 + (job * 16 + step % 16) % 20000
 
 
 def _free_port() -> int:
@@ -224,14 +324,11 @@ def _rendezvous(launcher: str) -> tuple[int, int, int, int, str, int]:
         return (int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world,
                 env["MASTER_ADDR"], int(env["MASTER_PORT"]))
     if launcher == "srun":
-        world = int(env["SLURM_NTASKS"])
-        nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1)))
         addr = env.get("MASTER_ADDR") or first_slurm_host(
             env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "localhost"))
         )
-        port = int(env.get("MASTER_PORT", 15000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
-        return (int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
-                max(1, world // nodes), addr, port)
+        return (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                int(env.get("SLURM_LOCALID", 0)), _slurm_local_world(env), addr, _slurm_port(env))
     if launcher == "mpiexec":
         try:
             from mpi4py import MPI
@@ -349,7 +446,7 @@ def init_distributed(
         default_store = _default_store()
         if default_store is not None:
             dog = Watchdog(_own_connection(addr, port, default_store), rank, world,
-                           timeout_s=heartbeat_timeout_s)
+                           timeout_s=heartbeat_timeout_s, store_host=_store_host(os.environ))
     transport = (MPITransport(two_level=two_level, ranks_per_node=ranks_per_node,
                               polite=mpi_polite) if use_mpi else None)
     ctx = DistContext(rank, world, local_rank, local_world, dev, backend, launcher,
@@ -408,6 +505,12 @@ def _default_store() -> Any:
         return _get_default_store()
     except Exception:  # private API; without it there is no watchdog
         return None
+
+
+def _store_host(env: Mapping[str, str]) -> int | None:
+    """The rank whose process hosts the rendezvous store: rank 0 under env:// rendezvous
+    (mpiexec, srun), none where torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    return None if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
 
 
 def _own_connection(addr: str, port: int, default_store: Any) -> Any:

@@ -275,8 +275,16 @@ class ProcessGrid:
 
         Returns:
             name -> :class:`AxisGroup`, where the name of a set is its axes joined by ``+``.
+
+        Raises:
+            ValueError: the grid does not have the ranks of the running ``torch.distributed``
+                job (:meth:`check`), on every rank before any group is created: a rank outside a
+                smaller grid would fail alone and leave the ranks inside waiting for it.
         """
         import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self.check(dist.get_world_size())
 
         if transport is _NO_TRANSPORT:
             warnings.warn("ProcessGrid.create_groups(rank) without transport= is deprecated "

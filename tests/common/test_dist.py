@@ -1,16 +1,31 @@
 """common.dist: start-up under real launchers (mpiexec with mpich + mpi4py, torchrun, alone),
-a wrong grid reported on every rank, timeouts read at call time, the context that closes
-itself, and the watchdog that names a lost rank."""
+Slurm's environment read as pure functions (mpiexec inside a step, uneven nodes, a port per
+step), a wrong grid reported on every rank, timeouts read at call time (finite ones only), the
+context that closes itself, and the watchdog that names a lost rank (more in
+tests/common/test_watchdog.py)."""
 
 import ast
+import json
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from common.dist import DistContext, detect_launcher, first_slurm_host, resolve_timeouts
-from tests.distributed import ROOT, launch, launch_env
+from common.device import choose_device
+from common.dist import (
+    DistContext,
+    _rendezvous,
+    _slurm_local_world,
+    _slurm_port,
+    _slurm_tasks_per_node,
+    detect_launcher,
+    first_slurm_host,
+    resolve_timeouts,
+)
+from common.grid import ProcessGrid
+from tests.distributed import ROOT, launch, launch_command, launch_env, needs_mpi
 
 CHECKS = ["-m", "tests.common.collective_checks"]
 
@@ -64,6 +79,91 @@ def test_launcher_detection():
     assert first_slurm_host("a[7,9]") == "a7"
 
 
+def test_mpiexec_inside_a_slurm_step_is_mpiexec_on_every_rank():
+    """The ranks of an mpiexec run inside a Slurm step (an `srun --pty bash`, or Hydra's
+    proxies started by srun) inherit the step's SLURM_PROCID, SLURM_STEP_ID and SLURM_NTASKS;
+    read as srun, both ranks of the proxy would be rank 0."""
+    step = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"}
+    for rank in ("0", "1"):  # Hydra (MPICH, Intel MPI): rank 0 agrees with Slurm on everything
+        hydra = {"PMI_RANK": rank, "PMI_SIZE": "2", "MPI_LOCALRANKID": rank,
+                 "MPI_LOCALNRANKS": "2"}
+        assert detect_launcher({**step, **hydra}) == "mpiexec", rank
+        # Open MPI's mpirun
+        assert detect_launcher({**step, "OMPI_COMM_WORLD_RANK": rank,
+                                "OMPI_COMM_WORLD_SIZE": "2", "PMIX_RANK": rank}) == "mpiexec"
+    # another MPI: a rank or a size that disagrees with Slurm's
+    assert detect_launcher({**step, "PMIX_RANK": "1"}) == "mpiexec"
+    assert detect_launcher({**step, "PMI_RANK": "0", "PMI_SIZE": "4"}) == "mpiexec"
+    # srun's own tasks under its PMI-2 or PMIx plugin: the MPI variables agree with Slurm's
+    task3 = {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8"}
+    assert detect_launcher({**task3, "PMI_RANK": "3", "PMI_SIZE": "8"}) == "srun"
+    assert detect_launcher({**task3, "PMIX_RANK": "3"}) == "srun"
+
+
+@needs_mpi
+def test_mpiexec_inside_a_slurm_step_under_a_real_mpiexec(tmp_path):
+    """The same with the environment a real mpiexec gives its ranks (written to a file per
+    rank, so that the ranks need not import torch)."""
+    code = ("import json, os, sys; json.dump(dict(os.environ), "
+            "open(os.path.join(sys.argv[1], os.environ['PMI_RANK']), 'w'))")
+    step = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"}
+    r = subprocess.run(launch_command(["-c", code, str(tmp_path)], ranks=2), capture_output=True,
+                       text=True, env=launch_env(step), timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    envs = [json.loads((tmp_path / rank).read_text()) for rank in ("0", "1")]
+    assert all(e["SLURM_PROCID"] == "0" for e in envs)
+    assert [detect_launcher(e) for e in envs] == ["mpiexec", "mpiexec"]
+
+
+def test_slurm_tasks_per_node():
+    assert _slurm_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert _slurm_tasks_per_node("4") == [4]
+    assert _slurm_tasks_per_node("1,2") == [1, 2]
+    assert _slurm_tasks_per_node("3(x2)") == [3, 3]
+    with pytest.raises(ValueError, match=r"cannot parse SLURM_TASKS_PER_NODE='2\(x\)'"):
+        _slurm_tasks_per_node("2(x)", "SLURM_TASKS_PER_NODE")
+
+
+def test_slurm_local_world_of_uneven_nodes():
+    """srun -n3 -N2: two tasks on node 0, one on node 1; each rank counts its own node's."""
+    step = {"SLURM_NTASKS": "3", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2,1"}
+    assert _slurm_local_world({**step, "SLURM_NODEID": "0"}) == 2
+    assert _slurm_local_world({**step, "SLURM_NODEID": "1"}) == 1
+    job = {"SLURM_NTASKS": "7", "SLURM_NNODES": "4", "SLURM_TASKS_PER_NODE": "2(x3),1"}
+    assert [_slurm_local_world({**job, "SLURM_NODEID": str(n)}) for n in range(4)] == [2, 2, 2, 1]
+    assert _slurm_local_world({"SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "4"}) == 4
+    # without the counts (or this node's id): as evenly as they go, never fewer than LOCALID + 1
+    assert _slurm_local_world({"SLURM_NTASKS": "3", "SLURM_STEP_NUM_NODES": "2"}) == 2
+    assert _slurm_local_world({**step, "SLURM_LOCALID": "2"}) == 3
+    assert _slurm_local_world({"SLURM_NTASKS": "4", "SLURM_NNODES": "2"}) == 2
+
+
+def test_srun_start_up_of_uneven_nodes(monkeypatch):
+    """Every rank of srun -n3 -N2 gets a local world that holds its local rank (the rank with
+    SLURM_LOCALID=1 used to raise, the others to wait for it until the timeout)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for rank, (node, local) in enumerate([(0, 0), (0, 1), (1, 0)]):
+        env = {"SLURM_PROCID": rank, "SLURM_LOCALID": local, "SLURM_NODEID": node,
+               "SLURM_STEP_ID": 0, "SLURM_NTASKS": 3, "SLURM_STEP_NUM_NODES": 2,
+               "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_JOB_ID": 11,
+               "SLURM_STEP_NODELIST": "n[1-2]"}
+        for name, value in env.items():
+            monkeypatch.setenv(name, str(value))
+        got = _rendezvous("srun")
+        assert got[:5] == (rank, 3, local, 2 - node, "n1"), got
+        assert choose_device("auto", local_rank=local, local_world_size=got[3],
+                             num_gpus=0)[0] == torch.device("cpu")
+
+
+def test_concurrent_srun_steps_get_their_own_port():
+    ports = [_slurm_port({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": str(step)}) for step in range(16)]
+    assert len(set(ports)) == 16 and all(15000 <= p < 35000 for p in ports)
+    # neighbouring jobs too
+    assert _slurm_port({"SLURM_JOB_ID": "6", "SLURM_STEP_ID": "0"}) not in ports
+    assert _slurm_port({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "1", "MASTER_PORT": "29500"}) == 29500
+
+
 def test_timeouts_are_read_at_call_time(monkeypatch):
     monkeypatch.delenv("HPC_DIST_TIMEOUT", raising=False)
     monkeypatch.delenv("HPC_HEARTBEAT_TIMEOUT", raising=False)
@@ -75,12 +175,42 @@ def test_timeouts_are_read_at_call_time(monkeypatch):
     monkeypatch.setenv("HPC_DIST_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="HPC_DIST_TIMEOUT='soon' is not a number"):
         resolve_timeouts()
-    with pytest.raises(ValueError, match="heartbeat_timeout_s must be > 0"):
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
         resolve_timeouts(5, 0)
     # nothing is read at import: a bad value breaks only the call that reads it
     code = "import common.dist, common.run"
     env = launch_env({"HPC_DIST_TIMEOUT": "soon", "HPC_HEARTBEAT_TIMEOUT": "x"})
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400", "1e300"])
+def test_timeouts_must_be_finite(monkeypatch, value):
+    """An infinite timeout passed a plain `> 0` and ended in an OverflowError of timedelta, with
+    a traceback on every rank."""
+    monkeypatch.delenv("HPC_HEARTBEAT_TIMEOUT", raising=False)
+    monkeypatch.setenv("HPC_DIST_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"HPC_DIST_TIMEOUT='{value}': the timeout must be > 0 "
+                       "seconds and finite"):
+        resolve_timeouts()
+    monkeypatch.delenv("HPC_DIST_TIMEOUT")
+    with pytest.raises(ValueError, match=r"^timeout_s \(--dist-timeout\) must be > 0 seconds "
+                       r"and finite \(at most 8.64e\+13\), got"):
+        resolve_timeouts(float(value))
+    with pytest.raises(ValueError, match=r"^heartbeat_timeout_s \(--heartbeat-timeout\) must"):
+        resolve_timeouts(None, float(value))
+
+
+def test_a_wrong_grid_fails_on_every_rank_before_any_group():
+    """A grid smaller than the world: the rank outside it used to raise alone while the ranks
+    inside waited in the group creation (then reported as "rank 2 was lost")."""
+    messages = set()
+    for rank in range(3):
+        ctx = DistContext(rank, 3, rank, 3, torch.device("cpu"), "gloo", "mpiexec")
+        with pytest.raises(ValueError) as e:
+            ctx.create_groups(ProcessGrid.parse("1x2x1"))
+        messages.add(str(e.value))
+    assert messages == {"grid x=1 * y=2 * z=1 = 2 ranks, but 3 processes were launched; pass a "
+                        "grid whose sizes multiply to 3"}
 
 
 def test_a_bad_mpi_polite_setting_is_refused_before_anything_starts(monkeypatch):
@@ -121,7 +251,7 @@ def test_bad_arguments_fail_before_start_up():
 
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         init_distributed(device="tpu")
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+    with pytest.raises(ValueError, match=r"timeout_s \(--dist-timeout\) must be > 0"):
         init_distributed(timeout_s=-1)
 
 

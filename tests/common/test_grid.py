@@ -177,6 +177,25 @@ def test_group_creation_without_the_transport_warns_with_the_call_to_use():
     assert set(groups) == {"x", "y", "z"} and all(g.size == 1 for g in groups.values())
 
 
+
+def test_group_creation_checks_the_grid_against_the_world_first():
+    """With torch.distributed started, a grid of another size is refused on every rank before
+    any group: in a smaller grid a rank outside it raised alone while the ranks inside waited
+    in the group creation."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"^grid x=1 \* y=2 \* z=1 = 2 ranks, but 1 "
+                           "processes were launched"):
+            ProcessGrid.plexus(1, 2, 1).create_groups(0, transport=None)
+        assert set(ProcessGrid.plexus(1, 1, 1).create_groups(0, transport=None)) == {"x", "y",
+                                                                                     "z"}
+    finally:
+        dist.destroy_process_group()
+
+
 sizes = st.integers(min_value=1, max_value=6)
 
 
