@@ -22,16 +22,31 @@ from plexus.model import PlexusGCN
 # what must agree between the checkpoint and the run that loads it
 IDENTITY = ("dataset", "num_nodes", "widths", "learn_features", "model", "bias", "norm",
             "residual", "heads")
+# what makes the graph the model trains on, with the flag that sets each: weights trained on
+# one graph would otherwise continue on another of the same name and size. A checkpoint
+# written before these were recorded is compared on the others only
+GRAPH_IDENTITY = {"num_edges": "--dataset", "dataset_seed": "--seed",
+                  "symmetrize": "--symmetrize", "normalize_features": "--normalize-features"}
 
 
-def identity(model: PlexusGCN, dataset: str) -> dict[str, Any]:
-    """The model's identity: a checkpoint only loads into a model with the same one."""
+def identity(model: PlexusGCN, dataset: str, *, num_edges: int | None = None,
+             storage: str | None = None, settings: dict[str, Any] | None = None,
+             normalize_features: bool = False) -> dict[str, Any]:
+    """The model's and its graph's identity: a checkpoint only loads into a model with the
+    same one. ``num_edges`` and ``storage``: the source's (a prepared dataset counts distinct
+    edges without self-loops, an in-memory graph every stored one, so the counts are compared
+    within one storage only: a run may resume from the other's checkpoint of one graph).
+    ``settings``: the source's (:attr:`plexus.data.shard.ShardSource.settings`): ``seed``
+    where it generated or randomly split the graph, ``symmetrize``."""
+    settings = settings or {}
     return {"dataset": dataset, "num_nodes": model.shard.num_nodes,
             "widths": list(model.shard.widths),
             "learn_features": isinstance(model.features, torch.nn.Parameter),
             "model": model.kind, "bias": len(model.biases) > 0, "norm": model.norm_kind,
             "residual": model.residual,
-            "heads": model.heads if model.kind == "gat" else None}
+            "heads": model.heads if model.kind == "gat" else None,
+            "num_edges": num_edges, "storage": storage, "dataset_seed": settings.get("seed"),
+            "symmetrize": settings.get("symmetrize"), "normalize_features": normalize_features}
 
 
 def entries(model: PlexusGCN) -> list[sharded.Entry]:
@@ -67,8 +82,19 @@ def load(root: str, model: PlexusGCN, opt: torch.optim.Optimizer, *, meta: dict[
                                    f"{saved.get('engine')!r}, not plexus")
     diff = [f"{k} {saved.get(k)!r} != {meta.get(k)!r}" for k in IDENTITY
             if saved.get(k) != meta.get(k)]
-    if diff:
-        raise ckpt.CheckpointError(f"checkpoint {ck.path} is from a different model: "
-                                   + ", ".join(diff))
+    # None: not known on that side (a prepared directory's files are the graph: no setting
+    # of the run made it), so a run on it may resume an in-memory run's checkpoint
+    counted_alike = saved.get("storage") == meta.get("storage")
+    graph = [f"{flag} ({k}) {saved[k]!r} != {meta.get(k)!r}"
+             for k, flag in GRAPH_IDENTITY.items()
+             if saved.get(k) is not None and meta.get(k) is not None and saved[k] != meta[k]
+             and (k != "num_edges" or counted_alike)]
+    if diff or graph:
+        raise ckpt.CheckpointError(
+            f"checkpoint {ck.path} is from a different "
+            + "; ".join([*(["model: " + ", ".join(diff)] if diff else []),
+                         *([f"graph: {', '.join(graph)} (checkpoint != this run); resume with "
+                            "the checkpoint's settings, or train afresh in another "
+                            "--checkpoint-dir"] if graph else [])]))
     sharded.load_state(ck, entries(model), opt)
     return ck.step, json.loads(ck.files["history.json"])

@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--permutation", choices=part.PERMUTATIONS, default="double")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the permutations and of generated data")
-    p.add_argument("--root", default="data", help="OGB: directory of the dataset folders")
+    p.add_argument("--root", default="data",
+                   help="OGB and PyG names: directory of the dataset folders")
     p.add_argument("--scale", type=int, default=20, help="R-MAT: log2 of the node count")
     p.add_argument("--edge-factor", type=int, default=16, help="R-MAT: edges per node")
     p.add_argument("--features", type=int, default=128, help="R-MAT / edge file: feature width")
@@ -67,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "duplicates and self-loops (undirected graph; what --symmetrize of "
                    "plexus.train prepares into its cache)")
     p.add_argument("--chunk-edges", type=int, default=1 << 23, help="edges per chunk")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --out that is a prepared dataset (a folder "
+                   "without plexus's manifest.json is never deleted)")
     p.add_argument("--verify", metavar="DIR", default=None,
                    help="only check the checksums of a prepared dataset")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -94,7 +97,7 @@ def source_from_args(args: argparse.Namespace, tmp_dir: str) -> EdgeSource:
         return edge_file_source(args.source, args.num_nodes, symmetrize=args.symmetrize,
                                 num_features=args.features, num_classes=args.classes,
                                 seed=args.seed, chunk_edges=args.chunk_edges, tmp_dir=tmp_dir)
-    return graph_source(load_dataset(args.source, seed=args.seed),
+    return graph_source(load_dataset(args.source, root=args.root, seed=args.seed),
                         chunk_edges=args.chunk_edges)
 
 

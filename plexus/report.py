@@ -16,7 +16,7 @@ from common.memory import describe_peaks, peaks, peaks_per_rank_max, resident_by
 from common.run import steady_mean
 from plexus import layout
 from plexus.data import ShardSource
-from plexus.trainer import Trainer, TrainResult, split_predictions
+from plexus.trainer import Trainer, TrainResult, best_state_missing, split_predictions
 
 
 def runs_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,10 +114,17 @@ def run_summary(result: TrainResult, source: ShardSource, grid: ProcessGrid, ctx
                      "eval_every": cfg["run"]["eval_every"]},
     }
     if source.name.startswith("ogbn-") and hist:
+        # the same on every rank (the best epoch is chosen from all-reduced accuracies), so
+        # every rank runs the same collective passes
+        missing = best_state_missing(result)
+        if missing is not None:  # the final weights' numbers must not pass for the best's
+            out["ogb_evaluator_best_val_unavailable"] = missing
+        wanted = [("ogb_evaluator", False)] + [("ogb_evaluator_best_val", True)] * (
+            missing is None)
         # both forward passes before the Evaluator is imported: ogb's import (pandas and the
         # rest, a few hundred MiB resident) would add to the second pass's peak
         passes = {key: split_predictions(result, best=at_best)  # collective
-                  for key, at_best in (("ogb_evaluator", False), ("ogb_evaluator_best_val", True))}
+                  for key, at_best in wanted}
         if ctx.is_main:
             from plexus.data.ogb import ogb_accuracy
 
@@ -162,5 +169,8 @@ def print_summary(s: dict[str, Any]) -> None:
                        ("ogb_evaluator_best_val", "  at best val")):
         if key in s:
             rows.append((label, ", ".join(f"{k} {100 * v:.2f}%" for k, v in s[key].items())))
+    if "ogb_evaluator_best_val_unavailable" in s:
+        rows.append(("  at best val", "not available: "
+                     + s["ogb_evaluator_best_val_unavailable"]))
     width = max(len(k) for k, _ in rows)
     print("\n" + "\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)

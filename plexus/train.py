@@ -79,8 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "[-sym] (rank 0 writes, the other ranks wait; later runs reuse it) and "
                    "memory-map it per rank. auto: for ogbn-papers100M, ogbn-products, .npy edge "
                    "files and OGB datasets over 1 GiB (nodes*features*4 + edges*16 bytes, from "
-                   "the file headers), GraphSAGE excepted; always: every OGB dataset or edge "
-                   "file; never: load the whole graph on every rank")
+                   "the file headers), for every --model (a prepared dataset serves them all); "
+                   "always: every OGB dataset or edge file; never: load the whole graph on "
+                   "every rank")
     p.add_argument("--blocks", type=int, default=None, metavar="K",
                    help="k (k x k blocks) of a cache --prepare writes; every grid axis must "
                    "divide it. Default: the smallest multiple of lcm(X, Y, Z) >= 8 of the grid "
@@ -299,6 +300,10 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
     configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth
     if args.runs < 1:
         raise ValueError(f"--runs must be >= 1, got {args.runs}")
+    if args.runs > 1 and args.epochs < 1:  # no run would have an accuracy to average
+        raise ValueError(f"--runs {args.runs} reports the mean test accuracy over the runs, "
+                         f"and --epochs {args.epochs} trains and evaluates nothing: give "
+                         "--epochs >= 1, or --runs 1")
     ck = configs["checkpoint"] = checkpoint_config(args)
     if args.runs > 1 and ck.dir:
         raise ValueError("--runs > 1 trains several models; checkpoints hold one: drop "

@@ -69,8 +69,9 @@ class Trainer:
     norm on its running statistics) on the weights after the epoch's update, every
     ``run.eval_every`` epochs and after the last (:func:`run`). Model selection as OGB does it,
     among the evaluated epochs: :attr:`best` holds the epoch of best validation accuracy and its
-    accuracies, :attr:`best_state` a copy of this rank's shards at that epoch (None when a
-    resumed run's earlier epoch stays best: those shards are not kept).
+    accuracies, :attr:`best_state` a copy of this rank's shards at that epoch (None when an
+    epoch before the one a run resumed from stays best: a checkpoint holds only its own
+    epoch's shards, so no prediction at the best epoch can be made then).
 
     Args:
         source: the graph (:func:`plexus.data.open_source`, ``InMemorySource``, ...).
@@ -123,8 +124,11 @@ class Trainer:
         self.stats = CommStats()
         config = {"model": asdict(model), "optim": asdict(self.optim_cfg),
                   "run": asdict(self.run_cfg), "permutation": source.permutation}
-        self.meta = {**ckpt.identity(self.model, source.name), "config": config,
-                     "grid": str(parallel.grid)}  # what a checkpoint must match
+        self.meta = {**ckpt.identity(self.model, source.name, num_edges=source.num_edges,
+                                     storage=source.storage,
+                                     settings=getattr(source, "settings", None),
+                                     normalize_features=model.normalize_features),
+                     "config": config, "grid": str(parallel.grid)}  # what a checkpoint must match
         self.epoch = 0
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
@@ -149,6 +153,8 @@ class Trainer:
                                         group=self.parallel.transport)
         for row in history:
             self.record(row, keep_state=False)
+        if self.best is not None and self.best["epoch"] == self.epoch:
+            self.best_state = _state(self.model)  # the weights just loaded are that epoch's
         self.info["resumed_from"] = self.epoch
         return self.epoch
 
@@ -427,6 +433,9 @@ def _outputs(result: TrainResult, best: bool = False, all_rows: bool = False
     o_ax = layout.roles(result.model.num_layers - 1)[0]
     shard, net = result.shard, result.model
     saved = result.info.get("best_state") if best else None
+    if best and saved is None:  # the final weights would pass for the best epoch's
+        raise ValueError(f"the weights of the best validation epoch are not available: "
+                         f"{best_state_missing(result)}")
     net.eval()
     if saved:
         final = _state(net)
@@ -446,6 +455,20 @@ def _outputs(result: TrainResult, best: bool = False, all_rows: bool = False
     device = pred.device
     return pred, shard.labels.to(device, torch.int64), code.to(device), torch.from_numpy(
         shard.out_rows).to(device, torch.int64)
+
+
+def best_state_missing(result: TrainResult) -> str | None:
+    """Why ``result`` holds no weights of its best validation epoch (None when it does):
+    the epoch came before the checkpoint the run resumed from, or no epoch was evaluated."""
+    if result.info.get("best_state") is not None:
+        return None
+    best, resumed = result.info.get("best"), result.info.get("resumed_from")
+    if best is None:
+        return "no epoch was evaluated"
+    if resumed is not None and best["epoch"] < resumed:
+        return (f"the best validation epoch ({best['epoch']}) came before the resume from "
+                f"epoch {resumed}, and a checkpoint holds only its own epoch's weights")
+    return f"the weights of epoch {best['epoch']} were not kept"
 
 
 def _p_group(result: TrainResult) -> AxisGroup:
@@ -472,7 +495,8 @@ def predictions(result: TrainResult) -> torch.Tensor:
 def split_predictions(result: TrainResult, *, best: bool = False
                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{split: (labels, predicted classes)}`` of every split's nodes under the final model
-    (or the best validation epoch's, with ``best``), on every rank (collective; for the OGB
+    (or the best validation epoch's, with ``best``: a ValueError where the run does not hold
+    them, :func:`best_state_missing`), on every rank (collective; for the OGB
     Evaluator). Works on any source: the labels come from the shards, not a whole graph. The
     forward pass computes the split rows only when the model's last layer does (the same
     logits, so the same Evaluator numbers). Only the split rows cross the network and are

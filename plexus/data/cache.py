@@ -6,10 +6,13 @@
 
 The cache of a dataset is ``ROOT/prepared/<name>-k<blocks>-<permutation>-s<seed>[-sym]``:
 ``<name>`` is the OGB name or the edge file's stem (``ROOT/prepared/edges-k8-double-s0`` for
-``edges.npy``; two edge files with one stem share it, the manifest check tells them apart),
-``-sym`` marks a directed graph made undirected by ``--symmetrize``. It is a directory written
-by ``python -m plexus.prepare`` (plexus.data.writer), which writes under ``OUT.partial`` and
-renames at the end, so a half-written cache is never used and the next writer starts over.
+``edges.npy``; two edge files with one stem share it, and the manifest, which records each
+input's path, size and modification time, tells them apart), ``-sym`` marks a directed graph
+made undirected by ``--symmetrize``. It is a directory written by ``python -m
+plexus.prepare`` (plexus.data.writer), which writes under ``OUT.partial`` and renames at the
+end, so a half-written cache is never used and the next writer starts over. A cache whose
+inputs changed since (another edge file of that stem, rewritten raw files) stops the run with
+the cache's name to delete, never silently reused or rewritten.
 
 The rule (:func:`wants_cache`): ``ogbn-papers100M`` and ``ogbn-products`` always go through
 the cache, ``.npy`` edge files too (they have no in-memory reader); another OGB dataset does
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -101,8 +105,12 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
     """The cache directory of ``name``, prepared by the writer if needed; every rank calls it.
 
     A finished cache is reused after a cheap check: its manifest must be of this format
-    version and match (source, blocks, permutation, seed, symmetry), and every file it lists
-    must exist with the recorded size. Checksums are not read; ``python -m plexus.prepare
+    version and match (source, blocks, permutation, seed, symmetry), its inputs must be
+    those it was prepared from, and every file it lists must exist with the recorded size.
+    The inputs: an edge file's resolved path, size and modification time (the file must
+    exist, even for a cache that holds it); an OGB dataset's raw files' sizes and
+    modification times, those still present (a job may delete the raw files once prepared).
+    Checksums are not read; ``python -m plexus.prepare
     --verify DIR`` checks them all. A cache of another format version (an older plexus's: one
     without the mean aggregation's blocks, say) stops every rank with the ``python -m
     plexus.prepare ... --force`` command that rebuilds it in place; like a cache that does not
@@ -126,30 +134,36 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
         quiet: no progress bars while preparing.
 
     Raises:
-        ValueError: the cache holds another dataset or other settings (delete it).
+        ValueError: the cache holds another dataset or other settings, or its inputs have
+            changed since it was prepared (delete it).
         DatasetCorruptError: a file of the cache is missing or has the wrong size;
             ``StaleFormatError``: the cache is of another format version (rebuild it).
-        DatasetNotFoundError: the raw files are missing and there is no cache.
+        DatasetNotFoundError: the raw files are missing and there is no cache, or the
+            edge file is missing.
         PrepareFailedError: (waiters) the writer failed; TimeoutError: waited ``timeout_s``.
     """
     out = cache_dir(name, root, blocks=blocks, permutation=permutation, seed=seed,
                     symmetrize=symmetrize)
     want = {"blocks": blocks, "permutation": permutation, "seed": seed,
             "symmetric": symmetrize or name == "ogbn-products"}
-    if is_prepared(out):
-        return _checked(out, name, want, verbose and is_writer)
+    # the edge file first: a cache of another file of the same stem, or of one that is gone,
+    # must not be taken for it
     edge_file = _edge_file(name, root) if is_edge_file(name) else None
+    inputs = _Inputs(name, root, edge_file)
+    if is_prepared(out):
+        return _checked(out, inputs, want, verbose and is_writer)
     if edge_file is None:
         _check_ogb_files(name, root)
     failed = Path(f"{out}.failed")
     if not is_writer:
-        return _wait(out, failed, name, want, token, timeout_s, poll_s, report_every_s, verbose)
+        return _wait(out, failed, inputs, want, token, timeout_s, poll_s, report_every_s,
+                     verbose)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with preparing_lock(out, token=token, verbose=verbose, poll_s=poll_s,
                             report_every_s=report_every_s, timeout_s=timeout_s) as previous:
             if is_prepared(out):  # another job prepared it while this one waited
-                return _checked(out, name, want, verbose)
+                return _checked(out, inputs, want, verbose)
             failed.unlink(missing_ok=True)  # an earlier attempt's
             if out.exists():
                 raise ValueError(f"{out} exists but is not a prepared dataset (no "
@@ -175,7 +189,7 @@ def prepared_cache(name: str, root: str | os.PathLike, *, blocks: int, permutati
     except BaseException as e:
         _write_marker(failed, {"token": token, "error": f"{type(e).__name__}: {e}"})
         raise
-    return _checked(out, name, want, verbose=False)
+    return _checked(out, inputs, want, verbose=False)
 
 
 def _write_marker(failed: Path, record: dict) -> None:
@@ -222,8 +236,70 @@ def _source(name, root, edge_file: Path | None, seed: int, symmetrize: bool, tmp
     return dataclasses.replace(source, num_nodes=num_nodes)
 
 
-def _checked(out: Path, name: str, want: dict, verbose: bool) -> Path:
-    """``out`` if its manifest matches ``want`` and ``name`` and its files have their sizes."""
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What a cache must have been prepared from: ``name`` and, for an edge file, the file
+    itself (resolved path, size and modification time); for an OGB dataset, the size and
+    time of each raw file read (plexus.data.sources.ogb_input_stamps)."""
+
+    name: str
+    root: str | os.PathLike
+    edge_file: Path | None
+
+    def problems(self, src: dict, out: Path, verbose: bool) -> list[str]:
+        """How the manifest's ``source`` record differs from these inputs ([] if it does not).
+
+        Raw OGB files that are gone are not compared: the cache is what is left of them (a
+        job may delete the 57 GB of ogbn-papers100M once it is prepared). An edge file must
+        exist (:func:`_edge_file`): its path is the dataset's name. A cache prepared before
+        the inputs' sizes and times were recorded is reused with a warning (``verbose``: this
+        rank prints it), not refused: rebuilding ogbn-papers100M's takes hours.
+        """
+        from plexus.data.sources import file_stamp, ogb_input_stamps
+
+        unrecorded = (f"the prepared cache {out} records no sizes and times of its inputs (an "
+                      "older plexus prepared it), so whether they changed since cannot be "
+                      "told; delete it to prepare it anew if they did")
+        if self.edge_file is not None:
+            if src.get("kind") != "edge-file":
+                return [f"source {src} (wanted the edge file {self.edge_file})"]
+            path = str(self.edge_file.resolve())
+            if "bytes" not in src:  # (an older manifest: its file name only)
+                if Path(src.get("path", "")).name != self.edge_file.name:
+                    return [f"edge file {src.get('path')} (wanted {path})"]
+                if verbose:
+                    warnings.warn(unrecorded, stacklevel=2)
+                return []
+            if src.get("path") != path:
+                return [f"edge file {src.get('path')} (wanted {path})"]
+            now = file_stamp(self.edge_file)
+            recorded = {k: src.get(k) for k in now}
+            if recorded != now:
+                return [f"edge file {path} {_stamp_text(recorded)} when prepared, "
+                        f"{_stamp_text(now)} now"]
+            return []
+        if src.get("kind") != "ogb" or src.get("name") != self.name:
+            return [f"source {src} (wanted {self.name})"]
+        recorded = src.get("inputs")
+        if recorded is None:
+            if verbose:
+                warnings.warn(unrecorded, stacklevel=2)
+            return []
+        return [f"raw file {rel} {_stamp_text(recorded.get(rel))} when prepared, "
+                f"{_stamp_text(now)} now" for rel, now in
+                ogb_input_stamps(self.name, self.root).items() if recorded.get(rel) != now]
+
+
+def _stamp_text(stamp: dict | None) -> str:
+    if not stamp:
+        return "not recorded"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp["mtime_ns"] / 1e9))
+    return f"{stamp['bytes']} bytes modified {when}"
+
+
+def _checked(out: Path, inputs: _Inputs, want: dict, verbose: bool) -> Path:
+    """``out`` if its manifest matches ``want`` and ``inputs`` and its files have their
+    sizes."""
     delete = f"delete {out} and run again to prepare it anew"
     try:
         m = read_manifest(out)
@@ -233,16 +309,11 @@ def _checked(out: Path, name: str, want: dict, verbose: bool) -> Path:
     except DatasetCorruptError as e:
         raise DatasetCorruptError(f"the prepared cache {out} is unusable: {e}; {delete}") from e
     bad = [f"{k} {m.get(k)!r} (wanted {v!r})" for k, v in want.items() if m.get(k) != v]
-    src = m.get("source") or {}
-    if is_edge_file(name):
-        same = src.get("kind") == "edge-file" and Path(src.get("path", "")).name == Path(name).name
-    else:
-        same = src.get("kind") == "ogb" and src.get("name") == name
-    if not same:
-        bad.append(f"source {src} (wanted {name})")
+    bad += inputs.problems(m.get("source") or {}, out, verbose)
     if bad:
         raise ValueError(f"the prepared cache {out} does not match this run: {', '.join(bad)}; "
-                         f"{delete} (or move it away to keep it)")
+                         f"{delete} (or move it away to keep it; --dataset {out} trains on it "
+                         "as it is)")
     for rel, meta in m["files"].items():
         p = out / rel
         size = p.stat().st_size if p.is_file() else None
@@ -257,14 +328,14 @@ def _checked(out: Path, name: str, want: dict, verbose: bool) -> Path:
     return out
 
 
-def _wait(out: Path, failed: Path, name: str, want: dict, token: str | None,
+def _wait(out: Path, failed: Path, inputs: _Inputs, want: dict, token: str | None,
           timeout_s: float | None, poll_s: float, report_every_s: float,
           verbose: bool) -> Path:
     """Poll until the writer's cache or its failure marker appears."""
     start = last = time.monotonic()
     while True:
         if is_prepared(out):
-            return _checked(out, name, want, verbose=False)
+            return _checked(out, inputs, want, verbose=False)
         if failed.is_file():
             try:
                 marker = json.loads(failed.read_text())

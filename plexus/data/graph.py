@@ -65,8 +65,8 @@ class Graph:
         _check_edge_index(self.edge_index, n)
         if not isinstance(self.num_classes, int) or self.num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {self.num_classes!r}")
-        _check_labels(self.y, n, self.num_classes)
-        _check_splits(self, n)
+        check_labels(self.y, n, self.num_classes)
+        check_splits({s: self.split_idx(s) for s in SPLITS}, self.y, n)
 
     @property
     def num_nodes(self) -> int:
@@ -278,7 +278,9 @@ def _check_edge_index(ei: torch.Tensor, n: int) -> None:
                          f"x has N={n} rows: ids must lie in [0, {n}); check x matches the edges")
 
 
-def _check_labels(y: torch.Tensor, n: int, c: int) -> None:
+def check_labels(y: torch.Tensor, n: int, c: int) -> None:
+    """Labels int64 [N] in [0, C) or -1 (unlabeled); the prepared path (plexus.data.sources)
+    applies the same rule with the same words."""
     if y.dtype != torch.int64 or tuple(y.shape) != (n,):
         raise ValueError(f"y must be int64 [N={n}], got {y.dtype} {tuple(y.shape)}; use "
                          "labels_to_int64(y) for [N, 1] or float labels")
@@ -287,9 +289,12 @@ def _check_labels(y: torch.Tensor, n: int, c: int) -> None:
                          f"{int(y.max())}; use -1 for unlabeled nodes or raise num_classes")
 
 
-def _check_splits(g: Graph, n: int) -> None:
+def check_splits(splits: dict[str, torch.Tensor], y: torch.Tensor, n: int) -> None:
+    """Split ids int64 [n] in [0, N), of labeled nodes only (a node with y = -1 would count as
+    class 0 in the loss), no node in two splits or twice in one; the prepared path
+    (plexus.data.sources) applies the same rules with the same words."""
     for split in SPLITS:
-        idx = g.split_idx(split)
+        idx = splits[split]
         if idx.dim() != 1 or idx.dtype != torch.int64:
             raise ValueError(f"{split}_idx must be int64 [n], got {idx.dtype} {tuple(idx.shape)}")
         if idx.numel() == 0:
@@ -297,11 +302,11 @@ def _check_splits(g: Graph, n: int) -> None:
         if int(idx.min()) < 0 or int(idx.max()) >= n:
             raise ValueError(f"{split}_idx holds ids in [{int(idx.min())}, {int(idx.max())}], "
                              f"outside [0, N={n})")
-        unlabeled = int((g.y[idx] < 0).sum())
+        unlabeled = int((y[idx] < 0).sum())
         if unlabeled:
             raise ValueError(f"{unlabeled} of {idx.numel()} {split} nodes are unlabeled (y = -1); "
                              "a split may only hold labeled nodes")
-    all_idx = torch.cat([g.split_idx(s) for s in SPLITS])
+    all_idx = torch.cat([splits[s] for s in SPLITS])
     if torch.unique(all_idx).numel() != all_idx.numel():
         raise ValueError("train/val/test indices overlap or repeat a node; splits must be "
                          "disjoint sets of nodes")

@@ -35,6 +35,7 @@ import os
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,6 +59,8 @@ class PreparedGraph:
             mean adjacency, and the root blocks; module docstring).
         manifest: the dataset's manifest when already read and checked (for
             :meth:`with_aggregation`); None: read from ``path``.
+        settings: the settings that made the dataset, which a checkpoint must match
+            (:attr:`plexus.data.shard.ShardSource.settings`); None: {}.
 
     Raises:
         FileNotFoundError: no manifest.json at ``path``.
@@ -69,11 +72,13 @@ class PreparedGraph:
     storage = "memory-mapped"
 
     def __init__(self, path: str | os.PathLike, *, aggregation: str = "gcn",
-                 manifest: Mapping | None = None) -> None:
+                 manifest: Mapping | None = None,
+                 settings: Mapping[str, Any] | None = None) -> None:
         if aggregation not in part.AGGREGATIONS:
             raise ValueError(f"unknown aggregation {aggregation!r}; choose from "
                              f"{part.AGGREGATIONS}")
         self.aggregation = aggregation
+        self.settings = dict(settings or {})
         self.path = Path(path)
         m = read_manifest(self.path) if manifest is None else manifest
         self.manifest = m
@@ -108,7 +113,8 @@ class PreparedGraph:
         needs (plexus.config.aggregation_of)."""
         if aggregation == self.aggregation:
             return self
-        return PreparedGraph(self.path, aggregation=aggregation, manifest=self.manifest)
+        return PreparedGraph(self.path, aggregation=aggregation, manifest=self.manifest,
+                             settings=self.settings)
 
     def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
         """Every axis size must divide k (each axis is a row and a column split somewhere)."""

@@ -15,6 +15,7 @@ the root blocks, cut the same way.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,12 +42,15 @@ class InMemorySource:
         aggregation: ``gcn`` (``Â``, no root blocks) or ``mean`` (GraphSAGE: the mean
             adjacency of plexus.data.partition.mean_adjacency, PyG's ``SAGEConv`` mean, and
             the root blocks of the permuted identity; plexus.data.shard).
+        settings: the settings that made ``graph`` from its files, which a checkpoint must
+            match (:attr:`plexus.data.shard.ShardSource.settings`); None: {}.
     """
 
     storage = "in memory"
 
     def __init__(self, graph: Graph, *, permutation: str = "double", seed: int = 0,
-                 pad_multiple: int = 1, aggregation: str = "gcn") -> None:
+                 pad_multiple: int = 1, aggregation: str = "gcn",
+                 settings: Mapping[str, Any] | None = None) -> None:
         if aggregation not in part.AGGREGATIONS:
             raise ValueError(f"unknown aggregation {aggregation!r}; choose from "
                              f"{part.AGGREGATIONS}")
@@ -57,6 +61,7 @@ class InMemorySource:
             raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
         self.graph, self.permutation, self.seed = graph, permutation, seed
         self.pad_multiple, self.aggregation = pad_multiple, aggregation
+        self.settings = dict(settings or {})
         self.name = graph.name
         self.num_nodes, self.num_edges = graph.num_nodes, graph.num_edges
         self.num_features, self.num_classes = graph.num_features, graph.num_classes
@@ -77,7 +82,8 @@ class InMemorySource:
         if aggregation == self.aggregation:
             return self
         return InMemorySource(self.graph, permutation=self.permutation, seed=self.seed,
-                              pad_multiple=self.pad_multiple, aggregation=aggregation)
+                              pad_multiple=self.pad_multiple, aggregation=aggregation,
+                              settings=self.settings)
 
     def grid_problems(self, shape: Mapping[str, int]) -> list[str]:
         """Any grid works: nodes and widths are padded to fit."""

@@ -98,6 +98,13 @@ def is_pyg_name(name: str) -> bool:
     return name in PYG_DATASETS or _family(name) is not None
 
 
+def pyg_split_is_random(name: str) -> bool:
+    """Whether :func:`load_pyg` splits ``name`` at random with its ``seed`` (RANDOM), so that
+    another seed gives another split; True for a name it does not know (it refuses those)."""
+    spec = next((s for s in PYG_DATASETS.values() if s.key.lower() == name.lower()), None)
+    return spec is None or spec.split == RANDOM
+
+
 def _family(name: str) -> str | None:
     """The PyG family ``name`` belongs to, matched without regard to case."""
     head = name.split("/")[0].lower()

@@ -27,7 +27,7 @@ from plexus.data.graph import Graph
 from plexus.data.mapped import PreparedGraph
 from plexus.data.memory import InMemorySource
 from plexus.data.ogb import OGB_DATASETS, load_ogb
-from plexus.data.pyg import is_pyg_name, load_pyg, pyg_patterns
+from plexus.data.pyg import is_pyg_name, load_pyg, pyg_patterns, pyg_split_is_random
 from plexus.data.schema import DEFAULT_ROOT, is_prepared
 from plexus.data.shard import ShardSource
 
@@ -141,15 +141,25 @@ def open_source(name: str, *, root: str | os.PathLike | None = None,
                     "symmetrized when it is mapped: prepare it again with python -m "
                     "plexus.prepare --source ... --out ... --symmetrize (the flag applies to "
                     ".npy edge files and directed OGB datasets), or train on it as it is")
-            return source
+            return source  # its files are the graph: no setting of this run made it
+    settings = {"seed": seed if _seeded(name) else None, "symmetrize": symmetrize}
     if _use_cache(name, root, prepare):
         path = cache.prepared_cache(name, root, blocks=blocks, permutation=permutation or "double",
                                     seed=seed, symmetrize=symmetrize, is_writer=is_writer,
                                     token=token, verbose=verbose, quiet=not verbose)
-        return PreparedGraph(path, aggregation=aggregation)
+        return PreparedGraph(path, aggregation=aggregation, settings=settings)
     graph = load_dataset(name, root=root, seed=seed, symmetrize=symmetrize)
     return InMemorySource(graph, permutation=permutation or "double", seed=seed,
-                          pad_multiple=pad_multiple, aggregation=aggregation)
+                          pad_multiple=pad_multiple, aggregation=aggregation, settings=settings)
+
+
+def _seeded(name: str) -> bool:
+    """Whether ``seed`` generates or randomly splits dataset ``name`` (so that another seed
+    is another graph): the generated graphs, the synthetic task of an edge file, and the PyG
+    datasets without a split of their own."""
+    if name in ("planted", "rmat") or re.fullmatch(r"rmat-\d+", name) or cache.is_edge_file(name):
+        return True
+    return is_pyg_name(name) and pyg_split_is_random(name)
 
 
 def _use_cache(name: str, root: Path, prepare: str) -> bool:

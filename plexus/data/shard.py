@@ -240,7 +240,12 @@ class ShardSource(Protocol):
             docstring).
         permutation: the load-balancing permutation the shards use.
         split_counts: labelled nodes per split in the whole graph.
-        storage: ``"in memory"`` or ``"memory-mapped"`` (logs only).
+        storage: ``"in memory"`` or ``"memory-mapped"`` (logs, and whether a checkpoint's
+            edge count compares: the two count duplicates and self-loops differently).
+        settings: optional; the settings that made the graph from its files, which a
+            checkpoint must match to be resumed on it (plexus.checkpoint): ``seed`` where it
+            generated or randomly split the graph (None where it did not), ``symmetrize``.
+            :func:`plexus.data.open_source` sets it; absent or {}: nothing to compare.
     """
 
     name: str

@@ -12,9 +12,12 @@ data (features by row, labels, split codes) once in-degrees are known.
 
 from __future__ import annotations
 
+import gzip
 import os
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,7 +157,7 @@ def edge_file_source(path: str | os.PathLike, num_nodes: int, *, symmetrize: boo
         name=path.stem, num_nodes=num_nodes, num_features=num_features,
         num_classes=num_classes, chunks=chunks, num_edges=total, symmetrize=symmetrize,
         undirected=False, dedupe=symmetrize, node_data=node_data,
-        description={"kind": "edge-file", "path": str(path.resolve())})
+        description={"kind": "edge-file", "path": str(path.resolve()), **file_stamp(path)})
 
 
 def ogb_source(name: str, root: str | os.PathLike = DEFAULT_ROOT, *, chunk_edges: int = 1 << 23,
@@ -166,6 +169,16 @@ def ogb_source(name: str, root: str | os.PathLike = DEFAULT_ROOT, *, chunk_edges
     streamed out of the zip, one reader per row, whether it is stored or compressed).
     Directions, multi-edges, NaN labels and the official split are read as ogb's own loader
     reads them (plexus.data.ogb): ogbn-products' edges are stored once and get their reverse.
+    Labels and splits are checked here, before any edge is read, by the rules and in the words
+    of the in-memory :class:`~plexus.data.graph.Graph`: labels in [0, C) with C ogb's own
+    class count, every split node labelled, splits in [0, N) and disjoint. The description
+    records the size and time of every file read (:func:`ogb_input_stamps`), so that a cache
+    prepared from them is not reused once they change.
+
+    Raises:
+        DatasetNotFoundError: a file is missing.
+        DatasetCorruptError: a file is truncated or unreadable, or its labels or split break
+            the rules above (the message names the file).
     """
     from plexus.data.errors import DatasetNotFoundError
     from plexus.data.ogb import OGB_DATASETS, missing_files, not_found_message
@@ -176,38 +189,56 @@ def ogb_source(name: str, root: str | os.PathLike = DEFAULT_ROOT, *, chunk_edges
     ddir = Path(root) / spec.dir_name
     if missing := missing_files(spec, ddir):
         raise DatasetNotFoundError(not_found_message(spec, Path(root), missing))
+    stamps = ogb_input_stamps(name, root)  # before reading: a change while preparing shows
+    if len(stamps) < len(ogb_inputs(name)):  # ogb's processed cache stands in for raw files
+        lacking = sorted(set(ogb_inputs(name)) - set(stamps))
+        raise DatasetNotFoundError(f"{name}: preparing reads the raw files, and {ddir} lacks "
+                                   f"{', '.join(lacking)}; copy them there")
     raw = ddir / "raw"
     npz = (raw / "data.npz").is_file()
     num_nodes, n_edges, num_features = ogb_sizes(raw)
-    y = _ogb_labels(raw, npz, num_nodes)
-    num_classes = max(_ogb_num_classes(name), int(y.max()) + 1)  # as the ogb loader says
+    label_file = raw / ("node-label.npz" if npz else "node-label.csv.gz")
+    with _reading(label_file, name):
+        y = _ogb_labels(raw, npz, num_nodes)
+    num_classes = _ogb_num_classes(name)  # as ogb's loader reports it, whatever the labels say
+    splits = {}
+    for s in ("train", "valid", "test"):
+        path = ddir / "split" / spec.split / f"{s}.csv.gz"
+        with _reading(path, name):
+            splits[s] = _csv_ids(path)
+    _check_node_data(y, splits, num_nodes, num_classes, label_file,
+                     ddir / "split" / spec.split)
 
     def chunks():
-        if npz:
-            with zipfile.ZipFile(raw / "data.npz") as zf:
-                yield from _npz_edge_chunks(zf, chunk_edges)
-        else:
-            import pandas as pd
+        with _reading(raw / ("data.npz" if npz else "edge.csv.gz"), name):
+            if npz:
+                with zipfile.ZipFile(raw / "data.npz") as zf:
+                    yield from _npz_edge_chunks(zf, chunk_edges)
+            else:
+                import pandas as pd
 
-            for df in pd.read_csv(raw / "edge.csv.gz", header=None, chunksize=chunk_edges,
-                                  dtype=np.int64):
-                yield np.ascontiguousarray(df.to_numpy().T)
+                for df in pd.read_csv(raw / "edge.csv.gz", header=None, chunksize=chunk_edges,
+                                      dtype=np.int64):
+                    yield np.ascontiguousarray(df.to_numpy().T)
 
     def node_data(_deg):
-        import pandas as pd
-
         split = np.zeros(num_nodes, dtype=np.int8)
         for s, code in (("train", SPLIT_CODES["train"]), ("valid", SPLIT_CODES["val"]),
                         ("test", SPLIT_CODES["test"])):
-            idx = pd.read_csv(ddir / "split" / spec.split / f"{s}.csv.gz", header=None)[0]
-            split[idx.to_numpy()] = code
+            split[splits[s]] = code
         path = Path(tmp_dir) / f"features-{os.getpid()}.npy"
         x = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32,
                                       shape=(num_nodes, num_features))
         lo = 0
-        for rows in _ogb_feature_chunks(raw, npz, chunk_edges // max(num_features, 1) + 1):
-            x[lo:lo + rows.shape[0]] = rows
-            lo += rows.shape[0]
+        try:
+            with _reading(raw / ("data.npz" if npz else "node-feat.csv.gz"), name):
+                for rows in _ogb_feature_chunks(raw, npz,
+                                                chunk_edges // max(num_features, 1) + 1):
+                    x[lo:lo + rows.shape[0]] = rows
+                    lo += rows.shape[0]
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         x.flush()
         return NodeData(features=lambda r: np.asarray(x[r]), labels=y, split=split,
                         cleanup=lambda: path.unlink(missing_ok=True))
@@ -216,23 +247,111 @@ def ogb_source(name: str, root: str | os.PathLike = DEFAULT_ROOT, *, chunk_edges
         name=name, num_nodes=num_nodes, num_features=num_features, num_classes=num_classes,
         chunks=chunks, num_edges=n_edges, symmetrize=name == "ogbn-products",
         undirected=False, dedupe=False, node_data=node_data,
-        description={"kind": "ogb", "name": name, "root": str(Path(root).resolve())})
+        description={"kind": "ogb", "name": name, "root": str(Path(root).resolve()),
+                     "inputs": stamps})
+
+
+def file_stamp(path: str | os.PathLike) -> dict[str, int]:
+    """``{"bytes", "mtime_ns"}`` of an input file: what a prepared cache compares to tell that
+    its input was replaced or rewritten since (a checksum would read the whole input, as long
+    as preparing it takes)."""
+    st = Path(path).stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def ogb_inputs(name: str) -> list[str]:
+    """The files of OGB dataset ``name`` that :func:`ogb_source` reads, relative to its
+    folder (``node_year`` is not read: the time split is in ``split/``)."""
+    from plexus.data.ogb import OGB_DATASETS
+
+    spec = OGB_DATASETS[name]
+    return ([f"raw/{f}" for f in spec.raw_files if f != "node_year.csv.gz"]
+            + [f"split/{spec.split}/{s}.csv.gz" for s in ("train", "valid", "test")])
+
+
+def ogb_input_stamps(name: str, root: str | os.PathLike) -> dict[str, dict[str, int]]:
+    """:func:`file_stamp` of every file of :func:`ogb_inputs` that exists under ``root``."""
+    from plexus.data.ogb import OGB_DATASETS
+
+    ddir = Path(root) / OGB_DATASETS[name].dir_name
+    return {rel: file_stamp(ddir / rel) for rel in ogb_inputs(name) if (ddir / rel).is_file()}
+
+
+@contextmanager
+def _reading(path: Path, name: str):
+    """Errors of a truncated or damaged raw file (a gzip stream that ends early, a bad zip,
+    text pandas cannot parse) as a DatasetCorruptError naming the file, as the in-memory
+    loader names them (plexus.data.ogb.load_ogb)."""
+    from plexus.data.errors import DatasetCorruptError
+
+    try:
+        yield
+    except DatasetCorruptError:
+        raise
+    except (EOFError, zlib.error, zipfile.BadZipFile, gzip.BadGzipFile, ValueError,
+            KeyError) as e:
+        raise DatasetCorruptError(
+            f"{name}: {path} could not be read ({type(e).__name__}: {e}); the file is "
+            f"truncated or corrupt: copy the raw files of {name} again") from e
+
+
+def _csv_ids(path: Path) -> np.ndarray:
+    """int64 [n] node ids of a one-column split file (any other column or text: an error)."""
+    import pandas as pd
+
+    frame = pd.read_csv(path, header=None)
+    if frame.shape[1] != 1 or frame[0].dtype.kind not in "iu":
+        raise ValueError(f"expected one column of integer node ids, found {frame.shape[1]} "
+                         f"column(s) of {frame.dtypes.iloc[0] if frame.shape[1] else 'nothing'}")
+    return frame[0].to_numpy().astype(np.int64)
+
+
+def _check_node_data(y: np.ndarray, splits: dict[str, np.ndarray], n: int, c: int,
+                     label_file: Path, split_dir: Path) -> None:
+    """The in-memory Graph's label and split rules (plexus.data.graph.check_labels and
+    check_splits, whose words these are) on OGB raw data, naming the file at fault: the
+    prepared path must refuse what the in-memory one refuses."""
+    import torch
+
+    from plexus.data.errors import DatasetCorruptError
+    from plexus.data.graph import check_labels, check_splits
+
+    try:
+        check_labels(torch.from_numpy(y), n, c)
+    except ValueError as e:
+        raise DatasetCorruptError(f"{label_file}: {e} (C: ogb's class count of this "
+                                  "dataset)") from e
+    try:
+        check_splits({"train": torch.from_numpy(splits["train"]),
+                      "val": torch.from_numpy(splits["valid"]),
+                      "test": torch.from_numpy(splits["test"])}, torch.from_numpy(y), n)
+    except ValueError as e:
+        raise DatasetCorruptError(f"{split_dir}: {e}") from e
 
 
 def ogb_sizes(raw: str | os.PathLike) -> tuple[int, int, int]:
     """(nodes, stored edges, feature width) of an OGB node dataset's ``raw`` folder, from the
-    npz headers (ogbn-papers100M) or the CSV count files, without reading the graph."""
+    npz headers (ogbn-papers100M) or the CSV count files, without reading the graph.
+
+    Raises:
+        DatasetCorruptError: a file is truncated or unreadable (the message names it).
+    """
     raw = Path(raw)
+    name = raw.parent.name
     if (raw / "data.npz").is_file():
-        with zipfile.ZipFile(raw / "data.npz") as zf:
+        with _reading(raw / "data.npz", name), zipfile.ZipFile(raw / "data.npz") as zf:
             return (int(_npz_read(zf, "num_nodes_list").sum()),
                     int(_npz_header(zf, "edge_index")[0][1]),
                     int(_npz_header(zf, "node_feat")[0][1]))
     import pandas as pd
 
-    return (int(pd.read_csv(raw / "num-node-list.csv.gz", header=None)[0].sum()),
-            int(pd.read_csv(raw / "num-edge-list.csv.gz", header=None)[0].sum()),
-            pd.read_csv(raw / "node-feat.csv.gz", header=None, nrows=1).shape[1])
+    sizes = []
+    for file, read in (("num-node-list", lambda f: int(pd.read_csv(f, header=None)[0].sum())),
+                       ("num-edge-list", lambda f: int(pd.read_csv(f, header=None)[0].sum())),
+                       ("node-feat", lambda f: pd.read_csv(f, header=None, nrows=1).shape[1])):
+        with _reading(raw / f"{file}.csv.gz", name):
+            sizes.append(read(raw / f"{file}.csv.gz"))
+    return tuple(sizes)
 
 
 def _ogb_num_classes(name: str) -> int:

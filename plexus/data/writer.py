@@ -25,7 +25,9 @@ double permutation), N nodes (degrees, permutations, labels). The steps:
 Every file's SHA-256 goes into ``manifest.json`` as it is written.
 
 The output is written under ``OUT.partial`` and renamed at the end: an interrupted run leaves
-no half-written dataset at OUT, and an existing OUT is never overwritten without ``force``.
+no half-written dataset at OUT, and an existing OUT is never overwritten without ``force``,
+nor with it unless OUT is a prepared dataset (it holds a plexus manifest) that holds none of
+the source's inputs.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
         blocks: k; training grids need axis sizes that divide k.
         permutation: ``none``, ``single`` or ``double`` (docs/design/plexus-3d.md section 6).
         seed: permutation seed (training with this dataset uses these permutations).
-        force: replace an existing ``out`` (only after the new one is complete).
+        force: replace an existing ``out`` (only after the new one is complete), which must
+            be a prepared dataset: a folder without a plexus manifest is refused.
         quiet: no progress bars.
     """
     if blocks < 1:
@@ -93,6 +96,12 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists; choose another --out or pass --force "
                               "to replace it once the new one is complete")
+    for path in _input_paths(source):
+        if path.resolve().is_relative_to(out.resolve()):
+            raise ValueError(f"--out {out} holds the input it would be prepared from ({path}); "
+                             "choose an --out outside it")
+    if out.exists():
+        _check_replaceable(out)
     t_start = time.perf_counter()
     k, n = blocks, source.num_nodes
     n_pad = round_up(max(n, 1), k)
@@ -276,6 +285,33 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
     return manifest
 
 
+def _input_paths(source: EdgeSource) -> list[Path]:
+    """The files or folders ``source`` reads, as its description names them."""
+    src = source.description
+    if src.get("kind") == "edge-file":
+        return [Path(src["path"])]
+    if src.get("kind") == "ogb":
+        from plexus.data.ogb import OGB_DATASETS
+
+        return [Path(src["root"]) / OGB_DATASETS[src["name"]].dir_name]
+    return []
+
+
+def _check_replaceable(out: Path) -> None:
+    """``force`` deletes ``out`` once the new dataset is complete: only a prepared dataset
+    (of any format version: ``--force`` is how a stale one is rebuilt) may go, never a folder
+    of other files that happens to have the name."""
+    try:
+        with open(out / MANIFEST) as f:
+            ours = json.load(f).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise ValueError(f"--force replaces only a prepared dataset, and {out} holds no "
+                         f"{MANIFEST} of format {FORMAT_NAME!r} (python -m plexus.prepare did "
+                         "not write it); choose another --out, or move or delete it yourself")
+
+
 def _sorted_unique(keys: np.ndarray, dedupe: bool):
     """(sorted distinct keys, how often each occurs or None with ``dedupe``); sorts in place
     (numpy's hash-based np.unique is several times slower on these sizes)."""
@@ -344,6 +380,14 @@ def _write_node_data(work: Path, nd: NodeData, source: EdgeSource, pr, pc, n, k,
         v = int(np.flatnonzero(bad)[0])
         raise ValueError(f"label {int(nd.labels[v])} of node {v} is outside [0, "
                          f"{source.num_classes}) (-1 = unlabeled)")
+    if not np.isin(nd.split, (0, *SPLIT_CODES.values())).all():
+        raise ValueError(f"split codes must be 0 (none) or {SPLIT_CODES}; found "
+                         f"{sorted(set(np.unique(nd.split).tolist()))}")
+    for s, code in SPLIT_CODES.items():  # an unlabelled split node would count as class 0
+        members = nd.split == code
+        if unlabeled := int((nd.labels[members] < 0).sum()):
+            raise ValueError(f"{unlabeled} of {int(members.sum())} {s} nodes are unlabeled "
+                             "(y = -1); a split may only hold labeled nodes")
     f = source.num_features
     step = max(1, (1 << 26) // max(4 * f, 1))  # rows per gather: about 64 MiB
     with progress(n, "4/4 features", "row", quiet) as bar:

@@ -65,7 +65,8 @@ def _load_and_predict(ctx, grid, ck, model):
     _, net = shard_and_model(source, ParallelState.create(ctx, ProcessGrid.parse(grid)),
                              ModelConfig(hidden=12, **{"learn_features": True, **model}), seed=9)
     opt = torch.optim.AdamW(net.parameters())
-    checkpoint.load(ck, net, opt, meta=checkpoint.identity(net, source.name))
+    checkpoint.load(ck, net, opt, meta=checkpoint.identity(
+        net, source.name, num_edges=source.num_edges, storage=source.storage))
     return _full_logits(net)
 
 
@@ -154,3 +155,38 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
                     "--resume"], 2)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from the checkpoint of epoch {manifest['step']}" in resumed.stdout
+
+
+def test_resume_refuses_another_graph_naming_the_setting(tmp_path):
+    """A checkpoint records what made its graph (the seed where it generates or randomly
+    splits the dataset, --symmetrize, --normalize-features, the edge count): a resume with
+    other settings would continue the weights on another graph of the same name and size."""
+    from common.checkpoint import CheckpointError
+    from common.grid import ProcessGrid
+    from common.parallel import ParallelState
+    from common.run import CheckpointConfig
+    from plexus.config import split_config
+    from plexus.data import open_source
+    from plexus.data.registry import _seeded
+    from plexus.trainer import Trainer, run
+
+    def trainer(epochs, seed=0, symmetrize=False, normalize=False, resume=False):
+        source = open_source("planted", seed=seed, symmetrize=symmetrize)
+        return Trainer(source, ParallelState.single(ProcessGrid.plexus(1, 1, 1)),
+                       **split_config(epochs=epochs, hidden=8, num_layers=2, seed=seed,
+                                      normalize_features=normalize),
+                       checkpoint=CheckpointConfig(dir=str(tmp_path), resume=resume))
+
+    run(trainer(3))
+    with pytest.raises(CheckpointError, match=r"is from a different graph: .*--seed "
+                       r"\(dataset_seed\) 0 != 7, --symmetrize \(symmetrize\) False != True, "
+                       r"--normalize-features \(normalize_features\) False != True \(checkpoint "
+                       r"!= this run\); resume with the checkpoint's settings"):
+        trainer(5, seed=7, symmetrize=True, normalize=True, resume=True).resume()
+    with pytest.raises(CheckpointError, match=r"different graph: --normalize-features"):
+        trainer(5, normalize=True, resume=True).resume()
+    assert trainer(5, resume=True).resume() == 3  # the same graph: resumed
+    # the seed counts only where it makes the graph: OGB's and PyG's own splits ignore it
+    assert _seeded("planted") and _seeded("rmat-10") and _seeded("x/edges.npy")
+    assert _seeded("Amazon/Photo") and not _seeded("Planetoid/Cora")
+    assert not _seeded("ogbn-arxiv")

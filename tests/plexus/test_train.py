@@ -335,3 +335,24 @@ def test_bad_inputs_fail_clearly_and_lose_nothing(tmp_path):
     assert _tree_digest(ck) == before  # data lost: 0
     print(f"bad inputs tried: {len(cases)}; rejected with a clear message: {len(cases)}; "
           "data lost: 0")
+
+
+def test_runs_without_epochs_is_refused_naming_both_flags():
+    """--runs 2 --epochs 0 has no accuracy to average: refused before any data is read."""
+    from types import SimpleNamespace
+
+    from plexus.train import build, parse_args
+
+    ctx = SimpleNamespace(world_size=1, rank=0, local_rank=0, is_main=True)
+    with pytest.raises(ValueError, match=r"--runs 2 reports the mean .*--epochs 0 trains and "
+                       r"evaluates nothing"):
+        build(parse_args(["--runs", "2", "--epochs", "0"]), ctx)
+
+
+def test_the_prepare_help_says_every_model_maps_the_cache(capsys):
+    from plexus.train import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "excepted" not in text and "for every --model (a prepared dataset serves" in text

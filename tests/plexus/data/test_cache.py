@@ -7,6 +7,7 @@ size. Training on a prepared dataset equals the in-memory source: test_mapped.py
 
 import json
 import re
+import shutil
 import threading
 import time
 
@@ -218,3 +219,70 @@ def test_the_class_counts_are_ogbs_own():
     table = pd.read_csv(master, index_col=0, keep_default_na=False)
     for name in OGB_DATASETS:
         assert _ogb_num_classes(name) == int(table[name]["num classes"])
+
+
+def _edges(path, num_nodes, seed=0):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    edges = np.random.default_rng(seed).integers(0, num_nodes, (2, 6 * num_nodes))
+    edges[:, 0] = num_nodes - 1  # the largest id: num_nodes nodes
+    np.save(path, edges)
+    return path
+
+
+def test_an_edge_file_cache_is_not_reused_for_another_file_or_a_missing_one(tmp_path,
+                                                                           monkeypatch):
+    """Edge files of one stem share a cache name: the manifest's path, size and time tell
+    them apart, and the edge file is required before its cache is used."""
+    a, b = _edges(tmp_path / "a" / "edges.npy", 200), _edges(tmp_path / "b" / "edges.npy", 400)
+    root = tmp_path / "r1"
+    out = open_source(str(a), root=root, blocks=2).path
+    assert PreparedGraph(out).num_nodes == 200
+    monkeypatch.setattr(writer_module, "prepare", _no_prepare)  # never silently rewritten
+    assert open_source(str(a), root=root, blocks=2).path == out  # the same file: reused
+    with pytest.raises(ValueError, match=rf"the prepared cache {re.escape(str(out))} does not "
+                       rf"match this run: edge file {re.escape(str(a.resolve()))} "
+                       rf"\(wanted {re.escape(str(b.resolve()))}\); delete {re.escape(str(out))}"):
+        open_source(str(b), root=root, blocks=2)
+    with pytest.raises(FileNotFoundError, match=r"edge file .*zz.edges\.npy not found"):
+        open_source(str(tmp_path / "zz" / "edges.npy"), root=root, blocks=2)
+    _edges(a, 300, seed=1)  # rewritten in place: same path, another graph
+    with pytest.raises(ValueError, match=r"does not match this run: edge file .*edges\.npy "
+                       r"\d+ bytes modified .* when prepared, \d+ bytes modified .* now"):
+        open_source(str(a), root=root, blocks=2, is_writer=False)
+    # an older plexus's manifest (the file's path, no size or time): reused with a warning
+    manifest = json.loads((out / "manifest.json").read_text())
+    for key in ("bytes", "mtime_ns"):
+        manifest["source"].pop(key, None)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="records no sizes and times of its inputs"):
+        assert open_source(str(a), root=root, blocks=2, verbose=True).path == out
+
+
+def test_an_ogb_cache_is_not_reused_once_its_raw_files_change(tmp_path, monkeypatch):
+    write_papers100m_like(tmp_path, num_nodes=400)
+    out = prepared_cache(PAPERS, tmp_path, **KW, is_writer=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["source"]["inputs"]) == {
+        "raw/data.npz", "raw/node-label.npz", *(f"split/time/{s}.csv.gz"
+                                                 for s in ("train", "valid", "test"))}
+    monkeypatch.setattr(writer_module, "prepare", _no_prepare)
+    write_papers100m_like(tmp_path / "new", num_nodes=500)  # new raw data, the same name
+    shutil.copytree(tmp_path / "new" / "ogbn_papers100M", tmp_path / "ogbn_papers100M",
+                    dirs_exist_ok=True)
+    with pytest.raises(ValueError, match=r"does not match this run: raw file raw/data\.npz "
+                       r"\d+ bytes modified .* when prepared, \d+ bytes modified .* now.*"
+                       rf"delete {re.escape(str(out))}"):
+        open_source(PAPERS, root=tmp_path, blocks=2)
+    with pytest.raises(ValueError, match=r"raw file raw/data\.npz"):  # waiters check it too
+        prepared_cache(PAPERS, tmp_path, **KW, is_writer=False)
+    # raw files deleted once prepared: nothing left to compare, the cache is what remains
+    for path in (tmp_path / "ogbn_papers100M").rglob("*.*"):
+        path.unlink()
+    assert open_source(PAPERS, root=tmp_path, blocks=2).path == out
+    # a cache of an older plexus records no inputs: whether they changed cannot be told, and
+    # rebuilding papers100M's takes hours, so it is reused with a warning that says so
+    del manifest["source"]["inputs"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match=r"records no sizes and times of its inputs .* delete "
+                      "it to prepare it anew if they did"):
+        assert open_source(PAPERS, root=tmp_path, blocks=2, verbose=True).path == out

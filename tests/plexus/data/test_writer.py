@@ -117,3 +117,137 @@ def test_ogb_raw_files_stream_into_the_same_shards_as_the_ogb_loader(tmp_path, w
         assert_same_shard(sage.shard(grid.shape, grid.coords(rank), widths(graph, 3, 6)), mem)
 
 
+
+
+def _edit_gz(path, edit):
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        lines = f.read().splitlines()
+    edit(lines)
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _set(i, value):
+    def edit(lines):
+        lines[i] = value
+    return edit
+
+
+def _bad_ogb_inputs():
+    """(what, edit of the arxiv folder, words of the error): the in-memory Graph's refusals."""
+    return [
+        ("label out of range", lambda d: _edit_gz(d / "raw/node-label.csv.gz", _set(5, "57")),
+         r"node-label\.csv\.gz: labels outside \[0, C=40\): found min 0, max 57"),
+        ("unlabelled split node", lambda d: _edit_gz(d / "raw/node-label.csv.gz",
+                                                     _set(_first(d, "train"), "nan")),
+         r"1 of \d+ train nodes are unlabeled \(y = -1\); a split may only hold labeled"),
+        ("overlapping splits", lambda d: _edit_gz(d / "split/time/test.csv.gz",
+                                                  lambda lines: lines.append(
+                                                      str(_first(d, "train")))),
+         "train/val/test indices overlap or repeat a node"),
+        ("split id out of range", lambda d: _edit_gz(d / "split/time/test.csv.gz",
+                                                     lambda lines: lines.append("999")),
+         r"test_idx holds ids in \[\d+, 999\], outside \[0, N=300\)"),
+        ("truncated edges", lambda d: (d / "raw/edge.csv.gz").write_bytes(
+            (d / "raw/edge.csv.gz").read_bytes()[:200]),
+         r"edge\.csv\.gz could not be read \(EOFError.*truncated or corrupt"),
+        ("truncated features", lambda d: (d / "raw/node-feat.csv.gz").write_bytes(
+            (d / "raw/node-feat.csv.gz").read_bytes()[:300]),
+         r"node-feat\.csv\.gz could not be read \(EOFError.*truncated or corrupt"),
+    ]
+
+
+def _first(d, split):
+    import gzip
+
+    with gzip.open(d / f"split/time/{split}.csv.gz", "rt") as f:
+        return int(f.readline())
+
+
+@pytest.mark.parametrize("what, edit, words", _bad_ogb_inputs(),
+                         ids=[case[0] for case in _bad_ogb_inputs()])
+def test_ogb_raw_files_the_in_memory_path_refuses_are_refused_naming_the_file(
+        tmp_path, what, edit, words):
+    """Preparing applies the in-memory Graph's rules: labels in [0, C) with ogb's C (never
+    widened), split nodes labelled, splits in range and disjoint; a damaged raw file is a
+    DatasetCorruptError naming it, not a decoder's traceback; nothing is left behind."""
+    from plexus.data.sources import ogb_source
+    from tests.plexus.data.ogb_format import write_arxiv_like
+
+    w = write_arxiv_like(tmp_path, num_nodes=300)
+    edit(w.directory)
+    with pytest.raises(DatasetCorruptError, match=words):
+        prepare(ogb_source("ogbn-arxiv", tmp_path, chunk_edges=97, tmp_dir=tmp_path),
+                tmp_path / "p", blocks=2, quiet=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ogbn_arxiv"]
+
+
+def test_the_writer_refuses_unlabelled_split_nodes_of_any_source(tmp_path):
+    g = rmat_graph(6, seed=0)
+    source = graph_source(g)
+    node_data = source.node_data
+
+    def unlabelled(deg):
+        nd = node_data(deg)
+        nd.labels = nd.labels.copy()
+        nd.labels[g.val_idx[:3].numpy()] = -1
+        return nd
+
+    source.node_data = unlabelled
+    with pytest.raises(ValueError, match=r"3 of \d+ val nodes are unlabeled \(y = -1\)"):
+        prepare(source, tmp_path / "p", blocks=2, quiet=True)
+    assert not (tmp_path / "p").exists()
+
+
+def test_force_replaces_only_a_prepared_dataset_that_holds_none_of_its_inputs(tmp_path):
+    from plexus.data.sources import ogb_source
+    from tests.plexus.data.ogb_format import write_arxiv_like
+
+    graph = directed_graph(n=50, e=200)
+    mine = tmp_path / "mine"  # a user's folder that happens to be named as --out
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"--force replaces only a prepared dataset, and .*mine "
+                       r"holds no manifest\.json"):
+        prepare(graph_source(graph), mine, blocks=2, force=True, quiet=True)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    w = write_arxiv_like(tmp_path / "ogb", num_nodes=120)  # the raw folder it reads from
+    for out in (w.directory, tmp_path / "ogb"):
+        with pytest.raises(ValueError, match="holds the input it would be prepared from"):
+            prepare(ogb_source("ogbn-arxiv", tmp_path / "ogb", tmp_dir=tmp_path), out,
+                    blocks=2, force=True, quiet=True)
+    assert (w.directory / "raw" / "edge.csv.gz").is_file()
+    out = tmp_path / "p"  # a prepared dataset holding its own edge file
+    prepare(graph_source(graph), out, blocks=2, quiet=True)
+    np.save(out / "edges.npy", graph.edge_index.numpy())
+    with pytest.raises(ValueError, match="holds the input"):
+        prepare(edge_file_source(out / "edges.npy", 50), out, blocks=2, force=True, quiet=True)
+    assert (out / "edges.npy").is_file()
+
+
+def test_prepare_reads_built_in_names_from_root(tmp_path, monkeypatch):
+    import argparse
+
+    import plexus.prepare as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "load_dataset", lambda name, **kw: seen.update(kw) or
+                        directed_graph(n=50, e=200))
+    cli.source_from_args(argparse.Namespace(source="Planetoid/Cora", root=str(tmp_path),
+                                            seed=3, chunk_edges=1 << 10), tmp_dir=str(tmp_path))
+    assert seen == {"root": str(tmp_path), "seed": 3}
+
+
+def test_prepare_cli_names_a_truncated_raw_file_without_a_traceback(tmp_path):
+    from tests.plexus.data.ogb_format import write_arxiv_like
+
+    w = write_arxiv_like(tmp_path, num_nodes=120)
+    edges = w.directory / "raw" / "edge.csv.gz"
+    edges.write_bytes(edges.read_bytes()[:200])
+    r = run_module("plexus.prepare", ["--source", "ogbn-arxiv", "--root", str(tmp_path),
+                                      "--out", str(tmp_path / "p"), "--blocks", "2", "--quiet"])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{edges} could not be read (EOFError" in r.stderr and "truncated or corrupt" in (
+        r.stderr)
