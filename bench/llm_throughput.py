@@ -11,7 +11,8 @@ iterator) with the same AdamW settings, weight-decay groups and global-norm clip
 baseline is the nanoGPT-style loop: ``model(x)``, ``cross_entropy``, ``backward``,
 ``clip_grad_norm_``, ``step``. Ours is ``Trainer.train_step`` (goldfish mask and token
 accounting, sharded loss, gradient sync and norm on the grid, learning-rate schedule,
-logging row). The two alternate step by step, so that machine noise hits both alike;
+logging row). The two alternate step by step, each first every other step, so that machine
+noise hits both alike;
 printed: median step time of each (and the quartiles), tokens/s, and the ratio ours / baseline
 of the median tokens/s (target >= 0.95); with ``--rounds N`` the steps are timed in N rounds
 and the ratio printed is the lowest round's, each round's beside it. One thread by default: on
@@ -152,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     t_ours, t_base, ratios = [], [], []
     for _ in range(args.rounds):
         first = len(t_ours)
-        for _ in range(args.steps):  # alternate step by step
-            t_ours.append(timed(ours.train_step, device))
-            t_base.append(timed(base.train_step, device))
+        for i in range(args.steps):  # alternate step by step, each side first every other
+            pair = [(t_ours, ours), (t_base, base)]
+            for times, side in pair if i % 2 == 0 else pair[::-1]:
+                times.append(timed(side.train_step, device))
         ratios.append(statistics.median(t_base[first:]) / statistics.median(t_ours[first:]))
     tokens = args.batch_size * args.seq_len
     med_ours, med_base = statistics.median(t_ours), statistics.median(t_base)

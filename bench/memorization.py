@@ -10,7 +10,7 @@ reloaded as a plain GPT, then asked to recite the last ``--suffix-len`` tokens o
 document from the rest (greedy). Validation loss is on held-out documents (all tokens).
 Printed side by side: exact-match rate, ROUGE-L, final training loss, validation loss, and the
 checks: standard exact match >= 80%, goldfish <= 5%, goldfish validation loss within 10% of the
-standard run's.
+standard run's. Exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + "\n".join(f"{'PASS' if ok else 'FAIL'}  {name}" for name, ok in checks.items()))
     if args.json:
         print(json.dumps({"rows": rows, "checks": checks}))
-    return 0
+    return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":

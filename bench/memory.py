@@ -383,8 +383,11 @@ def ogb_case(args) -> bool:
               f"graph's (planner/measured {planner:.2f})": abs(planner - 1) <= 0.10,
               f"8-rank training peak per rank within 10% of the planner, likewise "
               f"(planner/measured {planner8:.2f})": abs(planner8 - 1) <= 0.10,
-              f"8-rank peak per rank <= 0.5 x 1-rank ({eight['peak_bytes'] / one:.2f})":
-              eight["peak_bytes"] <= 0.5 * one,
+              # (against the 1-rank run that reuses the prepared files, as the 8 ranks do:
+              # the first run's peak includes preparing them)
+              f"8-rank peak per rank <= 0.5 x 1-rank, both reusing the prepared files "
+              f"({eight['peak_bytes'] / reuse['peak_bytes']:.2f})":
+              eight["peak_bytes"] <= 0.5 * reuse["peak_bytes"],
               f"features and weights per rank at 8 ranks x{split:.3f} of 1 rank (1/8 = 0.125)":
               split <= 1.1 / 8}
     ok = all(checks.values())

@@ -8,7 +8,7 @@
 
 Every step prints what it measured and appends it to bench/results/scale.jsonl. Preparation
 and training run as child processes (``python -m plexus.prepare`` / ``plexus.train``), so peak
-resident memory is the child's own (``getrusage(RUSAGE_CHILDREN)``; under mpiexec the ranks
+resident memory is the child's own (``os.wait4`` on it alone; under mpiexec the ranks
 report theirs through ``--metrics``). Resident memory counts the pages of memory-mapped block
 files a process has touched: the page cache holds them, and the kernel may drop them again.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -36,14 +35,33 @@ def _record(step: str, data: dict) -> None:
                             **data}) + "\n")
 
 
-def _run(cmd: list[str], **kw) -> tuple[subprocess.CompletedProcess, float, int]:
-    """(result, wall seconds, peak RSS bytes of the largest child so far)."""
+def _run(cmd: list[str], *, capture_output: bool = False, text: bool = False
+         ) -> tuple[subprocess.CompletedProcess, float, int]:
+    """(result, wall seconds, peak RSS bytes of this child: ``wait4`` on it alone, where
+    ``RUSAGE_CHILDREN`` would give the largest of every child so far, an earlier step's)."""
+    import tempfile
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    t = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, **kw)
-    wall = time.perf_counter() - t
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return r, wall, peak
+    mode = "w+" if text else "w+b"
+    with tempfile.TemporaryFile(mode) as out, tempfile.TemporaryFile(mode) as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out if capture_output else None,
+                                stderr=err if capture_output else None)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # interrupted: nothing left running
+            proc.kill()
+            proc.wait()
+            raise
+        wall = time.perf_counter() - t
+        got: list = [None, None]
+        if capture_output:
+            for i, f in enumerate((out, err)):
+                f.seek(0)
+                got[i] = f.read()
+    code = os.waitstatus_to_exitcode(status)
+    return subprocess.CompletedProcess(cmd, code, *got), wall, usage.ru_maxrss * 1024
 
 
 def _dir_bytes(path: Path) -> int:

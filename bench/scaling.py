@@ -12,9 +12,11 @@ For each G and each ordered factorization X x Y x Z = G, the bench launches
 interleaved (all grids, then all again), and the fastest round's median counts: on a machine
 shared with other jobs, a round slowed by a burst of background load is discarded.
 Next to it: the model's prediction for the steady epoch
-(:func:`common.perf.gcn.predict_gcn` with a machine profile measured here by
-``python -m common.perf.calibrate`` with the same rank counts, so the oversubscribed cores are
-inside the numbers), and the bytes per axis the trainer counted against the model's volumes.
+(:func:`common.perf.gcn.predict_gcn` with the machine profile ``--profile``, by default the
+shipped ``local-cpu``: measured by ``python -m common.perf.calibrate`` with the same rank counts
+on the 2-core VM this bench was developed on, so the oversubscribed cores are inside the
+numbers; on another machine calibrate it there and pass ``--profile PATH``), and the bytes per
+axis the trainer counted against the model's volumes.
 
 Printed: one row per grid, the Spearman rank correlation of predicted and measured time over
 all grids (target >= 0.8, issue 12) and per G, and per G how much slower the predicted-best
