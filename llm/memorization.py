@@ -1,9 +1,8 @@
 """Memorization test: can the model recite a document's end? (docs/design/llm-4d-goldfish.md
 section 5)
 
-For each of the first N training documents, tokenised and cut exactly as in training (the
-checkpoint's tokenizer, ``--seq-len`` + 1 tokens, no end-of-text token:
-:func:`llm.data.batches.truncate_docs`, as :func:`llm.trainer.make_data` does with ``--docs``):
+For each of the first N training documents, tokenised and cut to ``--seq-len`` + 1 tokens (the
+checkpoint's tokenizer, no end-of-text token: :func:`llm.data.batches.truncate_docs`):
 prefix = all but the last S tokens, suffix = the last S. The model decodes S tokens greedily
 after the prefix (with the KV cache of :meth:`llm.model.GPT.generate`). Exact match = all S
 tokens identical; ROUGE-L (:mod:`llm.rouge`) is computed between the generated and the true
@@ -12,6 +11,18 @@ suffix tokens.
     python -m llm.memorization --checkpoint runs/std --docs 32 --suffix-len 32 [--json]
     python -m llm.memorization --checkpoint llama.safetensors --text a.txt b.txt --docs 2 \\
         --seq-len 256
+
+Which documents, and what training saw of them:
+
+* a run trained with ``--docs N`` (the memorization setting): its first N documents, cut
+  exactly as :func:`llm.trainer.make_data` cut them, each one training sample;
+* a run trained on a stream (no ``--docs``): ``--docs N`` picks the first N documents of its
+  training split (:func:`llm.data.batches.split_documents` with the run's ``--val-fraction``
+  and seed, so no held-out document is scored). Training saw them only inside random windows
+  of the stream, which rarely start at a document's start, so the output says so; a run that
+  streamed from a ``--token-cache`` held out the stream's last tokens instead of documents and
+  needs ``--text``;
+* ``--text FILE...``: the first N documents of those files, taken as given.
 
 The checkpoint's full weights are loaded into a single-process GPT (any training grid) on
 ``--device`` (default: CUDA when torch sees a GPU, else CPU); the
@@ -35,9 +46,14 @@ import torch
 from torch import Tensor
 
 from llm import checkpoint
-from llm.data.batches import load_documents, truncate_docs
+from llm.data.batches import load_documents, split_documents, truncate_docs
 from llm.data.tokenizers import Tokenizer, load_tokenizer, spec_of_checkpoint
 from llm.rouge import rouge_l
+
+# what training saw of the documents scored, by the run's data mode (the "trained_on" result)
+SEEN = {"documents": "each document, cut to seq_len + 1 tokens, as one training sample",
+        "windows": "random windows of a token stream, not whole documents: a document's "
+                   "start was rarely a window's start"}
 
 
 def split_document(tokens: Tensor, suffix_len: int) -> tuple[Tensor, Tensor]:
@@ -95,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "step-N directory, or a .safetensors file from python -m common.consolidate "
                    "or python -m llm.convert import")
     p.add_argument("--docs", type=int, default=None, help="first N documents (default: the "
-                   "checkpoint's --docs)")
+                   "checkpoint's --docs; a checkpoint trained on a stream needs it, and the "
+                   "documents are then the first N of its training split)")
     p.add_argument("--suffix-len", type=int, default=50, help="S tokens to recite")
     p.add_argument("--seq-len", type=int, default=None, help="truncation (default: the "
                    "checkpoint's)")
@@ -112,13 +129,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def documents(args: argparse.Namespace, meta: dict[str, Any], tokenizer: Tokenizer
-              ) -> tuple[list[Tensor], int]:
-    """The documents to recite, tokenised and cut as training saw them, and the seq_len.
+              ) -> tuple[list[Tensor], int, str | None]:
+    """The documents to recite, tokenised and cut to seq_len + 1 tokens; the seq_len; and what
+    training saw of them (a key of :data:`SEEN`, None for a checkpoint without configs).
 
-    Flags win over the checkpoint's data config; a checkpoint without one needs them all.
+    Flags win over the checkpoint's data config; a checkpoint without one needs them all. A
+    stream run's documents come from its training split, so that no document it held out is
+    scored as if it had been trained on (module docstring).
 
     Raises:
-        ValueError: a needed flag is missing (each one named), or the run had no documents.
+        ValueError: a needed flag is missing (each one named), the run's text has no
+            documents to take (a token file or a token cache), or ``--docs`` exceeds them.
     """
     data = (meta.get("configs") or {}).get("data")
     if data is None:
@@ -129,18 +150,33 @@ def documents(args: argparse.Namespace, meta: dict[str, Any], tokenizer: Tokeniz
                              f"with python -m llm.convert?), so give the documents: missing "
                              f"{', '.join(missing)} (--text FILE... --docs N --seq-len T)")
         data = {}
+    stream = bool(data) and data["docs"] is None
     num_docs = args.docs if args.docs is not None else data["docs"]
     if num_docs is None:
-        raise ValueError("the checkpoint was trained on a stream; pass --docs N")
+        raise ValueError("the checkpoint was trained on a stream, not on a fixed set of "
+                         "documents; pass --docs N to score the first N documents of its "
+                         "training split")
     seq_len = args.seq_len if args.seq_len is not None else data["seq_len"]
+    seen = None if not data else "windows" if stream else "documents"
     if args.text:
-        source, paths = args.text_split, args.text
-    elif data["source"] == "tokens":
+        return (truncate_docs(load_documents(args.text_split, args.text), num_docs, seq_len,
+                              tokenizer), seq_len, seen)
+    if data["source"] == "tokens":
         raise ValueError("the checkpoint was trained on a token file, which has no documents; "
                          "pass --text FILE...")
-    else:
-        source, paths = data["source"], data["paths"] or None
-    return truncate_docs(load_documents(source, paths), num_docs, seq_len, tokenizer), seq_len
+    if stream and data.get("token_cache"):
+        raise ValueError("the checkpoint was trained from a token cache (--token-cache), which "
+                         "holds out the stream's last tokens rather than whole documents, so "
+                         "its training documents are not known here; pass --text FILE... with "
+                         "documents it trained on")
+    docs = load_documents(data["source"], data["paths"] or None)
+    if stream:
+        docs, _ = split_documents(docs, data["val_fraction"], data["seed"])
+        if num_docs > len(docs):
+            raise ValueError(f"--docs {num_docs}: the run's training split holds {len(docs)} "
+                             f"documents (val_fraction {data['val_fraction']:g} held out); "
+                             f"pass --docs {len(docs)} or fewer")
+    return truncate_docs(docs, num_docs, seq_len, tokenizer), seq_len, seen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,13 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         model, state = checkpoint.load_model(args.checkpoint, args.device)
         spec = args.tokenizer or spec_of_checkpoint(state)
         tokenizer = load_tokenizer(spec, vocab_size=model.config.vocab_size)
-        docs, seq_len = documents(args, state, tokenizer)
+        docs, seq_len, seen = documents(args, state, tokenizer)
         result = memorization(model, [doc.to(model.device) for doc in docs], args.suffix_len)
     except (ValueError, OSError, ImportError) as e:  # FileNotFoundError is an OSError
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.update(checkpoint=str(args.checkpoint), step=state["step"], seq_len=seq_len,
-                  tokenizer=spec, goldfish=(state.get("configs") or {}).get("goldfish"))
+                  tokenizer=spec, goldfish=(state.get("configs") or {}).get("goldfish"),
+                  trained_on=seen)
     if args.json:
         print(json.dumps(result))
     else:
@@ -164,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
               f"(checkpoint step {state['step']}, tokenizer {spec}): exact match "
               f"{hits}/{result['num_docs']} = {100 * result['exact_match']:.1f}%, "
               f"ROUGE-L {result['rouge_l']:.3f}")
+        if seen == "windows":
+            which = "" if args.text else (f"; scored: the first {result['num_docs']} documents "
+                                          f"of its training split")
+            print(f"note: the run trained on {SEEN[seen]}{which}")
     return 0
 
 

@@ -344,7 +344,9 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None, *, use_cache: bool = True,
         method: DecodeAttention | None = None,
     ) -> Tensor:
-        """Append ``max_new_tokens`` sampled tokens (greedy when temperature is 0).
+        """Append ``max_new_tokens`` sampled tokens (greedy when temperature is 0, or below
+        1e-6, where sampling would differ from greedy only between logits tied within
+        rounding).
 
         With ``use_cache`` (default) the prompt is run once into a :class:`KVCache`, then each
         step runs only the newest token. The model sees at most ``max_seq_len`` tokens: once
@@ -365,8 +367,13 @@ class GPT(nn.Module):
         Shapes:
             idx: int64 [B, T0] -> returns int64 [B, T0 + max_new_tokens]
         """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 <= temperature < float("inf"):  # nan fails every comparison
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got "
+                             f"{temperature}")
+        # below 1e-6 sampling is greedy but for near-ties: a logit 1e-5 under the largest (the
+        # float32 rounding of a logit near 100) is already e^-10 as likely; and a temperature
+        # far below it makes logits / temperature overflow float32 to inf, whose softmax is nan
+        greedy = temperature < 1e-6
         window = self.config.max_seq_len
         cache = None
         for _ in range(max_new_tokens):
@@ -378,7 +385,7 @@ class GPT(nn.Module):
             else:  # the newest token against the cache
                 logits = self(idx[:, -1:], cache)  # [B, 1, V]
             logits = logits[:, -1, :].float()  # [B, V]
-            if temperature == 0:
+            if greedy:
                 nxt = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
             else:
                 nxt = _sample(torch.softmax(logits / temperature, dim=-1), generator)  # [B, 1]

@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes, or a Hugging Face tokenizer.json (file or model directory); "
                    "default: the checkpoint's (see above)")
     p.add_argument("--tokens", type=int, default=200, help="new tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--temperature", type=float, default=0.8, help="a finite number >= 0; "
+                   "0 (or below 1e-6, where sampling differs from greedy only at near-ties): "
+                   "greedy (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="no KV cache: rerun the window "
                    "every step")
@@ -50,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=checkpoint.DEVICE_HELP)
     args = p.parse_args(argv)
     try:
-        if args.tokens < 0 or args.temperature < 0:
-            raise ValueError("--tokens and --temperature must be >= 0")
+        if args.tokens < 0:
+            raise ValueError(f"--tokens must be >= 0, got {args.tokens}")
+        if not 0 <= args.temperature < float("inf"):  # nan fails every comparison
+            raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got "
+                             f"{args.temperature}")
         model, meta = checkpoint.load_model(args.checkpoint, args.device)
         tokenizer = load_tokenizer(args.tokenizer or spec_of_checkpoint(meta),
                                    vocab_size=model.config.vocab_size)

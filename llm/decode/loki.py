@@ -12,12 +12,13 @@ Shapes legend: B batch, T tokens, Hkv key/value heads, Dh head_dim, L layers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -69,26 +70,67 @@ class LokiBasis:
         return self.explained[..., : self.rank(rank_fraction)].sum(-1).mean().item()
 
     def save(self, path: str) -> None:
-        """Write a safetensors file; post_rope, rope_theta and the sizes go in its metadata."""
+        """Write a safetensors file; post_rope, rope_theta and the sizes go in its metadata.
+
+        The file is written beside ``path`` and renamed onto it, so an interrupted save leaves
+        no partial basis for :func:`load_or_calibrate` to trip over on every later run.
+        """
         num_layers, num_kv_heads, head_dim, _ = self.bases.shape
         meta = {"post_rope": str(self.post_rope), "rope_theta": repr(self.rope_theta),
                 "num_layers": str(num_layers), "num_kv_heads": str(num_kv_heads),
                 "head_dim": str(head_dim)}
-        save_file({"bases": self.bases.contiguous(), "explained": self.explained.contiguous()},
-                  path, metadata=meta)
+        target = Path(path)
+        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        try:
+            save_file({"bases": self.bases.contiguous(),
+                       "explained": self.explained.contiguous()}, str(tmp), metadata=meta)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: str) -> LokiBasis:
-        """Read a file written by :meth:`save`."""
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            bases, explained = f.get_tensor("bases"), f.get_tensor("explained")
-        sizes = tuple(int(meta[key]) for key in ("num_layers", "num_kv_heads", "head_dim"))
+        """Read a file written by :meth:`save`.
+
+        Raises:
+            ValueError: the file is not such a basis (truncated, another safetensors file, or
+                its sizes disagree with its metadata), naming the file and what to do.
+            FileNotFoundError: there is no file at ``path``.
+        """
+        redo = ("remove it (python -m llm.evaluate then calibrates a new basis at the "
+                "checkpoint's own path) or pass a file written by LokiBasis.save")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no Loki basis at {path}")
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                missing = {"bases", "explained"} - set(f.keys())
+                if missing:
+                    raise ValueError(f"Loki basis {path} lacks the tensor(s) "
+                                     f"{sorted(missing)} (not written by LokiBasis.save?); "
+                                     f"{redo}")
+                bases, explained = f.get_tensor("bases"), f.get_tensor("explained")
+        except SafetensorError as e:
+            raise ValueError(f"Loki basis {path} is not a readable safetensors file ({e}; "
+                             f"an interrupted write?); {redo}") from None
+        keys = ("num_layers", "num_kv_heads", "head_dim", "post_rope", "rope_theta")
+        missing = [key for key in keys if key not in meta]
+        if missing:
+            raise ValueError(f"Loki basis {path} lacks the metadata {missing} (not written by "
+                             f"LokiBasis.save?); {redo}")
+        try:
+            sizes = tuple(int(meta[key]) for key in keys[:3])
+            rope_theta = float(meta["rope_theta"])
+        except ValueError:
+            raise ValueError(f"Loki basis {path} has malformed metadata {meta}; {redo}") from None
         if sizes != tuple(bases.shape[:3]):
             raise ValueError(f"{path}: metadata says [L, Hkv, Dh] = {list(sizes)}, but the bases "
-                             f"are {list(bases.shape)}")
-        return cls(bases=bases, explained=explained, post_rope=meta["post_rope"] == "True",
-                   rope_theta=float(meta["rope_theta"]))
+                             f"are {list(bases.shape)}; {redo}")
+        try:
+            return cls(bases=bases, explained=explained, post_rope=meta["post_rope"] == "True",
+                       rope_theta=rope_theta)
+        except ValueError as e:
+            raise ValueError(f"Loki basis {path}: {e}; {redo}") from None
 
 
 @torch.no_grad()

@@ -338,7 +338,7 @@ class QuantSpecStats:
 @torch.no_grad()
 def quantspec_generate(
     model: GPT, idx: Tensor, max_new_tokens: int, *, gamma: int = 4, fp_buffer: int = 128,
-    group_size: int = 128,
+    group_size: int = 128, draft: tuple[GPT, dict[str, Int4Weight]] | None = None,
 ) -> tuple[Tensor, QuantSpecStats]:
     """Greedy decoding of ``model`` accelerated by QuantSpec self-speculation.
 
@@ -355,6 +355,11 @@ def quantspec_generate(
         gamma: tokens drafted per target pass.
         fp_buffer: R, the full-precision buffer and the key block length (module docstring).
         group_size: input features per int4 weight scale.
+        draft: ``build_draft(model, group_size)`` made once for many calls, so that the
+            model's copy and quantisation are not repeated for every prompt (nor timed with
+            its decoding); None: built here (``group_size`` is then used, else the draft's
+            own). It should be ``model``'s own draft: one of other weights still gives
+            greedy tokens, since the target verifies every draft, but accepts fewer.
 
     Shapes:
         idx: int64 [1, T0] -> returns int64 [1, T0 + max_new_tokens], and the stats
@@ -377,7 +382,7 @@ def quantspec_generate(
     stats = QuantSpecStats(gamma=gamma)
     if max_new_tokens == 0:
         return idx.clone(), stats
-    draft, int4 = build_draft(model, group_size)
+    draft_model, int4 = build_draft(model, group_size) if draft is None else draft
     target_weights = sum(m.weight.numel() * m.weight.element_size()
                          for _, m in _quantised_linears(model))
     draft_weights = sum(q.nbytes for q in int4.values())
@@ -403,7 +408,7 @@ def quantspec_generate(
         store.drafting = True
         for _ in range(num_drafts):  # each step writes its keys at start, start + 1, ...
             last = drafts[-1] if drafts else out[-1]
-            logits = draft(torch.tensor([[last]], device=idx.device), cache)  # [1, 1, V]
+            logits = draft_model(torch.tensor([[last]], device=idx.device), cache)  # [1, 1, V]
             drafts.append(int(logits[0, -1].float().argmax()))
             stats.draft_weight_bytes += draft_weights
             stats.draft_kv_bytes += store.draft_read_bytes(cache)

@@ -313,7 +313,8 @@ class Sift(_Accounted):
     def __init__(self, budget: float, *, warmup: int = SIFT_WARMUP,
                  refit_every: int | None = SIFT_REFIT_EVERY) -> None:
         if isinstance(budget, Integral) or not isinstance(budget, Real):
-            raise ValueError(f"Sift's budget is a fraction in (0, 1] of the context, got "
+            raise ValueError(f"Sift's budget is a fraction of the context, a float in (0, 1] "
+                             f"(1.0 keeps all), not a count of positions (an int); got "
                              f"{budget!r}")
         _check_budget(budget)
         if not _is_count(warmup, 2) or not (refit_every is None or _is_count(refit_every, 1)):

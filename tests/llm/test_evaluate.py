@@ -115,6 +115,36 @@ def test_parse_budget_refuses(text):
         parse_budget(text)
 
 
+def test_parse_budget_says_an_integer_is_a_count_and_a_decimal_a_fraction():
+    with pytest.raises(ValueError, match=r"integer is a count of positions.*decimal"):
+        parse_budget("0")
+    with pytest.raises(ValueError, match=r"fraction.*\(0, 1\]"):
+        parse_budget("1.5")
+
+
+def test_quantspec_builds_its_draft_once_per_run(model, monkeypatch):
+    """One draft for all prompts (built before the clock starts), and the same tokens and
+    counts as a draft built for each prompt."""
+    from llm.decode import quantspec
+    from llm.evaluate import quantspec_run
+
+    stream = torch.randint(256, (200,), generator=torch.Generator().manual_seed(0))
+    prompts = prompts_from(stream, 3, 6)  # [3, 6]
+    reference = model.generate(prompts, 5)
+    per_prompt = [quantspec.quantspec_generate(model, p[None], 5, gamma=2, fp_buffer=4)
+                  for p in prompts]
+    build, built = quantspec.build_draft, []
+    monkeypatch.setattr(quantspec, "build_draft",
+                        lambda *a, **k: built.append(1) or build(*a, **k))
+    result = quantspec_run(model, prompts, 5, reference, gamma=2, fp_buffer=4)
+    assert len(built) == 1 and result["num_prompts"] == 3
+    want = sum(int(torch.equal(out[0], ref)) for (out, _), ref in zip(per_prompt, reference))
+    assert result["equal_to_greedy"] == want
+    for name in ("drafted", "accepted", "target_passes", "draft_weight_bytes",
+                 "draft_kv_bytes", "target_weight_bytes", "target_kv_bytes", "baseline_bytes"):
+        assert result[name] == sum(getattr(stats, name) for _, stats in per_prompt), name
+
+
 def test_held_out_split_follows_the_run(tmp_path):
     docs = load_documents()
     data = {"source": "pydoc", "paths": [], "docs": None, "val_fraction": 0.1, "seed": 3}
@@ -230,6 +260,12 @@ def test_cli_passes_sift_warmup_and_refit_every(ckpt_dir, capsys):
     (["--budget", "0"], "--budget"),
     (["--budget", "2.5"], "--budget"),
     (["--attention", "sift", "--budget", "8"], "fraction"),
+    (["--attention", "sift", "--budget", "1"], "--budget 1 is a count of positions; Sift keeps "
+     "a fraction"),
+    (["--tokens", "-5"], "--tokens must be at least 2 (a token and the next one to predict), "
+     "got -5"),
+    (["--tokens", "0"], "--tokens must be at least 2 (a token and the next one to predict), "
+     "got 0"),
     (["--attention", "sift", "--sift-warmup", "1"], "--sift-warmup >= 2"),
     (["--sift-refit-every", "-1"], "--sift-refit-every >= 0"),
     (["--rank-fraction", "0"], "--rank-fraction"),
@@ -241,6 +277,7 @@ def test_cli_passes_sift_warmup_and_refit_every(ckpt_dir, capsys):
     (["--text", "EMPTY"], "no text found"),
     (["--text", "MISSING"], "does not exist"),
     (["--attention", "loki", "--loki-basis", "MISSING"], "does not exist"),
+    (["--attention", "loki", "--loki-basis", "EMPTY"], "is not a readable safetensors file"),
     (["--checkpoint", "MISSING"], "no checkpoint"),
 ])
 def test_cli_errors(ckpt_dir, tmp_path, capsys, flags, message):

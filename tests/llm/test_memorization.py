@@ -1,5 +1,6 @@
 """The memorization protocol with oracle models, a tiny model that memorizes 4 documents
-through the trainer and a checkpoint, and the CLI on a Hugging Face model imported with
+through the trainer and a checkpoint, a stream run scored on its training split only (and told
+it saw windows), and the CLI on a Hugging Face model imported with
 llm.convert (documents from flags, the model's own tokenizer, ``--device``; the CUDA runs:
 tests/llm/test_gpu.py)."""
 
@@ -72,25 +73,74 @@ def test_documents_follow_the_checkpoint_unless_flags_say_otherwise(tmp_path):
     from llm.data.tokenizers import ByteTokenizer
     from llm.memorization import documents, parse_args
 
-    data = {"source": "pydoc", "paths": [], "docs": 3, "seq_len": 16, "tokenizer": "bytes"}
+    data = {"source": "pydoc", "paths": [], "docs": 3, "seq_len": 16, "tokenizer": "bytes",
+            "val_fraction": 0.1, "seed": 0, "token_cache": None}
 
     def docs_of(data, *flags):
         args = parse_args(["--checkpoint", "c", *flags])
         return documents(args, {"step": 1, "configs": {"data": data}}, ByteTokenizer())
 
-    docs, seq_len = docs_of(data)
-    assert seq_len == 16
+    docs, seq_len, seen = docs_of(data)
+    assert (seq_len, seen) == (16, "documents")
     want = truncate_docs(load_documents(), 3, 16)
     assert [d.tolist() for d in docs] == [d.tolist() for d in want]
+    assert all(len(d) == 17 for d in docs)  # seq_len + 1 tokens, as the trainer cuts them
     text = tmp_path / "a.txt"
     text.write_text("one\n\ntwo words\n")
-    docs, seq_len = docs_of(data, "--text", str(text), "--text-split", "paragraphs", "--docs",
-                            "2", "--seq-len", "4")
+    docs, seq_len, _ = docs_of(data, "--text", str(text), "--text-split", "paragraphs",
+                               "--docs", "2", "--seq-len", "4")
     assert (seq_len, [d.tolist() for d in docs]) == (4, [list(b"one"), list(b"two w")])
-    with pytest.raises(ValueError, match="trained on a stream; pass --docs"):
+    with pytest.raises(ValueError, match=r"trained on a stream.*pass --docs N"):
         docs_of({**data, "docs": None})
     with pytest.raises(ValueError, match=r"token file.*pass --text"):
         docs_of({**data, "docs": None, "source": "tokens"}, "--docs", "2")
+
+
+def test_a_stream_run_is_scored_on_its_training_split_only():
+    """A stream run held out a seeded share of the documents: none of them is scored, and the
+    documents are the training split's first N, not the corpus's."""
+    from llm.data.batches import load_documents, split_documents, truncate_docs
+    from llm.data.tokenizers import ByteTokenizer
+    from llm.memorization import documents, parse_args
+
+    data = {"source": "pydoc", "paths": [], "docs": None, "seq_len": 16, "tokenizer": "bytes",
+            "val_fraction": 0.5, "seed": 3, "token_cache": None}
+
+    def docs_of(data, *flags):
+        args = parse_args(["--checkpoint", "c", *flags])
+        return documents(args, {"step": 1, "configs": {"data": data}}, ByteTokenizer())
+
+    corpus = load_documents()
+    train, held = split_documents(corpus, 0.5, 3)
+    assert train[:8] != corpus[:8]  # the split reaches into the first documents
+    docs, seq_len, seen = docs_of(data, "--docs", "8")
+    assert (seq_len, seen) == (16, "windows")
+    want = truncate_docs(train, 8, 16)
+    assert [d.tolist() for d in docs] == [d.tolist() for d in want]
+    held_cut = {tuple(d.tolist()) for d in truncate_docs(held, len(held), 16)}
+    assert not held_cut & {tuple(d.tolist()) for d in docs}
+    with pytest.raises(ValueError, match=f"training split holds {len(train)} documents"):
+        docs_of(data, "--docs", str(len(train) + 1))
+    with pytest.raises(ValueError, match=r"token cache.*pass --text"):
+        docs_of({**data, "token_cache": "cache"}, "--docs", "2")
+
+
+def test_cli_on_a_stream_run_says_it_saw_windows(tmp_path, capsys):
+    from llm.memorization import main
+    from tests.llm.helpers import make_trainer, one_rank
+
+    trainer = make_trainer(one_rank(), steps=1)  # a stream run (no --docs)
+    trainer.save(str(tmp_path), keep=1, is_main=True)
+    base = ["--checkpoint", str(tmp_path), "--device", "cpu", "--suffix-len", "4"]
+    assert main(base) == 2
+    assert "pass --docs N" in capsys.readouterr().err
+    assert main([*base, "--docs", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "random windows of a token stream, not whole documents" in out
+    assert "the first 3 documents of its training split" in out
+    assert main([*base, "--docs", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["trained_on"], result["num_docs"]) == ("windows", 3)
 
 
 # ------------------------------------------------- a Hugging Face model imported with llm.convert

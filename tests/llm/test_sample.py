@@ -1,4 +1,5 @@
-"""python -m llm.sample: continues a prompt from a checkpoint, seeded, with clear errors; the
+"""python -m llm.sample: continues a prompt from a checkpoint, seeded, with clear errors (a
+temperature that is not a finite number >= 0; one below 1e-6 decodes greedily); the
 checkpoint's tokenizer encodes the prompt and decodes the output (bytes for a model trained on
 them, the tokenizer.json of a Hugging Face model imported with llm.convert); ``--device`` reaches
 :func:`llm.checkpoint.load_model`, which builds the model on that device without a throw-away
@@ -39,12 +40,42 @@ def test_continues_the_prompt_and_is_seeded(ckpt_dir, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", ""], "--prompt is empty"),
-    (["--temperature", "-1"], "must be >= 0"),
-    (["--tokens", "-2"], "must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0: greedy), got -1"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0: greedy), got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0 (0: greedy), got inf"),
+    (["--tokens", "-2"], "--tokens must be >= 0, got -2"),
 ])
 def test_errors(ckpt_dir, capsys, argv, message):
     assert main(["--checkpoint", ckpt_dir, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", ["5e-324", "1e-300", "1e-7"])
+def test_a_vanishing_temperature_is_greedy(ckpt_dir, capsys, temperature):
+    """Subnormal and tiny temperatures would overflow logits / temperature to inf (multinomial
+    then fails on nan); below 1e-6 they decode greedily instead."""
+    base = ["--checkpoint", ckpt_dir, "--prompt", "The ", "--tokens", "8", "--device", "cpu"]
+    assert main([*base, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main([*base, "--temperature", temperature]) == 0
+    assert capsys.readouterr().out == greedy
+
+
+def test_generate_checks_the_temperature():
+    from llm.model import GPT
+    from tests.llm.helpers import SMALL
+
+    model = GPT(SMALL, seed=0).eval()
+    prompt = torch.randint(256, (2, 5), generator=torch.Generator().manual_seed(0))
+    for bad in (float("nan"), float("inf"), -1e-9):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            model.generate(prompt, 1, temperature=bad)
+    greedy = model.generate(prompt, 6)
+    for tiny in (5e-324, 1e-38, 9.9e-7):
+        assert torch.equal(model.generate(prompt, 6, temperature=tiny), greedy)
+    sampled = model.generate(prompt, 6, temperature=1e-6,
+                             generator=torch.Generator().manual_seed(0))  # sampled, finite
+    assert sampled.shape == greedy.shape
 
 
 def test_tokenizer_flag(ckpt_dir, hf_dir, tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Loki's offline step (:mod:`llm.decode.loki`): the bases are PCA bases of the right keys (after or
-before RoPE) and round-trip through a file; where a checkpoint's basis lives, the calibration
-batch, calibrating once then reading the stored basis, and calibration text moved to the
-model's device (the CUDA run: test_gpu.py)."""
+before RoPE) and round-trip through a file, written whole or not at all; a damaged file is
+refused by name; where a checkpoint's basis lives, the calibration batch, calibrating once then
+reading the stored basis, and calibration text moved to the model's device (the CUDA run:
+test_gpu.py)."""
 
 import pytest
 import torch
@@ -99,6 +100,66 @@ def test_load_or_calibrate_calibrates_once_then_reads(tmp_path):
     other = GPT(CONFIGS["tiny"], seed=0).eval()
     with pytest.raises(ValueError, match="is for \\[layers, kv heads, head_dim\\] = \\[2, 2, 8\\]"):
         load_or_calibrate(other, path, None)
+
+
+def small_basis():
+    return LokiBasis(bases=torch.eye(8).expand(2, 2, 8, 8).clone(),
+                     explained=torch.full((2, 2, 8), 1 / 8))
+
+
+def test_save_writes_beside_and_renames_so_a_failed_save_leaves_no_file(tmp_path, monkeypatch):
+    path = tmp_path / BASIS_FILE
+    small_basis().save(str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [BASIS_FILE]  # no temporary left
+    written = path.read_bytes()
+
+    def interrupted(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise KeyboardInterrupt
+
+    from llm.decode import loki
+
+    monkeypatch.setattr(loki, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        small_basis().save(str(tmp_path / "new.safetensors"))
+    with pytest.raises(KeyboardInterrupt):
+        small_basis().save(str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [BASIS_FILE]
+    assert path.read_bytes() == written  # the basis already there is kept whole
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("truncate", "is not a readable safetensors file"),
+    ("empty", "is not a readable safetensors file"),
+    ("other tensors", r"lacks the tensor\(s\) \['bases', 'explained'\]"),
+    ("no metadata", r"lacks the metadata \['num_layers'"),
+    ("bad metadata", "has malformed metadata"),
+])
+def test_a_damaged_basis_is_refused_naming_the_file_and_what_to_do(tmp_path, damage, message):
+    from safetensors.torch import save_file
+
+    path = tmp_path / BASIS_FILE
+    small_basis().save(str(path))
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:200])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "other tensors":
+        save_file({"weight": torch.zeros(2)}, str(path))
+    elif damage == "no metadata":
+        save_file({"bases": torch.zeros(2, 2, 8, 8), "explained": torch.zeros(2, 2, 8)},
+                  str(path))
+    else:
+        save_file({"bases": torch.zeros(2, 2, 8, 8), "explained": torch.zeros(2, 2, 8)},
+                  str(path), metadata={"num_layers": "two", "num_kv_heads": "2",
+                                       "head_dim": "8", "post_rope": "True",
+                                       "rope_theta": "1e4"})
+    model = GPT(GQA, seed=0).eval()
+    for load in (lambda: LokiBasis.load(str(path)), lambda: load_or_calibrate(model, path, None)):
+        with pytest.raises(ValueError, match=message) as info:
+            load()
+        assert str(path) in str(info.value) and "remove it" in str(info.value)
 
 
 @pytest.mark.parametrize(("make", "message"), [

@@ -199,6 +199,17 @@ def test_draft_quantises_every_block_linear_and_the_head_only(models):
     assert torch.equal(draft.tok_emb.weight, model.tok_emb.weight)
 
 
+def test_a_draft_built_once_decodes_as_one_built_per_call(models):
+    model = models["gqa"]
+    draft = build_draft(model, group_size=16)
+    for seed in range(3):
+        idx = prompt(5 + seed, seed)
+        want, want_stats = quantspec_generate(model, idx, 12, gamma=3, fp_buffer=4,
+                                              group_size=16)
+        got, stats = quantspec_generate(model, idx, 12, gamma=3, fp_buffer=4, draft=draft)
+        assert torch.equal(got, want) and stats == want_stats
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"gamma": 0}, "gamma must be >= 1.*got 0"),
     ({"fp_buffer": 0}, "fp_buffer must be >= 1 token, got 0"),

@@ -313,6 +313,7 @@ def test_sift_state_is_per_row_and_restarts_with_each_sequence():
     (lambda basis: Loki(basis, 0.25, 1.5), "got 1.5"),
     (lambda basis: Sift(0.0), "got 0.0"),
     (lambda basis: Sift(4), "got 4"),
+    (lambda basis: Sift(1), r"float in \(0, 1\] \(1.0 keeps all\), not a count.*got 1$"),
     (lambda basis: Sift(0.5, warmup=1), "warmup=1"),
     (lambda basis: Sift(0.5, warmup=8.5), "warmup=8.5"),
     (lambda basis: Sift(0.5, refit_every=0), "refit_every=0"),
