@@ -7,7 +7,9 @@ seeded ``--val-fraction`` of the documents (stream mode), or every document afte
 ``--docs`` (memorization mode). A checkpoint without a text data config (a token file, or one
 imported with ``python -m llm.convert``) falls back to the built-in corpus (pydoc topics)
 split as ``python -m llm.train`` splits it by default (:data:`DEFAULT_SPLIT`). The other
-documents of the run are returned too: calibration (Loki's basis) reads only those.
+documents of the run are returned too: calibration (Loki's basis) reads only those. A run
+trained from a ``--token-cache`` held out the last tokens of its stream, not documents: its
+held-out text must be given (``--text``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ def held_out_split(meta: dict[str, Any], text: list[str] | None = None
         ValueError: the run held out no documents and no ``text`` was given.
     """
     data = (meta.get("configs") or {}).get("data") or {}
+    if data.get("token_cache") and data.get("docs") is None and data.get("source") in SOURCES:
+        # (the trainer's make_data: a token cache is one stream, whose last tokens it held
+        # out, not a set of documents; a document split would score text it trained on)
+        if not text:
+            raise ValueError(f"the checkpoint's run trained on a token stream "
+                             f"(--token-cache {data['token_cache']}) and held out its last "
+                             f"{data.get('val_fraction', 0):g} of tokens, not whole documents; "
+                             "pass --text FILE with text it did not train on")
+        train = load_documents(data["source"], data.get("paths") or None)  # its stream's
+        held = load_documents("files", text)
+        return held, train, f"{len(held)} documents of {len(text)} text file(s) (--text)"
     if data.get("source") in SOURCES:
         docs = load_documents(data["source"], data.get("paths") or None)
         corpus = ("the built-in corpus (pydoc topics)" if data["source"] == "pydoc" else

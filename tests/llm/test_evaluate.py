@@ -159,6 +159,14 @@ def test_held_out_split_follows_the_run(tmp_path):
     assert held == ["held out"] and train == split_documents(docs, 0.1, 0)[0]
     with pytest.raises(ValueError, match="held out no documents"):
         held_out_split({"configs": {"data": {**data, "docs": len(docs)}}})
+    # a token-cache run held out its stream's last tokens: no document split stands for them
+    cached = {**data, "source": "files", "paths": [str(tmp_path / "a.txt")],
+              "token_cache": str(tmp_path / "cache")}
+    with pytest.raises(ValueError, match=r"trained on a token stream \(--token-cache .*\) and "
+                       r"held out its last 0.1 of tokens, not whole documents; pass --text"):
+        held_out_split({"configs": {"data": cached}})
+    assert held_out_split({"configs": {"data": cached}}, [str(tmp_path / "a.txt")])[0] == [
+        "held out"]
 
 
 @pytest.fixture(scope="module")
