@@ -8,9 +8,11 @@ little-endian header length, a JSON header of dtype, shape and byte offsets per 
 the raw little-endian data), readable by ``safetensors.safe_open`` and by
 :func:`read_consolidated`. The checkpoint's meta is stored under ``__metadata__["meta"]``
 (JSON). Every tensor is written in row chunks of about ``--chunk-mib`` by a
-:class:`SafetensorsWriter`, so peak memory is one chunk plus the index of one piece, not the
-model; the file is written as ``OUT.partial`` and renamed when complete. An existing OUT is
-not overwritten without ``--force``.
+:class:`SafetensorsWriter`, each chunk read from only its rows of the pieces (positioned
+reads, no memory map: :meth:`common.sharded.ShardedCheckpoint.read`), so peak memory is one
+chunk, not the model, plus the sorted row ids (12 bytes a row) of a tensor whose rows are
+permuted. The file is written as ``OUT.partial`` and renamed when complete. An existing OUT
+is not overwritten without ``--force``.
 
 :class:`SafetensorsWriter` and :func:`read_header` are the reusable parts (``llm.convert``
 writes Hugging Face checkpoints with them).
@@ -167,24 +169,54 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], dic
     safetensors file, reading only its header.
 
     Raises:
-        ValueError: not a safetensors file.
+        ValueError: not a safetensors file, or one truncated before the end of a tensor.
     """
     header, metadata, _ = _read_header(path)
     return header, metadata
 
 
+_MAX_HEADER_BYTES = 100 << 20  # larger is garbage read as a length, not a real header
+
+
 def _read_header(path: str | os.PathLike
                  ) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
+    """(tensor entries, metadata, byte where the data starts), checked against the file's size
+    so that a damaged file is refused here, not by a reshape or an allocation later."""
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100 << 20:
-                raise ValueError(f"header of {size} bytes")
+            if size > _MAX_HEADER_BYTES:
+                raise ValueError(f"a header of {size} bytes")
             header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError(f"a header that is a JSON {type(header).__name__}, not an object")
     except (ValueError, struct.error) as e:
         raise ValueError(f"{path} is not a safetensors file ({e})") from e
     metadata = header.pop("__metadata__", None) or {}
+    _check_extents(path, header, 8 + size)
     return header, metadata, 8 + size
+
+
+def _check_extents(path: str | os.PathLike, header: dict[str, Any], start: int) -> None:
+    """ValueError unless every tensor's bytes lie in the file, as many as its shape and dtype
+    need (a dtype this module does not know is checked for its place only)."""
+    file_bytes = os.path.getsize(path)
+    for name, info in header.items():
+        try:
+            lo, hi = (int(v) for v in info["data_offsets"])
+            shape = [int(v) for v in info["shape"]]
+            st = str(info["dtype"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path} is not a safetensors file (tensor {name!r}: "
+                             f"{type(e).__name__} {e})") from e
+        need = (int(np.prod(shape)) * getattr(torch, _FROM_ST[st]).itemsize
+                if st in _FROM_ST else hi - lo)
+        if not 0 <= lo <= hi or min(shape, default=0) < 0 or hi - lo != need:
+            raise ValueError(f"{path} is not a safetensors file (tensor {name!r}: bytes "
+                             f"{lo}..{hi} for a {st} tensor of shape {shape})")
+        if start + hi > file_bytes:
+            raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {start + hi}, "
+                             f"the file has {file_bytes}; copy or write it again")
 
 
 class SafetensorsReader:
@@ -278,23 +310,39 @@ def _write_tensor(ck: sharded.ShardedCheckpoint, name: str, w: SafetensorsWriter
 
 def read_consolidated(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors and the checkpoint meta of a file written by :func:`consolidate` (loads
-    the whole file: for models that fit one process)."""
+    the whole file: for models that fit one process).
+
+    Raises:
+        CheckpointError: the file is missing, truncated, not a safetensors file, or one
+            without a checkpoint's meta (the message names the file and which).
+    """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-            data = f.read()
-        meta = json.loads(header.pop("__metadata__")["meta"])
-    except (OSError, ValueError, KeyError, struct.error) as e:
-        raise CheckpointError(f"{path} is not a consolidated checkpoint ({e})") from e
+        header, metadata, start = _read_header(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(str(e)) from e
+    try:
+        meta = json.loads(metadata["meta"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a consolidated checkpoint (no checkpoint meta: "
+                              f"{type(e).__name__} {e}); write one with python -m "
+                              "common.consolidate") from e
     tensors = {}
-    for name, info in header.items():
-        lo, hi = info["data_offsets"]
-        dtype = getattr(torch, _FROM_ST[info["dtype"]])
-        raw = torch.frombuffer(bytearray(data[lo:hi]), dtype=torch.uint8) if hi > lo else \
-            torch.zeros(0, dtype=torch.uint8)
-        tensors[name] = raw.view(dtype).reshape(info["shape"])
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            lo, hi = info["data_offsets"]
+            if info["dtype"] not in _FROM_ST:
+                raise CheckpointError(f"{path} is not a consolidated checkpoint (tensor "
+                                      f"{name!r} is {info['dtype']}, which none holds)")
+            dtype = torch_dtype(info["dtype"])
+            data = bytearray(hi - lo)
+            f.seek(start + lo)
+            if f.readinto(data) != len(data):  # (its size was checked: it shrank since)
+                raise CheckpointError(f"{path} is truncated: tensor {name!r} ends past the "
+                                      "end of the file")
+            raw = torch.frombuffer(data, dtype=torch.uint8) if data else \
+                torch.zeros(0, dtype=torch.uint8)
+            tensors[name] = raw.view(dtype).reshape(info["shape"])
     return tensors, meta
 
 

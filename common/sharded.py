@@ -15,7 +15,8 @@ and every rank writes its file into one temporary directory which rank 0 renames
 have succeeded (fsync'ed, atomic: :mod:`common.checkpoint`). Loading is collective too: each
 file's checksum is verified by one rank and the verdict shared, so a damaged newest
 checkpoint makes every rank fall back to the same older one; then each rank reads only the
-parts of the files its own slabs need (memory-mapped; peak memory about its own shards).
+parts of the files its own slabs need (positioned reads of the rows it wants; peak memory
+about its own shards, plus the sorted row ids of a tensor whose rows are permuted).
 
 A model's state goes through :func:`save_state` and :func:`load_state`: the model lists its
 tensors as entries ``(name, local tensor, Slab)`` (parameters and statistics), and the loop
@@ -42,7 +43,7 @@ import torch
 
 from common.checkpoint import CheckpointError, commit, fsync_dir, list_steps
 from common.exchange import all_gather_object, barrier, broadcast_object, rank_and_size
-from common.slab import Slab, SlabFiller, storage_dtype
+from common.slab import PieceReader, RowIndex, Slab, SlabFiller, storage_dtype
 
 __all__ = ["ADAM_MOMENTS", "FORMAT", "MOMENT_SUFFIXES", "Entry", "ShardedCheckpoint", "Slab",
            "is_sharded", "load", "load_latest", "load_state", "save", "save_state",
@@ -235,6 +236,9 @@ class ShardedCheckpoint:
         self.meta: dict[str, Any] = manifest["meta"]
         self.files = {n: (path / n).read_bytes() for n in manifest["files"]
                       if not n.startswith("shard-")}
+        # the sorted explicit row ids of the pieces of the tensor last read, by their digest:
+        # reused by its next reads (chunks, its AdamW moments), dropped for another tensor's
+        self._row_indexes: dict[str, RowIndex] = {}
 
     def names(self) -> list[str]:
         return sorted(self.manifest["tensors"])
@@ -250,29 +254,66 @@ class ShardedCheckpoint:
 
     def read(self, name: str, slab: Slab) -> torch.Tensor:
         """The local tensor of ``slab`` of tensor ``name``, read from the pieces it overlaps
-        (padding zero). Its global shape must be the checkpoint's."""
+        (padding zero). Its global shape must be the checkpoint's.
+
+        Only the rows ``slab`` wants are read, by positioned reads, never a memory map: a
+        map's pages stay in this process's resident memory while it is open, and rows in a
+        permuted order (learned features) touch pages all over a piece. A piece with
+        explicit row ids has them sorted once (:class:`~common.slab.RowIndex`, 12 bytes a
+        row) and kept while the same tensor, or one with the same rows, is read.
+        """
         entry = self._entry(name)
         if tuple(entry["shape"]) != tuple(slab.shape):
             raise CheckpointError(f"checkpoint {self.path}: {name} has shape "
                                   f"{tuple(entry['shape'])}, this model {tuple(slab.shape)}")
         dtype = getattr(torch, entry["dtype"])
         np_dtype = storage_dtype(dtype)
+        digests = {p["rows"]["digest"] for p in entry["pieces"] if isinstance(p["rows"], dict)}
+        self._row_indexes = {d: i for d, i in self._row_indexes.items() if d in digests}
         out = SlabFiller(slab, np_dtype)
         for piece in entry["pieces"]:
-            # mapped per piece and unmapped after: the pages read do not stay in this
-            # process's resident memory (a cached map would keep them counted)
-            raw = np.memmap(self.path / piece["file"], dtype=np.uint8, mode="r")
-            data = raw[piece["offset"]:piece["offset"] + piece["numel"] * np_dtype.itemsize]
-            rows = piece["rows"]
-            if isinstance(rows, dict):
-                ids = raw[rows["offset"]:rows["offset"] + 8 * rows["ids"]].view(np.int64)
-            else:
-                ids = np.arange(rows[0], rows[1], dtype=np.int64)
-            out.fill(ids, tuple(piece["cols"]),
-                     None if piece["flat"] is None else tuple(piece["flat"]),
-                     data.view(np_dtype))
-            del raw, data, ids
+            if not out.wants(tuple(piece["cols"])):
+                continue
+            path = self.path / piece["file"]
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                rows = piece["rows"]
+                if isinstance(rows, dict):
+                    if rows["digest"] not in self._row_indexes:
+                        ids = np.empty(rows["ids"], dtype=np.int64)
+                        _pread(fd, path, rows["offset"], ids)
+                        self._row_indexes[rows["digest"]] = RowIndex(ids)
+                        del ids
+                    src_rows: tuple[int, int] | RowIndex = self._row_indexes[rows["digest"]]
+                else:
+                    src_rows = (rows[0], rows[1])
+                out.fill(src_rows, tuple(piece["cols"]),
+                         None if piece["flat"] is None else tuple(piece["flat"]),
+                         _piece_reader(fd, path, piece["offset"]))
+            finally:
+                os.close(fd)
         return torch.from_numpy(out.result()).view(dtype)
+
+
+def _piece_reader(fd: int, path: Path, offset: int) -> PieceReader:
+    """The elements of the piece whose data starts at byte ``offset`` of open file ``fd``."""
+    def read(start: int, out: np.ndarray) -> None:
+        _pread(fd, path, offset + start * out.itemsize, out)
+    return read
+
+
+def _pread(fd: int, path: Path, offset: int, out: np.ndarray) -> None:
+    """Fill ``out`` (contiguous) with the bytes of open file ``fd`` from ``offset`` on."""
+    assert out.flags.c_contiguous, "a read goes straight into its buffer"
+    view = out.reshape(-1).view(np.uint8).data
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise CheckpointError(f"{path} ends at byte {offset + done}, before the "
+                                  f"{len(view)} bytes at {offset} its manifest lists: it was "
+                                  "truncated after it was verified; load the checkpoint again")
+        done += got
 
 
 def verify_files(path: Path, manifest: dict[str, Any], names: list[str]) -> list[str]:

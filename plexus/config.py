@@ -24,6 +24,7 @@ from plexus.layout import layer_widths
 from plexus.sparse import SPMM_KERNELS
 
 MODELS = ("gcn", "sage", "gat")
+GAT_HEADS = 8  # heads of a GAT that is given none (PyG's GAT example's)
 NORMS = ("none", "batch", "layer")
 OPTIMIZERS = ("adam", "adamw")
 
@@ -51,7 +52,8 @@ class ModelConfig:
         hidden: hidden width; for ``gat`` the width of each head (a hidden layer is ``heads``
             times as wide, its heads concatenated), as PyG's ``GATConv(.., hidden, heads)``.
         heads: ``gat``'s attention heads in every layer (averaged in the last); each layer's
-            I axis must split them.
+            I axis must split them. None: :data:`GAT_HEADS` for ``gat``; the other models have
+            no heads and refuse a number.
         attention_dropout: ``gat``'s dropout rate on the attention coefficients.
         learn_features: make the input features trainable parameters (as the paper does).
         dropout: dropout rate on the input of every layer (0.5 as the PyG and OGB examples).
@@ -59,7 +61,7 @@ class ModelConfig:
         norm: ``none``, ``batch`` or ``layer`` normalisation after every hidden layer.
         normalize_features: row-normalise the input features (PyG's NormalizeFeatures).
         residual: ``F_l+1 = relu(norm(Q_l)) + F_l`` in the hidden-to-hidden layers
-            (plexus.residual).
+            (plexus.residual), 1 .. L-2: needs ``num_layers >= 3``.
         precision: ``fp32``, or ``bf16``: the input features, the activations kept for
             backward and the model's messages in bf16; sums, weights, gradients and the
             optimizer in float32 (docs/design/plexus-3d.md section 11). Not with
@@ -86,7 +88,7 @@ class ModelConfig:
     model: str = "gcn"
     num_layers: int = 3
     hidden: int = 128
-    heads: int = 8
+    heads: int | None = None
     attention_dropout: float = 0.0
     learn_features: bool = False
     dropout: float = 0.5
@@ -106,9 +108,20 @@ class ModelConfig:
                      precision=self.precision, learn_features=self.learn_features)
         if self.aggregation_blocks is not None and self.aggregation_blocks < 1:
             raise ValueError(f"need aggregation_blocks >= 1, got {self.aggregation_blocks}")
-        if self.num_layers < 1 or self.hidden < 1 or self.heads < 1:
+        if self.heads is not None and self.model != "gat":
+            raise ValueError(f"--heads is GAT's: model {self.model!r} has no attention heads "
+                             "(its hidden width is --hidden): use --model gat or drop --heads")
+        if self.heads is None and self.model == "gat":
+            self.heads = GAT_HEADS
+        if self.num_layers < 1 or self.hidden < 1 or (self.heads is not None and
+                                                       self.heads < 1):
             raise ValueError(f"need num_layers >= 1, hidden >= 1 and heads >= 1; got num_layers="
                              f"{self.num_layers}, hidden={self.hidden}, heads={self.heads}")
+        if self.residual and self.num_layers < 3:
+            raise ValueError("--residual adds a layer's input to its output in the "
+                             "hidden-to-hidden layers (1 .. L-2, whose input is as wide as "
+                             f"their output), and --layers {self.num_layers} has none: use "
+                             "--layers 3 or more, or drop --residual")
         if not 0 <= self.attention_dropout < 1:
             raise ValueError(f"need 0 <= attention_dropout < 1, got {self.attention_dropout}")
         if self.attention_dropout and self.model != "gat":
@@ -118,7 +131,10 @@ class ModelConfig:
             # GAT's layer is attention, not an aggregation and a product: none of these runs
             asked = [name for name in ("labelled_rows_only", "overlap", "weight_first")
                      if getattr(self, name)] + (
-                ["aggregation_blocks"] if (self.aggregation_blocks or 1) > 1 else [])
+                ["aggregation_blocks"] if (self.aggregation_blocks or 1) > 1 else []) + (
+                # nor is there an H_0 to keep: layer 0 is attention too
+                [] if self.recompute_first else ["recompute_first=False "
+                                                  "(--keep-first-aggregation)"])
             if asked:
                 raise ValueError(f"model 'gat' does not run {', '.join(asked)}: leave "
                                  "them unset (they change how GCN and GraphSAGE layers run)")
@@ -252,6 +268,23 @@ class RunConfig:
         return self.retain_freed_memory if self.pool_buffers is None else self.pool_buffers
 
 
+def check_run_options(model: ModelConfig, run: RunConfig) -> None:
+    """Raise ValueError for a :class:`RunConfig` kernel choice that ``model`` would ignore:
+    GAT's attention multiplies with torch's own products and has kernels of its own
+    (plexus.gat), so ``gemm`` never reaches it and ``spmm`` only in a residual's SpMM
+    ``S_l F_l``."""
+    if model.model != "gat":
+        return
+    if run.gemm != "auto":
+        raise ValueError(f"--gemm {run.gemm} picks the backend of GCN's and GraphSAGE's dense "
+                         "products; model 'gat' multiplies with torch's own (plexus.gat): "
+                         "drop --gemm")
+    if run.spmm != "auto" and not model.residual:
+        raise ValueError(f"--spmm {run.spmm} picks the kernel of the SpMMs, and model 'gat' "
+                         "runs one only for --residual (its attention has kernels of its own, "
+                         "plexus.gat_kernels): drop --spmm, or add --residual")
+
+
 CONFIGS = {"model": ModelConfig, "optim": OptimConfig, "run": RunConfig}
 
 
@@ -262,13 +295,16 @@ def split_config(**fields: Any) -> dict[str, Any]:
 
     Raises:
         TypeError: a field no config has.
+        ValueError: a field out of range, or one the model ignores (:func:`check_run_options`).
     """
     names = {f.name: key for key, cls in CONFIGS.items() for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - set(names))
     if unknown:
         raise TypeError(f"unknown config field(s) {unknown}; known: {sorted(names)}")
-    return {key: cls(**{k: v for k, v in fields.items() if names[k] == key})
-            for key, cls in CONFIGS.items()}
+    configs = {key: cls(**{k: v for k, v in fields.items() if names[k] == key})
+               for key, cls in CONFIGS.items()}
+    check_run_options(configs["model"], configs["run"])
+    return configs
 
 
 def gcn_workload(model: ModelConfig, source: Any) -> GCNWorkload:

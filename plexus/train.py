@@ -38,6 +38,7 @@ from common.run import (
     start,
 )
 from plexus.config import (
+    GAT_HEADS,
     MODELS,
     NORMS,
     OPTIMIZERS,
@@ -45,6 +46,7 @@ from plexus.config import (
     ModelConfig,
     OptimConfig,
     RunConfig,
+    check_run_options,
     gcn_workload,
 )
 from plexus.cuda_graph import check_asked
@@ -99,9 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=m.hidden,
                    help="hidden width (gat: of each head; a hidden layer is heads x hidden)")
     p.add_argument("--heads", type=int, default=m.heads,
-                   help="gat: attention heads of every layer, concatenated in the hidden "
-                   "layers and averaged in the last; every layer's inner grid axis must "
-                   "divide it")
+                   help="gat only: attention heads of every layer, concatenated in the hidden "
+                   "layers and averaged in the last; every layer's inner grid axis must divide "
+                   f"it; {GAT_HEADS} when not given")
     p.add_argument("--attention-dropout", type=float, default=m.attention_dropout,
                    help="gat: dropout rate on the attention coefficients (PyG's GATConv "
                    "dropout; the same masks on any grid)")
@@ -112,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="normalisation after every hidden layer (batch statistics are "
                    "reduced over the ranks, so any grid trains the serial model)")
     p.add_argument("--residual", action="store_true",
-                   help="residual connections in the hidden-to-hidden layers")
+                   help="residual connections in the hidden-to-hidden layers (1 .. L-2: "
+                   "needs --layers 3 or more)")
     p.add_argument("--labelled-rows", choices=("auto", "on", "off"), default="auto",
                    help="last layer on the rows of labelled nodes only (exact): auto where at "
                    "most half the nodes are in a split")
@@ -124,8 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--aggregation-blocks", type=int, default=None, metavar="K",
                    help="row blocks of the blocked aggregation (default: 4 with overlap)")
     p.add_argument("--keep-first-aggregation", dest="recompute_first", action="store_false",
-                   help="with fixed features and dropout, keep layer 0's aggregation H_0 for "
-                   "its weight gradient instead of recomputing it in backward (default: "
+                   help="gcn and sage: with fixed features and dropout, keep layer 0's "
+                   "aggregation H_0 for its weight gradient instead of recomputing it in "
+                   "backward (default: "
                    "recompute, which saves an [N, D_0] block for one more layer-0 SpMM)")
     p.add_argument("--weight-first", choices=("auto", "on", "off"), default="auto",
                    help="multiply by the weight before aggregating, A (F W), as PyG's GCNConv "
@@ -165,9 +169,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "dataset's own)")
     p.add_argument("--spmm", choices=SPMM_KERNELS, default=r.spmm,
                    help="CPU SpMM kernel: numba, cache-blocked (auto when numba is installed), "
-                   "numba-rows (row-parallel, no column slices) or torch.sparse")
+                   "numba-rows (row-parallel, no column slices) or torch.sparse (gat runs "
+                   "SpMMs only with --residual)")
     p.add_argument("--gemm", choices=dense.BACKENDS, default=r.gemm,
-                   help="backend of the dense products H W, dQ W^T and dW: auto (oneDNN for "
+                   help="gcn and sage: backend of the dense products H W, dQ W^T and dW: "
+                   "auto (oneDNN for "
                    "float32 on the CPU: it uses AVX-512 where torch's MKL does not, on AMD "
                    "CPUs; tf32 in bf16 on a GPU), onednn, torch (torch's BLAS) or tf32 (on a "
                    "GPU the tensor cores in TF32, float32 sums)")
@@ -298,6 +304,7 @@ def build(args: argparse.Namespace, ctx: DistContext) -> tuple[ShardSource, Para
                          pool_buffers=args.pool_buffers, cuda_graphs=args.cuda_graphs),
     }
     configs["optim"].layer_decays(args.layers)  # a per-layer list must fit the depth
+    check_run_options(configs["model"], configs["run"])
     if args.runs < 1:
         raise ValueError(f"--runs must be >= 1, got {args.runs}")
     if args.runs > 1 and args.epochs < 1:  # no run would have an accuracy to average

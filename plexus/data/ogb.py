@@ -90,9 +90,10 @@ def load_ogb(name: str, root: str | os.PathLike = DEFAULT_ROOT, *, download: boo
     ddir = root / spec.dir_name
     missing = missing_files(spec, ddir)
     if missing and not download:
-        raise DatasetNotFoundError(
-            not_found_message(spec, root, missing) + "\nOr pass download=True "
-            "(load_dataset(..., download=True)) on a machine with internet.")
+        raise DatasetNotFoundError(  # the loader's callers: the Python API, the dataset script
+            not_found_message(spec, root, missing) + "\nOr, on a machine with internet, "
+            f"let it download them: python datasets/ogb/prepare.py --name {name} --root "
+            f"{root} --download (in Python: load_dataset({name!r}, {str(root)!r}, download=True)).")
     if missing:
         download_dataset(spec, root, missing, timeout_s)
         if still := missing_files(spec, ddir):

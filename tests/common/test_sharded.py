@@ -200,3 +200,54 @@ def test_load_state_names_what_is_missing_or_damaged(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-8])  # truncated
     with pytest.raises(CheckpointError, match=r"shard-00000\.bin missing, truncated or corrupt"):
         sharded.load(tmp_path / "step-00000001")
+
+
+def test_a_permuted_piece_is_read_without_mapping_it(tmp_path):
+    """A chunk of a ~100 MB piece whose rows are permuted (learned features) raises the peak
+    resident set by about the chunk, not the piece: its rows are read where they lie."""
+    from common.memory import peak_bytes, reset_peak, resident_bytes
+
+    n, w = 25_000, 1_000  # float32: 100 MB
+    ids = np.random.default_rng(0).permutation(n).astype(np.int64)
+    full = torch.arange(n * w, dtype=torch.float32).reshape(n, w)
+    sharded.save(tmp_path, 1, {"f": (full[torch.from_numpy(ids)], Slab((n, w), ids, (0, w)))},
+                 meta={})
+    ck = sharded.load_latest(tmp_path)
+    chunk = Slab((n, w), (1000, 2000), (0, w))  # 4 MB
+    if not reset_peak() or not resident_bytes():
+        pytest.skip("no /proc/self/clear_refs or statm: the peak cannot be measured here")
+    before = resident_bytes()
+    got = ck.read("f", chunk)
+    grew = peak_bytes() - before
+    assert torch.equal(got, full[1000:2000])
+    assert grew < 40 << 20, f"reading a 4 MB chunk raised the peak by {grew >> 20} MiB"
+
+
+def test_permuted_rows_are_sorted_once_per_tensor_and_read_bit_for_bit(tmp_path, monkeypatch):
+    """Reading in chunks (common.consolidate) sorts each piece's row ids once, shares them
+    with the tensors of the same rows (its AdamW moments) and drops them for another."""
+    n, w = 500, 6
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"f": torch.randn(n, w, generator=gen).to(torch.bfloat16),
+               "f.exp_avg": torch.randn(n, w, generator=gen), "b": torch.randn(w, generator=gen)}
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(n + 2)
+    layouts = {"f": grid_slabs((n, w), 2, 2, 2, perm=perm, pad_rows=n + 2),
+               "b": [Slab.whole((w,))] * 8}
+    layouts["f.exp_avg"] = layouts["f"]
+    path = write_layout(tmp_path / "step-00000001", 1, tensors, layouts)
+    ck = sharded.ShardedCheckpoint(path, json.loads((path / "manifest.json").read_text()))
+    made, real = [], sharded.RowIndex
+
+    def counted(ids):
+        made.append(ids.size)
+        return real(ids)
+
+    monkeypatch.setattr(sharded, "RowIndex", counted)
+    for name in ("f", "f.exp_avg"):
+        for lo in range(0, n, 37):
+            got = ck.read(name, Slab((n, w), (lo, min(n, lo + 37)), (0, w)))
+            assert torch.equal(got, tensors[name][lo:lo + 37]), (name, lo)
+    assert len(made) == 2  # one per row split of the source grid (x=2)
+    ck.read("b", Slab.whole((w,)))
+    assert not ck._row_indexes

@@ -356,3 +356,24 @@ def test_the_prepare_help_says_every_model_maps_the_cache(capsys):
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "excepted" not in text and "for every --model (a prepared dataset serves" in text
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--heads", "4"], r"--heads is GAT's: model 'gcn' has no attention heads"),
+    (["--model", "sage", "--heads", "1"], r"--heads is GAT's: model 'sage'"),
+    (["--residual", "--layers", "2"], r"--residual adds a layer's input to its output in the "
+     r"hidden-to-hidden layers \(1 \.\. L-2.*--layers 2 has none"),
+    (["--model", "gat", "--keep-first-aggregation"],
+     r"model 'gat' does not run recompute_first=False \(--keep-first-aggregation\)"),
+    (["--model", "gat", "--gemm", "torch"], r"--gemm torch picks the backend of GCN's"),
+    (["--model", "gat", "--spmm", "torch"], r"--spmm torch .* only for --residual"),
+])
+def test_options_a_model_would_ignore_are_refused_naming_the_flag(flags, message):
+    """Refused before any data is read, not trained with and recorded in the checkpoint."""
+    from types import SimpleNamespace
+
+    from plexus.train import build, parse_args
+
+    ctx = SimpleNamespace(world_size=1, rank=0, local_rank=0, is_main=True)
+    with pytest.raises(ValueError, match=message):
+        build(parse_args(["--epochs", "1", *flags]), ctx)
