@@ -131,7 +131,8 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
                                        or max(src.max(), dst.max()) >= n):
                     raise ValueError(f"edge ids must be in [0, {n}); this chunk has "
                                      f"[{min(src.min(), dst.min())}, "
-                                     f"{max(src.max(), dst.max())}]; check --num-nodes")
+                                     f"{max(src.max(), dst.max())}]; "
+                                     f"{_node_count_hint(source)}")
                 keep = src != dst
                 if not keep.all():  # few: a sparse count, not a bincount of N per chunk
                     ids, times = np.unique(src[~keep], return_counts=True)
@@ -283,6 +284,18 @@ def prepare(source: EdgeSource, out: str | os.PathLike, *, blocks: int = 8,
         shutil.rmtree(work, ignore_errors=True)
         raise
     return manifest
+
+
+def _node_count_hint(source: EdgeSource) -> str:
+    """What to check when an edge names a node past the count: an edge file's count is the
+    user's (``--num-nodes``); a dataset's comes with its files, so those are damaged."""
+    kind = source.description.get("kind")
+    if kind == "edge-file":
+        return "check --num-nodes (python -m plexus.prepare) or the edge file"
+    if kind == "ogb":
+        return ("the dataset's node count and its edges disagree: its files are damaged or "
+                "mixed; download them again")
+    return "the source's node count and its edges disagree"
 
 
 def _input_paths(source: EdgeSource) -> list[Path]:
