@@ -305,7 +305,8 @@ def _write_tensor(ck: sharded.ShardedCheckpoint, name: str, w: SafetensorsWriter
     step = max(1, chunk_bytes // max(row_bytes, 1))
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        w.write(name, ck.read(name, sharded.Slab(shape, (lo, hi), (0, cols))), start=lo)
+        w.write(name, ck.read(name, sharded.Slab(shape, (lo, hi), (0, cols)),
+                              keep_row_index=True), start=lo)
 
 
 def read_consolidated(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

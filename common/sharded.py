@@ -252,15 +252,19 @@ class ShardedCheckpoint:
         except KeyError:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}") from None
 
-    def read(self, name: str, slab: Slab) -> torch.Tensor:
+    def read(self, name: str, slab: Slab, *, keep_row_index: bool = False) -> torch.Tensor:
         """The local tensor of ``slab`` of tensor ``name``, read from the pieces it overlaps
         (padding zero). Its global shape must be the checkpoint's.
 
         Only the rows ``slab`` wants are read, by positioned reads, never a memory map: a
         map's pages stay in this process's resident memory while it is open, and rows in a
         permuted order (learned features) touch pages all over a piece. A piece with
-        explicit row ids has them sorted once (:class:`~common.slab.RowIndex`, 12 bytes a
-        row) and kept while the same tensor, or one with the same rows, is read.
+        explicit row ids has them sorted (:class:`~common.slab.RowIndex`, 12 bytes a row):
+        one row split's at a time, its replicas read one after another, or, with
+        ``keep_row_index``, kept for every split while the same tensor, or one with the same
+        rows, is read: a reader of a tensor in many row chunks
+        (:mod:`common.consolidate`) sorts each piece once, at 12 bytes a row of the whole
+        tensor, which a training rank loading its own slab never holds.
         """
         entry = self._entry(name)
         if tuple(entry["shape"]) != tuple(slab.shape):
@@ -269,9 +273,13 @@ class ShardedCheckpoint:
         dtype = getattr(torch, entry["dtype"])
         np_dtype = storage_dtype(dtype)
         digests = {p["rows"]["digest"] for p in entry["pieces"] if isinstance(p["rows"], dict)}
-        self._row_indexes = {d: i for d, i in self._row_indexes.items() if d in digests}
+        self._row_indexes = {d: i for d, i in self._row_indexes.items()
+                             if d in digests and keep_row_index}
         out = SlabFiller(slab, np_dtype)
-        for piece in entry["pieces"]:
+        # the pieces of one row split (replicated over the other axes) one after another,
+        # so that without keep_row_index one split's sorted ids are held at a time
+        for piece in sorted(entry["pieces"], key=lambda p: (
+                p["rows"]["digest"] if isinstance(p["rows"], dict) else "")):
             if not out.wants(tuple(piece["cols"])):
                 continue
             path = self.path / piece["file"]
@@ -280,6 +288,8 @@ class ShardedCheckpoint:
                 rows = piece["rows"]
                 if isinstance(rows, dict):
                     if rows["digest"] not in self._row_indexes:
+                        if not keep_row_index:  # the previous split's: done with
+                            self._row_indexes.clear()
                         ids = np.empty(rows["ids"], dtype=np.int64)
                         _pread(fd, path, rows["offset"], ids)
                         self._row_indexes[rows["digest"]] = RowIndex(ids)
@@ -290,8 +300,11 @@ class ShardedCheckpoint:
                 out.fill(src_rows, tuple(piece["cols"]),
                          None if piece["flat"] is None else tuple(piece["flat"]),
                          _piece_reader(fd, path, piece["offset"]))
+                del src_rows
             finally:
                 os.close(fd)
+        if not keep_row_index:
+            self._row_indexes.clear()
         return torch.from_numpy(out.result()).view(dtype)
 
 

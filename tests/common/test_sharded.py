@@ -224,8 +224,9 @@ def test_a_permuted_piece_is_read_without_mapping_it(tmp_path):
 
 
 def test_permuted_rows_are_sorted_once_per_tensor_and_read_bit_for_bit(tmp_path, monkeypatch):
-    """Reading in chunks (common.consolidate) sorts each piece's row ids once, shares them
-    with the tensors of the same rows (its AdamW moments) and drops them for another."""
+    """Reading in chunks (common.consolidate, ``keep_row_index``) sorts each piece's row ids
+    once, shares them with the tensors of the same rows (its AdamW moments) and drops them for
+    another; a plain read (a training rank's slab) keeps none once it returns."""
     n, w = 500, 6
     gen = torch.Generator().manual_seed(0)
     tensors = {"f": torch.randn(n, w, generator=gen).to(torch.bfloat16),
@@ -246,8 +247,11 @@ def test_permuted_rows_are_sorted_once_per_tensor_and_read_bit_for_bit(tmp_path,
     monkeypatch.setattr(sharded, "RowIndex", counted)
     for name in ("f", "f.exp_avg"):
         for lo in range(0, n, 37):
-            got = ck.read(name, Slab((n, w), (lo, min(n, lo + 37)), (0, w)))
+            got = ck.read(name, Slab((n, w), (lo, min(n, lo + 37)), (0, w)),
+                          keep_row_index=True)
             assert torch.equal(got, tensors[name][lo:lo + 37]), (name, lo)
     assert len(made) == 2  # one per row split of the source grid (x=2)
     ck.read("b", Slab.whole((w,)))
     assert not ck._row_indexes
+    got = ck.read("f", Slab((n, w), (0, 250), (0, w)))  # each piece's sorted once, not kept
+    assert torch.equal(got, tensors["f"][:250]) and len(made) == 4 and not ck._row_indexes
