@@ -105,7 +105,7 @@ def fine_tune(hf_dir: Path, out: Path, args: argparse.Namespace, goldfish_k: int
     # what python -m llm.memorization --checkpoint OUT does: the run's documents and tokenizer
     model, meta = checkpoint.load_model(out)
     tokenizer = load_tokenizer(spec_of_checkpoint(meta), vocab_size=model.config.vocab_size)
-    docs, _ = mem.documents(mem.parse_args(["--checkpoint", str(out)]), meta, tokenizer)
+    docs, _, _ = mem.documents(mem.parse_args(["--checkpoint", str(out)]), meta, tokenizer)
     result = mem.memorization(model, docs, args.suffix_len)
     return {"name": name, "model": model, "exact_match": result["exact_match"],
             "exact": sum(result["exact"]), "rouge_l": result["rouge_l"],

@@ -617,8 +617,9 @@ def main(argv: list[str] | None = None) -> None:
         per_round = [_round_ratio({**b, **got}, sides[0][0], base)
                      for got, b in zip(rounds, base_rounds)]
         each = ", ".join(f"{r:.3f}" for r in per_round)
+        earlier = " in float32 (from its rounds above)" if precision != "fp32" else ""
         print(f"{case}: ours/PyG {ours / best:.3f} against {best_name.split(', ')[1]} "
-              f"(the fastest PyG){' in float32, its rounds above' if precision != 'fp32' else ''}  "
+              f"(the fastest PyG){earlier}  "
               f"({verdict(ours / best, target)}); round by round {each}")
         row = {"variant": variant, "precision": precision, "nodes": graph.num_nodes,
                "edges": graph.num_edges, "nonzeros": adj.values().numel(),
