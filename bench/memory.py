@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -51,6 +50,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.child import env as child_env  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "memory.jsonl"
 MIB, GIB = 2.0**20, 2.0**30
 PLEXUS_GRIDS = {1: ("1x1x1", "1x1x1"), 2: ("2x1x1", "1x2x1"), 4: ("2x2x1", "1x2x2"),
@@ -210,7 +212,7 @@ def plexus_case(args) -> bool:
                str(args.scale), "--edge-factor", str(args.edge_factor), "--features",
                str(args.features), "--blocks", "8", "--out", str(data), "--force"]
         print("$ " + " ".join(cmd), flush=True)
-        if subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode:
+        if subprocess.run(cmd, cwd=ROOT, env=child_env()).returncode:
             sys.exit("preparation failed")
     m = json.loads((data / "manifest.json").read_text())
     work = GCNWorkload(name="rmat", num_nodes=m["num_nodes"], model=args.model,
@@ -279,33 +281,20 @@ def _gpu_cell(row: dict[str, Any], step: str, prefix: str = "") -> str:
 def _train_cli(ranks: int, cli: list[str], metrics: Path) -> tuple[dict[str, Any], float]:
     """``plexus.train`` on ``ranks`` ranks: (its summary, the peak RSS of that child process
     and the processes it waited for, which for one rank is that rank's own, preparation
-    included). Read with ``wait4`` for this child alone (``RUSAGE_CHILDREN`` is the largest
-    of every child so far); a child started from this process inherits its peak, so this
-    process holds no large data (ogb_case writes the files in a child)."""
-    import tempfile
-
+    included; :func:`bench.child.run`). A child started from this process inherits its peak,
+    so this process holds no large data (ogb_case writes the files in a child)."""
+    from bench.child import run
     from common.spawn import ranks_command
 
     cmd = ranks_command(ranks, [sys.executable, "-m", "plexus.train", *cli, "--metrics",
                                 str(metrics)])
     print("$ " + " ".join(cmd), flush=True)
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True)
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        except BaseException:  # interrupted: no training left running
-            proc.kill()
-            proc.wait()
-            raise
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode:
-            out.seek(0)
-            err.seek(0)
-            sys.exit(f"training failed (exit {proc.returncode}):\n{out.read()[-2000:]}\n"
-                     f"{err.read()[-3000:]}")
+    done, _, peak = run(cmd, capture_output=True)
+    if done.returncode:
+        sys.exit(f"training failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
+                 f"{done.stderr[-3000:]}")
     summary = [json.loads(x) for x in metrics.read_text().splitlines()][-1]["summary"]
-    return summary, usage.ru_maxrss * 1024
+    return summary, peak
 
 
 # the test suite's writer of OGB-format files, run as a child process (ogb_case)
@@ -336,7 +325,7 @@ def ogb_case(args) -> bool:
         # in a process of its own: a child started from this process takes this process's
         # peak as its own, and the first run's peak is read from its child (_train_cli)
         subprocess.run([sys.executable, "-c", WRITE_PAPERS, str(root), json.dumps(params)],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+                       cwd=ROOT, env=child_env(), check=True)
         written.write_text(json.dumps(params))
     shutil.rmtree(root / "prepared", ignore_errors=True)  # the first run must prepare
     from common.memory import GPU_PEAK_KEYS

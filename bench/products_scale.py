@@ -66,6 +66,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.child import env as _env  # noqa: E402
+from bench.child import wait_with_peak  # noqa: E402
 from common.spawn import ranks_command  # noqa: E402
 
 GIB = 2.0**30
@@ -226,10 +228,6 @@ def _step(worker_args: list[str]) -> None:
         sys.exit(f"step {worker_args[0]} failed (exit {r.returncode})")
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
 # ----------------------------------------------------------------------------- workers
 
 
@@ -382,9 +380,8 @@ def run_side(label: str, cmd: list[str]) -> dict[str, Any]:
     for line in p.stdout:
         tail.append(line.rstrip("\n"))
         print(f"[{label}] {tail[-1]}", flush=True)
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    return {"exit": p.returncode, "rusage_maxrss_bytes": usage.ru_maxrss * 1024,
+    code, peak = wait_with_peak(p)
+    return {"exit": code, "rusage_maxrss_bytes": peak,
             "wall_s": time.perf_counter() - t, "tail": list(tail),
             "loadavg_1min": [load, os.getloadavg()[0]]}
 

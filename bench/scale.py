@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.child import run as _run  # noqa: E402  (a child's own peak: bench/child.py)
+
 RESULTS = ROOT / "bench" / "results" / "scale.jsonl"
 GIB = 2**30
 
@@ -33,35 +35,6 @@ def _record(step: str, data: dict) -> None:
     with open(RESULTS, "a") as f:
         f.write(json.dumps({"step": step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                             **data}) + "\n")
-
-
-def _run(cmd: list[str], *, capture_output: bool = False, text: bool = False
-         ) -> tuple[subprocess.CompletedProcess, float, int]:
-    """(result, wall seconds, peak RSS bytes of this child: ``wait4`` on it alone, where
-    ``RUSAGE_CHILDREN`` would give the largest of every child so far, an earlier step's)."""
-    import tempfile
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    mode = "w+" if text else "w+b"
-    with tempfile.TemporaryFile(mode) as out, tempfile.TemporaryFile(mode) as err:
-        t = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                stdout=out if capture_output else None,
-                                stderr=err if capture_output else None)
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        except BaseException:  # interrupted: nothing left running
-            proc.kill()
-            proc.wait()
-            raise
-        wall = time.perf_counter() - t
-        got: list = [None, None]
-        if capture_output:
-            for i, f in enumerate((out, err)):
-                f.seek(0)
-                got[i] = f.read()
-    code = os.waitstatus_to_exitcode(status)
-    return subprocess.CompletedProcess(cmd, code, *got), wall, usage.ru_maxrss * 1024
 
 
 def _dir_bytes(path: Path) -> int:
@@ -163,8 +136,7 @@ def equal_step(args) -> None:
     )
     got = {}
     for mode in ("memory", "prepared"):
-        r, wall, _ = _run([sys.executable, "-c", code, mode, str(out)], capture_output=True,
-                          text=True)
+        r, wall, _ = _run([sys.executable, "-c", code, mode, str(out)], capture_output=True)
         if r.returncode:
             sys.exit(f"{mode} training failed:\n{r.stderr[-3000:]}")
         got[mode] = {**json.loads(r.stdout.strip().splitlines()[-1]), "wall_s": wall}
