@@ -38,17 +38,6 @@ def held_out_split(meta: dict[str, Any], text: list[str] | None = None
         ValueError: the run held out no documents and no ``text`` was given.
     """
     data = (meta.get("configs") or {}).get("data") or {}
-    if data.get("token_cache") and data.get("docs") is None and data.get("source") in SOURCES:
-        # (the trainer's make_data: a token cache is one stream, whose last tokens it held
-        # out, not a set of documents; a document split would score text it trained on)
-        if not text:
-            raise ValueError(f"the checkpoint's run trained on a token stream "
-                             f"(--token-cache {data['token_cache']}) and held out its last "
-                             f"{data.get('val_fraction', 0):g} of tokens, not whole documents; "
-                             "pass --text FILE with text it did not train on")
-        train = load_documents(data["source"], data.get("paths") or None)  # its stream's
-        held = load_documents("files", text)
-        return held, train, f"{len(held)} documents of {len(text)} text file(s) (--text)"
     if data.get("source") in SOURCES:
         docs = load_documents(data["source"], data.get("paths") or None)
         corpus = ("the built-in corpus (pydoc topics)" if data["source"] == "pydoc" else
@@ -56,6 +45,15 @@ def held_out_split(meta: dict[str, Any], text: list[str] | None = None
         if data.get("docs") is not None:
             train, held = docs[: data["docs"]], docs[data["docs"] :]
             where = f"{corpus} after the run's first {data['docs']} (its --docs)"
+        elif data.get("token_cache"):
+            # (the trainer's make_data: a token cache is one stream, whose last tokens it held
+            # out, not a set of documents; a document split would score text it trained on)
+            if not text:
+                raise ValueError(f"the checkpoint's run trained on a token stream "
+                                 f"(--token-cache {data['token_cache']}) and held out its last "
+                                 f"{data.get('val_fraction', 0):g} of tokens, not whole "
+                                 "documents; pass --text FILE with text it did not train on")
+            train, held, where = docs, [], corpus  # its stream's documents; held: --text's
         else:
             train, held = split_documents(docs, data["val_fraction"], data["seed"])
             where = (f"{corpus}, the run's held-out split ({data['val_fraction']:g} of the "
